@@ -1,0 +1,253 @@
+//! The attempt role: one consumer per provider.
+//!
+//! Each attempt message is claimed with the guarded transition `queued → started`
+//! (zero rows changed means a duplicate delivery: ack and drop). The provider is
+//! called with the attempt id as `Idempotency-Key`; its answer is checked against
+//! the operation's output contract, and the result is settled by the store: the
+//! compare-and-swap for a success, `unknown` for a timeout or a connection lost
+//! after sending, the route rule for a definite failure. The delivery is acked
+//! after the commit.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use lapin::message::Delivery;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
+
+use crate::broker;
+use crate::config::Config;
+use crate::domain::{self, AttemptId, GiveUp, JobId};
+use crate::provider::{CallError, Client};
+use crate::shutdown::Shutdown;
+use crate::store::{FailedJob, Finished, NextStep, Settled, Started, Verdict};
+use crate::worker::{self, Context, Result, with_retries};
+
+/// The body of a message on `onejob.attempts.<provider>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttemptMessage {
+    /// The attempt to run.
+    pub attempt_id: AttemptId,
+    /// Its job.
+    pub job_id: JobId,
+}
+
+/// Runs the consumer for `provider` until shutdown.
+pub async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> Result<()> {
+    let settings = ctx
+        .config
+        .providers
+        .get(&provider)
+        .cloned()
+        .ok_or_else(|| worker::WorkerError::UnknownProvider(provider.clone()))?;
+    let client = Arc::new(Client::new(settings.clone()));
+    let queue = broker::attempts_queue(&provider);
+    // Prefetch and the semaphore both cap in-flight calls, whatever the backlog.
+    let concurrency = u16::try_from(settings.concurrency).unwrap_or(u16::MAX);
+    let calls = Arc::new(Semaphore::new(usize::from(concurrency)));
+    worker::consume(&ctx, &queue, concurrency, &shutdown, |delivery| {
+        let ctx = ctx.clone();
+        let client = client.clone();
+        let queue = queue.clone();
+        let calls = calls.clone();
+        async move {
+            let Ok(_permit) = calls.acquire_owned().await else {
+                return;
+            };
+            if let Err(e) = process(&ctx, &client, &queue, &delivery).await {
+                tracing::error!(error = %e, "attempt not settled; returning it to the queue");
+                worker::requeue(&delivery).await;
+            }
+        }
+    })
+    .await
+}
+
+async fn process(ctx: &Context, client: &Client, queue: &str, delivery: &Delivery) -> Result<()> {
+    let message: AttemptMessage = match serde_json::from_slice(&delivery.data) {
+        Ok(m) => m,
+        Err(e) => {
+            let reason = format!("malformed_attempt_message: {e}");
+            tracing::warn!(%reason, "attempt message dead-lettered");
+            with_retries("dead-lettering a malformed attempt message", || {
+                ctx.publish_dead_letter(queue, delivery, &reason)
+            })
+            .await?;
+            return worker::ack(delivery).await;
+        }
+    };
+    let provider = client.provider();
+    let started = with_retries("starting an attempt", || async {
+        Ok(ctx
+            .store
+            .start(&provider.name, &[message.attempt_id], provider.timeout)
+            .await?)
+    })
+    .await?;
+    let Some(started) = started.into_iter().next() else {
+        tracing::debug!(attempt_id = %message.attempt_id, "attempt is not queued any more: duplicate delivery dropped");
+        return worker::ack(delivery).await;
+    };
+    let finished = call(&ctx.config, client, &started).await;
+    let plan = |failed: &FailedJob| plan_next(&ctx.config, failed);
+    let (settled, publish) = with_retries("settling an attempt", || async {
+        Ok(ctx.store.finalize(std::slice::from_ref(&finished), &plan).await?)
+    })
+    .await?;
+    log_settled(&started, &finished, settled.first());
+    if let Err(e) = ctx.publish_outbox(&publish).await {
+        tracing::warn!(error = %e, "publish after settling failed; the relay will retry");
+    }
+    worker::ack(delivery).await
+}
+
+/// Calls the provider for a started attempt and judges the answer.
+pub async fn call(config: &Config, client: &Client, started: &Started) -> Finished {
+    let mut finished = Finished {
+        attempt_id: started.attempt_id,
+        job_id: started.job_id,
+        version: started.version,
+        provider_request_id: None,
+        usage: None,
+        verdict: Verdict::Unknown {
+            error: String::new(),
+        },
+    };
+    let Some(operation) = config.operations.get(&started.operation) else {
+        finished.verdict = Verdict::Failed {
+            error: format!("unknown_operation: {:?} is no longer configured", started.operation),
+            retryable: false,
+        };
+        return finished;
+    };
+    let rendered = match config.render(operation, &started.input) {
+        Ok(r) => r,
+        Err(e) => {
+            // No provider can do better with the same input: no further attempt.
+            finished.verdict = Verdict::Failed {
+                error: e.to_string(),
+                retryable: false,
+            };
+            return finished;
+        }
+    };
+    finished.verdict = match client.complete(started.attempt_id, operation, &rendered).await {
+        Ok(answer) => {
+            finished.provider_request_id = answer.request_id;
+            finished.usage = answer.usage;
+            match operation.check_output(&answer.content) {
+                Ok(value) => Verdict::Succeeded(value),
+                Err(violation) => Verdict::Failed {
+                    error: violation.to_string(),
+                    retryable: true,
+                },
+            }
+        }
+        Err(CallError::Unknown(e)) => Verdict::Unknown {
+            error: format!("outcome_unknown: {e}"),
+        },
+        Err(e @ CallError::Refused(_)) => Verdict::Failed {
+            error: e.to_string(),
+            retryable: true,
+        },
+        Err(e @ CallError::Rejected { .. }) => {
+            if let CallError::Rejected { usage, .. } = &e {
+                finished.usage = usage.clone();
+            }
+            Verdict::Failed {
+                error: e.to_string(),
+                retryable: true,
+            }
+        }
+    };
+    finished
+}
+
+/// The contract's route rule with this configuration: the next provider after
+/// the one that failed, among the eligible ones, with exponential backoff.
+///
+/// Until provider qualification exists, only the route's first provider is
+/// eligible: a fallback must prove it honours the output contract first.
+pub fn plan_next(config: &Config, failed: &FailedJob) -> NextStep {
+    if !failed.retryable {
+        return NextStep::GiveUp {
+            error: failed.error.clone(),
+        };
+    }
+    let Some(operation) = config.operations.get(&failed.operation) else {
+        return NextStep::GiveUp {
+            error: format!("unknown_operation: {:?} is no longer configured; last error: {}", failed.operation, failed.error),
+        };
+    };
+    let primary = operation.route[0].as_str();
+    match domain::next_provider(
+        &operation.route,
+        |p| p == primary,
+        &failed.failed_provider,
+        failed.attempts_made,
+        operation.max_attempts,
+    ) {
+        Ok(provider) => NextStep::Retry {
+            provider: provider.to_owned(),
+            delay: backoff(config, failed.attempts_made),
+        },
+        Err(GiveUp::AttemptsSpent { .. }) => NextStep::GiveUp {
+            error: failed.error.clone(),
+        },
+        Err(give_up @ GiveUp::NoEligibleProvider) => NextStep::GiveUp {
+            error: format!("{give_up}; last error: {}", failed.error),
+        },
+    }
+}
+
+/// The delay before the attempt after `attempts_made` attempts: exponential from
+/// `retry_backoff`, capped at `retry_backoff_max`, with jitter.
+pub fn backoff(config: &Config, attempts_made: u32) -> Duration {
+    let w = &config.worker;
+    ExponentialBuilder::default()
+        .with_min_delay(w.retry_backoff)
+        .with_max_delay(w.retry_backoff_max)
+        .with_factor(2.0)
+        .with_jitter()
+        .without_max_times()
+        .build()
+        .nth(attempts_made.saturating_sub(1) as usize)
+        .unwrap_or(w.retry_backoff_max)
+        .min(w.retry_backoff_max)
+}
+
+fn log_settled(started: &Started, finished: &Finished, settled: Option<&Settled>) {
+    match (settled, &finished.verdict) {
+        (Some(Settled::Won), _) => {
+            tracing::info!(job_id = %started.job_id, attempt_id = %started.attempt_id, "attempt succeeded and won")
+        }
+        (Some(Settled::Discarded { winner }), _) => tracing::info!(
+            job_id = %started.job_id,
+            discarded_attempt = %started.attempt_id,
+            winning_attempt = ?winner.map(|w| w.to_string()),
+            "attempt finished after another had won: discarded"
+        ),
+        (Some(Settled::Failed { next, job_failed }), Verdict::Failed { error, .. }) => tracing::warn!(
+            job_id = %started.job_id,
+            attempt_id = %started.attempt_id,
+            %error,
+            next_attempt = ?next.map(|n| n.to_string()),
+            job_failed,
+            "attempt failed"
+        ),
+        (Some(Settled::Unknown), Verdict::Unknown { error }) => tracing::warn!(
+            job_id = %started.job_id,
+            attempt_id = %started.attempt_id,
+            %error,
+            "attempt outcome unknown: the job waits for resolution"
+        ),
+        (other, _) => tracing::info!(
+            job_id = %started.job_id,
+            attempt_id = %started.attempt_id,
+            settled = ?other,
+            "attempt was resolved elsewhere meanwhile; its outcome changed nothing"
+        ),
+    }
+}

@@ -1,0 +1,52 @@
+//! `onejob-mock-provider`: the bundled OpenAI-compatible mock provider. Requests
+//! steer it with `mock:` directives in their text (see the `onejob::mock` docs).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// An OpenAI-compatible mock provider for tests, the quick start and compose.
+/// Requests steer it with directives in their text: mock:delay=MS,
+/// mock:status=CODE, mock:retry_after=S, mock:prose, mock:extra_key,
+/// mock:wrong_type, mock:drop.
+#[derive(Parser, Debug)]
+#[command(name = "onejob-mock-provider", version, about)]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, env = "MOCK_LISTEN", default_value = "127.0.0.1:8081")]
+    listen: SocketAddr,
+    /// The answer object's field.
+    #[arg(long, default_value = "summary")]
+    field: String,
+    /// Delay before every answer, e.g. "200ms".
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "0s")]
+    delay: Duration,
+    /// Extra random latency, up to this much, e.g. "300ms".
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "0s")]
+    jitter: Duration,
+    /// Share of requests answered with HTTP 503, from 0.0 to 1.0.
+    #[arg(long, default_value_t = 0.0)]
+    error_rate: f64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    onejob::telemetry::init();
+    let args = Args::parse();
+    if !(0.0..=1.0).contains(&args.error_rate) {
+        anyhow::bail!("--error-rate must be between 0.0 and 1.0");
+    }
+    let options = onejob::mock::MockOptions {
+        field: args.field,
+        delay: args.delay,
+        jitter: args.jitter,
+        error_rate: args.error_rate,
+    };
+    let handle = onejob::mock::start(args.listen, options)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
+    tracing::info!(addr = %handle.addr, "mock provider listening; POST {}/chat/completions", handle.base_url());
+    tokio::signal::ctrl_c().await?;
+    Ok(())
+}

@@ -1,0 +1,264 @@
+//! RabbitMQ: the topology of contract section 2, connections, and publishing that
+//! waits for the broker's confirm.
+//!
+//! Declarations are idempotent and every program makes them at start, on a channel
+//! of their own: a 406 on a mismatched redeclaration closes that channel only.
+
+use std::time::Duration;
+
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+
+/// The work exchange: intents and attempt messages.
+pub const EXCHANGE: &str = "onejob";
+/// The dead-letter exchange.
+pub const DLX: &str = "onejob.dlx";
+/// The events exchange (topic).
+pub const EVENTS: &str = "onejob.events";
+/// The intents queue.
+pub const INTENTS_QUEUE: &str = "onejob.intents";
+/// The routing key producers publish intents with.
+pub const INTENTS_KEY: &str = "intents";
+/// The header naming why a message was dead-lettered by onejob.
+pub const ERROR_HEADER: &str = "x-onejob-error";
+/// AMQP 0-9-1 caps short strings (routing keys, reply-to) at 255 bytes.
+const SHORT_STRING_MAX: usize = 255;
+
+/// A broker failure.
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    /// The AMQP client failed.
+    #[error("amqp: {0}")]
+    Amqp(#[from] lapin::Error),
+    /// The broker refused the message.
+    #[error("broker nacked the publish to {exchange:?} with key {routing_key:?}")]
+    Nacked {
+        /// The exchange.
+        exchange: String,
+        /// The routing key.
+        routing_key: String,
+    },
+    /// A mandatory message had no queue to go to.
+    #[error("unroutable: no queue is bound to {exchange:?} with key {routing_key:?} ({reply})")]
+    Unroutable {
+        /// The exchange.
+        exchange: String,
+        /// The routing key.
+        routing_key: String,
+        /// The broker's reply text.
+        reply: String,
+    },
+    /// A name is too long for AMQP.
+    #[error("{0:?} is longer than AMQP's 255-byte limit")]
+    NameTooLong(String),
+}
+
+/// Result alias for the broker.
+pub type Result<T, E = BrokerError> = std::result::Result<T, E>;
+
+/// The queue that holds attempts for `provider`.
+pub fn attempts_queue(provider: &str) -> String {
+    format!("onejob.attempts.{provider}")
+}
+
+/// The routing key of attempt messages for `provider`.
+pub fn attempts_routing_key(provider: &str) -> String {
+    format!("attempts.{provider}")
+}
+
+/// The dead-letter queue of `queue`.
+pub fn dead_letter_queue(queue: &str) -> String {
+    format!("{queue}.dlq")
+}
+
+/// Builds a short string, refusing (not truncating) one that is too long.
+pub fn short(s: &str) -> Result<ShortString> {
+    if s.len() > SHORT_STRING_MAX {
+        return Err(BrokerError::NameTooLong(s.to_owned()));
+    }
+    Ok(ShortString::from(s))
+}
+
+/// Connects with automatic recovery enabled. When recovery gives up, the
+/// connection's status says so and the caller must exit (see the worker binary).
+pub async fn connect(url: &str) -> Result<Connection> {
+    let props = ConnectionProperties::default()
+        .with_connection_name("onejob".into())
+        .enable_auto_recover();
+    Ok(Connection::connect(url, props).await?)
+}
+
+fn work_queue_args(queue: &str, delivery_limit: u32) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
+    args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(LongString::from(DLX)));
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(LongString::from(queue)),
+    );
+    args.insert(
+        "x-delivery-limit".into(),
+        AMQPValue::LongLongInt(i64::from(delivery_limit)),
+    );
+    args
+}
+
+fn quorum_args() -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
+    args
+}
+
+/// Declares the whole topology: exchanges, the intents queue, one attempts queue per
+/// provider, and a dead-letter queue for each work queue.
+pub async fn declare_topology(conn: &Connection, providers: &[String], delivery_limit: u32) -> Result<()> {
+    let ch = conn.create_channel().await?;
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    for (name, kind) in [
+        (EXCHANGE, ExchangeKind::Direct),
+        (DLX, ExchangeKind::Direct),
+        (EVENTS, ExchangeKind::Topic),
+    ] {
+        ch.exchange_declare(name.into(), kind, durable, FieldTable::default())
+            .await?;
+    }
+    let mut work = vec![(INTENTS_QUEUE.to_owned(), INTENTS_KEY.to_owned())];
+    for p in providers {
+        work.push((attempts_queue(p), attempts_routing_key(p)));
+    }
+    let queue_opts = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    for (queue, key) in &work {
+        ch.queue_declare(short(queue)?, queue_opts, work_queue_args(queue, delivery_limit))
+            .await?;
+        ch.queue_bind(short(queue)?, EXCHANGE.into(), short(key)?, QueueBindOptions::default(), FieldTable::default())
+            .await?;
+        let dlq = dead_letter_queue(queue);
+        ch.queue_declare(short(&dlq)?, queue_opts, quorum_args()).await?;
+        ch.queue_bind(short(&dlq)?, DLX.into(), short(queue)?, QueueBindOptions::default(), FieldTable::default())
+            .await?;
+    }
+    ch.close(200, "topology declared".into()).await?;
+    Ok(())
+}
+
+/// Persistent JSON message properties, as the contract requires of every publish.
+pub fn json_properties() -> BasicProperties {
+    BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+}
+
+/// A channel in confirm mode. Every publish returns only once the broker has
+/// confirmed it (or refused it: then it is an error, never silently dropped).
+#[derive(Clone, Debug)]
+pub struct Publisher {
+    channel: Channel,
+}
+
+impl Publisher {
+    /// Opens a confirm-mode channel on `conn`.
+    pub async fn open(conn: &Connection) -> Result<Publisher> {
+        let channel = conn.create_channel().await?;
+        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        Ok(Publisher { channel })
+    }
+
+    /// Wraps a channel already in confirm mode.
+    pub fn from_channel(channel: Channel) -> Publisher {
+        Publisher { channel }
+    }
+
+    /// The channel.
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    /// Publishes and waits for the confirm. With `mandatory`, a message no queue
+    /// takes is an error too.
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+        mandatory: bool,
+    ) -> Result<()> {
+        let confirm = self
+            .channel
+            .basic_publish(
+                short(exchange)?,
+                short(routing_key)?,
+                BasicPublishOptions {
+                    mandatory,
+                    ..BasicPublishOptions::default()
+                },
+                body,
+                properties,
+            )
+            .await?;
+        let confirmation = tokio::time::timeout(Duration::from_secs(30), confirm)
+            .await
+            .map_err(|_| BrokerError::Nacked {
+                exchange: exchange.to_owned(),
+                routing_key: routing_key.to_owned(),
+            })??;
+        let nacked = confirmation.is_nack();
+        if let Some(returned) = confirmation.take_message() {
+            return Err(BrokerError::Unroutable {
+                exchange: exchange.to_owned(),
+                routing_key: routing_key.to_owned(),
+                reply: returned.reply_text.to_string(),
+            });
+        }
+        if nacked {
+            return Err(BrokerError::Nacked {
+                exchange: exchange.to_owned(),
+                routing_key: routing_key.to_owned(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Replaces the password in a URL with `***`, for logs and errors.
+pub fn redact_url(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        Ok(u) => u.to_string(),
+        Err(_) => "<unparseable url>".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_contract() {
+        assert_eq!(attempts_queue("primary"), "onejob.attempts.primary");
+        assert_eq!(attempts_routing_key("primary"), "attempts.primary");
+        assert_eq!(dead_letter_queue(INTENTS_QUEUE), "onejob.intents.dlq");
+    }
+
+    #[test]
+    fn redaction_hides_passwords() {
+        let r = redact_url("amqp://guest:hunter2@127.0.0.1:5672/%2f");
+        assert!(!r.contains("hunter2"), "{r}");
+        assert!(r.contains("***"));
+        assert!(!redact_url("postgres://u:pw@h/db").contains("pw@"));
+        assert_eq!(redact_url("::"), "<unparseable url>");
+    }
+}

@@ -1,0 +1,379 @@
+//! The operator CLI, `onejob` (contract section 6).
+//!
+//! Exit status: 0 on success, 1 on a refused action or a failure (with the reason
+//! on stderr), 2 on bad usage. `--json` gives machine-readable output on stdout.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::attempts::plan_next;
+use crate::broker::{self, Publisher};
+use crate::config::Config;
+use crate::domain::{AttemptId, AttemptStatus, JobId};
+use crate::store::{JobView, Refusal, Resolution, Settled, Store};
+use crate::worker;
+
+/// The default database URL.
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/onejob";
+/// The default AMQP URL.
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// Connection and configuration settings every program shares.
+#[derive(Args, Clone, Debug)]
+pub struct Connections {
+    /// Postgres URL.
+    #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL, hide_env_values = true, global = true)]
+    pub database_url: String,
+    /// RabbitMQ URL.
+    #[arg(long, env = "AMQP_URL", default_value = DEFAULT_AMQP_URL, hide_env_values = true, global = true)]
+    pub amqp_url: String,
+    /// Configuration file [default: ./onejob.toml if it exists, else the embedded
+    /// defaults].
+    #[arg(long, env = "ONEJOB_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+}
+
+impl Connections {
+    /// Loads the configuration these settings name.
+    pub fn load_config(&self) -> Result<Config, crate::config::ConfigError> {
+        Config::load(self.config.as_deref())
+    }
+}
+
+/// onejob: operate the job system — inspect jobs, resolve unknown attempts, check
+/// configuration.
+#[derive(Parser, Debug)]
+#[command(name = "onejob", version, about, long_about = None)]
+pub struct Cli {
+    #[command(flatten)]
+    connections: Connections,
+    /// Machine-readable JSON output.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Apply pending database migrations.
+    Migrate,
+    /// Inspect jobs.
+    #[command(subcommand)]
+    Jobs(JobsCommand),
+    /// Resolve attempts out-of-band.
+    #[command(subcommand)]
+    Attempts(AttemptsCommand),
+    /// Inspect providers.
+    #[command(subcommand)]
+    Providers(ProvidersCommand),
+    /// Check the configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum JobsCommand {
+    /// Show a job and its attempts.
+    Show {
+        /// The job id.
+        job_id: Uuid,
+    },
+    /// Find the job of an identity.
+    Find {
+        /// The owner.
+        #[arg(long)]
+        owner: String,
+        /// The idempotency key.
+        #[arg(long)]
+        key: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum AttemptsCommand {
+    /// Resolve an open (usually `unknown`) attempt. `failed` lets the route rule
+    /// start the next attempt; `cancelled` ends the attempt and its job.
+    Resolve {
+        /// The attempt id.
+        attempt_id: Uuid,
+        /// How it ended.
+        #[arg(long = "as", value_enum)]
+        resolution: ResolveAs,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum ResolveAs {
+    Failed,
+    Cancelled,
+}
+
+#[derive(Subcommand, Debug)]
+enum ProvidersCommand {
+    /// List providers and the operations that route to them.
+    List,
+}
+
+#[derive(Subcommand, Debug)]
+enum ConfigCommand {
+    /// Load and validate the configuration; print a summary.
+    Check,
+}
+
+/// A failure to report: a message on stderr and exit status 1.
+struct Failure(String);
+
+impl<E: std::fmt::Display> From<E> for Failure {
+    fn from(e: E) -> Self {
+        Failure(e.to_string())
+    }
+}
+
+type Outcome = Result<(), Failure>;
+
+/// Runs the CLI and returns its exit status.
+pub async fn main(cli: Cli) -> ExitCode {
+    let mut out = std::io::stdout().lock();
+    match run(cli, &mut out).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure(message)) => {
+            let _ = out.flush();
+            eprintln!("onejob: {message}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn store(c: &Connections, config: &Config) -> Result<Store, Failure> {
+    Store::connect(&c.database_url, 2, worker::routes(config))
+        .await
+        .map_err(|e| Failure(format!("cannot reach Postgres at {}: {e}", broker::redact_url(&c.database_url))))
+}
+
+async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
+    let c = &cli.connections;
+    match cli.command {
+        Command::Migrate => {
+            let config = c.load_config()?;
+            let store = store(c, &config).await?;
+            store.migrate().await?;
+            let applied = crate::store::MIGRATOR.iter().count();
+            if cli.json {
+                writeln!(out, "{}", json!({ "migrations": applied, "status": "up to date" }))?;
+            } else {
+                writeln!(out, "migrations up to date ({applied} known)")?;
+            }
+        }
+        Command::Jobs(JobsCommand::Show { job_id }) => {
+            let config = c.load_config()?;
+            let job = store(c, &config).await?.job(JobId(job_id)).await?;
+            let job = job.ok_or_else(|| Failure(format!("job {job_id} not found")))?;
+            print_job(out, &job, cli.json)?;
+        }
+        Command::Jobs(JobsCommand::Find { owner, key }) => {
+            let config = c.load_config()?;
+            let job = store(c, &config).await?.find_job(&owner, &key).await?;
+            let job = job.ok_or_else(|| Failure(format!("no job for owner {owner:?} and key {key:?}")))?;
+            print_job(out, &job, cli.json)?;
+        }
+        Command::Attempts(AttemptsCommand::Resolve { attempt_id, resolution }) => {
+            let config = Arc::new(c.load_config()?);
+            let store = store(c, &config).await?;
+            let resolution = match resolution {
+                ResolveAs::Failed => Resolution::Failed,
+                ResolveAs::Cancelled => Resolution::Cancelled,
+            };
+            let plan = |f: &crate::store::FailedJob| plan_next(&config, f);
+            let (settled, publish) = match store.resolve(AttemptId(attempt_id), resolution, &plan).await? {
+                Ok(r) => r,
+                Err(refusal @ (Refusal::NotFound(_) | Refusal::Terminal(_))) => return Err(Failure(refusal.to_string())),
+            };
+            // Publish what the resolution caused now; if the broker is down, the
+            // reconciler's relay publishes it once the lease is over.
+            let published = match publish_now(c, &config, &store, &publish).await {
+                Ok(()) => true,
+                Err(e) => {
+                    eprintln!("onejob: warning: {e}; the reconciler will publish it");
+                    false
+                }
+            };
+            let next = match settled {
+                Settled::Failed { next, .. } => next,
+                _ => None,
+            };
+            let job = store
+                .job(match store.attempt_job(AttemptId(attempt_id)).await? {
+                    Some(j) => j,
+                    None => return Err(Failure(format!("attempt {attempt_id} not found"))),
+                })
+                .await?;
+            if cli.json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({
+                        "attempt_id": attempt_id,
+                        "resolved_as": match resolution { Resolution::Failed => "failed", Resolution::Cancelled => "cancelled" },
+                        "next_attempt": next,
+                        "published": published,
+                        "job": job,
+                    })
+                )?;
+            } else {
+                let verb = match resolution {
+                    Resolution::Failed => "failed",
+                    Resolution::Cancelled => "cancelled",
+                };
+                writeln!(out, "attempt {attempt_id} resolved as {verb}")?;
+                match next {
+                    Some(n) => writeln!(out, "next attempt {n} queued")?,
+                    None => {}
+                }
+                if let Some(job) = job {
+                    writeln!(out, "job {} is now {}", job.id, job.status)?;
+                }
+            }
+        }
+        Command::Providers(ProvidersCommand::List) => {
+            let config = c.load_config()?;
+            let rows: Vec<_> = config
+                .providers
+                .values()
+                .map(|p| {
+                    let routes: Vec<_> = config
+                        .operations
+                        .values()
+                        .filter_map(|o| {
+                            o.route.iter().position(|r| *r == p.name).map(|i| {
+                                json!({
+                                    "operation": o.name,
+                                    "position": i,
+                                    "role": if i == 0 { "primary" } else { "failover" },
+                                    "eligible": i == 0,
+                                })
+                            })
+                        })
+                        .collect();
+                    json!({
+                        "provider": p.name,
+                        "kind": "openai",
+                        "base_url": p.base_url.as_str(),
+                        "model": p.model,
+                        "timeout": humantime::format_duration(p.timeout).to_string(),
+                        "concurrency": p.concurrency,
+                        "operations": routes,
+                    })
+                })
+                .collect();
+            if cli.json {
+                writeln!(out, "{}", serde_json::Value::Array(rows))?;
+            } else {
+                for r in &rows {
+                    writeln!(out, "{}  {}  model {}  timeout {}", r["provider"].as_str().unwrap_or(""), r["base_url"].as_str().unwrap_or(""), r["model"].as_str().unwrap_or(""), r["timeout"].as_str().unwrap_or(""))?;
+                    for o in r["operations"].as_array().into_iter().flatten() {
+                        let eligible = if o["eligible"] == true { "eligible" } else { "not eligible (failover needs qualification)" };
+                        writeln!(out, "  {:<20} {:<9} {}", o["operation"].as_str().unwrap_or(""), o["role"].as_str().unwrap_or(""), eligible)?;
+                    }
+                }
+            }
+        }
+        Command::Config(ConfigCommand::Check) => {
+            let config = c.load_config()?;
+            if cli.json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({
+                        "ok": true,
+                        "origin": config.origin,
+                        "providers": config.provider_names(),
+                        "operations": config.operations.keys().collect::<Vec<_>>(),
+                    })
+                )?;
+            } else {
+                writeln!(out, "configuration OK ({})", config.origin)?;
+                writeln!(out, "providers: {}", config.provider_names().join(", "))?;
+                for o in config.operations.values() {
+                    writeln!(out, "operation {}: route {} · max_attempts {}", o.name, o.route.join(" → "), o.max_attempts)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn publish_now(
+    c: &Connections,
+    config: &Config,
+    store: &Store,
+    messages: &[crate::store::OutboxMessage],
+) -> Result<(), String> {
+    if messages.is_empty() {
+        return Ok(());
+    }
+    let conn = broker::connect(&c.amqp_url)
+        .await
+        .map_err(|e| format!("cannot reach RabbitMQ at {}: {e}", broker::redact_url(&c.amqp_url)))?;
+    broker::declare_topology(&conn, &config.provider_names(), config.worker.delivery_limit)
+        .await
+        .map_err(|e| e.to_string())?;
+    let publisher = Publisher::open(&conn).await.map_err(|e| e.to_string())?;
+    let result = worker::publish_outbox(&publisher, store, messages).await.map_err(|e| e.to_string());
+    let _ = conn.close(200, "done".into()).await;
+    result
+}
+
+fn print_job(out: &mut impl Write, job: &JobView, as_json: bool) -> std::io::Result<()> {
+    if as_json {
+        let value = serde_json::to_value(job).unwrap_or_default();
+        return writeln!(out, "{value}");
+    }
+    writeln!(out, "job {}  {}  version {}", job.id, job.status, job.version)?;
+    writeln!(out, "  owner        {}", job.owner_id)?;
+    writeln!(out, "  key          {}", job.idempotency_key)?;
+    writeln!(out, "  operation    {}", job.operation)?;
+    writeln!(out, "  fingerprint  {}", job.request_fingerprint)?;
+    writeln!(out, "  created      {}", job.created_at.to_rfc3339())?;
+    writeln!(out, "  updated      {}", job.updated_at.to_rfc3339())?;
+    if let Some(by) = job.completed_by {
+        writeln!(out, "  completed by {by}")?;
+    }
+    if let Some(result) = &job.result {
+        writeln!(out, "  result       {result}")?;
+    }
+    if let Some(error) = &job.error {
+        writeln!(out, "  error        {error}")?;
+    }
+    writeln!(out, "  attempts     {}", job.attempts.len())?;
+    for a in &job.attempts {
+        writeln!(out, "    #{} {}  {:<9} {}", a.number, a.id, a.status, a.provider)?;
+        if let Some(e) = &a.error {
+            writeln!(out, "       error    {e}")?;
+        }
+        if let Some(u) = &a.usage {
+            writeln!(out, "       usage    {u}")?;
+        }
+        if let Some(r) = &a.provider_request_id {
+            writeln!(out, "       request  {r}")?;
+        }
+    }
+    let spent_elsewhere = job
+        .attempts
+        .iter()
+        .filter(|a| a.usage.is_some() && a.status != AttemptStatus::Succeeded)
+        .count();
+    if spent_elsewhere > 0 {
+        writeln!(
+            out,
+            "  note         {spent_elsewhere} attempt(s) besides the winner reported usage: duplicate or wasted spend"
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,671 @@
+//! `onejob.toml`: providers, operations and worker settings (contract section 7).
+//!
+//! Everything is checked when the file is loaded: unknown settings, bad durations,
+//! routes naming missing providers, templates that do not compile, schemas that are
+//! not valid JSON Schema. A program with bad configuration stops at start with one
+//! line naming the setting; it never runs half-configured. Compiled templates and
+//! schemas are kept here so the hot path never parses them again.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::intent::{DEFAULT_MAX_BODY_BYTES, Intent, RejectReason};
+
+/// The configuration used when no `onejob.toml` exists and none was asked for:
+/// one provider, the bundled mock on 127.0.0.1:8081, and a `summarize` operation.
+pub const EMBEDDED_DEFAULT: &str = include_str!("default.toml");
+
+/// The default path of the configuration file.
+pub const DEFAULT_PATH: &str = "./onejob.toml";
+
+/// A configuration problem, naming the setting at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("config {path}: cannot read: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The TOML does not parse or does not match the expected shape.
+    #[error("config {origin}: {message}")]
+    Parse {
+        /// Where the text came from.
+        origin: String,
+        /// The parser's message, which names the key.
+        message: String,
+    },
+    /// A setting has a value that cannot work.
+    #[error("config {origin}: {setting}: {message}")]
+    Invalid {
+        /// Where the text came from.
+        origin: String,
+        /// The dotted path of the setting.
+        setting: String,
+        /// What is wrong with it.
+        message: String,
+    },
+}
+
+/// Result alias for configuration.
+pub type Result<T, E = ConfigError> = std::result::Result<T, E>;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    worker: RawWorker,
+    #[serde(default)]
+    providers: BTreeMap<String, RawProvider>,
+    #[serde(default)]
+    operations: BTreeMap<String, RawOperation>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWorker {
+    delivery_limit: Option<u32>,
+    max_message_bytes: Option<usize>,
+    intake_prefetch: Option<u16>,
+    retry_backoff: Option<String>,
+    retry_backoff_max: Option<String>,
+    relay_interval: Option<String>,
+    outbox_lease: Option<String>,
+    vanished_grace: Option<String>,
+    shutdown_grace: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProvider {
+    kind: String,
+    base_url: String,
+    model: String,
+    api_key_env: Option<String>,
+    timeout: Option<String>,
+    concurrency: Option<u32>,
+    context_window: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOperation {
+    system: String,
+    prompt: String,
+    output_schema: toml::Value,
+    route: Vec<String>,
+    max_attempts: Option<u32>,
+    temperature: Option<f64>,
+    hedge_after: Option<String>,
+    #[serde(default)]
+    cases: Vec<RawCase>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCase {
+    input: toml::Value,
+}
+
+/// Worker-wide settings (`[worker]`), each with a production default.
+#[derive(Clone, Debug)]
+pub struct WorkerSettings {
+    /// `x-delivery-limit` of every work queue.
+    pub delivery_limit: u32,
+    /// The largest intent body accepted.
+    pub max_message_bytes: usize,
+    /// Unacked intents one intake consumer holds at most.
+    pub intake_prefetch: u16,
+    /// Backoff before the attempt that follows a definite failure; it doubles per
+    /// attempt, with jitter, up to `retry_backoff_max`.
+    pub retry_backoff: Duration,
+    /// The cap on that backoff.
+    pub retry_backoff_max: Duration,
+    /// How often the relay looks for due outbox rows.
+    pub relay_interval: Duration,
+    /// How long a publisher owns an outbox row before the relay may take it over.
+    pub outbox_lease: Duration,
+    /// How long past its deadline a `started` attempt may stay silent before the
+    /// reconciler declares its worker vanished and the attempt `unknown`.
+    pub vanished_grace: Duration,
+    /// How long a stopping worker waits for in-flight work.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for WorkerSettings {
+    fn default() -> Self {
+        Self {
+            delivery_limit: 5,
+            max_message_bytes: DEFAULT_MAX_BODY_BYTES,
+            intake_prefetch: 128,
+            retry_backoff: Duration::from_secs(1),
+            retry_backoff_max: Duration::from_secs(60),
+            relay_interval: Duration::from_millis(500),
+            outbox_lease: Duration::from_secs(30),
+            vanished_grace: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The kind of API a provider speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProviderKind {
+    /// Any OpenAI-compatible `/chat/completions` endpoint.
+    OpenAi,
+}
+
+/// One configured provider.
+#[derive(Clone, Debug)]
+pub struct Provider {
+    /// Its name, the key under `[providers]`.
+    pub name: String,
+    /// Its API.
+    pub kind: ProviderKind,
+    /// Base URL, e.g. `http://127.0.0.1:8081/v1`.
+    pub base_url: reqwest::Url,
+    /// The model to ask for.
+    pub model: String,
+    /// The environment variable holding the API key, if any. The key itself is read
+    /// at call time and never stored here, so it cannot reach logs or output.
+    pub api_key_env: Option<String>,
+    /// Past this the attempt is `unknown`, not `failed`.
+    pub timeout: Duration,
+    /// Calls in flight at most, per worker.
+    pub concurrency: u32,
+    /// The model's context window in tokens, if known.
+    pub context_window: Option<u32>,
+}
+
+/// One configured operation: what to ask and what shape the answer must have.
+#[derive(Clone)]
+pub struct Operation {
+    /// Its name, the key under `[operations]`.
+    pub name: String,
+    /// The system message template.
+    pub system: String,
+    /// The user message template, over the intent's `input`.
+    pub prompt: String,
+    /// The JSON Schema every answer must satisfy.
+    pub output_schema: Value,
+    /// Providers in failover order; the first is the primary.
+    pub route: Vec<String>,
+    /// Attempts in all, at most.
+    pub max_attempts: u32,
+    /// Sampling temperature sent to the provider.
+    pub temperature: f64,
+    /// After this much silence, start one parallel attempt (hedging).
+    pub hedge_after: Option<Duration>,
+    /// Golden inputs for qualification.
+    pub cases: Vec<serde_json::Map<String, Value>>,
+    validator: Arc<jsonschema::Validator>,
+}
+
+impl std::fmt::Debug for Operation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Operation")
+            .field("name", &self.name)
+            .field("route", &self.route)
+            .field("max_attempts", &self.max_attempts)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why an answer does not honour the operation's output contract.
+#[derive(Debug, thiserror::Error)]
+pub enum ContractViolation {
+    /// The content is not JSON.
+    #[error("contract_violation: content is not JSON: {0}")]
+    NotJson(String),
+    /// The JSON does not satisfy `output_schema`.
+    #[error("contract_violation: {0}")]
+    Schema(String),
+}
+
+/// A prompt that could not be rendered from an input.
+#[derive(Debug, thiserror::Error)]
+#[error("template_error: {0}")]
+pub struct TemplateError(String);
+
+/// The messages rendered for one call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rendered {
+    /// The system message.
+    pub system: String,
+    /// The user message.
+    pub user: String,
+}
+
+impl Operation {
+    /// Checks an answer's content against `output_schema` and returns it parsed.
+    pub fn check_output(&self, content: &str) -> Result<Value, ContractViolation> {
+        let value: Value = serde_json::from_str(content.trim())
+            .map_err(|e| ContractViolation::NotJson(e.to_string()))?;
+        if let Some(error) = self.validator.iter_errors(&value).next() {
+            let path = error.instance_path().to_string();
+            let at = if path.is_empty() { "/" } else { &path };
+            return Err(ContractViolation::Schema(format!("at {at}: {error}")));
+        }
+        Ok(value)
+    }
+}
+
+/// The whole configuration.
+#[derive(Clone)]
+pub struct Config {
+    /// Where it came from: a path, or "embedded defaults".
+    pub origin: String,
+    /// `[worker]`.
+    pub worker: WorkerSettings,
+    /// `[providers.*]`, by name.
+    pub providers: BTreeMap<String, Provider>,
+    /// `[operations.*]`, by name.
+    pub operations: BTreeMap<String, Operation>,
+    templates: Arc<minijinja::Environment<'static>>,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("origin", &self.origin)
+            .field("providers", &self.providers)
+            .field("operations", &self.operations)
+            .finish_non_exhaustive()
+    }
+}
+
+fn invalid(origin: &str, setting: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        origin: origin.to_owned(),
+        setting: setting.into(),
+        message: message.into(),
+    }
+}
+
+fn duration(origin: &str, setting: &str, text: &Option<String>, default: Duration) -> Result<Duration> {
+    match text {
+        None => Ok(default),
+        Some(t) => {
+            let d = humantime::parse_duration(t).map_err(|e| {
+                invalid(origin, setting, format!("{t:?} is not a duration like \"30s\" ({e})"))
+            })?;
+            if d.is_zero() {
+                return Err(invalid(origin, setting, "must be greater than zero"));
+            }
+            Ok(d)
+        }
+    }
+}
+
+fn toml_to_json(v: toml::Value) -> Value {
+    match v {
+        toml::Value::String(s) => Value::String(s),
+        toml::Value::Integer(i) => Value::from(i),
+        toml::Value::Float(f) => serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number),
+        toml::Value::Boolean(b) => Value::Bool(b),
+        toml::Value::Datetime(d) => Value::String(d.to_string()),
+        toml::Value::Array(a) => Value::Array(a.into_iter().map(toml_to_json).collect()),
+        toml::Value::Table(t) => Value::Object(t.into_iter().map(|(k, v)| (k, toml_to_json(v))).collect()),
+    }
+}
+
+impl Config {
+    /// Loads the configuration: from `path` if given (it must exist), else from
+    /// `./onejob.toml` if it exists, else the embedded defaults.
+    pub fn load(path: Option<&Path>) -> Result<Config> {
+        match path {
+            Some(p) => Self::from_file(p),
+            None if Path::new(DEFAULT_PATH).exists() => Self::from_file(Path::new(DEFAULT_PATH)),
+            None => Self::parse(EMBEDDED_DEFAULT, "embedded defaults"),
+        }
+    }
+
+    /// Loads a configuration file.
+    pub fn from_file(path: &Path) -> Result<Config> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates configuration text.
+    pub fn parse(text: &str, origin: &str) -> Result<Config> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            origin: origin.to_owned(),
+            message: e.message().to_owned()
+                + &e
+                    .span()
+                    .map(|s| format!(" (at line {})", text[..s.start].lines().count().max(1)))
+                    .unwrap_or_default(),
+        })?;
+        let defaults = WorkerSettings::default();
+        let w = &raw.worker;
+        let worker = WorkerSettings {
+            delivery_limit: match w.delivery_limit {
+                Some(0) => return Err(invalid(origin, "worker.delivery_limit", "must be at least 1")),
+                Some(n) => n,
+                None => defaults.delivery_limit,
+            },
+            max_message_bytes: match w.max_message_bytes {
+                Some(n) if n < 256 => {
+                    return Err(invalid(origin, "worker.max_message_bytes", "must be at least 256"));
+                }
+                Some(n) => n,
+                None => defaults.max_message_bytes,
+            },
+            intake_prefetch: match w.intake_prefetch {
+                Some(0) => return Err(invalid(origin, "worker.intake_prefetch", "must be at least 1")),
+                Some(n) => n,
+                None => defaults.intake_prefetch,
+            },
+            retry_backoff: duration(origin, "worker.retry_backoff", &w.retry_backoff, defaults.retry_backoff)?,
+            retry_backoff_max: duration(
+                origin,
+                "worker.retry_backoff_max",
+                &w.retry_backoff_max,
+                defaults.retry_backoff_max,
+            )?,
+            relay_interval: duration(origin, "worker.relay_interval", &w.relay_interval, defaults.relay_interval)?,
+            outbox_lease: duration(origin, "worker.outbox_lease", &w.outbox_lease, defaults.outbox_lease)?,
+            vanished_grace: duration(origin, "worker.vanished_grace", &w.vanished_grace, defaults.vanished_grace)?,
+            shutdown_grace: duration(origin, "worker.shutdown_grace", &w.shutdown_grace, defaults.shutdown_grace)?,
+        };
+        if worker.retry_backoff_max < worker.retry_backoff {
+            return Err(invalid(
+                origin,
+                "worker.retry_backoff_max",
+                "must not be shorter than worker.retry_backoff",
+            ));
+        }
+
+        if raw.providers.is_empty() {
+            return Err(invalid(origin, "providers", "at least one provider must be configured"));
+        }
+        let mut providers = BTreeMap::new();
+        for (name, p) in raw.providers {
+            let at = |field: &str| format!("providers.{name}.{field}");
+            check_name(origin, &format!("providers.{name}"), &name)?;
+            let kind = match p.kind.as_str() {
+                "openai" => ProviderKind::OpenAi,
+                other => return Err(invalid(origin, at("kind"), format!("{other:?} is not a known kind (expected \"openai\")"))),
+            };
+            let mut base_url = reqwest::Url::parse(&p.base_url)
+                .map_err(|e| invalid(origin, at("base_url"), format!("not a URL: {e}")))?;
+            if !matches!(base_url.scheme(), "http" | "https") {
+                return Err(invalid(origin, at("base_url"), "must be an http or https URL"));
+            }
+            if !base_url.username().is_empty() || base_url.password().is_some() {
+                return Err(invalid(
+                    origin,
+                    at("base_url"),
+                    "must not carry credentials; use api_key_env",
+                ));
+            }
+            if !base_url.path().ends_with('/') {
+                let path = format!("{}/", base_url.path());
+                base_url.set_path(&path);
+            }
+            if p.model.is_empty() {
+                return Err(invalid(origin, at("model"), "must not be empty"));
+            }
+            let timeout = duration(origin, &at("timeout"), &p.timeout, Duration::from_secs(30))?;
+            let concurrency = match p.concurrency {
+                Some(0) => return Err(invalid(origin, at("concurrency"), "must be at least 1")),
+                Some(n) => n,
+                None => 16,
+            };
+            if let Some(env) = &p.api_key_env
+                && env.is_empty()
+            {
+                return Err(invalid(origin, at("api_key_env"), "must name an environment variable"));
+            }
+            providers.insert(
+                name.clone(),
+                Provider {
+                    name,
+                    kind,
+                    base_url,
+                    model: p.model,
+                    api_key_env: p.api_key_env,
+                    timeout,
+                    concurrency,
+                    context_window: p.context_window,
+                },
+            );
+        }
+
+        let mut env = minijinja::Environment::new();
+        env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
+        let mut operations = BTreeMap::new();
+        for (name, o) in raw.operations {
+            let at = |field: &str| format!("operations.{name}.{field}");
+            check_name(origin, &format!("operations.{name}"), &name)?;
+            env.add_template_owned(format!("{name}.system"), o.system.clone())
+                .map_err(|e| invalid(origin, at("system"), format!("template does not compile: {e}")))?;
+            env.add_template_owned(format!("{name}.prompt"), o.prompt.clone())
+                .map_err(|e| invalid(origin, at("prompt"), format!("template does not compile: {e}")))?;
+            let output_schema = toml_to_json(o.output_schema);
+            if !output_schema.is_object() {
+                return Err(invalid(origin, at("output_schema"), "must be a table (a JSON Schema object)"));
+            }
+            let validator = jsonschema::validator_for(&output_schema)
+                .map_err(|e| invalid(origin, at("output_schema"), format!("not a valid JSON Schema: {e}")))?;
+            if o.route.is_empty() {
+                return Err(invalid(origin, at("route"), "must name at least one provider"));
+            }
+            for (i, p) in o.route.iter().enumerate() {
+                if !providers.contains_key(p) {
+                    return Err(invalid(origin, format!("{}[{i}]", at("route")), format!("{p:?} is not a configured provider")));
+                }
+                if o.route[..i].contains(p) {
+                    return Err(invalid(origin, format!("{}[{i}]", at("route")), format!("{p:?} appears twice")));
+                }
+            }
+            let max_attempts = match o.max_attempts {
+                Some(0) => return Err(invalid(origin, at("max_attempts"), "must be at least 1")),
+                Some(n) => n,
+                None => 3,
+            };
+            let temperature = o.temperature.unwrap_or(0.0);
+            if !(0.0..=2.0).contains(&temperature) {
+                return Err(invalid(origin, at("temperature"), "must be between 0.0 and 2.0"));
+            }
+            let hedge_after = match &o.hedge_after {
+                None => None,
+                Some(_) => Some(duration(origin, &at("hedge_after"), &o.hedge_after, Duration::ZERO)?),
+            };
+            let mut cases = Vec::new();
+            for (i, c) in o.cases.into_iter().enumerate() {
+                match toml_to_json(c.input) {
+                    Value::Object(m) => cases.push(m),
+                    _ => return Err(invalid(origin, format!("{}[{i}].input", at("cases")), "must be a table")),
+                }
+            }
+            operations.insert(
+                name.clone(),
+                Operation {
+                    name,
+                    system: o.system,
+                    prompt: o.prompt,
+                    output_schema,
+                    route: o.route,
+                    max_attempts,
+                    temperature,
+                    hedge_after,
+                    cases,
+                    validator: Arc::new(validator),
+                },
+            );
+        }
+        if operations.is_empty() {
+            return Err(invalid(origin, "operations", "at least one operation must be configured"));
+        }
+        Ok(Config {
+            origin: origin.to_owned(),
+            worker,
+            providers,
+            operations,
+            templates: Arc::new(env),
+        })
+    }
+
+    /// Checks an intent's operation and pinned provider against configuration, and
+    /// returns the operation and the first attempt's provider.
+    pub fn admit(&self, intent: &Intent) -> Result<(&Operation, String), RejectReason> {
+        let op = self
+            .operations
+            .get(&intent.operation)
+            .ok_or_else(|| RejectReason::UnknownOperation(intent.operation.clone()))?;
+        let provider = match &intent.provider {
+            None => op.route[0].clone(),
+            Some(p) if op.route.contains(p) => p.clone(),
+            Some(p) => {
+                return Err(RejectReason::ProviderNotInRoute {
+                    provider: p.clone(),
+                    operation: op.name.clone(),
+                });
+            }
+        };
+        Ok((op, provider))
+    }
+
+    /// Renders an operation's messages over an input. Undefined variables are errors.
+    pub fn render(
+        &self,
+        operation: &Operation,
+        input: &serde_json::Map<String, Value>,
+    ) -> Result<Rendered, TemplateError> {
+        let ctx = minijinja::Value::from(minijinja::value::Serde(input));
+        let render = |part: &str| -> Result<String, TemplateError> {
+            self.templates
+                .get_template(&format!("{}.{part}", operation.name))
+                .and_then(|t| t.render(&ctx))
+                .map_err(|e| TemplateError(format!("{part}: {e}")))
+        };
+        Ok(Rendered {
+            system: render("system")?,
+            user: render("prompt")?,
+        })
+    }
+
+    /// The provider names, sorted.
+    pub fn provider_names(&self) -> Vec<String> {
+        self.providers.keys().cloned().collect()
+    }
+}
+
+/// Provider and operation names become queue names and routing keys: keep them to
+/// a safe alphabet.
+fn check_name(origin: &str, setting: &str, name: &str) -> Result<()> {
+    if name.is_empty()
+        || name.len() > 64
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    {
+        return Err(invalid(
+            origin,
+            setting,
+            "names must be 1-64 characters of A-Z a-z 0-9 _ -",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_defaults_load() {
+        let c = Config::parse(EMBEDDED_DEFAULT, "embedded defaults").unwrap();
+        assert!(c.operations.contains_key("summarize"));
+        assert_eq!(c.operations["summarize"].route[0], "primary");
+        assert_eq!(c.worker.delivery_limit, 5);
+    }
+
+    fn with(extra: &str) -> String {
+        format!("{EMBEDDED_DEFAULT}\n{extra}")
+    }
+
+    #[test]
+    fn bad_settings_are_named() {
+        let cases = [
+            (with("[worker]\nbogus = 1"), "bogus"),
+            (with("[worker]\nretry_backoff = \"soon\""), "worker.retry_backoff"),
+            (with("[worker]\ndelivery_limit = 0"), "worker.delivery_limit"),
+            (
+                EMBEDDED_DEFAULT.replace("route = [\"primary\"]", "route = [\"nope\"]"),
+                "operations.summarize.route[0]",
+            ),
+            (EMBEDDED_DEFAULT.replace("kind = \"openai\"", "kind = \"grpc\""), "providers.primary.kind"),
+            (
+                EMBEDDED_DEFAULT.replace("http://127.0.0.1:8081/v1", "not a url"),
+                "providers.primary.base_url",
+            ),
+            (
+                EMBEDDED_DEFAULT.replace("http://127.0.0.1:8081/v1", "http://u:secret@127.0.0.1:8081/v1"),
+                "providers.primary.base_url",
+            ),
+            (
+                EMBEDDED_DEFAULT.replace("Summarize: {{ text }}", "Summarize: {{ text "),
+                "operations.summarize.prompt",
+            ),
+            (
+                EMBEDDED_DEFAULT.replace("type = \"object\"", "type = \"objekt\""),
+                "operations.summarize.output_schema",
+            ),
+            (EMBEDDED_DEFAULT.replace("timeout = \"30s\"", "timeout = \"0s\""), "providers.primary.timeout"),
+        ];
+        for (text, setting) in cases {
+            let err = Config::parse(&text, "t").expect_err(setting).to_string();
+            assert!(err.contains(setting), "{setting}: {err}");
+            assert!(!err.contains("secret"), "{err}");
+            assert_eq!(err.lines().count(), 1, "{err}");
+        }
+    }
+
+    #[test]
+    fn admit_checks_operation_and_provider() {
+        let c = Config::parse(EMBEDDED_DEFAULT, "t").unwrap();
+        let mut i = Intent {
+            owner_id: "o".into(),
+            idempotency_key: "k".into(),
+            operation: "summarize".into(),
+            input: Default::default(),
+            provider: None,
+        };
+        assert_eq!(c.admit(&i).unwrap().1, "primary");
+        i.provider = Some("elsewhere".into());
+        assert!(matches!(c.admit(&i), Err(RejectReason::ProviderNotInRoute { .. })));
+        i.operation = "translate".into();
+        assert!(matches!(c.admit(&i), Err(RejectReason::UnknownOperation(_))));
+    }
+
+    #[test]
+    fn render_is_strict_and_output_is_checked() {
+        let c = Config::parse(EMBEDDED_DEFAULT, "t").unwrap();
+        let op = &c.operations["summarize"];
+        let input: serde_json::Map<String, Value> =
+            serde_json::from_str(r#"{"text":"fox"}"#).unwrap();
+        assert_eq!(c.render(op, &input).unwrap().user, "Summarize: fox");
+        let err = c.render(op, &Default::default()).unwrap_err();
+        assert!(err.to_string().starts_with("template_error"), "{err}");
+
+        op.check_output(r#"{"summary":"s"}"#).unwrap();
+        let e = op.check_output("Sure! Here it is").unwrap_err().to_string();
+        assert!(e.starts_with("contract_violation: content is not JSON"), "{e}");
+        let e = op.check_output(r#"{"summary":"s","extra":1}"#).unwrap_err().to_string();
+        assert!(e.starts_with("contract_violation") && e.contains("extra"), "{e}");
+        let e = op.check_output(r#"{"summary":7}"#).unwrap_err().to_string();
+        assert!(e.contains("/summary"), "{e}");
+    }
+}

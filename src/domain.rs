@@ -1,0 +1,393 @@
+//! The pure heart of onejob: job and attempt states, the transitions between them,
+//! and the route rule that picks the next provider. No I/O lives here, so every
+//! rule can be tested exhaustively; the store turns each allowed transition into one
+//! guarded SQL statement.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// The identity of a job: one per `(owner_id, idempotency_key)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct JobId(pub Uuid);
+
+/// The identity of one attempt at a job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct AttemptId(pub Uuid);
+
+impl JobId {
+    /// A fresh, time-ordered id (UUID v7).
+    pub fn new() -> Self {
+        Self(Uuid::now_v7())
+    }
+}
+
+impl AttemptId {
+    /// A fresh, time-ordered id (UUID v7).
+    pub fn new() -> Self {
+        Self(Uuid::now_v7())
+    }
+}
+
+impl Default for JobId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Default for AttemptId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Display for JobId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl fmt::Display for AttemptId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// An unrecognised status string read from storage or typed by an operator.
+#[derive(Debug, thiserror::Error)]
+#[error("unknown {kind} status {value:?}")]
+pub struct UnknownStatus {
+    kind: &'static str,
+    value: String,
+}
+
+macro_rules! status_enum {
+    ($(#[$doc:meta])* $name:ident, $kind:literal, { $($(#[$vdoc:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum $name {
+            $($(#[$vdoc])* $variant),+
+        }
+
+        impl $name {
+            /// Every status, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            /// The status as the contract spells it.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text),+
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = UnknownStatus;
+
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    other => Err(UnknownStatus { kind: $kind, value: other.to_owned() }),
+                }
+            }
+        }
+    };
+}
+
+status_enum!(
+    /// Where a job stands (contract section 5).
+    JobStatus, "job", {
+        /// Accepted; no attempt has started.
+        Queued => "queued",
+        /// An attempt is in flight.
+        Running => "running",
+        /// An attempt's outcome is not known; nothing new starts until it is resolved.
+        Unknown => "unknown",
+        /// Terminal: `result` holds the winning attempt's answer.
+        Succeeded => "succeeded",
+        /// Terminal: `error` holds the last error.
+        Failed => "failed",
+        /// Terminal: ended by an operator.
+        Cancelled => "cancelled",
+    }
+);
+
+status_enum!(
+    /// Where one attempt stands (contract section 5).
+    AttemptStatus, "attempt", {
+        /// Created and handed to its provider's queue.
+        Queued => "queued",
+        /// A worker is calling the provider.
+        Started => "started",
+        /// Timed out or its worker vanished mid-call.
+        Unknown => "unknown",
+        /// Its result won the compare-and-swap.
+        Succeeded => "succeeded",
+        /// A definite failure.
+        Failed => "failed",
+        /// It finished, but another attempt had already won.
+        Discarded => "discarded",
+        /// Ended out-of-band.
+        Cancelled => "cancelled",
+    }
+);
+
+impl JobStatus {
+    /// Terminal jobs never change again (invariant 5).
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Cancelled)
+    }
+
+    /// The job state machine: `queued → running → succeeded | failed | cancelled`,
+    /// with `running ⇄ unknown`. An operator may cancel any job that is not terminal,
+    /// and a job whose only attempts failed before starting can fail from `queued`.
+    pub fn can_become(self, to: JobStatus) -> bool {
+        use JobStatus::*;
+        matches!(
+            (self, to),
+            (Queued, Running)
+                | (Queued, Failed)
+                | (Queued, Cancelled)
+                | (Running, Unknown)
+                | (Unknown, Running)
+                | (Running, Succeeded)
+                | (Running, Failed)
+                | (Running, Cancelled)
+                | (Unknown, Succeeded)
+                | (Unknown, Failed)
+                | (Unknown, Cancelled)
+        )
+    }
+}
+
+impl AttemptStatus {
+    /// Terminal attempts never change status again.
+    pub fn is_terminal(self) -> bool {
+        !self.is_open()
+    }
+
+    /// Open attempts block new ones (invariants 2 and 3).
+    pub fn is_open(self) -> bool {
+        matches!(self, Self::Queued | Self::Started | Self::Unknown)
+    }
+
+    /// The attempt state machine: `queued → started → succeeded | failed | unknown |
+    /// discarded | cancelled`; `unknown → succeeded | discarded | failed | cancelled`
+    /// (a late answer, or out-of-band resolution); a queued attempt may be cancelled
+    /// or failed before it starts.
+    pub fn can_become(self, to: AttemptStatus) -> bool {
+        use AttemptStatus::*;
+        matches!(
+            (self, to),
+            (Queued, Started)
+                | (Queued, Cancelled)
+                | (Queued, Failed)
+                | (Started, Succeeded)
+                | (Started, Failed)
+                | (Started, Unknown)
+                | (Started, Discarded)
+                | (Started, Cancelled)
+                | (Unknown, Succeeded)
+                | (Unknown, Discarded)
+                | (Unknown, Failed)
+                | (Unknown, Cancelled)
+        )
+    }
+}
+
+/// Why no further attempt will be made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GiveUp {
+    /// `max_attempts` attempts have been made.
+    AttemptsSpent {
+        /// How many were made.
+        made: u32,
+    },
+    /// No provider in the route may take the next attempt.
+    NoEligibleProvider,
+}
+
+impl fmt::Display for GiveUp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GiveUp::AttemptsSpent { made } => write!(f, "attempts_exhausted: {made} attempts made"),
+            GiveUp::NoEligibleProvider => {
+                f.write_str("no_qualified_provider: no provider in the route may take the next attempt")
+            }
+        }
+    }
+}
+
+/// The contract's route rule (section 7): after a definite failure on `failed`, the
+/// next attempt goes to the next provider in `route` after it, skipping providers that
+/// are not `eligible`; past the end of the route it starts again at the first. At
+/// most `max_attempts` attempts are made in all.
+pub fn next_provider<'r>(
+    route: &'r [String],
+    eligible: impl Fn(&str) -> bool,
+    failed: &str,
+    attempts_made: u32,
+    max_attempts: u32,
+) -> Result<&'r str, GiveUp> {
+    if attempts_made >= max_attempts {
+        return Err(GiveUp::AttemptsSpent {
+            made: attempts_made,
+        });
+    }
+    let start = route
+        .iter()
+        .position(|p| p == failed)
+        .map_or(0, |i| i + 1);
+    (0..route.len())
+        .map(|offset| route[(start + offset) % route.len()].as_str())
+        .find(|p| eligible(p))
+        .ok_or(GiveUp::NoEligibleProvider)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_strings_round_trip() {
+        for s in JobStatus::ALL {
+            assert_eq!(s.as_str().parse::<JobStatus>().unwrap(), *s);
+        }
+        for s in AttemptStatus::ALL {
+            assert_eq!(s.as_str().parse::<AttemptStatus>().unwrap(), *s);
+        }
+        assert!("done".parse::<JobStatus>().is_err());
+        assert!("Started".parse::<AttemptStatus>().is_err());
+    }
+
+    /// The whole job transition table, every pair, spelled out so a change to the
+    /// state machine must change this test too.
+    #[test]
+    fn job_transition_table_is_exact() {
+        use JobStatus::*;
+        let allowed = [
+            (Queued, Running),
+            (Queued, Failed),
+            (Queued, Cancelled),
+            (Running, Unknown),
+            (Unknown, Running),
+            (Running, Succeeded),
+            (Running, Failed),
+            (Running, Cancelled),
+            (Unknown, Succeeded),
+            (Unknown, Failed),
+            (Unknown, Cancelled),
+        ];
+        for &from in JobStatus::ALL {
+            for &to in JobStatus::ALL {
+                assert_eq!(
+                    from.can_become(to),
+                    allowed.contains(&(from, to)),
+                    "{from} -> {to}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn terminal_jobs_never_change() {
+        for &from in JobStatus::ALL.iter().filter(|s| s.is_terminal()) {
+            for &to in JobStatus::ALL {
+                assert!(!from.can_become(to), "{from} -> {to}");
+            }
+        }
+        // Only a job that has an outcome is terminal.
+        let terminal: Vec<_> = JobStatus::ALL.iter().filter(|s| s.is_terminal()).collect();
+        assert_eq!(terminal, [&JobStatus::Succeeded, &JobStatus::Failed, &JobStatus::Cancelled]);
+    }
+
+    #[test]
+    fn attempt_transition_table_is_exact() {
+        use AttemptStatus::*;
+        let allowed = [
+            (Queued, Started),
+            (Queued, Cancelled),
+            (Queued, Failed),
+            (Started, Succeeded),
+            (Started, Failed),
+            (Started, Unknown),
+            (Started, Discarded),
+            (Started, Cancelled),
+            (Unknown, Succeeded),
+            (Unknown, Discarded),
+            (Unknown, Failed),
+            (Unknown, Cancelled),
+        ];
+        for &from in AttemptStatus::ALL {
+            for &to in AttemptStatus::ALL {
+                assert_eq!(
+                    from.can_become(to),
+                    allowed.contains(&(from, to)),
+                    "{from} -> {to}"
+                );
+            }
+        }
+        for &from in AttemptStatus::ALL.iter().filter(|s| s.is_terminal()) {
+            for &to in AttemptStatus::ALL {
+                assert!(!from.can_become(to), "{from} -> {to}");
+            }
+        }
+        // Nothing goes back to queued, and unknown is never left for queued or started.
+        for &from in AttemptStatus::ALL {
+            assert!(!from.can_become(Queued));
+        }
+        assert!(!Unknown.can_become(Started));
+    }
+
+    fn route(names: &[&str]) -> Vec<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn next_provider_follows_route_then_wraps() {
+        let r = route(&["a", "b", "c"]);
+        let all = |_: &str| true;
+        assert_eq!(next_provider(&r, all, "a", 1, 5), Ok("b"));
+        assert_eq!(next_provider(&r, all, "b", 2, 5), Ok("c"));
+        assert_eq!(next_provider(&r, all, "c", 3, 5), Ok("a"));
+    }
+
+    #[test]
+    fn next_provider_skips_ineligible() {
+        let r = route(&["a", "b", "c"]);
+        let only_a_c = |p: &str| p != "b";
+        assert_eq!(next_provider(&r, only_a_c, "a", 1, 5), Ok("c"));
+        let only_a = |p: &str| p == "a";
+        assert_eq!(next_provider(&r, only_a, "a", 1, 5), Ok("a"));
+        assert_eq!(next_provider(&r, only_a, "b", 1, 5), Ok("a"));
+        let none = |_: &str| false;
+        assert_eq!(next_provider(&r, none, "a", 1, 5), Err(GiveUp::NoEligibleProvider));
+    }
+
+    #[test]
+    fn next_provider_respects_max_attempts() {
+        let r = route(&["a", "b"]);
+        assert_eq!(
+            next_provider(&r, |_| true, "a", 3, 3),
+            Err(GiveUp::AttemptsSpent { made: 3 })
+        );
+        assert_eq!(next_provider(&r, |_| true, "a", 2, 3), Ok("b"));
+    }
+
+    #[test]
+    fn next_provider_after_provider_outside_route_starts_at_first() {
+        let r = route(&["a", "b"]);
+        assert_eq!(next_provider(&r, |_| true, "gone", 1, 3), Ok("a"));
+    }
+}

@@ -1,0 +1,534 @@
+//! The intent message (contract section 3) and its receipt (section 4).
+//!
+//! Parsing is strict on purpose: an intent either matches the contract exactly or is
+//! rejected with a reason that names the fault, because a silently "fixed" intent
+//! would give a job a different identity than its publisher meant. Nothing here
+//! knows about operations or providers; [`crate::config::Config::admit`] checks those.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::domain::JobId;
+
+/// The largest intent body accepted unless configured otherwise (1 MiB).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 1024 * 1024;
+/// `owner_id` length limit, in characters.
+pub const MAX_OWNER_ID_CHARS: usize = 128;
+/// `idempotency_key` length limit, in characters.
+pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
+/// `operation` length limit: operations are config keys, never long.
+pub const MAX_OPERATION_CHARS: usize = 128;
+/// `provider` length limit.
+pub const MAX_PROVIDER_CHARS: usize = 128;
+
+/// One job intent, as upstream services publish it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Intent {
+    /// Who the job belongs to.
+    pub owner_id: String,
+    /// The publisher's key for this intention; with `owner_id`, the job's identity.
+    pub idempotency_key: String,
+    /// A configured operation.
+    pub operation: String,
+    /// The operation's input: always a JSON object.
+    pub input: serde_json::Map<String, Value>,
+    /// Pins the first attempt's provider.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+}
+
+/// Why an intent was rejected. The `Display` form is what the `rejected` receipt's
+/// `error` and the dead letter's `x-onejob-error` header carry: a stable code, a
+/// colon, and the detail.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RejectReason {
+    /// The body exceeds the size limit.
+    #[error("too_large: body is {size} bytes, at most {limit} allowed")]
+    TooLarge {
+        /// Body size.
+        size: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// The body is not UTF-8.
+    #[error("not_utf8: body is not valid UTF-8")]
+    NotUtf8,
+    /// The body is not JSON.
+    #[error("invalid_json: {0}")]
+    InvalidJson(String),
+    /// The body is JSON, but not an object.
+    #[error("not_an_object: the intent must be a JSON object")]
+    NotAnObject,
+    /// A field the contract does not define.
+    #[error("unknown_field: {0:?} is not an intent field")]
+    UnknownField(String),
+    /// A field given twice.
+    #[error("duplicate_field: {0:?} appears more than once")]
+    DuplicateField(String),
+    /// A required field is absent.
+    #[error("missing_field: {0:?} is required")]
+    MissingField(&'static str),
+    /// A field has the wrong JSON type.
+    #[error("wrong_type: {field:?} must be {expected}")]
+    WrongType {
+        /// The field.
+        field: &'static str,
+        /// What it must be.
+        expected: &'static str,
+    },
+    /// A field is empty or too long.
+    #[error("bad_length: {field:?} must be {min} to {max} characters, got {got}")]
+    BadLength {
+        /// The field.
+        field: &'static str,
+        /// Smallest length.
+        min: usize,
+        /// Largest length.
+        max: usize,
+        /// Length found.
+        got: usize,
+    },
+    /// A field has a character outside its allowed set.
+    #[error("bad_characters: {field:?} may only contain {allowed}")]
+    BadCharacters {
+        /// The field.
+        field: &'static str,
+        /// The allowed set.
+        allowed: &'static str,
+    },
+    /// `operation` is not configured.
+    #[error("unknown_operation: {0:?} is not a configured operation")]
+    UnknownOperation(String),
+    /// `provider` is not in the operation's route.
+    #[error("provider_not_in_route: {provider:?} is not in the route of operation {operation:?}")]
+    ProviderNotInRoute {
+        /// The pinned provider.
+        provider: String,
+        /// The operation.
+        operation: String,
+    },
+}
+
+const FIELDS: [&str; 5] = [
+    "owner_id",
+    "idempotency_key",
+    "operation",
+    "input",
+    "provider",
+];
+
+/// A JSON object's members in source order, keeping duplicates so they can be refused.
+struct Members(Vec<(String, Value)>);
+
+impl<'de> Deserialize<'de> for Members {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Option<Vec<(String, Value)>>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON value")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::new();
+                while let Some((k, v)) = map.next_entry::<String, Value>()? {
+                    out.push((k, v));
+                }
+                Ok(Some(out))
+            }
+            // Any other JSON value parses, and is then refused as not an object.
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(None)
+            }
+        }
+        match d.deserialize_any(V)? {
+            Some(members) => Ok(Members(members)),
+            None => Err(serde::de::Error::custom(NOT_AN_OBJECT)),
+        }
+    }
+}
+
+const NOT_AN_OBJECT: &str = "\u{0}not-an-object";
+
+impl Intent {
+    /// Parses and validates an intent body against contract section 3. The
+    /// operation and provider are checked against configuration separately.
+    pub fn parse(body: &[u8], max_body_bytes: usize) -> Result<Intent, RejectReason> {
+        if body.len() > max_body_bytes {
+            return Err(RejectReason::TooLarge {
+                size: body.len(),
+                limit: max_body_bytes,
+            });
+        }
+        let text = std::str::from_utf8(body).map_err(|_| RejectReason::NotUtf8)?;
+        let members = match serde_json::from_str::<Members>(text) {
+            Ok(m) => m.0,
+            Err(e) if e.to_string().starts_with(NOT_AN_OBJECT) => {
+                return Err(RejectReason::NotAnObject);
+            }
+            Err(e) => return Err(RejectReason::InvalidJson(e.to_string())),
+        };
+        let mut fields: BTreeMap<&'static str, Value> = BTreeMap::new();
+        for (key, value) in members {
+            let Some(&name) = FIELDS.iter().find(|f| **f == key) else {
+                return Err(RejectReason::UnknownField(key));
+            };
+            if fields.insert(name, value).is_some() {
+                return Err(RejectReason::DuplicateField(key));
+            }
+        }
+        let owner_id = take_string(&mut fields, "owner_id")?;
+        check_length("owner_id", &owner_id, 1, MAX_OWNER_ID_CHARS)?;
+        if !owner_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._:@-".contains(c))
+        {
+            return Err(RejectReason::BadCharacters {
+                field: "owner_id",
+                allowed: "A-Z a-z 0-9 . _ : @ -",
+            });
+        }
+        let idempotency_key = take_string(&mut fields, "idempotency_key")?;
+        check_length(
+            "idempotency_key",
+            &idempotency_key,
+            1,
+            MAX_IDEMPOTENCY_KEY_CHARS,
+        )?;
+        if !idempotency_key.chars().all(|c| c.is_ascii_graphic() || c == ' ') {
+            return Err(RejectReason::BadCharacters {
+                field: "idempotency_key",
+                allowed: "printable ASCII",
+            });
+        }
+        let operation = take_string(&mut fields, "operation")?;
+        check_length("operation", &operation, 1, MAX_OPERATION_CHARS)?;
+        let input = match fields.remove("input") {
+            None => return Err(RejectReason::MissingField("input")),
+            Some(Value::Object(map)) => map,
+            Some(_) => {
+                return Err(RejectReason::WrongType {
+                    field: "input",
+                    expected: "a JSON object",
+                });
+            }
+        };
+        let provider = match fields.remove("provider") {
+            None => None,
+            Some(Value::String(p)) => {
+                check_length("provider", &p, 1, MAX_PROVIDER_CHARS)?;
+                Some(p)
+            }
+            Some(_) => {
+                return Err(RejectReason::WrongType {
+                    field: "provider",
+                    expected: "a string",
+                });
+            }
+        };
+        Ok(Intent {
+            owner_id,
+            idempotency_key,
+            operation,
+            input,
+            provider,
+        })
+    }
+
+    /// The intent's fingerprint: SHA-256 over the RFC 8785 canonical JSON of
+    /// `{operation, input, provider}`, so key order and whitespace never change it.
+    pub fn fingerprint(&self) -> Fingerprint {
+        let canonical_input = serde_json::json!({
+            "operation": self.operation,
+            "input": self.input,
+            "provider": self.provider,
+        });
+        // Serialising a `serde_json::Value` cannot fail: its keys are strings and
+        // its numbers are finite.
+        let canonical = serde_jcs::to_vec(&canonical_input).unwrap_or_default();
+        let digest = Sha256::digest(&canonical);
+        let mut hex = String::with_capacity(64);
+        for b in digest {
+            hex.push_str(&format!("{b:02x}"));
+        }
+        Fingerprint(hex)
+    }
+}
+
+fn take_string(
+    fields: &mut BTreeMap<&'static str, Value>,
+    name: &'static str,
+) -> Result<String, RejectReason> {
+    match fields.remove(name) {
+        None => Err(RejectReason::MissingField(name)),
+        Some(Value::String(s)) => Ok(s),
+        Some(_) => Err(RejectReason::WrongType {
+            field: name,
+            expected: "a string",
+        }),
+    }
+}
+
+fn check_length(
+    field: &'static str,
+    value: &str,
+    min: usize,
+    max: usize,
+) -> Result<(), RejectReason> {
+    let got = value.chars().count();
+    if got < min || got > max {
+        return Err(RejectReason::BadLength {
+            field,
+            min,
+            max,
+            got,
+        });
+    }
+    Ok(())
+}
+
+/// The hex SHA-256 of an intent's canonical form, stored on the job.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Fingerprint(pub String);
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What intake made of an intent (contract section 4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// The first intent with this identity: a new job.
+    Created,
+    /// Same identity, same fingerprint: the existing job.
+    Duplicate,
+    /// Same identity, different fingerprint: nothing handed out, nothing changed.
+    Conflict,
+    /// Not a valid intent.
+    Rejected,
+}
+
+/// The receipt published to an intent's `reply_to`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Receipt {
+    /// What intake made of the intent.
+    pub outcome: Outcome,
+    /// The job, for `created` and `duplicate`; `null` otherwise.
+    pub job_id: Option<JobId>,
+    /// Why, for `rejected`; `null` otherwise.
+    pub error: Option<String>,
+}
+
+impl Receipt {
+    /// A receipt naming a job.
+    pub fn for_job(outcome: Outcome, job_id: JobId) -> Self {
+        Self {
+            outcome,
+            job_id: Some(job_id),
+            error: None,
+        }
+    }
+
+    /// A `conflict` receipt: the existing job is not handed out.
+    pub fn conflict() -> Self {
+        Self {
+            outcome: Outcome::Conflict,
+            job_id: None,
+            error: None,
+        }
+    }
+
+    /// A `rejected` receipt with its reason.
+    pub fn rejected(reason: &RejectReason) -> Self {
+        Self {
+            outcome: Outcome::Rejected,
+            job_id: None,
+            error: Some(reason.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn parse(s: &str) -> Result<Intent, RejectReason> {
+        Intent::parse(s.as_bytes(), DEFAULT_MAX_BODY_BYTES)
+    }
+
+    const GOOD: &str = r#"{"owner_id":"acct_42","idempotency_key":"k-1","operation":"summarize","input":{"text":"hi"}}"#;
+
+    #[test]
+    fn accepts_a_good_intent() {
+        let i = parse(GOOD).unwrap();
+        assert_eq!(i.owner_id, "acct_42");
+        assert_eq!(i.provider, None);
+        let i = parse(r#"{"owner_id":"a.b:c@d-e_f","idempotency_key":"x y","operation":"o","input":{},"provider":"p"}"#).unwrap();
+        assert_eq!(i.provider.as_deref(), Some("p"));
+    }
+
+    #[test]
+    fn every_reject_reason_is_specific() {
+        let cases: Vec<(String, &str)> = vec![
+            ("not json".into(), "invalid_json"),
+            ("[1,2]".into(), "not_an_object"),
+            ("\"s\"".into(), "not_an_object"),
+            (GOOD.replace("}}", "},\"extra\":1}"), "unknown_field"),
+            (
+                r#"{"owner_id":"a","owner_id":"b","idempotency_key":"k","operation":"o","input":{}}"#.into(),
+                "duplicate_field",
+            ),
+            (r#"{"idempotency_key":"k","operation":"o","input":{}}"#.into(), "missing_field"),
+            (r#"{"owner_id":"a","operation":"o","input":{}}"#.into(), "missing_field"),
+            (r#"{"owner_id":"a","idempotency_key":"k","input":{}}"#.into(), "missing_field"),
+            (r#"{"owner_id":"a","idempotency_key":"k","operation":"o"}"#.into(), "missing_field"),
+            (r#"{"owner_id":7,"idempotency_key":"k","operation":"o","input":{}}"#.into(), "wrong_type"),
+            (r#"{"owner_id":"a","idempotency_key":"k","operation":"o","input":"text"}"#.into(), "wrong_type"),
+            (r#"{"owner_id":"a","idempotency_key":"k","operation":"o","input":{},"provider":1}"#.into(), "wrong_type"),
+            (r#"{"owner_id":"","idempotency_key":"k","operation":"o","input":{}}"#.into(), "bad_length"),
+            (
+                format!(r#"{{"owner_id":"{}","idempotency_key":"k","operation":"o","input":{{}}}}"#, "a".repeat(129)),
+                "bad_length",
+            ),
+            (
+                format!(r#"{{"owner_id":"a","idempotency_key":"{}","operation":"o","input":{{}}}}"#, "k".repeat(256)),
+                "bad_length",
+            ),
+            (r#"{"owner_id":"a b","idempotency_key":"k","operation":"o","input":{}}"#.into(), "bad_characters"),
+            (r#"{"owner_id":"a","idempotency_key":"k\u00e9","operation":"o","input":{}}"#.into(), "bad_characters"),
+            (r#"{"owner_id":"a","idempotency_key":"k\n","operation":"o","input":{}}"#.into(), "bad_characters"),
+        ];
+        for (body, code) in cases {
+            let err = parse(&body).expect_err(&body);
+            assert!(err.to_string().starts_with(code), "{body}: {err}");
+        }
+        assert_eq!(
+            Intent::parse(GOOD.as_bytes(), 10),
+            Err(RejectReason::TooLarge { size: GOOD.len(), limit: 10 })
+        );
+        assert_eq!(Intent::parse(&[0xff, 0xfe], 100), Err(RejectReason::NotUtf8));
+    }
+
+    #[test]
+    fn exactly_at_the_limits_is_accepted() {
+        let body = format!(
+            r#"{{"owner_id":"{}","idempotency_key":"{}","operation":"o","input":{{}}}}"#,
+            "a".repeat(128),
+            "k".repeat(255)
+        );
+        parse(&body).unwrap();
+        assert!(Intent::parse(body.as_bytes(), body.len()).is_ok());
+    }
+
+    #[test]
+    fn fingerprint_ignores_order_and_whitespace() {
+        let a = parse(r#"{"owner_id":"a","idempotency_key":"k","operation":"o","input":{"x":1,"y":{"b":2,"a":[1,2]}}}"#).unwrap();
+        let b = parse("{ \"input\" : { \"y\": {\"a\": [1, 2], \"b\": 2}, \"x\": 1 },\n \"operation\":\"o\", \"idempotency_key\":\"k\",\"owner_id\":\"a\" }").unwrap();
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        let c = parse(r#"{"owner_id":"a","idempotency_key":"k","operation":"o","input":{"x":2,"y":{"b":2,"a":[1,2]}}}"#).unwrap();
+        assert_ne!(a.fingerprint(), c.fingerprint());
+        let d = parse(r#"{"owner_id":"a","idempotency_key":"k","operation":"o","input":{"x":1,"y":{"b":2,"a":[2,1]}}}"#).unwrap();
+        assert_ne!(a.fingerprint(), d.fingerprint());
+        let mut e = a.clone();
+        e.provider = Some("p".into());
+        assert_ne!(a.fingerprint(), e.fingerprint());
+        // Identity is not part of the fingerprint.
+        let mut f = a.clone();
+        f.owner_id = "other".into();
+        assert_eq!(a.fingerprint(), f.fingerprint());
+    }
+
+    #[test]
+    fn receipts_serialise_as_the_contract_shows() {
+        let r = Receipt::conflict();
+        assert_eq!(
+            serde_json::to_value(&r).unwrap(),
+            serde_json::json!({"outcome": "conflict", "job_id": null, "error": null})
+        );
+    }
+
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| Value::from(n)),
+            "[ -~]{0,12}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(3, 24, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::btree_map("[a-z]{1,4}", inner, 0..5)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        /// Arbitrary bytes never panic the parser.
+        #[test]
+        fn parse_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            let _ = Intent::parse(&bytes, 256);
+        }
+
+        /// Re-serialising an input with keys in reverse order and extra whitespace
+        /// keeps its fingerprint; changing any leaf changes it.
+        #[test]
+        fn fingerprint_is_canonical(input in prop::collection::btree_map("[a-z]{1,4}", json_value(), 0..5)) {
+            let intent = Intent {
+                owner_id: "o".into(),
+                idempotency_key: "k".into(),
+                operation: "op".into(),
+                input: input.clone().into_iter().collect(),
+                provider: None,
+            };
+            let reversed: Vec<String> = input
+                .iter()
+                .rev()
+                .map(|(k, v)| format!("  {} :\n {}", serde_json::to_string(k).unwrap(), serde_json::to_string_pretty(v).unwrap()))
+                .collect();
+            let body = format!(
+                "{{ \"input\": {{ {} }} ,\"operation\":\"op\",\"idempotency_key\":\"k\",\"owner_id\":\"o\"}}",
+                reversed.join(",")
+            );
+            let reparsed = Intent::parse(body.as_bytes(), DEFAULT_MAX_BODY_BYTES).unwrap();
+            prop_assert_eq!(reparsed.fingerprint(), intent.fingerprint());
+
+            let mut changed = intent.clone();
+            changed.input.insert("zzzzz".into(), Value::Bool(true));
+            prop_assert_ne!(changed.fingerprint(), intent.fingerprint());
+        }
+    }
+}

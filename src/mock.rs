@@ -1,0 +1,296 @@
+//! The bundled OpenAI-compatible mock provider, for tests, the quick start and
+//! compose. It serves `POST /v1/chat/completions` and answers with a JSON object
+//! `{"<field>": "..."}` (the field is `summary` unless configured otherwise).
+//!
+//! Each request can steer it with directives anywhere in its messages' text:
+//!
+//! | directive | effect |
+//! |---|---|
+//! | `mock:delay=MS` | wait MS milliseconds before answering |
+//! | `mock:status=CODE` | answer with that HTTP status and an error body |
+//! | `mock:retry_after=S` | with a status, send `Retry-After: S` |
+//! | `mock:prose` | answer with prose instead of JSON |
+//! | `mock:extra_key` | add a top-level key the schema does not allow |
+//! | `mock:wrong_type` | give the field a number instead of a string |
+//! | `mock:drop` | send the headers, then drop the connection mid-body |
+//!
+//! Server-wide options add a fixed delay, random latency and a random error rate.
+//! `GET /_mock/stats` reports how many completions were requested, and with which
+//! `Idempotency-Key`s.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+/// Server-wide behaviour.
+#[derive(Clone, Debug)]
+pub struct MockOptions {
+    /// The answer object's field.
+    pub field: String,
+    /// A delay before every answer.
+    pub delay: Duration,
+    /// Extra random latency, up to this much.
+    pub jitter: Duration,
+    /// The share of requests answered with HTTP 503, from 0.0 to 1.0.
+    pub error_rate: f64,
+}
+
+impl Default for MockOptions {
+    fn default() -> Self {
+        Self {
+            field: "summary".into(),
+            delay: Duration::ZERO,
+            jitter: Duration::ZERO,
+            error_rate: 0.0,
+        }
+    }
+}
+
+/// What the mock has seen.
+#[derive(Debug, Default, Serialize)]
+pub struct Stats {
+    requests: AtomicU64,
+    idempotency_keys: Mutex<Vec<String>>,
+}
+
+impl Stats {
+    /// Completions requested so far.
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::SeqCst)
+    }
+
+    /// The `Idempotency-Key` of each request, in arrival order.
+    pub fn idempotency_keys(&self) -> Vec<String> {
+        self.idempotency_keys.lock().map(|k| k.clone()).unwrap_or_default()
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    options: Arc<MockOptions>,
+    stats: Arc<Stats>,
+}
+
+/// A running mock.
+#[derive(Debug)]
+pub struct MockHandle {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// What it has seen.
+    pub stats: Arc<Stats>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl MockHandle {
+    /// The base URL to configure a provider with.
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+}
+
+impl Drop for MockHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Starts a mock on `addr` (port 0 picks a free port) in the current runtime.
+pub async fn start(addr: SocketAddr, options: MockOptions) -> std::io::Result<MockHandle> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let addr = listener.local_addr()?;
+    let stats = Arc::new(Stats::default());
+    let app = router(options, stats.clone());
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "mock provider stopped");
+        }
+    });
+    Ok(MockHandle { addr, stats, task })
+}
+
+/// The mock's routes.
+pub fn router(options: MockOptions, stats: Arc<Stats>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(complete))
+        .route("/_mock/stats", get(stats_handler))
+        .with_state(AppState {
+            options: Arc::new(options),
+            stats,
+        })
+}
+
+async fn stats_handler(State(state): State<AppState>) -> Json<Value> {
+    Json(json!({
+        "requests": state.stats.requests(),
+        "idempotency_keys": state.stats.idempotency_keys(),
+    }))
+}
+
+#[derive(Deserialize)]
+struct ChatRequest {
+    #[serde(default)]
+    messages: Vec<ChatMessage>,
+}
+
+#[derive(Deserialize)]
+struct ChatMessage {
+    #[serde(default)]
+    content: String,
+}
+
+/// Directives found in a request's text.
+#[derive(Debug, Default, PartialEq)]
+struct Directives {
+    delay: Option<u64>,
+    status: Option<u16>,
+    retry_after: Option<u64>,
+    prose: bool,
+    extra_key: bool,
+    wrong_type: bool,
+    drop: bool,
+}
+
+fn directives(text: &str) -> Directives {
+    let mut d = Directives::default();
+    for word in text.split(|c: char| c.is_whitespace() || c == '"' || c == ',') {
+        let Some(rest) = word.strip_prefix("mock:") else {
+            continue;
+        };
+        let (name, value) = rest.split_once('=').unwrap_or((rest, ""));
+        match name {
+            "delay" => d.delay = value.parse().ok(),
+            "status" => d.status = value.parse().ok(),
+            "retry_after" => d.retry_after = value.parse().ok(),
+            "prose" => d.prose = true,
+            "extra_key" => d.extra_key = true,
+            "wrong_type" => d.wrong_type = true,
+            "drop" => d.drop = true,
+            _ => {}
+        }
+    }
+    d
+}
+
+async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let n = state.stats.requests.fetch_add(1, Ordering::SeqCst) + 1;
+    if let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok())
+        && let Ok(mut keys) = state.stats.idempotency_keys.lock()
+    {
+        keys.push(key.to_owned());
+    }
+    let request: ChatRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({"error": {"message": format!("bad request: {e}")}})),
+            )
+                .into_response();
+        }
+    };
+    let text: String = request
+        .messages
+        .iter()
+        .map(|m| m.content.as_str())
+        .collect::<Vec<_>>()
+        .join("\n");
+    let d = directives(&text);
+    let options = &state.options;
+    let (jitter_ms, fail) = {
+        let mut rng = rand::rng();
+        let jitter_ms = match options.jitter.as_millis() {
+            0 => 0,
+            max => rng.random_range(0..=max as u64),
+        };
+        (jitter_ms, options.error_rate > 0.0 && rng.random_bool(options.error_rate.min(1.0)))
+    };
+    let delay = d.delay.map(Duration::from_millis).unwrap_or(options.delay) + Duration::from_millis(jitter_ms);
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    let usage = json!({
+        "prompt_tokens": text.split_whitespace().count(),
+        "completion_tokens": 12,
+        "total_tokens": text.split_whitespace().count() + 12,
+    });
+    if let Some(code) = d.status.or(if fail { Some(503) } else { None }) {
+        let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut response = (
+            status,
+            Json(json!({"error": {"message": format!("mock: asked to fail with {code}"), "type": "mock_error"}})),
+        )
+            .into_response();
+        if let Some(secs) = d.retry_after
+            && let Ok(v) = secs.to_string().parse()
+        {
+            response.headers_mut().insert("retry-after", v);
+        }
+        return response;
+    }
+    if d.drop {
+        let stream = futures_util::stream::once(async {
+            Err::<Bytes, std::io::Error>(std::io::Error::other("mock: dropping the connection"))
+        });
+        return Response::builder()
+            .status(StatusCode::OK)
+            .header("content-type", "application/json")
+            .body(Body::from_stream(stream))
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    }
+    let user = request.messages.last().map(|m| m.content.as_str()).unwrap_or_default();
+    let gist: String = user.chars().take(80).collect();
+    let content = if d.prose {
+        format!("Sure! Here is a summary: {gist}")
+    } else {
+        let mut answer = serde_json::Map::new();
+        let value = if d.wrong_type { json!(42) } else { json!(format!("mock answer: {gist}")) };
+        answer.insert(options.field.clone(), value);
+        if d.extra_key {
+            answer.insert("confidence".into(), json!(0.9));
+        }
+        Value::Object(answer).to_string()
+    };
+    Json(json!({
+        "id": format!("chatcmpl-mock-{n}"),
+        "object": "chat.completion",
+        "model": "mock-model",
+        "choices": [{
+            "index": 0,
+            "message": { "role": "assistant", "content": content },
+            "finish_reason": "stop",
+        }],
+        "usage": usage,
+    }))
+    .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn directives_are_found_in_text() {
+        let d = directives("Summarize: hello mock:delay=250 mock:status=503, \"mock:drop\" mock:unknown");
+        assert_eq!(
+            d,
+            Directives {
+                delay: Some(250),
+                status: Some(503),
+                drop: true,
+                ..Directives::default()
+            }
+        );
+        assert_eq!(directives("nothing here"), Directives::default());
+    }
+}

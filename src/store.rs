@@ -1,0 +1,1303 @@
+//! All SQL lives here.
+//!
+//! Every state change is one guarded statement (`UPDATE … WHERE status = …`, the
+//! compare-and-swap `WHERE version = $v AND completed_by IS NULL`), so two workers
+//! that both believe they own a row cannot both act: the one that changes zero rows
+//! backs off. Every entry point takes a slice and settles all of it with constant
+//! SQL text over `UNNEST` arrays, so batching is a caller's choice, not a rewrite.
+//! Locks are always taken attempts first, then jobs, to keep concurrent batches
+//! from deadlocking; a deadlock or serialization failure that still happens is
+//! retried whole.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgConnection, PgPool, Row};
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
+use crate::intent::{Fingerprint, Intent};
+
+/// The migrations, embedded in every binary.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// A storage failure.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database refused or failed a statement.
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+    /// A migration failed.
+    #[error("migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A row holds something the code does not understand.
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
+}
+
+/// Result alias for the store.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+impl StoreError {
+    /// Deadlocks and serialization failures: the transaction can simply run again.
+    fn is_transient(&self) -> bool {
+        match self {
+            StoreError::Db(sqlx::Error::Database(db)) => {
+                matches!(db.code().as_deref(), Some("40001" | "40P01"))
+            }
+            StoreError::Db(sqlx::Error::PoolTimedOut | sqlx::Error::Io(_)) => true,
+            _ => false,
+        }
+    }
+}
+
+fn corrupt(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(e.to_string())
+}
+
+/// A message to publish because of a commit, written in that commit's transaction.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutboxDraft {
+    /// The exchange.
+    pub exchange: String,
+    /// The routing key.
+    pub routing_key: String,
+    /// The AMQP `message_id`; consumers deduplicate on it.
+    pub message_id: String,
+    /// The JSON body.
+    pub body: Value,
+    /// Not published before this time.
+    pub not_before: DateTime<Utc>,
+}
+
+/// An outbox row this process holds the lease on and should publish now.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutboxMessage {
+    /// The row id.
+    pub id: i64,
+    /// The exchange.
+    pub exchange: String,
+    /// The routing key.
+    pub routing_key: String,
+    /// The AMQP `message_id`.
+    pub message_id: String,
+    /// The JSON body.
+    pub body: Value,
+}
+
+/// One intent ready to become a job.
+#[derive(Clone, Debug)]
+pub struct NewJob {
+    /// The id the job gets if it is created.
+    pub job_id: JobId,
+    /// The id its first attempt gets.
+    pub attempt_id: AttemptId,
+    /// The validated intent.
+    pub intent: Intent,
+    /// Its fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The first attempt's provider.
+    pub provider: String,
+}
+
+/// What became of one intent.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Admission {
+    /// A new job and its first attempt.
+    Created {
+        /// The job.
+        job_id: JobId,
+        /// The attempt message to publish.
+        publish: OutboxMessage,
+    },
+    /// The identity exists with the same fingerprint.
+    Duplicate {
+        /// The existing job.
+        job_id: JobId,
+    },
+    /// The identity exists with another fingerprint.
+    Conflict,
+}
+
+/// An attempt this worker has just moved `queued → started`.
+#[derive(Clone, Debug)]
+pub struct Started {
+    /// The attempt.
+    pub attempt_id: AttemptId,
+    /// Its job.
+    pub job_id: JobId,
+    /// Its number within the job.
+    pub number: i32,
+    /// The job's version when the attempt started: the compare-and-swap's guard.
+    pub version: i64,
+    /// The job's operation.
+    pub operation: String,
+    /// The job's input.
+    pub input: serde_json::Map<String, Value>,
+}
+
+/// How an attempt ended, as its worker saw it.
+#[derive(Clone, Debug)]
+pub enum Verdict {
+    /// A valid answer.
+    Succeeded(Value),
+    /// A definite failure. `retryable` is false when no provider could do better
+    /// (the input does not render, say).
+    Failed {
+        /// Why.
+        error: String,
+        /// Whether another attempt may follow.
+        retryable: bool,
+    },
+    /// The outcome is not known: a timeout, or a connection lost after sending.
+    Unknown {
+        /// Why.
+        error: String,
+    },
+}
+
+/// One finished call, to be settled.
+#[derive(Clone, Debug)]
+pub struct Finished {
+    /// The attempt.
+    pub attempt_id: AttemptId,
+    /// Its job.
+    pub job_id: JobId,
+    /// The job version read when the attempt started.
+    pub version: i64,
+    /// The provider's response id, if it answered.
+    pub provider_request_id: Option<String>,
+    /// What the provider reported it spent, if it answered.
+    pub usage: Option<Value>,
+    /// The outcome.
+    pub verdict: Verdict,
+}
+
+/// What settling one finished attempt did.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Settled {
+    /// Its result won the compare-and-swap and is the job's result.
+    Won,
+    /// Another attempt had already won, or the job had ended: dropped.
+    Discarded {
+        /// The attempt whose result is the job's, if any.
+        winner: Option<AttemptId>,
+    },
+    /// A definite failure; a next attempt may have been scheduled.
+    Failed {
+        /// The next attempt, if one was created.
+        next: Option<AttemptId>,
+        /// Whether the job failed for good.
+        job_failed: bool,
+    },
+    /// The attempt and its job are now `unknown`.
+    Unknown,
+    /// The attempt was no longer open (resolved out-of-band): nothing changed.
+    Stale,
+}
+
+/// A job whose attempt just failed definitely, for the caller to plan what follows.
+#[derive(Clone, Debug)]
+pub struct FailedJob {
+    /// The job.
+    pub job_id: JobId,
+    /// Its operation.
+    pub operation: String,
+    /// The provider that failed.
+    pub failed_provider: String,
+    /// Attempts made so far, the failed one included.
+    pub attempts_made: u32,
+    /// The failure.
+    pub error: String,
+    /// Whether another attempt may follow at all.
+    pub retryable: bool,
+}
+
+/// What follows a definite failure.
+#[derive(Clone, Debug, PartialEq)]
+pub enum NextStep {
+    /// Another attempt on `provider`, after `delay`.
+    Retry {
+        /// The provider.
+        provider: String,
+        /// The backoff before it is published.
+        delay: Duration,
+    },
+    /// No more attempts: the job fails with `error`.
+    GiveUp {
+        /// The job's error.
+        error: String,
+    },
+}
+
+/// How an operator resolves an open attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resolution {
+    /// A definite failure: the route rule picks the next attempt.
+    Failed,
+    /// Ended out-of-band: the job is cancelled with it.
+    Cancelled,
+}
+
+/// Why an operator action was refused.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// No such row.
+    #[error("{0} not found")]
+    NotFound(String),
+    /// The row is terminal.
+    #[error("{0}")]
+    Terminal(String),
+}
+
+/// A job as operators see it.
+#[derive(Clone, Debug, Serialize)]
+pub struct JobView {
+    /// The job id.
+    pub id: JobId,
+    /// Owner.
+    pub owner_id: String,
+    /// Idempotency key.
+    pub idempotency_key: String,
+    /// Fingerprint of the intent.
+    pub request_fingerprint: String,
+    /// Operation.
+    pub operation: String,
+    /// Input.
+    pub input: Value,
+    /// The pinned provider, if any.
+    pub provider: Option<String>,
+    /// Status.
+    pub status: JobStatus,
+    /// Version.
+    pub version: i64,
+    /// The winning attempt.
+    pub completed_by: Option<AttemptId>,
+    /// Result.
+    pub result: Option<Value>,
+    /// Error.
+    pub error: Option<String>,
+    /// Created.
+    pub created_at: DateTime<Utc>,
+    /// Last changed.
+    pub updated_at: DateTime<Utc>,
+    /// Its attempts, by number.
+    pub attempts: Vec<AttemptView>,
+}
+
+/// An attempt as operators see it.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttemptView {
+    /// The attempt id.
+    pub id: AttemptId,
+    /// Its job.
+    pub job_id: JobId,
+    /// Its number within the job.
+    pub number: i32,
+    /// Provider.
+    pub provider: String,
+    /// Status.
+    pub status: AttemptStatus,
+    /// Error.
+    pub error: Option<String>,
+    /// Created.
+    pub created_at: DateTime<Utc>,
+    /// Not published before.
+    pub not_before: DateTime<Utc>,
+    /// Started.
+    pub started_at: Option<DateTime<Utc>>,
+    /// Finished.
+    pub finished_at: Option<DateTime<Utc>>,
+    /// The provider's response id.
+    pub provider_request_id: Option<String>,
+    /// What the provider reported it spent.
+    pub usage: Option<Value>,
+}
+
+/// The event published when a job reaches a terminal state.
+#[derive(Clone, Debug, Serialize)]
+struct JobEvent<'a> {
+    event_id: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    job_id: JobId,
+    version: i64,
+    owner_id: &'a str,
+    idempotency_key: &'a str,
+    operation: &'a str,
+    status: &'static str,
+    completed_by: Option<AttemptId>,
+    result: Option<&'a Value>,
+    error: Option<&'a str>,
+    occurred_at: DateTime<Utc>,
+}
+
+/// Exchange and routing names the store writes into outbox rows.
+#[derive(Clone, Debug)]
+pub struct Routes {
+    /// Where attempt messages go (`onejob`).
+    pub work_exchange: String,
+    /// Where job events go (`onejob.events`).
+    pub events_exchange: String,
+    /// How long a publisher owns a row it just wrote.
+    pub lease: Duration,
+}
+
+impl Routes {
+    fn attempt_draft(&self, attempt: AttemptId, job: JobId, provider: &str, not_before: DateTime<Utc>) -> OutboxDraft {
+        OutboxDraft {
+            exchange: self.work_exchange.clone(),
+            routing_key: crate::broker::attempts_routing_key(provider),
+            message_id: attempt.to_string(),
+            body: serde_json::json!({ "attempt_id": attempt, "job_id": job }),
+            not_before,
+        }
+    }
+
+    fn event_draft(&self, event: &JobEvent<'_>) -> OutboxDraft {
+        OutboxDraft {
+            exchange: self.events_exchange.clone(),
+            routing_key: event.kind.to_owned(),
+            message_id: event.event_id.clone(),
+            body: serde_json::to_value(event).unwrap_or(Value::Null),
+            not_before: event.occurred_at,
+        }
+    }
+}
+
+/// The job columns an event needs, as returned by the statements that end a job.
+struct Ended {
+    job_id: Uuid,
+    version: i64,
+    owner_id: String,
+    idempotency_key: String,
+    operation: String,
+    status: String,
+    completed_by: Option<Uuid>,
+    result: Option<Value>,
+    error: Option<String>,
+}
+
+impl Ended {
+    fn from_row(row: &sqlx::postgres::PgRow) -> Result<Self> {
+        Ok(Ended {
+            job_id: row.try_get("id")?,
+            version: row.try_get("version")?,
+            owner_id: row.try_get("owner_id")?,
+            idempotency_key: row.try_get("idempotency_key")?,
+            operation: row.try_get("operation")?,
+            status: row.try_get("status")?,
+            completed_by: row.try_get("completed_by")?,
+            result: row.try_get("result")?,
+            error: row.try_get("error")?,
+        })
+    }
+
+    fn draft(&self, routes: &Routes) -> OutboxDraft {
+        let (kind, status) = match self.status.as_str() {
+            "succeeded" => ("job.succeeded", "succeeded"),
+            "failed" => ("job.failed", "failed"),
+            _ => ("job.cancelled", "cancelled"),
+        };
+        routes.event_draft(&JobEvent {
+            event_id: format!("{}:{}", self.job_id, self.version),
+            kind,
+            job_id: JobId(self.job_id),
+            version: self.version,
+            owner_id: &self.owner_id,
+            idempotency_key: &self.idempotency_key,
+            operation: &self.operation,
+            status,
+            completed_by: self.completed_by.map(AttemptId),
+            result: self.result.as_ref(),
+            error: self.error.as_deref(),
+            occurred_at: Utc::now(),
+        })
+    }
+}
+
+/// The Postgres side of onejob.
+#[derive(Clone, Debug)]
+pub struct Store {
+    pool: PgPool,
+    routes: Routes,
+}
+
+impl Store {
+    /// Connects a small pool, retrying with backoff while the database is not up yet.
+    pub async fn connect(url: &str, max_connections: u32, routes: Routes) -> Result<Store> {
+        let options: PgConnectOptions = url.parse()?;
+        let connect = || async {
+            PgPoolOptions::new()
+                .max_connections(max_connections)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect_with(options.clone())
+                .await
+        };
+        let pool = connect
+            .retry(
+                ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(100))
+                    .with_max_delay(Duration::from_secs(2))
+                    .with_max_times(8),
+            )
+            .when(|e| matches!(e, sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut))
+            .notify(|e, d| tracing::warn!(error = %e, retry_in = ?d, "database not reachable yet"))
+            .await?;
+        Ok(Store { pool, routes })
+    }
+
+    /// Wraps an existing pool.
+    pub fn from_pool(pool: PgPool, routes: Routes) -> Store {
+        Store { pool, routes }
+    }
+
+    /// The pool, for health checks.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Applies pending migrations. sqlx holds an advisory lock meanwhile, so
+    /// concurrent pods starting together are safe.
+    pub async fn migrate(&self) -> Result<()> {
+        MIGRATOR.run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Runs `f` again when it fails with a deadlock or serialization failure.
+    async fn retrying<T, F, Fut>(&self, f: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        f.retry(
+            ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(5))
+                .with_max_delay(Duration::from_millis(500))
+                .with_max_times(10)
+                .with_jitter(),
+        )
+        .when(StoreError::is_transient)
+        .notify(|e, d| tracing::debug!(error = %e, retry_in = ?d, "transient database error; retrying"))
+        .await
+    }
+
+    async fn insert_outbox(&self, conn: &mut PgConnection, drafts: &[OutboxDraft]) -> Result<Vec<OutboxMessage>> {
+        if drafts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(
+            "INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, lease_until)
+             SELECT d.exchange, d.routing_key, d.message_id, d.body, d.not_before,
+                    CASE WHEN d.not_before <= now() THEN now() + make_interval(secs => $6) END
+             FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[])
+                  AS d(exchange, routing_key, message_id, body, not_before)
+             RETURNING id, exchange, routing_key, message_id, body, lease_until IS NOT NULL AS leased",
+        )
+        .bind(drafts.iter().map(|d| d.exchange.clone()).collect::<Vec<_>>())
+        .bind(drafts.iter().map(|d| d.routing_key.clone()).collect::<Vec<_>>())
+        .bind(drafts.iter().map(|d| d.message_id.clone()).collect::<Vec<_>>())
+        .bind(drafts.iter().map(|d| d.body.clone()).collect::<Vec<_>>())
+        .bind(drafts.iter().map(|d| d.not_before).collect::<Vec<_>>())
+        .bind(self.routes.lease.as_secs_f64())
+        .fetch_all(&mut *conn)
+        .await?;
+        // Only rows due now are handed back for immediate publishing; the relay
+        // publishes the others when they fall due.
+        rows.iter()
+            .filter(|r| r.get::<bool, _>("leased"))
+            .map(outbox_message)
+            .collect()
+    }
+
+    /// Turns validated intents into jobs. Identity is decided by the UNIQUE
+    /// constraint through `INSERT … ON CONFLICT DO NOTHING`, never by a check first;
+    /// the job, its first attempt and the attempt's outbox row commit together.
+    pub async fn admit(&self, batch: &[NewJob]) -> Result<Vec<Admission>> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.retrying(|| self.admit_once(batch)).await
+    }
+
+    async fn admit_once(&self, batch: &[NewJob]) -> Result<Vec<Admission>> {
+        let mut tx = self.pool.begin().await?;
+        let created: Vec<(Uuid, Uuid, String)> = sqlx::query_as(
+            "WITH input AS (
+                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
+                                      $6::jsonb[], $7::text[], $8::uuid[], $9::text[])
+                     AS t(job_id, owner_id, idempotency_key, fingerprint, operation, input, pinned,
+                          attempt_id, provider)
+             ), new_jobs AS (
+                 INSERT INTO jobs (id, owner_id, idempotency_key, request_fingerprint, operation, input, provider)
+                 SELECT job_id, owner_id, idempotency_key, fingerprint, operation, input, pinned FROM input
+                 ON CONFLICT (owner_id, idempotency_key) DO NOTHING
+                 RETURNING id
+             )
+             INSERT INTO attempts (id, job_id, number, provider)
+             SELECT i.attempt_id, i.job_id, 1, i.provider FROM input i JOIN new_jobs n ON n.id = i.job_id
+             RETURNING job_id, id, provider",
+        )
+        .bind(batch.iter().map(|n| n.job_id.0).collect::<Vec<_>>())
+        .bind(batch.iter().map(|n| n.intent.owner_id.clone()).collect::<Vec<_>>())
+        .bind(batch.iter().map(|n| n.intent.idempotency_key.clone()).collect::<Vec<_>>())
+        .bind(batch.iter().map(|n| n.fingerprint.0.clone()).collect::<Vec<_>>())
+        .bind(batch.iter().map(|n| n.intent.operation.clone()).collect::<Vec<_>>())
+        .bind(batch.iter().map(|n| Value::Object(n.intent.input.clone())).collect::<Vec<_>>())
+        .bind(batch.iter().map(|n| n.intent.provider.clone()).collect::<Vec<_>>())
+        .bind(batch.iter().map(|n| n.attempt_id.0).collect::<Vec<_>>())
+        .bind(batch.iter().map(|n| n.provider.clone()).collect::<Vec<_>>())
+        .fetch_all(&mut *tx)
+        .await?;
+
+        let now = Utc::now();
+        let drafts: Vec<OutboxDraft> = created
+            .iter()
+            .map(|(job, attempt, provider)| {
+                self.routes.attempt_draft(AttemptId(*attempt), JobId(*job), provider, now)
+            })
+            .collect();
+        let published = self.insert_outbox(&mut tx, &drafts).await?;
+        let mut publish_by_job: HashMap<Uuid, OutboxMessage> = created
+            .iter()
+            .map(|(job, _, _)| *job)
+            .zip(published)
+            .collect();
+
+        // A separate statement takes a fresh snapshot, so it sees rows that a
+        // concurrent transaction committed while our INSERT waited on the conflict.
+        let existing: Vec<(String, String, Uuid, String)> = sqlx::query_as(
+            "SELECT j.owner_id, j.idempotency_key, j.id, j.request_fingerprint
+             FROM jobs j
+             JOIN unnest($1::text[], $2::text[]) AS i(owner_id, idempotency_key)
+               ON j.owner_id = i.owner_id AND j.idempotency_key = i.idempotency_key",
+        )
+        .bind(batch.iter().map(|n| n.intent.owner_id.clone()).collect::<Vec<_>>())
+        .bind(batch.iter().map(|n| n.intent.idempotency_key.clone()).collect::<Vec<_>>())
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+
+        let existing: HashMap<(String, String), (Uuid, String)> = existing
+            .into_iter()
+            .map(|(o, k, id, fp)| ((o, k), (id, fp)))
+            .collect();
+        batch
+            .iter()
+            .map(|n| {
+                if let Some(publish) = publish_by_job.remove(&n.job_id.0) {
+                    return Ok(Admission::Created {
+                        job_id: n.job_id,
+                        publish,
+                    });
+                }
+                let key = (n.intent.owner_id.clone(), n.intent.idempotency_key.clone());
+                match existing.get(&key) {
+                    Some((id, fp)) if *fp == n.fingerprint.0 => Ok(Admission::Duplicate { job_id: JobId(*id) }),
+                    Some(_) => Ok(Admission::Conflict),
+                    None => Err(corrupt(format!(
+                        "job for owner {:?} key {:?} neither inserted nor found",
+                        n.intent.owner_id, n.intent.idempotency_key
+                    ))),
+                }
+            })
+            .collect()
+    }
+
+    /// Moves queued attempts to `started` with one guarded statement and marks their
+    /// jobs `running`. An id missing from the result was a duplicate delivery (the
+    /// attempt had already left `queued`) or belongs to a job that has ended.
+    pub async fn start(&self, provider: &str, ids: &[AttemptId], timeout: Duration) -> Result<Vec<Started>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(
+            "WITH started AS (
+                 UPDATE attempts a
+                 SET status = 'started', started_at = now(), deadline_at = now() + make_interval(secs => $3)
+                 FROM jobs j
+                 WHERE a.id = ANY($1) AND a.status = 'queued' AND a.provider = $2
+                   AND j.id = a.job_id AND j.status IN ('queued', 'running')
+                 RETURNING a.id, a.job_id, a.number
+             ), running AS (
+                 UPDATE jobs j SET status = 'running', updated_at = now()
+                 FROM (SELECT DISTINCT job_id FROM started) s
+                 WHERE j.id = s.job_id
+                 RETURNING j.id, j.version, j.operation, j.input
+             )
+             SELECT s.id, s.job_id, s.number, r.version, r.operation, r.input
+             FROM started s JOIN running r ON r.id = s.job_id",
+        )
+        .bind(ids.iter().map(|a| a.0).collect::<Vec<_>>())
+        .bind(provider)
+        .bind(timeout.as_secs_f64())
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                let input = match r.try_get::<Value, _>("input")? {
+                    Value::Object(m) => m,
+                    other => return Err(corrupt(format!("job input is not an object: {other}"))),
+                };
+                Ok(Started {
+                    attempt_id: AttemptId(r.try_get("id")?),
+                    job_id: JobId(r.try_get("job_id")?),
+                    number: r.try_get("number")?,
+                    version: r.try_get("version")?,
+                    operation: r.try_get("operation")?,
+                    input,
+                })
+            })
+            .collect()
+    }
+
+    /// Settles finished attempts in one transaction: successes race through the
+    /// compare-and-swap, unknowns block their job, failures plan the next attempt
+    /// with `plan`. Returns what happened to each, in input order, and the outbox
+    /// rows to publish now.
+    pub async fn finalize(
+        &self,
+        finished: &[Finished],
+        plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
+    ) -> Result<(Vec<Settled>, Vec<OutboxMessage>)> {
+        if finished.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        self.retrying(|| self.finalize_once(finished, plan)).await
+    }
+
+    async fn finalize_once(
+        &self,
+        finished: &[Finished],
+        plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
+    ) -> Result<(Vec<Settled>, Vec<OutboxMessage>)> {
+        let mut tx = self.pool.begin().await?;
+        let mut settled: HashMap<AttemptId, Settled> = HashMap::new();
+        let mut drafts = Vec::new();
+
+        let wins: Vec<&Finished> = finished
+            .iter()
+            .filter(|f| matches!(f.verdict, Verdict::Succeeded(_)))
+            .collect();
+        if !wins.is_empty() {
+            let (outcomes, events) = self.settle_successes(&mut tx, &wins).await?;
+            settled.extend(outcomes);
+            drafts.extend(events);
+        }
+
+        let unknowns: Vec<(AttemptId, String)> = finished
+            .iter()
+            .filter_map(|f| match &f.verdict {
+                Verdict::Unknown { error } => Some((f.attempt_id, error.clone())),
+                _ => None,
+            })
+            .collect();
+        if !unknowns.is_empty() {
+            let marked = mark_unknown(&mut tx, &unknowns).await?;
+            for (id, _) in &unknowns {
+                let outcome = if marked.contains(id) { Settled::Unknown } else { Settled::Stale };
+                settled.insert(*id, outcome);
+            }
+        }
+
+        let failures: Vec<Failure> = finished
+            .iter()
+            .filter_map(|f| match &f.verdict {
+                Verdict::Failed { error, retryable } => Some(Failure {
+                    attempt_id: f.attempt_id,
+                    error: error.clone(),
+                    retryable: *retryable,
+                    usage: f.usage.clone(),
+                    request_id: f.provider_request_id.clone(),
+                }),
+                _ => None,
+            })
+            .collect();
+        if !failures.is_empty() {
+            let (outcomes, more) = self
+                .settle_failures(&mut tx, &failures, &["started", "unknown"], plan, false)
+                .await?;
+            settled.extend(outcomes);
+            drafts.extend(more);
+        }
+
+        let publish = self.insert_outbox(&mut tx, &drafts).await?;
+        tx.commit().await?;
+        let outcomes = finished
+            .iter()
+            .map(|f| settled.remove(&f.attempt_id).unwrap_or(Settled::Stale))
+            .collect();
+        Ok((outcomes, publish))
+    }
+
+    /// The compare-and-swap. Exactly one attempt per job can move `completed_by`
+    /// from NULL; every other open attempt that finishes is `discarded`, its usage
+    /// kept, its result dropped whole.
+    async fn settle_successes(
+        &self,
+        tx: &mut PgConnection,
+        wins: &[&Finished],
+    ) -> Result<(Vec<(AttemptId, Settled)>, Vec<OutboxDraft>)> {
+        let rows = sqlx::query(
+            "WITH input AS (
+                 SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::bigint[], $4::jsonb[], $5::jsonb[], $6::text[])
+                     AS t(attempt_id, job_id, version, result, usage, request_id)
+             ), open AS (
+                 SELECT a.id FROM attempts a JOIN input i ON a.id = i.attempt_id AND a.job_id = i.job_id
+                 WHERE a.status IN ('started', 'unknown')
+                 ORDER BY a.id
+                 FOR UPDATE OF a
+             ), won AS (
+                 UPDATE jobs j
+                 SET status = 'succeeded', result = i.result, completed_by = i.attempt_id,
+                     version = j.version + 1, error = NULL, updated_at = now()
+                 FROM input i JOIN open o ON o.id = i.attempt_id
+                 WHERE j.id = i.job_id AND j.version = i.version AND j.completed_by IS NULL
+                   AND j.status IN ('queued', 'running', 'unknown')
+                 RETURNING j.id, j.version, j.owner_id, j.idempotency_key, j.operation, j.status,
+                           j.completed_by, j.result, j.error
+             ), settled AS (
+                 UPDATE attempts a
+                 SET status = CASE WHEN w.id IS NOT NULL THEN 'succeeded' ELSE 'discarded' END,
+                     error = CASE WHEN w.id IS NULL
+                                  THEN 'discarded: another attempt had already won, or the job had ended' END,
+                     finished_at = now(), usage = i.usage, provider_request_id = i.request_id
+                 FROM input i JOIN open o ON o.id = i.attempt_id
+                      LEFT JOIN won w ON w.completed_by = i.attempt_id
+                 WHERE a.id = i.attempt_id
+                 RETURNING a.id, a.status
+             ), late AS (
+                 UPDATE attempts a
+                 SET usage = COALESCE(a.usage, i.usage),
+                     provider_request_id = COALESCE(a.provider_request_id, i.request_id)
+                 FROM input i
+                 WHERE a.id = i.attempt_id AND a.id NOT IN (SELECT id FROM open)
+                 RETURNING a.id
+             )
+             SELECT w.id, w.version, w.owner_id, w.idempotency_key, w.operation, w.status,
+                    w.completed_by, w.result, w.error, NULL::uuid AS discarded_job
+             FROM won w
+             UNION ALL
+             SELECT NULL, NULL, NULL, NULL, NULL, NULL, s.id, NULL, NULL, i.job_id
+             FROM settled s JOIN input i ON i.attempt_id = s.id
+             WHERE s.status = 'discarded'",
+        )
+        .bind(wins.iter().map(|f| f.attempt_id.0).collect::<Vec<_>>())
+        .bind(wins.iter().map(|f| f.job_id.0).collect::<Vec<_>>())
+        .bind(wins.iter().map(|f| f.version).collect::<Vec<_>>())
+        .bind(
+            wins.iter()
+                .map(|f| match &f.verdict {
+                    Verdict::Succeeded(v) => v.clone(),
+                    _ => Value::Null,
+                })
+                .collect::<Vec<_>>(),
+        )
+        .bind(wins.iter().map(|f| f.usage.clone()).collect::<Vec<_>>())
+        .bind(wins.iter().map(|f| f.provider_request_id.clone()).collect::<Vec<_>>())
+        .fetch_all(&mut *tx)
+        .await?;
+
+        let mut outcomes = Vec::new();
+        let mut events = Vec::new();
+        let mut discarded: Vec<(AttemptId, Uuid)> = Vec::new();
+        for row in &rows {
+            match row.try_get::<Option<Uuid>, _>("discarded_job")? {
+                Some(job) => {
+                    let attempt: Uuid = row.try_get("completed_by")?;
+                    discarded.push((AttemptId(attempt), job));
+                }
+                None => {
+                    let ended = Ended::from_row(row)?;
+                    let winner = ended
+                        .completed_by
+                        .ok_or_else(|| corrupt("won job without completed_by"))?;
+                    events.push(ended.draft(&self.routes));
+                    outcomes.push((AttemptId(winner), Settled::Won));
+                }
+            }
+        }
+        if !discarded.is_empty() {
+            // A fresh snapshot sees the winner that made our compare-and-swap fail.
+            let winners: HashMap<Uuid, Option<Uuid>> = sqlx::query_as::<_, (Uuid, Option<Uuid>)>(
+                "SELECT id, completed_by FROM jobs WHERE id = ANY($1)",
+            )
+            .bind(discarded.iter().map(|(_, j)| *j).collect::<Vec<_>>())
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .collect();
+            for (attempt, job) in discarded {
+                let winner = winners.get(&job).copied().flatten().map(AttemptId);
+                tracing::info!(
+                    job_id = %job,
+                    discarded_attempt = %attempt,
+                    winning_attempt = ?winner.map(|w| w.to_string()),
+                    "late result discarded: the job already has its outcome"
+                );
+                outcomes.push((attempt, Settled::Discarded { winner }));
+            }
+        }
+        Ok((outcomes, events))
+    }
+
+    /// Definite failures: mark the attempts `failed`, then, per job, either create
+    /// the next attempt (with its not-before time persisted) or fail the job.
+    async fn settle_failures(
+        &self,
+        tx: &mut PgConnection,
+        failures: &[Failure],
+        from: &[&str],
+        plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
+        immediate: bool,
+    ) -> Result<(Vec<(AttemptId, Settled)>, Vec<OutboxDraft>)> {
+        let failed: Vec<(Uuid, Uuid, String, String)> = sqlx::query_as(
+            "UPDATE attempts a
+             SET status = 'failed', error = i.error, finished_at = now(),
+                 usage = COALESCE(i.usage, a.usage),
+                 provider_request_id = COALESCE(i.request_id, a.provider_request_id)
+             FROM unnest($1::uuid[], $2::text[], $3::jsonb[], $4::text[])
+                  AS i(attempt_id, error, usage, request_id)
+             WHERE a.id = i.attempt_id AND a.status = ANY($5)
+             RETURNING a.id, a.job_id, a.provider, a.error",
+        )
+        .bind(failures.iter().map(|f| f.attempt_id.0).collect::<Vec<_>>())
+        .bind(failures.iter().map(|f| f.error.clone()).collect::<Vec<_>>())
+        .bind(failures.iter().map(|f| f.usage.clone()).collect::<Vec<_>>())
+        .bind(failures.iter().map(|f| f.request_id.clone()).collect::<Vec<_>>())
+        .bind(from.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut outcomes: Vec<(AttemptId, Settled)> = Vec::new();
+        if failed.is_empty() {
+            return Ok((outcomes, Vec::new()));
+        }
+        let job_ids: Vec<Uuid> = failed.iter().map(|f| f.1).collect::<BTreeSet<_>>().into_iter().collect();
+
+        // Lock the jobs (in id order), then read their attempts in a new statement:
+        // its fresh snapshot sees any attempt another transaction committed while we
+        // waited for the lock.
+        let jobs: HashMap<Uuid, (String, String)> = sqlx::query_as::<_, (Uuid, String, String)>(
+            "SELECT id, status, operation FROM jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+        )
+        .bind(&job_ids)
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(|(id, status, op)| (id, (status, op)))
+        .collect();
+        let counts: HashMap<Uuid, (i64, i32, bool)> = sqlx::query_as::<_, (Uuid, i64, i32, bool)>(
+            "SELECT job_id, count(*), max(number),
+                    bool_or(status IN ('queued', 'started', 'unknown'))
+             FROM attempts WHERE job_id = ANY($1) GROUP BY job_id",
+        )
+        .bind(&job_ids)
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(|(id, n, max, open)| (id, (n, max, open)))
+        .collect();
+
+        let retryable: HashMap<Uuid, bool> = failures.iter().map(|f| (f.attempt_id.0, f.retryable)).collect();
+        let now = Utc::now();
+        let mut next_attempts: Vec<(Uuid, Uuid, i32, String, DateTime<Utc>)> = Vec::new();
+        let mut give_up: Vec<(Uuid, String)> = Vec::new();
+        let mut planned: HashMap<Uuid, Option<AttemptId>> = HashMap::new();
+        // The failed attempt whose settlement created each next attempt.
+        let mut triggered: HashMap<Uuid, AttemptId> = HashMap::new();
+        for (attempt, job, provider, error) in &failed {
+            let Some((status, operation)) = jobs.get(job) else {
+                return Err(corrupt(format!("attempt {attempt} has no job {job}")));
+            };
+            let status: JobStatus = status.parse().map_err(corrupt)?;
+            let (made, max_number, open) = counts.get(job).copied().unwrap_or((0, 0, false));
+            // A terminal job stays as it is; another open attempt (a hedge) carries on;
+            // a job already planned in this batch gets one plan only.
+            if status.is_terminal() || open || planned.contains_key(job) {
+                planned.entry(*job).or_insert(None);
+                continue;
+            }
+            let step = plan(&FailedJob {
+                job_id: JobId(*job),
+                operation: operation.clone(),
+                failed_provider: provider.clone(),
+                attempts_made: u32::try_from(made).unwrap_or(u32::MAX),
+                error: error.clone(),
+                retryable: retryable.get(attempt).copied().unwrap_or(true),
+            });
+            match step {
+                NextStep::Retry { provider, delay } => {
+                    let id = AttemptId::new();
+                    let delay = if immediate { Duration::ZERO } else { delay };
+                    let not_before = now + chrono::Duration::from_std(delay).unwrap_or_default();
+                    next_attempts.push((id.0, *job, max_number + 1, provider, not_before));
+                    planned.insert(*job, Some(id));
+                    triggered.insert(*attempt, id);
+                }
+                NextStep::GiveUp { error } => {
+                    give_up.push((*job, error));
+                    planned.insert(*job, None);
+                }
+            }
+        }
+
+        let mut drafts = Vec::new();
+        if !next_attempts.is_empty() {
+            sqlx::query(
+                "WITH new AS (
+                     INSERT INTO attempts (id, job_id, number, provider, not_before)
+                     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[], $5::timestamptz[])
+                     RETURNING job_id
+                 )
+                 UPDATE jobs j SET status = 'running', updated_at = now()
+                 FROM new WHERE j.id = new.job_id AND j.status = 'unknown'",
+            )
+            .bind(next_attempts.iter().map(|n| n.0).collect::<Vec<_>>())
+            .bind(next_attempts.iter().map(|n| n.1).collect::<Vec<_>>())
+            .bind(next_attempts.iter().map(|n| n.2).collect::<Vec<_>>())
+            .bind(next_attempts.iter().map(|n| n.3.clone()).collect::<Vec<_>>())
+            .bind(next_attempts.iter().map(|n| n.4).collect::<Vec<_>>())
+            .execute(&mut *tx)
+            .await?;
+            for (id, job, _, provider, not_before) in &next_attempts {
+                drafts.push(self.routes.attempt_draft(AttemptId(*id), JobId(*job), provider, *not_before));
+            }
+        }
+        let mut failed_jobs = BTreeSet::new();
+        if !give_up.is_empty() {
+            let rows = sqlx::query(
+                "UPDATE jobs j
+                 SET status = 'failed', error = g.error, version = j.version + 1, updated_at = now()
+                 FROM unnest($1::uuid[], $2::text[]) AS g(job_id, error)
+                 WHERE j.id = g.job_id AND j.status IN ('queued', 'running', 'unknown')
+                 RETURNING j.id, j.version, j.owner_id, j.idempotency_key, j.operation, j.status,
+                           j.completed_by, j.result, j.error",
+            )
+            .bind(give_up.iter().map(|g| g.0).collect::<Vec<_>>())
+            .bind(give_up.iter().map(|g| g.1.clone()).collect::<Vec<_>>())
+            .fetch_all(&mut *tx)
+            .await?;
+            for row in &rows {
+                let ended = Ended::from_row(row)?;
+                failed_jobs.insert(ended.job_id);
+                drafts.push(ended.draft(&self.routes));
+            }
+        }
+        for (attempt, job, _, _) in &failed {
+            outcomes.push((
+                AttemptId(*attempt),
+                Settled::Failed {
+                    next: triggered.get(attempt).copied(),
+                    job_failed: failed_jobs.contains(job),
+                },
+            ));
+        }
+        Ok((outcomes, drafts))
+    }
+
+    /// An operator's out-of-band resolution of an open attempt. `--as failed` is a
+    /// definite failure (the route rule picks the next attempt, at once);
+    /// `--as cancelled` ends the attempt and its job. Refused on a terminal attempt
+    /// or job.
+    pub async fn resolve(
+        &self,
+        attempt: AttemptId,
+        resolution: Resolution,
+        plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
+    ) -> Result<Result<(Settled, Vec<OutboxMessage>), Refusal>> {
+        let Some((status, job_id, job_status)) = sqlx::query_as::<_, (String, Uuid, String)>(
+            "SELECT a.status, a.job_id, j.status FROM attempts a JOIN jobs j ON j.id = a.job_id WHERE a.id = $1",
+        )
+        .bind(attempt.0)
+        .fetch_optional(&self.pool)
+        .await?
+        else {
+            return Ok(Err(Refusal::NotFound(format!("attempt {attempt}"))));
+        };
+        let status: AttemptStatus = status.parse().map_err(corrupt)?;
+        let job_status: JobStatus = job_status.parse().map_err(corrupt)?;
+        if status.is_terminal() {
+            return Ok(Err(Refusal::Terminal(format!(
+                "attempt {attempt} is already {status}: a terminal attempt cannot be resolved"
+            ))));
+        }
+        if job_status.is_terminal() {
+            return Ok(Err(Refusal::Terminal(format!(
+                "job {job_id} is already {job_status}: a terminal job never changes"
+            ))));
+        }
+        let result = match resolution {
+            Resolution::Failed => {
+                self.retrying(|| async {
+                    let mut tx = self.pool.begin().await?;
+                    let failure = Failure {
+                        attempt_id: attempt,
+                        error: "resolved_failed: an operator resolved this attempt as failed".into(),
+                        retryable: true,
+                        usage: None,
+                        request_id: None,
+                    };
+                    let (mut outcomes, drafts) = self
+                        .settle_failures(&mut tx, &[failure], &["queued", "started", "unknown"], plan, true)
+                        .await?;
+                    let publish = self.insert_outbox(&mut tx, &drafts).await?;
+                    tx.commit().await?;
+                    Ok(outcomes.pop().map(|(_, s)| (s, publish)))
+                })
+                .await?
+            }
+            Resolution::Cancelled => {
+                self.retrying(|| async {
+                    let mut tx = self.pool.begin().await?;
+                    let rows = sqlx::query(
+                        "WITH target AS (
+                             UPDATE attempts SET status = 'cancelled', finished_at = now(),
+                                    error = 'cancelled: an operator resolved this attempt as cancelled'
+                             WHERE id = $1 AND status IN ('queued', 'started', 'unknown')
+                             RETURNING job_id
+                         ), siblings AS (
+                             UPDATE attempts a SET status = 'cancelled', finished_at = now(),
+                                    error = 'cancelled: its job was cancelled'
+                             FROM target t
+                             WHERE a.job_id = t.job_id AND a.id <> $1
+                               AND a.status IN ('queued', 'started', 'unknown')
+                         )
+                         UPDATE jobs j
+                         SET status = 'cancelled', version = j.version + 1, updated_at = now(),
+                             error = 'cancelled: attempt ' || $1::text || ' was resolved as cancelled by an operator'
+                         FROM target t
+                         WHERE j.id = t.job_id AND j.status IN ('queued', 'running', 'unknown')
+                         RETURNING j.id, j.version, j.owner_id, j.idempotency_key, j.operation,
+                                   j.status, j.completed_by, j.result, j.error",
+                    )
+                    .bind(attempt.0)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                    let Some(row) = rows.first() else {
+                        return Ok(None);
+                    };
+                    let draft = Ended::from_row(row)?.draft(&self.routes);
+                    let publish = self.insert_outbox(&mut tx, &[draft]).await?;
+                    tx.commit().await?;
+                    Ok(Some((Settled::Stale, publish)))
+                })
+                .await?
+            }
+        };
+        Ok(result.ok_or_else(|| {
+            Refusal::Terminal(format!("attempt {attempt} changed while it was being resolved; look again"))
+        }))
+    }
+
+    /// Takes due outbox rows whose lease is free (or over) for this publisher.
+    /// `SKIP LOCKED` lets several relays share the table without waiting.
+    pub async fn claim_outbox(&self, limit: i64) -> Result<Vec<OutboxMessage>> {
+        let rows = sqlx::query(
+            "UPDATE outbox SET lease_until = now() + make_interval(secs => $2)
+             WHERE id IN (
+                 SELECT id FROM outbox
+                 WHERE published_at IS NULL AND not_before <= now()
+                   AND (lease_until IS NULL OR lease_until < now())
+                 ORDER BY id
+                 LIMIT $1
+                 FOR UPDATE SKIP LOCKED)
+             RETURNING id, exchange, routing_key, message_id, body",
+        )
+        .bind(limit)
+        .bind(self.routes.lease.as_secs_f64())
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(outbox_message).collect()
+    }
+
+    /// Marks outbox rows as published (after the broker confirmed them).
+    pub async fn mark_published(&self, ids: &[i64]) -> Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        sqlx::query("UPDATE outbox SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL")
+            .bind(ids)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Started attempts silent past their deadline plus `grace` lost their worker:
+    /// they and their jobs become `unknown` (never `failed`: the provider may still
+    /// be working).
+    pub async fn expire_vanished(&self, grace: Duration) -> Result<Vec<AttemptId>> {
+        let ids: Vec<(Uuid,)> = sqlx::query_as(
+            "WITH vanished AS (
+                 UPDATE attempts
+                 SET status = 'unknown',
+                     error = 'worker_vanished: no outcome by the deadline plus the grace period'
+                 WHERE id IN (SELECT id FROM attempts
+                              WHERE status = 'started' AND deadline_at + make_interval(secs => $1) < now()
+                              ORDER BY id FOR UPDATE SKIP LOCKED)
+                 RETURNING id, job_id
+             ), jobs_unknown AS (
+                 UPDATE jobs j SET status = 'unknown', updated_at = now()
+                 FROM vanished v WHERE j.id = v.job_id AND j.status = 'running'
+             )
+             SELECT id FROM vanished",
+        )
+        .bind(grace.as_secs_f64())
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(ids.into_iter().map(|(id,)| AttemptId(id)).collect())
+    }
+
+    /// Prometheus gauges read from the tables: jobs and attempts by status, the
+    /// oldest `unknown` attempt's age (alert on it: only a person or late evidence
+    /// resolves an unknown), and the outbox backlog.
+    pub async fn gauges(&self) -> Result<String> {
+        let jobs: Vec<(String, i64)> = sqlx::query_as("SELECT status, count(*) FROM jobs GROUP BY status")
+            .fetch_all(&self.pool)
+            .await?;
+        let attempts: Vec<(String, i64)> = sqlx::query_as("SELECT status, count(*) FROM attempts GROUP BY status")
+            .fetch_all(&self.pool)
+            .await?;
+        let (oldest_unknown, backlog): (Option<f64>, i64) = sqlx::query_as(
+            "SELECT (SELECT extract(epoch FROM now() - min(COALESCE(started_at, created_at)))::float8
+                     FROM attempts WHERE status = 'unknown'),
+                    (SELECT count(*) FROM outbox WHERE published_at IS NULL)",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        let mut out = String::new();
+        out.push_str("# TYPE onejob_jobs gauge\n");
+        for s in JobStatus::ALL {
+            let n = jobs.iter().find(|(k, _)| k == s.as_str()).map_or(0, |(_, n)| *n);
+            out.push_str(&format!("onejob_jobs{{status=\"{s}\"}} {n}\n"));
+        }
+        out.push_str("# TYPE onejob_attempts gauge\n");
+        for s in AttemptStatus::ALL {
+            let n = attempts.iter().find(|(k, _)| k == s.as_str()).map_or(0, |(_, n)| *n);
+            out.push_str(&format!("onejob_attempts{{status=\"{s}\"}} {n}\n"));
+        }
+        out.push_str("# TYPE onejob_oldest_unknown_attempt_seconds gauge\n");
+        out.push_str(&format!("onejob_oldest_unknown_attempt_seconds {}\n", oldest_unknown.unwrap_or(0.0)));
+        out.push_str("# TYPE onejob_outbox_unpublished gauge\n");
+        out.push_str(&format!("onejob_outbox_unpublished {backlog}\n"));
+        Ok(out)
+    }
+
+    /// The job an attempt belongs to.
+    pub async fn attempt_job(&self, attempt: AttemptId) -> Result<Option<JobId>> {
+        let row: Option<(Uuid,)> = sqlx::query_as("SELECT job_id FROM attempts WHERE id = $1")
+            .bind(attempt.0)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.map(|(id,)| JobId(id)))
+    }
+
+    /// A job with its attempts.
+    pub async fn job(&self, id: JobId) -> Result<Option<JobView>> {
+        let row = sqlx::query("SELECT * FROM jobs WHERE id = $1")
+            .bind(id.0)
+            .fetch_optional(&self.pool)
+            .await?;
+        self.view(row).await
+    }
+
+    /// The job with this identity, if any.
+    pub async fn find_job(&self, owner_id: &str, idempotency_key: &str) -> Result<Option<JobView>> {
+        let row = sqlx::query("SELECT * FROM jobs WHERE owner_id = $1 AND idempotency_key = $2")
+            .bind(owner_id)
+            .bind(idempotency_key)
+            .fetch_optional(&self.pool)
+            .await?;
+        self.view(row).await
+    }
+
+    async fn view(&self, row: Option<sqlx::postgres::PgRow>) -> Result<Option<JobView>> {
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let id: Uuid = row.try_get("id")?;
+        let attempts = sqlx::query("SELECT * FROM attempts WHERE job_id = $1 ORDER BY number")
+            .bind(id)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|a| {
+                Ok(AttemptView {
+                    id: AttemptId(a.try_get("id")?),
+                    job_id: JobId(a.try_get("job_id")?),
+                    number: a.try_get("number")?,
+                    provider: a.try_get("provider")?,
+                    status: a.try_get::<String, _>("status")?.parse().map_err(corrupt)?,
+                    error: a.try_get("error")?,
+                    created_at: a.try_get("created_at")?,
+                    not_before: a.try_get("not_before")?,
+                    started_at: a.try_get("started_at")?,
+                    finished_at: a.try_get("finished_at")?,
+                    provider_request_id: a.try_get("provider_request_id")?,
+                    usage: a.try_get("usage")?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(JobView {
+            id: JobId(id),
+            owner_id: row.try_get("owner_id")?,
+            idempotency_key: row.try_get("idempotency_key")?,
+            request_fingerprint: row.try_get("request_fingerprint")?,
+            operation: row.try_get("operation")?,
+            input: row.try_get("input")?,
+            provider: row.try_get("provider")?,
+            status: row.try_get::<String, _>("status")?.parse().map_err(corrupt)?,
+            version: row.try_get("version")?,
+            completed_by: row.try_get::<Option<Uuid>, _>("completed_by")?.map(AttemptId),
+            result: row.try_get("result")?,
+            error: row.try_get("error")?,
+            created_at: row.try_get("created_at")?,
+            updated_at: row.try_get("updated_at")?,
+            attempts,
+        }))
+    }
+}
+
+/// One definite failure to settle.
+struct Failure {
+    attempt_id: AttemptId,
+    error: String,
+    retryable: bool,
+    usage: Option<Value>,
+    request_id: Option<String>,
+}
+
+async fn mark_unknown(tx: &mut PgConnection, unknowns: &[(AttemptId, String)]) -> Result<BTreeSet<AttemptId>> {
+    let ids: Vec<(Uuid,)> = sqlx::query_as(
+        "WITH marked AS (
+             UPDATE attempts a SET status = 'unknown', error = i.error
+             FROM unnest($1::uuid[], $2::text[]) AS i(attempt_id, error)
+             WHERE a.id = i.attempt_id AND a.status = 'started'
+             RETURNING a.id, a.job_id
+         ), jobs_unknown AS (
+             UPDATE jobs j SET status = 'unknown', updated_at = now()
+             FROM (SELECT DISTINCT job_id FROM marked) m
+             WHERE j.id = m.job_id AND j.status = 'running'
+         )
+         SELECT id FROM marked",
+    )
+    .bind(unknowns.iter().map(|u| u.0.0).collect::<Vec<_>>())
+    .bind(unknowns.iter().map(|u| u.1.clone()).collect::<Vec<_>>())
+    .fetch_all(&mut *tx)
+    .await?;
+    Ok(ids.into_iter().map(|(id,)| AttemptId(id)).collect())
+}
+
+fn outbox_message(row: &sqlx::postgres::PgRow) -> Result<OutboxMessage> {
+    Ok(OutboxMessage {
+        id: row.try_get("id")?,
+        exchange: row.try_get("exchange")?,
+        routing_key: row.try_get("routing_key")?,
+        message_id: row.try_get("message_id")?,
+        body: row.try_get("body")?,
+    })
+}

@@ -1,0 +1,365 @@
+//! The worker pod: connects to Postgres and RabbitMQ, applies migrations, declares
+//! the topology, and runs the requested roles until shutdown.
+//!
+//! Every role follows one rule: ack a delivery only after what it caused is
+//! committed and, for publishes, confirmed. A crash at any instant then means a
+//! redelivery, which the database turns into a no-op.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+use futures_util::future::join_all;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Connection, message::Delivery};
+
+use crate::broker::{self, BrokerError, Publisher};
+use crate::config::Config;
+use crate::shutdown::Shutdown;
+use crate::store::{OutboxMessage, Routes, Store, StoreError};
+
+/// A role the worker can run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Consume intents and turn them into jobs.
+    Intake,
+    /// Consume one provider's attempts and call it.
+    Attempts(String),
+    /// Relay the outbox and declare vanished workers' attempts unknown.
+    Reconciler,
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Role::Intake => f.write_str("intake"),
+            Role::Attempts(p) => write!(f, "attempts({p})"),
+            Role::Reconciler => f.write_str("reconciler"),
+        }
+    }
+}
+
+/// A worker failure.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// Postgres.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// RabbitMQ.
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+    /// The AMQP client.
+    #[error("amqp: {0}")]
+    Amqp(#[from] lapin::Error),
+    /// A role names a provider that is not configured.
+    #[error("--provider {0:?} is not a configured provider")]
+    UnknownProvider(String),
+    /// A role stopped on its own.
+    #[error("role {0} stopped unexpectedly: {1}")]
+    RoleStopped(String, String),
+}
+
+/// Result alias for the worker.
+pub type Result<T, E = WorkerError> = std::result::Result<T, E>;
+
+/// Everything the roles share.
+#[derive(Clone, Debug)]
+pub struct Context {
+    /// The configuration.
+    pub config: Arc<Config>,
+    /// Postgres.
+    pub store: Store,
+    /// The AMQP connection.
+    pub connection: Arc<Connection>,
+    /// A confirm-mode channel for everything the roles publish.
+    pub publisher: Publisher,
+}
+
+/// The outbox routes for a configuration.
+pub fn routes(config: &Config) -> Routes {
+    Routes {
+        work_exchange: broker::EXCHANGE.to_owned(),
+        events_exchange: broker::EVENTS.to_owned(),
+        lease: config.worker.outbox_lease,
+    }
+}
+
+impl Context {
+    /// Connects everything, applies migrations and declares the topology.
+    pub async fn connect(config: Arc<Config>, database_url: &str, amqp_url: &str) -> Result<Context> {
+        let store = Store::connect(database_url, 8, routes(&config)).await?;
+        store.migrate().await?;
+        let connection = broker::connect(amqp_url).await.map_err(|e| {
+            tracing::error!(url = %broker::redact_url(amqp_url), error = %e, "cannot connect to RabbitMQ");
+            e
+        })?;
+        broker::declare_topology(&connection, &config.provider_names(), config.worker.delivery_limit).await?;
+        let publisher = Publisher::open(&connection).await?;
+        Ok(Context {
+            config,
+            store,
+            connection: Arc::new(connection),
+            publisher,
+        })
+    }
+
+    /// Publishes outbox rows with confirms, then marks them published.
+    pub async fn publish_outbox(&self, messages: &[OutboxMessage]) -> Result<()> {
+        publish_outbox(&self.publisher, &self.store, messages).await
+    }
+
+    /// Copies a delivery to its queue's dead-letter queue with a reason, and waits
+    /// for the confirm. The caller acks the original afterwards, never before.
+    pub async fn publish_dead_letter(&self, queue: &str, delivery: &Delivery, reason: &str) -> Result<()> {
+        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        headers.insert(broker::ERROR_HEADER.into(), AMQPValue::LongString(LongString::from(reason)));
+        headers.insert(
+            "x-onejob-original-exchange".into(),
+            AMQPValue::LongString(LongString::from(delivery.exchange.as_str())),
+        );
+        headers.insert(
+            "x-onejob-original-routing-key".into(),
+            AMQPValue::LongString(LongString::from(delivery.routing_key.as_str())),
+        );
+        let props = delivery.properties.clone().with_headers(headers).with_delivery_mode(2);
+        self.publisher
+            .publish(broker::DLX, queue, &delivery.data, props, true)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Publishes outbox rows with confirms, then marks them published. A row whose
+/// publish failed stays for the relay once its lease runs out.
+pub async fn publish_outbox(publisher: &Publisher, store: &Store, messages: &[OutboxMessage]) -> Result<()> {
+    if messages.is_empty() {
+        return Ok(());
+    }
+    let results = join_all(messages.iter().map(|m| async move {
+        let body = serde_json::to_vec(&m.body).unwrap_or_default();
+        let props = broker::json_properties().with_message_id(broker::short(&m.message_id)?);
+        // Attempt messages must reach a queue; events may have no subscriber yet.
+        let mandatory = m.exchange == broker::EXCHANGE;
+        publisher
+            .publish(&m.exchange, &m.routing_key, &body, props, mandatory)
+            .await
+            .map(|()| m.id)
+    }))
+    .await;
+    let mut published = Vec::with_capacity(results.len());
+    let mut first_error = None;
+    for r in results {
+        match r {
+            Ok(id) => published.push(id),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    store.mark_published(&published).await?;
+    match first_error {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
+    }
+}
+
+/// Acks a delivery, treating a closed channel as an error (lapin returns
+/// `Ok(false)` then, and the broker will redeliver).
+pub async fn ack(delivery: &Delivery) -> Result<()> {
+    if !delivery.acker.ack(BasicAckOptions::default()).await? {
+        tracing::warn!(delivery_tag = delivery.delivery_tag, "ack not sent: channel closed; the broker will redeliver");
+    }
+    Ok(())
+}
+
+/// Returns a delivery to its queue for another try.
+pub async fn requeue(delivery: &Delivery) {
+    let options = BasicNackOptions {
+        requeue: true,
+        ..BasicNackOptions::default()
+    };
+    match delivery.acker.nack(options).await {
+        Ok(true) => {}
+        Ok(false) => tracing::warn!("nack not sent: channel closed; the broker will redeliver"),
+        Err(e) => tracing::warn!(error = %e, "nack failed; the broker will redeliver"),
+    }
+}
+
+/// Retries `f` with backoff for up to about a minute (a database or broker
+/// restart), so transient outages do not burn a message's delivery count.
+pub async fn with_retries<T, F, Fut>(what: &str, f: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    f.retry(
+        ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(100))
+            .with_max_delay(Duration::from_secs(5))
+            .with_max_times(15)
+            .with_jitter(),
+    )
+    .notify(|e, d| tracing::warn!(error = %e, retry_in = ?d, "{what} failed; retrying"))
+    .await
+}
+
+/// Consumes `queue` with at most `prefetch` unacked deliveries, running `handle`
+/// on each in its own task. On shutdown it stops taking deliveries, waits up to
+/// the grace period for those in flight, and leaves the rest to redelivery.
+pub async fn consume<H, Fut>(ctx: &Context, queue: &str, prefetch: u16, shutdown: &Shutdown, handle: H) -> Result<()>
+where
+    H: Fn(Delivery) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    use futures_util::StreamExt;
+    use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+
+    let channel = ctx.connection.create_channel().await?;
+    channel.basic_qos(prefetch, BasicQosOptions::default()).await?;
+    let mut consumer = channel
+        .basic_consume(broker::short(queue)?, "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await?;
+    let mut in_flight = tokio::task::JoinSet::new();
+    let outcome = loop {
+        tokio::select! {
+            () = shutdown.wait() => break Ok(()),
+            next = consumer.next() => match next {
+                Some(Ok(delivery)) => {
+                    in_flight.spawn(handle(delivery));
+                }
+                Some(Err(e)) => break Err(WorkerError::Amqp(e)),
+                None => break Err(WorkerError::RoleStopped(queue.to_owned(), "the broker cancelled the consumer".into())),
+            },
+            Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
+        }
+    };
+    let _ = channel
+        .basic_cancel(consumer.tag(), BasicCancelOptions::default())
+        .await;
+    let grace = ctx.config.worker.shutdown_grace;
+    let drained = tokio::time::timeout(grace, async {
+        while in_flight.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(queue, remaining = in_flight.len(), "shutdown grace over; unfinished deliveries go back to the queue");
+        in_flight.shutdown().await;
+    }
+    let _ = channel.close(200, "worker stopping".into()).await;
+    outcome
+}
+
+/// Runs the roles until `shutdown` is triggered or one of them fails. With no
+/// roles, runs all of them.
+pub async fn run(ctx: Context, roles: Vec<Role>, shutdown: Shutdown) -> Result<()> {
+    let roles = if roles.is_empty() {
+        let mut all = vec![Role::Intake];
+        all.extend(ctx.config.providers.keys().map(|p| Role::Attempts(p.clone())));
+        all.push(Role::Reconciler);
+        all
+    } else {
+        roles
+    };
+    for role in &roles {
+        if let Role::Attempts(p) = role
+            && !ctx.config.providers.contains_key(p)
+        {
+            return Err(WorkerError::UnknownProvider(p.clone()));
+        }
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for role in roles {
+        let ctx = ctx.clone();
+        let shutdown = shutdown.clone();
+        tracing::info!(%role, "starting role");
+        tasks.spawn(async move {
+            let name = role.to_string();
+            let result = match role {
+                Role::Intake => crate::intake::run(ctx, shutdown).await,
+                Role::Attempts(p) => crate::attempts::run(ctx, p, shutdown).await,
+                Role::Reconciler => crate::reconciler::run(ctx, shutdown).await,
+            };
+            (name, result)
+        });
+    }
+    let mut failure = None;
+    while let Some(joined) = tasks.join_next().await {
+        let (name, result) = match joined {
+            Ok(r) => r,
+            Err(e) => ("unknown".to_owned(), Err(WorkerError::RoleStopped("task".into(), e.to_string()))),
+        };
+        match result {
+            Ok(()) if shutdown.is_triggered() => tracing::info!(role = %name, "role stopped"),
+            Ok(()) => {
+                failure.get_or_insert(WorkerError::RoleStopped(name, "its consumer ended".into()));
+                shutdown.trigger();
+            }
+            Err(e) => {
+                tracing::error!(role = %name, error = %e, "role failed; stopping the worker");
+                failure.get_or_insert(e);
+                shutdown.trigger();
+            }
+        }
+    }
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Headers for messages onejob dead-letters itself, for tests and the CLI.
+pub fn header_str(headers: &FieldTable, name: &str) -> Option<String> {
+    match headers.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
+    }
+}
+
+/// Watches the AMQP connection. Automatic recovery handles short outages; once it
+/// gives up (the connection is closed or errored for good), this returns, and the
+/// worker must exit non-zero so that its orchestrator restarts it.
+pub async fn supervise_connection(connection: Arc<Connection>, shutdown: Shutdown) -> Result<()> {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            () = shutdown.wait() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        let status = connection.status();
+        if status.errored() || status.closed() {
+            return Err(WorkerError::RoleStopped(
+                "amqp connection".into(),
+                "RabbitMQ connection lost and automatic recovery gave up".into(),
+            ));
+        }
+    }
+}
+
+/// `/healthz` (the process is up), `/readyz` (Postgres answers and the AMQP
+/// connection is connected) and `/metrics` (Prometheus text).
+pub fn health_router(ctx: Context) -> axum::Router {
+    use axum::http::StatusCode;
+    use axum::routing::get;
+
+    async fn ready(axum::extract::State(ctx): axum::extract::State<Context>) -> (StatusCode, String) {
+        let db = sqlx::query("SELECT 1").execute(ctx.store.pool()).await.is_ok();
+        let amqp = ctx.connection.status().connected();
+        let body = format!("postgres: {}\nrabbitmq: {}\n", if db { "ok" } else { "down" }, if amqp { "ok" } else { "down" });
+        (if db && amqp { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, body)
+    }
+
+    async fn metrics(axum::extract::State(ctx): axum::extract::State<Context>) -> (StatusCode, String) {
+        match ctx.store.gauges().await {
+            Ok(g) => (StatusCode::OK, g),
+            Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("# database unavailable: {e}\n")),
+        }
+    }
+
+    axum::Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .route("/metrics", get(metrics))
+        .with_state(ctx)
+}
