@@ -42,15 +42,19 @@ CREATE TABLE attempts (
     finished_at         timestamptz NULL,
     provider_request_id text        NULL,
     usage               jsonb       NULL,
+    lane                smallint    NOT NULL DEFAULT 0 CHECK (lane IN (0, 1)),
     CONSTRAINT attempts_number UNIQUE (job_id, number)
 );
+
+COMMENT ON COLUMN attempts.lane IS '0: the main line of attempts; 1: a hedge started beside it (hedge_after)';
 
 COMMENT ON COLUMN attempts.not_before IS 'the attempt is not published before this time (retry backoff, persisted)';
 COMMENT ON COLUMN attempts.deadline_at IS 'started_at + the provider timeout; past it plus a grace the reconciler declares the worker vanished';
 
--- Invariants 2 and 3: while one attempt of a job is queued, started or unknown, no
--- other may be created.
-CREATE UNIQUE INDEX attempts_one_open_per_job ON attempts (job_id)
+-- Invariants 2 and 3: at most one open (queued, started or unknown) attempt per
+-- job and lane. Only a hedge uses lane 1, so without hedge_after a job has at most
+-- one open attempt, and with it never more than two.
+CREATE UNIQUE INDEX attempts_one_open_per_lane ON attempts (job_id, lane)
     WHERE status IN ('queued', 'started', 'unknown');
 
 CREATE INDEX attempts_started_deadline ON attempts (deadline_at) WHERE status = 'started';

@@ -20,7 +20,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
@@ -78,7 +78,7 @@ impl Stats {
 
 #[derive(Clone)]
 struct AppState {
-    options: Arc<MockOptions>,
+    options: Arc<RwLock<MockOptions>>,
     stats: Arc<Stats>,
 }
 
@@ -89,6 +89,7 @@ pub struct MockHandle {
     pub addr: SocketAddr,
     /// What it has seen.
     pub stats: Arc<Stats>,
+    options: Arc<RwLock<MockOptions>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -96,6 +97,13 @@ impl MockHandle {
     /// The base URL to configure a provider with.
     pub fn base_url(&self) -> String {
         format!("http://{}/v1", self.addr)
+    }
+
+    /// Changes its server-wide behaviour from now on.
+    pub fn configure(&self, change: impl FnOnce(&mut MockOptions)) {
+        if let Ok(mut o) = self.options.write() {
+            change(&mut o);
+        }
     }
 }
 
@@ -110,24 +118,27 @@ pub async fn start(addr: SocketAddr, options: MockOptions) -> std::io::Result<Mo
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let addr = listener.local_addr()?;
     let stats = Arc::new(Stats::default());
-    let app = router(options, stats.clone());
+    let options = Arc::new(RwLock::new(options));
+    let app = router(options.clone(), stats.clone());
     let task = tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!(error = %e, "mock provider stopped");
         }
     });
-    Ok(MockHandle { addr, stats, task })
+    Ok(MockHandle {
+        addr,
+        stats,
+        options,
+        task,
+    })
 }
 
 /// The mock's routes.
-pub fn router(options: MockOptions, stats: Arc<Stats>) -> Router {
+fn router(options: Arc<RwLock<MockOptions>>, stats: Arc<Stats>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(complete))
         .route("/_mock/stats", get(stats_handler))
-        .with_state(AppState {
-            options: Arc::new(options),
-            stats,
-        })
+        .with_state(AppState { options, stats })
 }
 
 async fn stats_handler(State(state): State<AppState>) -> Json<Value> {
@@ -206,7 +217,7 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
         .collect::<Vec<_>>()
         .join("\n");
     let d = directives(&text);
-    let options = &state.options;
+    let options = state.options.read().map(|o| o.clone()).unwrap_or_default();
     let (jitter_ms, fail) = {
         let mut rng = rand::rng();
         let jitter_ms = match options.jitter.as_millis() {

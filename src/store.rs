@@ -71,8 +71,8 @@ pub struct OutboxDraft {
     pub message_id: String,
     /// The JSON body.
     pub body: Value,
-    /// Not published before this time.
-    pub not_before: DateTime<Utc>,
+    /// Not published before this time; `None` publishes at once, by the writer.
+    pub not_before: Option<DateTime<Utc>>,
 }
 
 /// An outbox row this process holds the lease on and should publish now.
@@ -349,7 +349,7 @@ pub struct Routes {
 }
 
 impl Routes {
-    fn attempt_draft(&self, attempt: AttemptId, job: JobId, provider: &str, not_before: DateTime<Utc>) -> OutboxDraft {
+    fn attempt_draft(&self, attempt: AttemptId, job: JobId, provider: &str, not_before: Option<DateTime<Utc>>) -> OutboxDraft {
         OutboxDraft {
             exchange: self.work_exchange.clone(),
             routing_key: crate::broker::attempts_routing_key(provider),
@@ -365,7 +365,7 @@ impl Routes {
             routing_key: event.kind.to_owned(),
             message_id: event.event_id.clone(),
             body: serde_json::to_value(event).unwrap_or(Value::Null),
-            not_before: event.occurred_at,
+            not_before: None,
         }
     }
 }
@@ -493,8 +493,8 @@ impl Store {
         }
         let rows = sqlx::query(
             "INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, lease_until)
-             SELECT d.exchange, d.routing_key, d.message_id, d.body, d.not_before,
-                    CASE WHEN d.not_before <= now() THEN now() + make_interval(secs => $6) END
+             SELECT d.exchange, d.routing_key, d.message_id, d.body, COALESCE(d.not_before, now()),
+                    CASE WHEN d.not_before IS NULL THEN now() + make_interval(secs => $6) END
              FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[])
                   AS d(exchange, routing_key, message_id, body, not_before)
              RETURNING id, exchange, routing_key, message_id, body, lease_until IS NOT NULL AS leased",
@@ -507,8 +507,8 @@ impl Store {
         .bind(self.routes.lease.as_secs_f64())
         .fetch_all(&mut *conn)
         .await?;
-        // Only rows due now are handed back for immediate publishing; the relay
-        // publishes the others when they fall due.
+        // Rows without a not-before time are leased to this writer and handed back
+        // for immediate publishing; the relay publishes the others when due.
         rows.iter()
             .filter(|r| r.get::<bool, _>("leased"))
             .map(outbox_message)
@@ -555,19 +555,23 @@ impl Store {
         .fetch_all(&mut *tx)
         .await?;
 
-        let now = Utc::now();
         let drafts: Vec<OutboxDraft> = created
             .iter()
-            .map(|(job, attempt, provider)| {
-                self.routes.attempt_draft(AttemptId(*attempt), JobId(*job), provider, now)
-            })
+            .map(|(job, attempt, provider)| self.routes.attempt_draft(AttemptId(*attempt), JobId(*job), provider, None))
             .collect();
-        let published = self.insert_outbox(&mut tx, &drafts).await?;
-        let mut publish_by_job: HashMap<Uuid, OutboxMessage> = created
-            .iter()
-            .map(|(job, _, _)| *job)
-            .zip(published)
+        let mut publish_by_attempt: HashMap<String, OutboxMessage> = self
+            .insert_outbox(&mut tx, &drafts)
+            .await?
+            .into_iter()
+            .map(|m| (m.message_id.clone(), m))
             .collect();
+        let mut publish_by_job: HashMap<Uuid, OutboxMessage> = HashMap::new();
+        for (job, attempt, _) in &created {
+            let message = publish_by_attempt
+                .remove(&attempt.to_string())
+                .ok_or_else(|| corrupt(format!("no outbox row for attempt {attempt}")))?;
+            publish_by_job.insert(*job, message);
+        }
 
         // A separate statement takes a fresh snapshot, so it sees rows that a
         // concurrent transaction committed while our INSERT waited on the conflict.
@@ -965,7 +969,8 @@ impl Store {
             .execute(&mut *tx)
             .await?;
             for (id, job, _, provider, not_before) in &next_attempts {
-                drafts.push(self.routes.attempt_draft(AttemptId(*id), JobId(*job), provider, *not_before));
+                let at = if immediate { None } else { Some(*not_before) };
+                drafts.push(self.routes.attempt_draft(AttemptId(*id), JobId(*job), provider, at));
             }
         }
         let mut failed_jobs = BTreeSet::new();
@@ -1185,6 +1190,42 @@ impl Store {
         out.push_str("# TYPE onejob_outbox_unpublished gauge\n");
         out.push_str(&format!("onejob_outbox_unpublished {backlog}\n"));
         Ok(out)
+    }
+
+    /// Starts a hedge: one parallel attempt on `provider` beside a job's running
+    /// attempt. Guarded in one statement under the job's row lock: the job must be
+    /// `running` with exactly one open attempt, `started`, in the main lane, and no
+    /// attempt `unknown`. Returns the new attempt and its message to publish, or
+    /// `None` when the guard refused.
+    pub async fn hedge(&self, job: JobId, provider: &str) -> Result<Option<(AttemptId, Vec<OutboxMessage>)>> {
+        let id = AttemptId::new();
+        let mut tx = self.pool.begin().await?;
+        let locked: Option<(String,)> = sqlx::query_as("SELECT status FROM jobs WHERE id = $1 FOR UPDATE")
+            .bind(job.0)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if !matches!(locked, Some((ref s,)) if s == "running") {
+            return Ok(None);
+        }
+        let inserted = sqlx::query(
+            "INSERT INTO attempts (id, job_id, number, provider, lane)
+             SELECT $1, $2, max(number) + 1, $3, 1 FROM attempts WHERE job_id = $2
+             HAVING count(*) FILTER (WHERE status IN ('queued', 'unknown')) = 0
+                AND count(*) FILTER (WHERE status = 'started' AND lane = 0) = 1
+                AND count(*) FILTER (WHERE lane = 1 AND status IN ('queued', 'started', 'unknown')) = 0",
+        )
+        .bind(id.0)
+        .bind(job.0)
+        .bind(provider)
+        .execute(&mut *tx)
+        .await?;
+        if inserted.rows_affected() == 0 {
+            return Ok(None);
+        }
+        let draft = self.routes.attempt_draft(id, job, provider, None);
+        let publish = self.insert_outbox(&mut tx, &[draft]).await?;
+        tx.commit().await?;
+        Ok(Some((id, publish)))
     }
 
     /// The job an attempt belongs to.

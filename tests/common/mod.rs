@@ -1,0 +1,301 @@
+//! Shared harness for the black-box tests: each test gets a fresh Postgres database
+//! and a fresh RabbitMQ vhost on the real services, removed again when it ends
+//! (even when it panics), so tests run in parallel and leave nothing behind.
+//! Only the AI provider is simulated, by the bundled mock over real HTTP.
+
+#![allow(dead_code, unreachable_pub, missing_docs)]
+
+use std::future::Future;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use onejob::config::Config;
+use onejob::mock::{MockHandle, MockOptions};
+use onejob::shutdown::Shutdown;
+use onejob::store::Store;
+use onejob::worker::{self, Context, Role};
+use sqlx::{Connection, Executor, PgConnection};
+
+/// The Postgres server, without a database name.
+pub fn pg_base() -> String {
+    std::env::var("ONEJOB_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+}
+
+/// The RabbitMQ server, without a vhost.
+pub fn amqp_base() -> String {
+    std::env::var("ONEJOB_TEST_AMQP").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672".into())
+}
+
+fn rabbitmqctl(args: &[&str]) {
+    let out = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("rabbitmqctl must be on PATH to create test vhosts");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// One test's private database and vhost.
+pub struct TestEnv {
+    pub name: String,
+    pub database_url: String,
+    pub amqp_url: String,
+    pub store: Store,
+}
+
+impl TestEnv {
+    /// Creates the database (migrated) and the vhost.
+    pub async fn new(config: &Config) -> TestEnv {
+        let name = format!("onejob_t_{}", uuid::Uuid::now_v7().simple());
+        let mut admin = PgConnection::connect(&format!("{}/postgres", pg_base()))
+            .await
+            .expect("Postgres must be reachable for tests");
+        admin
+            .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .expect("create test database");
+        admin.close().await.ok();
+        rabbitmqctl(&["add_vhost", &name]);
+        rabbitmqctl(&["set_permissions", "-p", &name, "guest", ".*", ".*", ".*"]);
+        let database_url = format!("{}/{name}", pg_base());
+        let amqp_url = format!("{}/{name}", amqp_base());
+        let store = Store::connect(&database_url, 16, worker::routes(config))
+            .await
+            .expect("connect test database");
+        store.migrate().await.expect("migrate test database");
+        TestEnv {
+            name,
+            database_url,
+            amqp_url,
+            store,
+        }
+    }
+
+    /// Connects a worker context (migrations, topology, publisher) to this env.
+    pub async fn context(&self, config: Arc<Config>) -> Context {
+        Context::connect(config, &self.database_url, &self.amqp_url)
+            .await
+            .expect("worker context")
+    }
+
+    /// Starts the roles in-process.
+    pub async fn fleet(&self, config: Arc<Config>, roles: Vec<Role>) -> Fleet {
+        let ctx = self.context(config).await;
+        let shutdown = Shutdown::new();
+        let task = tokio::spawn(worker::run(ctx.clone(), roles, shutdown.clone()));
+        Fleet { ctx, shutdown, task }
+    }
+
+    /// Runs the operator CLI binary against this env.
+    pub fn cli(&self, config_path: &std::path::Path, args: &[&str]) -> std::process::Output {
+        Command::new(env!("CARGO_BIN_EXE_onejob"))
+            .args(args)
+            .env("DATABASE_URL", &self.database_url)
+            .env("AMQP_URL", &self.amqp_url)
+            .env("ONEJOB_CONFIG", config_path)
+            .env("RUST_LOG", "warn")
+            .output()
+            .expect("run the onejob CLI")
+    }
+
+    /// A fresh AMQP connection to this env's vhost.
+    pub async fn amqp(&self) -> lapin::Connection {
+        lapin::Connection::connect(&self.amqp_url, lapin::ConnectionProperties::default())
+            .await
+            .expect("amqp connect")
+    }
+
+    /// Binds a new exclusive queue to the events exchange, to watch events.
+    pub async fn watch_events(&self, conn: &lapin::Connection) -> (lapin::Channel, String) {
+        let ch = conn.create_channel().await.expect("channel");
+        let q = ch
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("declare event watcher");
+        let name = q.name().to_string();
+        ch.queue_bind(
+            name.as_str().into(),
+            onejob::broker::EVENTS.into(),
+            "job.#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind event watcher");
+        (ch, name)
+    }
+
+    /// Every message now in `queue`, taken off it.
+    pub async fn drain(&self, ch: &lapin::Channel, queue: &str) -> Vec<lapin::message::Delivery> {
+        let mut out = Vec::new();
+        while let Some(m) = ch
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await
+            .expect("basic_get")
+        {
+            out.push(m.delivery);
+        }
+        out
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        let _ = Command::new("psql")
+            .args([
+                &format!("{}/postgres", pg_base()),
+                "-q",
+                "-c",
+                &format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name),
+            ])
+            .output();
+        let _ = Command::new("rabbitmqctl").args(["delete_vhost", &self.name]).output();
+    }
+}
+
+/// Roles running in-process.
+pub struct Fleet {
+    pub ctx: Context,
+    pub shutdown: Shutdown,
+    task: tokio::task::JoinHandle<worker::Result<()>>,
+}
+
+impl Fleet {
+    /// Stops the roles and waits for them; panics if one had failed.
+    pub async fn stop(self) {
+        self.shutdown.trigger();
+        let task = self.task;
+        let result = tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("fleet stops within 30s")
+            .expect("fleet task");
+        result.expect("fleet ran without errors");
+        let _ = self.ctx.connection.close(200, "test over".into()).await;
+    }
+}
+
+/// Starts a mock provider on a free port.
+pub async fn mock(options: MockOptions) -> MockHandle {
+    onejob::mock::start("127.0.0.1:0".parse().expect("addr"), options)
+        .await
+        .expect("start mock provider")
+}
+
+/// A configuration for tests: short timeouts and backoff so conditions settle
+/// fast, the primary and (if given) fallback providers at the mocks' URLs.
+pub fn config_text(primary: &str, fallback: Option<&str>, extra: &str) -> String {
+    let mut text = format!(
+        r#"
+[worker]
+retry_backoff = "200ms"
+retry_backoff_max = "1s"
+relay_interval = "100ms"
+outbox_lease = "2s"
+vanished_grace = "1s"
+shutdown_grace = "5s"
+
+[providers.primary]
+kind = "openai"
+base_url = "{primary}"
+model = "mock-model"
+timeout = "1s"
+concurrency = 8
+"#
+    );
+    let route = match fallback {
+        Some(url) => {
+            text.push_str(&format!(
+                r#"
+[providers.fallback]
+kind = "openai"
+base_url = "{url}"
+model = "other-model"
+timeout = "1s"
+concurrency = 8
+"#
+            ));
+            r#"["primary", "fallback"]"#
+        }
+        None => r#"["primary"]"#,
+    };
+    text.push_str(&format!(
+        r#"
+[operations.summarize]
+system = "Answer with one JSON object only."
+prompt = "Summarize: {{{{ text }}}}"
+output_schema = {{ type = "object", required = ["summary"], additionalProperties = false, properties = {{ summary = {{ type = "string" }} }} }}
+route = {route}
+max_attempts = 3
+temperature = 0.0
+{extra}
+"#
+    ));
+    text
+}
+
+/// Parses a test configuration, and writes it to a file for the CLI.
+pub fn config(text: &str) -> (Arc<Config>, tempfile_path::TempConfig) {
+    let config = Config::parse(text, "test").expect("test config parses");
+    (Arc::new(config), tempfile_path::TempConfig::new(text))
+}
+
+pub mod tempfile_path {
+    /// A config file removed on drop.
+    pub struct TempConfig {
+        pub path: std::path::PathBuf,
+    }
+
+    impl TempConfig {
+        pub fn new(text: &str) -> Self {
+            let path = std::env::temp_dir().join(format!("onejob-test-{}.toml", uuid::Uuid::now_v7().simple()));
+            std::fs::write(&path, text).expect("write test config");
+            TempConfig { path }
+        }
+    }
+
+    impl Drop for TempConfig {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Polls `check` until it returns `Some`, or panics naming `what` after `limit`.
+pub async fn wait_for<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// An intent for the `summarize` operation.
+pub fn intent(owner: &str, key: &str, text: &str) -> onejob::intent::Intent {
+    onejob::intent::Intent {
+        owner_id: owner.into(),
+        idempotency_key: key.into(),
+        operation: "summarize".into(),
+        input: serde_json::json!({ "text": text }).as_object().cloned().unwrap_or_default(),
+        provider: None,
+    }
+}
