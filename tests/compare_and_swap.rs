@@ -1,0 +1,314 @@
+//! When attempts race, the compare-and-swap on the job row lets exactly one win; a
+//! late arrival is discarded whole, never merged. These tests drive the store
+//! directly, on the real Postgres, with concurrent connections.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{TestEnv, config, config_text};
+use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
+use onejob::intent::Intent;
+use onejob::store::{Admission, FailedJob, Finished, NewJob, NextStep, Settled, Started, Store, Verdict};
+use proptest::prelude::*;
+use proptest::test_runner::{Config as ProptestConfig, TestRunner};
+use serde_json::json;
+
+fn give_up(f: &FailedJob) -> NextStep {
+    NextStep::GiveUp { error: f.error.clone() }
+}
+
+/// A job whose main attempt started first and whose hedge started second.
+async fn two_started_attempts(store: &Store, key: &str) -> (JobId, Started, Started) {
+    let intent = Intent {
+        owner_id: "acct_cas".into(),
+        idempotency_key: key.into(),
+        operation: "summarize".into(),
+        input: json!({"text": key}).as_object().cloned().unwrap_or_default(),
+        provider: None,
+    };
+    let new = NewJob {
+        job_id: JobId::new(),
+        attempt_id: AttemptId::new(),
+        fingerprint: intent.fingerprint(),
+        intent,
+        provider: "primary".into(),
+    };
+    let (job_id, first) = (new.job_id, new.attempt_id);
+    let admitted = store.admit(&[new]).await.unwrap();
+    assert!(matches!(admitted[0], Admission::Created { .. }));
+    let a = store.start("primary", &[first], Duration::from_secs(30)).await.unwrap().remove(0);
+    let (hedge, _) = store.hedge(job_id, "fallback").await.unwrap().expect("hedge allowed");
+    let b = store.start("fallback", &[hedge], Duration::from_secs(30)).await.unwrap().remove(0);
+    assert_eq!((a.version, b.version), (0, 0));
+    (job_id, a, b)
+}
+
+fn finished(s: &Started, verdict: Verdict) -> Finished {
+    Finished {
+        attempt_id: s.attempt_id,
+        job_id: s.job_id,
+        version: s.version,
+        provider_request_id: Some(format!("req-{}", s.attempt_id)),
+        usage: Some(json!({"total_tokens": 10})),
+        verdict,
+    }
+}
+
+fn success(s: &Started) -> Finished {
+    finished(s, Verdict::Succeeded(json!({ "summary": s.attempt_id.to_string() })))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_later_of_two_reversed_attempts_is_discarded() {
+    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", Some("http://127.0.0.1:9/v1"), ""));
+    let env = TestEnv::new(&config).await;
+    let store = &env.store;
+    let (job_id, a, b) = two_started_attempts(store, "reverse").await;
+
+    // B started second and returns first: it wins.
+    let (settled, publish) = store.finalize(&[success(&b)], &give_up).await.unwrap();
+    assert_eq!(settled, vec![Settled::Won]);
+    assert_eq!(publish.len(), 1, "one job.succeeded event");
+    let won = store.job(job_id).await.unwrap().unwrap();
+
+    // A started first and returns last: discarded, its result never merged.
+    let (settled, publish) = store.finalize(&[success(&a)], &give_up).await.unwrap();
+    assert_eq!(settled, vec![Settled::Discarded { winner: Some(b.attempt_id) }]);
+    assert!(publish.is_empty(), "a discarded result emits no event");
+
+    let job = store.job(job_id).await.unwrap().unwrap();
+    assert_eq!(job.status, JobStatus::Succeeded);
+    assert_eq!(job.completed_by, Some(b.attempt_id));
+    assert_eq!(job.result, Some(json!({ "summary": b.attempt_id.to_string() })));
+    assert_eq!(job.version, 1);
+    assert_eq!((job.version, job.result.clone(), job.updated_at), (won.version, won.result, won.updated_at));
+    let loser = job.attempts.iter().find(|x| x.id == a.attempt_id).unwrap();
+    assert_eq!(loser.status, AttemptStatus::Discarded);
+    assert_eq!(loser.usage, Some(json!({"total_tokens": 10})), "the loser's spend stays visible");
+
+    // A redelivered success of either attempt changes nothing.
+    let (settled, _) = store.finalize(&[success(&a), success(&b)], &give_up).await.unwrap();
+    assert_eq!(settled, vec![Settled::Stale, Settled::Stale]);
+    let again = store.job(job_id).await.unwrap().unwrap();
+    assert_eq!((again.version, again.completed_by, again.updated_at), (1, Some(b.attempt_id), job.updated_at));
+
+    // The database itself refuses to change a terminal job.
+    let err = sqlx::query("UPDATE jobs SET error = 'tamper' WHERE id = $1")
+        .bind(job_id.0)
+        .execute(store.pool())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("can never change again"), "{err}");
+}
+
+/// Both attempts finish at the same moment on separate connections, 200 times:
+/// exactly one wins each time, and the job carries the winner's result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_finishers_have_exactly_one_winner() {
+    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", Some("http://127.0.0.1:9/v1"), ""));
+    let env = TestEnv::new(&config).await;
+    let store = Arc::new(env.store.clone());
+    for i in 0..200 {
+        let (job_id, a, b) = two_started_attempts(&store, &format!("race-{i}")).await;
+        let barrier = Arc::new(tokio::sync::Barrier::new(2));
+        let run = |s: Started| {
+            let store = store.clone();
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.finalize(&[success(&s)], &give_up).await.unwrap().0.remove(0)
+            })
+        };
+        let (ra, rb) = tokio::join!(run(a.clone()), run(b.clone()));
+        let (ra, rb) = (ra.unwrap(), rb.unwrap());
+        let winner = match (&ra, &rb) {
+            (Settled::Won, Settled::Discarded { winner }) => {
+                assert_eq!(*winner, Some(a.attempt_id));
+                a.attempt_id
+            }
+            (Settled::Discarded { winner }, Settled::Won) => {
+                assert_eq!(*winner, Some(b.attempt_id));
+                b.attempt_id
+            }
+            other => panic!("round {i}: expected one winner, got {other:?}"),
+        };
+        let job = store.job(job_id).await.unwrap().unwrap();
+        assert_eq!(job.completed_by, Some(winner));
+        assert_eq!(job.result, Some(json!({ "summary": winner.to_string() })));
+        assert_eq!(job.version, 1);
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Kind {
+    Success,
+    Failure,
+    Unknown,
+}
+
+#[derive(Clone, Debug)]
+struct Finisher {
+    /// 0: the main attempt, 1: the hedge.
+    attempt: usize,
+    kind: Kind,
+    delay_us: u64,
+}
+
+fn finisher() -> impl Strategy<Value = Finisher> {
+    (
+        0..2usize,
+        prop_oneof![3 => Just(Kind::Success), 1 => Just(Kind::Failure), 1 => Just(Kind::Unknown)],
+        0..1500u64,
+    )
+        .prop_map(|(attempt, kind, delay_us)| Finisher { attempt, kind, delay_us })
+}
+
+/// Thousands of random interleavings of concurrent finalizers (each attempt
+/// finishing once or several times, as redeliveries do, with any outcome, at any
+/// moment, alone or batched together): never more than one winner; exactly one
+/// whenever a success reached an open attempt; the job holds the winner's result.
+#[test]
+fn random_interleavings_never_have_two_winners() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
+    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", Some("http://127.0.0.1:9/v1"), ""));
+    let env = rt.block_on(TestEnv::new(&config));
+    let store = Arc::new(env.store.clone());
+    let cases: u32 = std::env::var("ONEJOB_CAS_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(2000);
+    let mut runner = TestRunner::new(ProptestConfig {
+        cases,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    });
+    let strategy = (prop::collection::vec(finisher(), 1..6), any::<bool>());
+    let case = std::sync::atomic::AtomicU32::new(0);
+    runner
+        .run(&strategy, |(finishers, batch_first_two)| {
+            let case = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            let store = store.clone();
+            rt.block_on(async move {
+                let (job_id, a, b) = two_started_attempts(&store, &format!("prop-{}", uuid::Uuid::now_v7())).await;
+                let attempts = [a, b];
+                let to_finished = |f: &Finisher| {
+                    let s = &attempts[f.attempt];
+                    match f.kind {
+                        Kind::Success => success(s),
+                        Kind::Failure => finished(s, Verdict::Failed { error: "boom".into(), retryable: true }),
+                        Kind::Unknown => finished(s, Verdict::Unknown { error: "timeout".into() }),
+                    }
+                };
+                // Optionally settle the first two finishers in one batch.
+                let mut calls: Vec<(u64, Vec<Finished>)> = Vec::new();
+                let mut rest = finishers.as_slice();
+                if batch_first_two && finishers.len() >= 2 && finishers[0].attempt != finishers[1].attempt {
+                    calls.push((finishers[0].delay_us, vec![to_finished(&finishers[0]), to_finished(&finishers[1])]));
+                    rest = &finishers[2..];
+                }
+                calls.extend(rest.iter().map(|f| (f.delay_us, vec![to_finished(f)])));
+
+                let tasks: Vec<_> = calls
+                    .into_iter()
+                    .map(|(delay, batch)| {
+                        let store = store.clone();
+                        tokio::spawn(async move {
+                            tokio::time::sleep(Duration::from_micros(delay)).await;
+                            let (settled, _) = store.finalize(&batch, &give_up).await.unwrap();
+                            batch.iter().map(|f| f.attempt_id).zip(settled).collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                let mut outcomes = Vec::new();
+                for t in tasks {
+                    outcomes.extend(t.await.unwrap());
+                }
+                let winners: Vec<AttemptId> = outcomes
+                    .iter()
+                    .filter(|(_, s)| *s == Settled::Won)
+                    .map(|(a, _)| *a)
+                    .collect();
+                let job = store.job(job_id).await.unwrap().unwrap();
+                let ctx = format!("case {case}: {finishers:?} batch={batch_first_two} outcomes={outcomes:?} job={:?}/{:?}", job.status, job.completed_by);
+                assert!(winners.len() <= 1, "{ctx}");
+                match winners.first() {
+                    Some(w) => {
+                        assert_eq!(job.status, JobStatus::Succeeded, "{ctx}");
+                        assert_eq!(job.completed_by, Some(*w), "{ctx}");
+                        assert_eq!(job.result, Some(json!({ "summary": w.to_string() })), "{ctx}");
+                        assert_eq!(job.version, 1, "{ctx}");
+                        let succeeded: Vec<_> = job.attempts.iter().filter(|x| x.status == AttemptStatus::Succeeded).collect();
+                        assert_eq!(succeeded.len(), 1, "{ctx}");
+                        assert_eq!(succeeded[0].id, *w, "{ctx}");
+                    }
+                    None => {
+                        assert_eq!(job.completed_by, None, "{ctx}");
+                        assert_eq!(job.result, None, "{ctx}");
+                        assert_ne!(job.status, JobStatus::Succeeded, "{ctx}");
+                        // With no winner, nothing can have been discarded: a success
+                        // that found its attempt open would have won.
+                        assert!(!outcomes.iter().any(|(_, s)| matches!(s, Settled::Discarded { .. })), "{ctx}");
+                    }
+                }
+                // Every discarded attempt names the winner.
+                for (_, s) in &outcomes {
+                    if let Settled::Discarded { winner } = s {
+                        assert_eq!(*winner, job.completed_by, "{ctx}");
+                    }
+                }
+                // A failed job got there only once both attempts had ended.
+                if job.status == JobStatus::Failed {
+                    assert!(job.attempts.iter().all(|x| x.status.is_terminal()), "{ctx}");
+                    assert_eq!(job.version, 1, "{ctx}");
+                }
+            });
+            Ok(())
+        })
+        .unwrap();
+    drop(env);
+}
+
+/// A started attempt whose worker vanished becomes `unknown` once its deadline and
+/// the grace period pass, never `failed`; and then no hedge or retry may start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_vanished_worker_leaves_an_unknown_attempt() {
+    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", Some("http://127.0.0.1:9/v1"), ""));
+    let env = TestEnv::new(&config).await;
+    let store = &env.store;
+    let intent = Intent {
+        owner_id: "acct_v".into(),
+        idempotency_key: "vanish".into(),
+        operation: "summarize".into(),
+        input: json!({"text": "x"}).as_object().cloned().unwrap_or_default(),
+        provider: None,
+    };
+    let new = NewJob {
+        job_id: JobId::new(),
+        attempt_id: AttemptId::new(),
+        fingerprint: intent.fingerprint(),
+        intent,
+        provider: "primary".into(),
+    };
+    let (job_id, attempt) = (new.job_id, new.attempt_id);
+    store.admit(&[new]).await.unwrap();
+    store.start("primary", &[attempt], Duration::from_millis(50)).await.unwrap();
+    // A redelivered message finds the attempt started: nothing to do.
+    assert!(store.start("primary", &[attempt], Duration::from_millis(50)).await.unwrap().is_empty());
+    assert!(store.expire_vanished(Duration::from_secs(60)).await.unwrap().is_empty(), "within grace");
+    common::wait_for("the attempt to be declared vanished", Duration::from_secs(10), || async {
+        let ids = store.expire_vanished(Duration::from_millis(100)).await.unwrap();
+        (!ids.is_empty()).then_some(ids)
+    })
+    .await;
+    let job = store.job(job_id).await.unwrap().unwrap();
+    assert_eq!(job.status, JobStatus::Unknown);
+    assert_eq!(job.attempts[0].status, AttemptStatus::Unknown);
+    assert!(store.hedge(job_id, "fallback").await.unwrap().is_none(), "no hedge beside an unknown");
+    // A second open attempt in the main lane is refused by the database itself.
+    let err = sqlx::query("INSERT INTO attempts (id, job_id, number, provider) VALUES ($1, $2, 2, 'primary')")
+        .bind(uuid::Uuid::now_v7())
+        .bind(job_id.0)
+        .execute(store.pool())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("attempts_one_open_per_lane"), "{err}");
+}
