@@ -93,7 +93,10 @@ async fn process(ctx: &Context, client: &Client, queue: &str, delivery: &Deliver
     let finished = call(&ctx.config, client, &started).await;
     let plan = |failed: &FailedJob| plan_next(&ctx.config, failed);
     let (settled, publish) = with_retries("settling an attempt", || async {
-        Ok(ctx.store.finalize(std::slice::from_ref(&finished), &plan).await?)
+        Ok(ctx
+            .store
+            .finalize(std::slice::from_ref(&finished), &plan)
+            .await?)
     })
     .await?;
     log_settled(&started, &finished, settled.first());
@@ -117,7 +120,10 @@ pub async fn call(config: &Config, client: &Client, started: &Started) -> Finish
     };
     let Some(operation) = config.operations.get(&started.operation) else {
         finished.verdict = Verdict::Failed {
-            error: format!("unknown_operation: {:?} is no longer configured", started.operation),
+            error: format!(
+                "unknown_operation: {:?} is no longer configured",
+                started.operation
+            ),
             retryable: false,
         };
         return finished;
@@ -133,7 +139,10 @@ pub async fn call(config: &Config, client: &Client, started: &Started) -> Finish
             return finished;
         }
     };
-    finished.verdict = match client.complete(started.attempt_id, operation, &rendered).await {
+    finished.verdict = match client
+        .complete(started.attempt_id, operation, &rendered)
+        .await
+    {
         Ok(answer) => {
             finished.provider_request_id = answer.request_id;
             finished.usage = answer.usage;
@@ -178,7 +187,10 @@ pub fn plan_next(config: &Config, failed: &FailedJob) -> NextStep {
     }
     let Some(operation) = config.operations.get(&failed.operation) else {
         return NextStep::GiveUp {
-            error: format!("unknown_operation: {:?} is no longer configured; last error: {}", failed.operation, failed.error),
+            error: format!(
+                "unknown_operation: {:?} is no longer configured; last error: {}",
+                failed.operation, failed.error
+            ),
         };
     };
     let primary = operation.route[0].as_str();
@@ -229,14 +241,16 @@ fn log_settled(started: &Started, finished: &Finished, settled: Option<&Settled>
             winning_attempt = ?winner.map(|w| w.to_string()),
             "attempt finished after another had won: discarded"
         ),
-        (Some(Settled::Failed { next, job_failed }), Verdict::Failed { error, .. }) => tracing::warn!(
-            job_id = %started.job_id,
-            attempt_id = %started.attempt_id,
-            %error,
-            next_attempt = ?next.map(|n| n.to_string()),
-            job_failed,
-            "attempt failed"
-        ),
+        (Some(Settled::Failed { next, job_failed }), Verdict::Failed { error, .. }) => {
+            tracing::warn!(
+                job_id = %started.job_id,
+                attempt_id = %started.attempt_id,
+                %error,
+                next_attempt = ?next.map(|n| n.to_string()),
+                job_failed,
+                "attempt failed"
+            )
+        }
         (Some(Settled::Unknown), Verdict::Unknown { error }) => tracing::warn!(
             job_id = %started.job_id,
             attempt_id = %started.attempt_id,

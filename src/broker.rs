@@ -94,8 +94,14 @@ pub async fn connect(url: &str) -> Result<Connection> {
 
 fn work_queue_args(queue: &str, delivery_limit: u32) -> FieldTable {
     let mut args = FieldTable::default();
-    args.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
-    args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(LongString::from(DLX)));
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString(LongString::from(DLX)),
+    );
     args.insert(
         "x-dead-letter-routing-key".into(),
         AMQPValue::LongString(LongString::from(queue)),
@@ -109,13 +115,20 @@ fn work_queue_args(queue: &str, delivery_limit: u32) -> FieldTable {
 
 fn quorum_args() -> FieldTable {
     let mut args = FieldTable::default();
-    args.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
     args
 }
 
 /// Declares the whole topology: exchanges, the intents queue, one attempts queue per
 /// provider, and a dead-letter queue for each work queue.
-pub async fn declare_topology(conn: &Connection, providers: &[String], delivery_limit: u32) -> Result<()> {
+pub async fn declare_topology(
+    conn: &Connection,
+    providers: &[String],
+    delivery_limit: u32,
+) -> Result<()> {
     let ch = conn.create_channel().await?;
     let durable = ExchangeDeclareOptions {
         durable: true,
@@ -138,14 +151,31 @@ pub async fn declare_topology(conn: &Connection, providers: &[String], delivery_
         ..QueueDeclareOptions::default()
     };
     for (queue, key) in &work {
-        ch.queue_declare(short(queue)?, queue_opts, work_queue_args(queue, delivery_limit))
-            .await?;
-        ch.queue_bind(short(queue)?, EXCHANGE.into(), short(key)?, QueueBindOptions::default(), FieldTable::default())
-            .await?;
+        ch.queue_declare(
+            short(queue)?,
+            queue_opts,
+            work_queue_args(queue, delivery_limit),
+        )
+        .await?;
+        ch.queue_bind(
+            short(queue)?,
+            EXCHANGE.into(),
+            short(key)?,
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
         let dlq = dead_letter_queue(queue);
-        ch.queue_declare(short(&dlq)?, queue_opts, quorum_args()).await?;
-        ch.queue_bind(short(&dlq)?, DLX.into(), short(queue)?, QueueBindOptions::default(), FieldTable::default())
+        ch.queue_declare(short(&dlq)?, queue_opts, quorum_args())
             .await?;
+        ch.queue_bind(
+            short(&dlq)?,
+            DLX.into(),
+            short(queue)?,
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
     }
     ch.close(200, "topology declared".into()).await?;
     Ok(())
@@ -169,7 +199,9 @@ impl Publisher {
     /// Opens a confirm-mode channel on `conn`.
     pub async fn open(conn: &Connection) -> Result<Publisher> {
         let channel = conn.create_channel().await?;
-        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
         Ok(Publisher { channel })
     }
 

@@ -154,7 +154,12 @@ pub async fn main(cli: Cli) -> ExitCode {
 async fn store(c: &Connections, config: &Config) -> Result<Store, Failure> {
     Store::connect(&c.database_url, 2, worker::routes(config))
         .await
-        .map_err(|e| Failure(format!("cannot reach Postgres at {}: {e}", broker::redact_url(&c.database_url))))
+        .map_err(|e| {
+            Failure(format!(
+                "cannot reach Postgres at {}: {e}",
+                broker::redact_url(&c.database_url)
+            ))
+        })
 }
 
 async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
@@ -162,11 +167,21 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
     match cli.command {
         Command::Migrate => {
             let config = c.load_config()?;
+            Store::ensure_database(&c.database_url).await.map_err(|e| {
+                Failure(format!(
+                    "cannot reach Postgres at {}: {e}",
+                    broker::redact_url(&c.database_url)
+                ))
+            })?;
             let store = store(c, &config).await?;
             store.migrate().await?;
             let applied = crate::store::MIGRATOR.iter().count();
             if cli.json {
-                writeln!(out, "{}", json!({ "migrations": applied, "status": "up to date" }))?;
+                writeln!(
+                    out,
+                    "{}",
+                    json!({ "migrations": applied, "status": "up to date" })
+                )?;
             } else {
                 writeln!(out, "migrations up to date ({applied} known)")?;
             }
@@ -180,10 +195,14 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
         Command::Jobs(JobsCommand::Find { owner, key }) => {
             let config = c.load_config()?;
             let job = store(c, &config).await?.find_job(&owner, &key).await?;
-            let job = job.ok_or_else(|| Failure(format!("no job for owner {owner:?} and key {key:?}")))?;
+            let job =
+                job.ok_or_else(|| Failure(format!("no job for owner {owner:?} and key {key:?}")))?;
             print_job(out, &job, cli.json)?;
         }
-        Command::Attempts(AttemptsCommand::Resolve { attempt_id, resolution }) => {
+        Command::Attempts(AttemptsCommand::Resolve {
+            attempt_id,
+            resolution,
+        }) => {
             let config = Arc::new(c.load_config()?);
             let store = store(c, &config).await?;
             let resolution = match resolution {
@@ -191,9 +210,14 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                 ResolveAs::Cancelled => Resolution::Cancelled,
             };
             let plan = |f: &crate::store::FailedJob| plan_next(&config, f);
-            let (settled, publish) = match store.resolve(AttemptId(attempt_id), resolution, &plan).await? {
+            let (settled, publish) = match store
+                .resolve(AttemptId(attempt_id), resolution, &plan)
+                .await?
+            {
                 Ok(r) => r,
-                Err(refusal @ (Refusal::NotFound(_) | Refusal::Terminal(_))) => return Err(Failure(refusal.to_string())),
+                Err(refusal @ (Refusal::NotFound(_) | Refusal::Terminal(_))) => {
+                    return Err(Failure(refusal.to_string()));
+                }
             };
             // Publish what the resolution caused now; if the broker is down, the
             // reconciler's relay publishes it once the lease is over.
@@ -232,9 +256,8 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                     Resolution::Cancelled => "cancelled",
                 };
                 writeln!(out, "attempt {attempt_id} resolved as {verb}")?;
-                match next {
-                    Some(n) => writeln!(out, "next attempt {n} queued")?,
-                    None => {}
+                if let Some(n) = next {
+                    writeln!(out, "next attempt {n} queued")?;
                 }
                 if let Some(job) = job {
                     writeln!(out, "job {} is now {}", job.id, job.status)?;
@@ -276,10 +299,27 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                 writeln!(out, "{}", serde_json::Value::Array(rows))?;
             } else {
                 for r in &rows {
-                    writeln!(out, "{}  {}  model {}  timeout {}", r["provider"].as_str().unwrap_or(""), r["base_url"].as_str().unwrap_or(""), r["model"].as_str().unwrap_or(""), r["timeout"].as_str().unwrap_or(""))?;
+                    writeln!(
+                        out,
+                        "{}  {}  model {}  timeout {}",
+                        r["provider"].as_str().unwrap_or(""),
+                        r["base_url"].as_str().unwrap_or(""),
+                        r["model"].as_str().unwrap_or(""),
+                        r["timeout"].as_str().unwrap_or("")
+                    )?;
                     for o in r["operations"].as_array().into_iter().flatten() {
-                        let eligible = if o["eligible"] == true { "eligible" } else { "not eligible (failover needs qualification)" };
-                        writeln!(out, "  {:<20} {:<9} {}", o["operation"].as_str().unwrap_or(""), o["role"].as_str().unwrap_or(""), eligible)?;
+                        let eligible = if o["eligible"] == true {
+                            "eligible"
+                        } else {
+                            "not eligible (failover needs qualification)"
+                        };
+                        writeln!(
+                            out,
+                            "  {:<20} {:<9} {}",
+                            o["operation"].as_str().unwrap_or(""),
+                            o["role"].as_str().unwrap_or(""),
+                            eligible
+                        )?;
                     }
                 }
             }
@@ -301,7 +341,13 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                 writeln!(out, "configuration OK ({})", config.origin)?;
                 writeln!(out, "providers: {}", config.provider_names().join(", "))?;
                 for o in config.operations.values() {
-                    writeln!(out, "operation {}: route {} · max_attempts {}", o.name, o.route.join(" → "), o.max_attempts)?;
+                    writeln!(
+                        out,
+                        "operation {}: route {} · max_attempts {}",
+                        o.name,
+                        o.route.join(" → "),
+                        o.max_attempts
+                    )?;
                 }
             }
         }
@@ -318,14 +364,23 @@ async fn publish_now(
     if messages.is_empty() {
         return Ok(());
     }
-    let conn = broker::connect(&c.amqp_url)
-        .await
-        .map_err(|e| format!("cannot reach RabbitMQ at {}: {e}", broker::redact_url(&c.amqp_url)))?;
-    broker::declare_topology(&conn, &config.provider_names(), config.worker.delivery_limit)
-        .await
-        .map_err(|e| e.to_string())?;
+    let conn = broker::connect(&c.amqp_url).await.map_err(|e| {
+        format!(
+            "cannot reach RabbitMQ at {}: {e}",
+            broker::redact_url(&c.amqp_url)
+        )
+    })?;
+    broker::declare_topology(
+        &conn,
+        &config.provider_names(),
+        config.worker.delivery_limit,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
     let publisher = Publisher::open(&conn).await.map_err(|e| e.to_string())?;
-    let result = worker::publish_outbox(&publisher, store, messages).await.map_err(|e| e.to_string());
+    let result = worker::publish_outbox(&publisher, store, messages)
+        .await
+        .map_err(|e| e.to_string());
     let _ = conn.close(200, "done".into()).await;
     result
 }
@@ -335,7 +390,11 @@ fn print_job(out: &mut impl Write, job: &JobView, as_json: bool) -> std::io::Res
         let value = serde_json::to_value(job).unwrap_or_default();
         return writeln!(out, "{value}");
     }
-    writeln!(out, "job {}  {}  version {}", job.id, job.status, job.version)?;
+    writeln!(
+        out,
+        "job {}  {}  version {}",
+        job.id, job.status, job.version
+    )?;
     writeln!(out, "  owner        {}", job.owner_id)?;
     writeln!(out, "  key          {}", job.idempotency_key)?;
     writeln!(out, "  operation    {}", job.operation)?;
@@ -353,7 +412,11 @@ fn print_job(out: &mut impl Write, job: &JobView, as_json: bool) -> std::io::Res
     }
     writeln!(out, "  attempts     {}", job.attempts.len())?;
     for a in &job.attempts {
-        writeln!(out, "    #{} {}  {:<9} {}", a.number, a.id, a.status, a.provider)?;
+        writeln!(
+            out,
+            "    #{} {}  {:<9} {}",
+            a.number, a.id, a.status, a.provider
+        )?;
         if let Some(e) = &a.error {
             writeln!(out, "       error    {e}")?;
         }

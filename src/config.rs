@@ -289,12 +289,21 @@ fn invalid(origin: &str, setting: impl Into<String>, message: impl Into<String>)
     }
 }
 
-fn duration(origin: &str, setting: &str, text: &Option<String>, default: Duration) -> Result<Duration> {
+fn duration(
+    origin: &str,
+    setting: &str,
+    text: &Option<String>,
+    default: Duration,
+) -> Result<Duration> {
     match text {
         None => Ok(default),
         Some(t) => {
             let d = humantime::parse_duration(t).map_err(|e| {
-                invalid(origin, setting, format!("{t:?} is not a duration like \"30s\" ({e})"))
+                invalid(
+                    origin,
+                    setting,
+                    format!("{t:?} is not a duration like \"30s\" ({e})"),
+                )
             })?;
             if d.is_zero() {
                 return Err(invalid(origin, setting, "must be greater than zero"));
@@ -312,7 +321,9 @@ fn toml_to_json(v: toml::Value) -> Value {
         toml::Value::Boolean(b) => Value::Bool(b),
         toml::Value::Datetime(d) => Value::String(d.to_string()),
         toml::Value::Array(a) => Value::Array(a.into_iter().map(toml_to_json).collect()),
-        toml::Value::Table(t) => Value::Object(t.into_iter().map(|(k, v)| (k, toml_to_json(v))).collect()),
+        toml::Value::Table(t) => {
+            Value::Object(t.into_iter().map(|(k, v)| (k, toml_to_json(v))).collect())
+        }
     }
 }
 
@@ -341,8 +352,7 @@ impl Config {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             origin: origin.to_owned(),
             message: e.message().to_owned()
-                + &e
-                    .span()
+                + &e.span()
                     .map(|s| format!(" (at line {})", text[..s.start].lines().count().max(1)))
                     .unwrap_or_default(),
         })?;
@@ -350,33 +360,74 @@ impl Config {
         let w = &raw.worker;
         let worker = WorkerSettings {
             delivery_limit: match w.delivery_limit {
-                Some(0) => return Err(invalid(origin, "worker.delivery_limit", "must be at least 1")),
+                Some(0) => {
+                    return Err(invalid(
+                        origin,
+                        "worker.delivery_limit",
+                        "must be at least 1",
+                    ));
+                }
                 Some(n) => n,
                 None => defaults.delivery_limit,
             },
             max_message_bytes: match w.max_message_bytes {
                 Some(n) if n < 256 => {
-                    return Err(invalid(origin, "worker.max_message_bytes", "must be at least 256"));
+                    return Err(invalid(
+                        origin,
+                        "worker.max_message_bytes",
+                        "must be at least 256",
+                    ));
                 }
                 Some(n) => n,
                 None => defaults.max_message_bytes,
             },
             intake_prefetch: match w.intake_prefetch {
-                Some(0) => return Err(invalid(origin, "worker.intake_prefetch", "must be at least 1")),
+                Some(0) => {
+                    return Err(invalid(
+                        origin,
+                        "worker.intake_prefetch",
+                        "must be at least 1",
+                    ));
+                }
                 Some(n) => n,
                 None => defaults.intake_prefetch,
             },
-            retry_backoff: duration(origin, "worker.retry_backoff", &w.retry_backoff, defaults.retry_backoff)?,
+            retry_backoff: duration(
+                origin,
+                "worker.retry_backoff",
+                &w.retry_backoff,
+                defaults.retry_backoff,
+            )?,
             retry_backoff_max: duration(
                 origin,
                 "worker.retry_backoff_max",
                 &w.retry_backoff_max,
                 defaults.retry_backoff_max,
             )?,
-            relay_interval: duration(origin, "worker.relay_interval", &w.relay_interval, defaults.relay_interval)?,
-            outbox_lease: duration(origin, "worker.outbox_lease", &w.outbox_lease, defaults.outbox_lease)?,
-            vanished_grace: duration(origin, "worker.vanished_grace", &w.vanished_grace, defaults.vanished_grace)?,
-            shutdown_grace: duration(origin, "worker.shutdown_grace", &w.shutdown_grace, defaults.shutdown_grace)?,
+            relay_interval: duration(
+                origin,
+                "worker.relay_interval",
+                &w.relay_interval,
+                defaults.relay_interval,
+            )?,
+            outbox_lease: duration(
+                origin,
+                "worker.outbox_lease",
+                &w.outbox_lease,
+                defaults.outbox_lease,
+            )?,
+            vanished_grace: duration(
+                origin,
+                "worker.vanished_grace",
+                &w.vanished_grace,
+                defaults.vanished_grace,
+            )?,
+            shutdown_grace: duration(
+                origin,
+                "worker.shutdown_grace",
+                &w.shutdown_grace,
+                defaults.shutdown_grace,
+            )?,
         };
         if worker.retry_backoff_max < worker.retry_backoff {
             return Err(invalid(
@@ -387,7 +438,11 @@ impl Config {
         }
 
         if raw.providers.is_empty() {
-            return Err(invalid(origin, "providers", "at least one provider must be configured"));
+            return Err(invalid(
+                origin,
+                "providers",
+                "at least one provider must be configured",
+            ));
         }
         let mut providers = BTreeMap::new();
         for (name, p) in raw.providers {
@@ -395,12 +450,22 @@ impl Config {
             check_name(origin, &format!("providers.{name}"), &name)?;
             let kind = match p.kind.as_str() {
                 "openai" => ProviderKind::OpenAi,
-                other => return Err(invalid(origin, at("kind"), format!("{other:?} is not a known kind (expected \"openai\")"))),
+                other => {
+                    return Err(invalid(
+                        origin,
+                        at("kind"),
+                        format!("{other:?} is not a known kind (expected \"openai\")"),
+                    ));
+                }
             };
             let mut base_url = reqwest::Url::parse(&p.base_url)
                 .map_err(|e| invalid(origin, at("base_url"), format!("not a URL: {e}")))?;
             if !matches!(base_url.scheme(), "http" | "https") {
-                return Err(invalid(origin, at("base_url"), "must be an http or https URL"));
+                return Err(invalid(
+                    origin,
+                    at("base_url"),
+                    "must be an http or https URL",
+                ));
             }
             if !base_url.username().is_empty() || base_url.password().is_some() {
                 return Err(invalid(
@@ -425,7 +490,11 @@ impl Config {
             if let Some(env) = &p.api_key_env
                 && env.is_empty()
             {
-                return Err(invalid(origin, at("api_key_env"), "must name an environment variable"));
+                return Err(invalid(
+                    origin,
+                    at("api_key_env"),
+                    "must name an environment variable",
+                ));
             }
             providers.insert(
                 name.clone(),
@@ -449,24 +518,57 @@ impl Config {
             let at = |field: &str| format!("operations.{name}.{field}");
             check_name(origin, &format!("operations.{name}"), &name)?;
             env.add_template_owned(format!("{name}.system"), o.system.clone())
-                .map_err(|e| invalid(origin, at("system"), format!("template does not compile: {e}")))?;
+                .map_err(|e| {
+                    invalid(
+                        origin,
+                        at("system"),
+                        format!("template does not compile: {e}"),
+                    )
+                })?;
             env.add_template_owned(format!("{name}.prompt"), o.prompt.clone())
-                .map_err(|e| invalid(origin, at("prompt"), format!("template does not compile: {e}")))?;
+                .map_err(|e| {
+                    invalid(
+                        origin,
+                        at("prompt"),
+                        format!("template does not compile: {e}"),
+                    )
+                })?;
             let output_schema = toml_to_json(o.output_schema);
             if !output_schema.is_object() {
-                return Err(invalid(origin, at("output_schema"), "must be a table (a JSON Schema object)"));
+                return Err(invalid(
+                    origin,
+                    at("output_schema"),
+                    "must be a table (a JSON Schema object)",
+                ));
             }
-            let validator = jsonschema::validator_for(&output_schema)
-                .map_err(|e| invalid(origin, at("output_schema"), format!("not a valid JSON Schema: {e}")))?;
+            let validator = jsonschema::validator_for(&output_schema).map_err(|e| {
+                invalid(
+                    origin,
+                    at("output_schema"),
+                    format!("not a valid JSON Schema: {e}"),
+                )
+            })?;
             if o.route.is_empty() {
-                return Err(invalid(origin, at("route"), "must name at least one provider"));
+                return Err(invalid(
+                    origin,
+                    at("route"),
+                    "must name at least one provider",
+                ));
             }
             for (i, p) in o.route.iter().enumerate() {
                 if !providers.contains_key(p) {
-                    return Err(invalid(origin, format!("{}[{i}]", at("route")), format!("{p:?} is not a configured provider")));
+                    return Err(invalid(
+                        origin,
+                        format!("{}[{i}]", at("route")),
+                        format!("{p:?} is not a configured provider"),
+                    ));
                 }
                 if o.route[..i].contains(p) {
-                    return Err(invalid(origin, format!("{}[{i}]", at("route")), format!("{p:?} appears twice")));
+                    return Err(invalid(
+                        origin,
+                        format!("{}[{i}]", at("route")),
+                        format!("{p:?} appears twice"),
+                    ));
                 }
             }
             let max_attempts = match o.max_attempts {
@@ -476,17 +578,32 @@ impl Config {
             };
             let temperature = o.temperature.unwrap_or(0.0);
             if !(0.0..=2.0).contains(&temperature) {
-                return Err(invalid(origin, at("temperature"), "must be between 0.0 and 2.0"));
+                return Err(invalid(
+                    origin,
+                    at("temperature"),
+                    "must be between 0.0 and 2.0",
+                ));
             }
             let hedge_after = match &o.hedge_after {
                 None => None,
-                Some(_) => Some(duration(origin, &at("hedge_after"), &o.hedge_after, Duration::ZERO)?),
+                Some(_) => Some(duration(
+                    origin,
+                    &at("hedge_after"),
+                    &o.hedge_after,
+                    Duration::ZERO,
+                )?),
             };
             let mut cases = Vec::new();
             for (i, c) in o.cases.into_iter().enumerate() {
                 match toml_to_json(c.input) {
                     Value::Object(m) => cases.push(m),
-                    _ => return Err(invalid(origin, format!("{}[{i}].input", at("cases")), "must be a table")),
+                    _ => {
+                        return Err(invalid(
+                            origin,
+                            format!("{}[{i}].input", at("cases")),
+                            "must be a table",
+                        ));
+                    }
                 }
             }
             operations.insert(
@@ -506,7 +623,11 @@ impl Config {
             );
         }
         if operations.is_empty() {
-            return Err(invalid(origin, "operations", "at least one operation must be configured"));
+            return Err(invalid(
+                origin,
+                "operations",
+                "at least one operation must be configured",
+            ));
         }
         Ok(Config {
             origin: origin.to_owned(),
@@ -600,19 +721,31 @@ mod tests {
     fn bad_settings_are_named() {
         let cases = [
             (with("[worker]\nbogus = 1"), "bogus"),
-            (with("[worker]\nretry_backoff = \"soon\""), "worker.retry_backoff"),
-            (with("[worker]\ndelivery_limit = 0"), "worker.delivery_limit"),
+            (
+                with("[worker]\nretry_backoff = \"soon\""),
+                "worker.retry_backoff",
+            ),
+            (
+                with("[worker]\ndelivery_limit = 0"),
+                "worker.delivery_limit",
+            ),
             (
                 EMBEDDED_DEFAULT.replace("route = [\"primary\"]", "route = [\"nope\"]"),
                 "operations.summarize.route[0]",
             ),
-            (EMBEDDED_DEFAULT.replace("kind = \"openai\"", "kind = \"grpc\""), "providers.primary.kind"),
+            (
+                EMBEDDED_DEFAULT.replace("kind = \"openai\"", "kind = \"grpc\""),
+                "providers.primary.kind",
+            ),
             (
                 EMBEDDED_DEFAULT.replace("http://127.0.0.1:8081/v1", "not a url"),
                 "providers.primary.base_url",
             ),
             (
-                EMBEDDED_DEFAULT.replace("http://127.0.0.1:8081/v1", "http://u:secret@127.0.0.1:8081/v1"),
+                EMBEDDED_DEFAULT.replace(
+                    "http://127.0.0.1:8081/v1",
+                    "http://u:secret@127.0.0.1:8081/v1",
+                ),
                 "providers.primary.base_url",
             ),
             (
@@ -623,7 +756,10 @@ mod tests {
                 EMBEDDED_DEFAULT.replace("type = \"object\"", "type = \"objekt\""),
                 "operations.summarize.output_schema",
             ),
-            (EMBEDDED_DEFAULT.replace("timeout = \"30s\"", "timeout = \"0s\""), "providers.primary.timeout"),
+            (
+                EMBEDDED_DEFAULT.replace("timeout = \"30s\"", "timeout = \"0s\""),
+                "providers.primary.timeout",
+            ),
         ];
         for (text, setting) in cases {
             let err = Config::parse(&text, "t").expect_err(setting).to_string();
@@ -645,9 +781,15 @@ mod tests {
         };
         assert_eq!(c.admit(&i).unwrap().1, "primary");
         i.provider = Some("elsewhere".into());
-        assert!(matches!(c.admit(&i), Err(RejectReason::ProviderNotInRoute { .. })));
+        assert!(matches!(
+            c.admit(&i),
+            Err(RejectReason::ProviderNotInRoute { .. })
+        ));
         i.operation = "translate".into();
-        assert!(matches!(c.admit(&i), Err(RejectReason::UnknownOperation(_))));
+        assert!(matches!(
+            c.admit(&i),
+            Err(RejectReason::UnknownOperation(_))
+        ));
     }
 
     #[test]
@@ -662,9 +804,18 @@ mod tests {
 
         op.check_output(r#"{"summary":"s"}"#).unwrap();
         let e = op.check_output("Sure! Here it is").unwrap_err().to_string();
-        assert!(e.starts_with("contract_violation: content is not JSON"), "{e}");
-        let e = op.check_output(r#"{"summary":"s","extra":1}"#).unwrap_err().to_string();
-        assert!(e.starts_with("contract_violation") && e.contains("extra"), "{e}");
+        assert!(
+            e.starts_with("contract_violation: content is not JSON"),
+            "{e}"
+        );
+        let e = op
+            .check_output(r#"{"summary":"s","extra":1}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("contract_violation") && e.contains("extra"),
+            "{e}"
+        );
         let e = op.check_output(r#"{"summary":7}"#).unwrap_err().to_string();
         assert!(e.contains("/summary"), "{e}");
     }

@@ -222,9 +222,9 @@ impl fmt::Display for GiveUp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             GiveUp::AttemptsSpent { made } => write!(f, "attempts_exhausted: {made} attempts made"),
-            GiveUp::NoEligibleProvider => {
-                f.write_str("no_qualified_provider: no provider in the route may take the next attempt")
-            }
+            GiveUp::NoEligibleProvider => f.write_str(
+                "no_qualified_provider: no provider in the route may take the next attempt",
+            ),
         }
     }
 }
@@ -245,10 +245,7 @@ pub fn next_provider<'r>(
             made: attempts_made,
         });
     }
-    let start = route
-        .iter()
-        .position(|p| p == failed)
-        .map_or(0, |i| i + 1);
+    let start = route.iter().position(|p| p == failed).map_or(0, |i| i + 1);
     (0..route.len())
         .map(|offset| route[(start + offset) % route.len()].as_str())
         .find(|p| eligible(p))
@@ -309,7 +306,14 @@ mod tests {
         }
         // Only a job that has an outcome is terminal.
         let terminal: Vec<_> = JobStatus::ALL.iter().filter(|s| s.is_terminal()).collect();
-        assert_eq!(terminal, [&JobStatus::Succeeded, &JobStatus::Failed, &JobStatus::Cancelled]);
+        assert_eq!(
+            terminal,
+            [
+                &JobStatus::Succeeded,
+                &JobStatus::Failed,
+                &JobStatus::Cancelled
+            ]
+        );
     }
 
     #[test]
@@ -372,7 +376,10 @@ mod tests {
         assert_eq!(next_provider(&r, only_a, "a", 1, 5), Ok("a"));
         assert_eq!(next_provider(&r, only_a, "b", 1, 5), Ok("a"));
         let none = |_: &str| false;
-        assert_eq!(next_provider(&r, none, "a", 1, 5), Err(GiveUp::NoEligibleProvider));
+        assert_eq!(
+            next_provider(&r, none, "a", 1, 5),
+            Err(GiveUp::NoEligibleProvider)
+        );
     }
 
     #[test]

@@ -92,7 +92,9 @@ async fn process(ctx: &Context, delivery: &Delivery) -> Result<()> {
                     Receipt::conflict()
                 }
                 None => {
-                    return Err(crate::store::StoreError::Corrupt("admit returned nothing".into()).into());
+                    return Err(
+                        crate::store::StoreError::Corrupt("admit returned nothing".into()).into(),
+                    );
                 }
             }
         }
@@ -111,12 +113,11 @@ async fn send_receipt(ctx: &Context, delivery: &Delivery, receipt: &Receipt) -> 
     if let Some(id) = delivery.properties.correlation_id() {
         props = props.with_correlation_id(id.clone());
     }
-    let result = with_retries("sending a receipt", || async {
-        Ok(ctx.publisher.publish("", reply_to.as_str(), &body, props.clone(), false).await?)
+    with_retries("sending a receipt", || async {
+        Ok(ctx
+            .publisher
+            .publish("", reply_to.as_str(), &body, props.clone(), false)
+            .await?)
     })
-    .await;
-    if let Err(e) = result {
-        return Err(e);
-    }
-    Ok(())
+    .await
 }

@@ -223,7 +223,10 @@ impl Intent {
             1,
             MAX_IDEMPOTENCY_KEY_CHARS,
         )?;
-        if !idempotency_key.chars().all(|c| c.is_ascii_graphic() || c == ' ') {
+        if !idempotency_key
+            .chars()
+            .all(|c| c.is_ascii_graphic() || c == ' ')
+        {
             return Err(RejectReason::BadCharacters {
                 field: "idempotency_key",
                 allowed: "printable ASCII",
@@ -437,9 +440,15 @@ mod tests {
         }
         assert_eq!(
             Intent::parse(GOOD.as_bytes(), 10),
-            Err(RejectReason::TooLarge { size: GOOD.len(), limit: 10 })
+            Err(RejectReason::TooLarge {
+                size: GOOD.len(),
+                limit: 10
+            })
         );
-        assert_eq!(Intent::parse(&[0xff, 0xfe], 100), Err(RejectReason::NotUtf8));
+        assert_eq!(
+            Intent::parse(&[0xff, 0xfe], 100),
+            Err(RejectReason::NotUtf8)
+        );
     }
 
     #[test]
@@ -484,7 +493,7 @@ mod tests {
         let leaf = prop_oneof![
             Just(Value::Null),
             any::<bool>().prop_map(Value::Bool),
-            any::<i64>().prop_map(|n| Value::from(n)),
+            any::<i64>().prop_map(Value::from),
             "[ -~]{0,12}".prop_map(Value::String),
         ];
         leaf.prop_recursive(3, 24, 6, |inner| {

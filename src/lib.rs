@@ -7,17 +7,17 @@
 //! roles ([`intake`], [`attempts`], [`reconciler`]), the bundled [`mock`] provider
 //! and the operator [`cli`]. Binaries stay thin so tests reach all of it in-process.
 
-pub mod config;
-pub mod domain;
-pub mod intent;
 pub mod attempts;
 pub mod broker;
+pub mod cli;
+pub mod config;
+pub mod domain;
 pub mod intake;
+pub mod intent;
+pub mod mock;
 pub mod provider;
 pub mod reconciler;
 pub mod shutdown;
 pub mod store;
-pub mod worker;
-pub mod cli;
-pub mod mock;
 pub mod telemetry;
+pub mod worker;

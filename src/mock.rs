@@ -72,7 +72,10 @@ impl Stats {
 
     /// The `Idempotency-Key` of each request, in arrival order.
     pub fn idempotency_keys(&self) -> Vec<String> {
-        self.idempotency_keys.lock().map(|k| k.clone()).unwrap_or_default()
+        self.idempotency_keys
+            .lock()
+            .map(|k| k.clone())
+            .unwrap_or_default()
     }
 }
 
@@ -224,9 +227,13 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
             0 => 0,
             max => rng.random_range(0..=max as u64),
         };
-        (jitter_ms, options.error_rate > 0.0 && rng.random_bool(options.error_rate.min(1.0)))
+        (
+            jitter_ms,
+            options.error_rate > 0.0 && rng.random_bool(options.error_rate.min(1.0)),
+        )
     };
-    let delay = d.delay.map(Duration::from_millis).unwrap_or(options.delay) + Duration::from_millis(jitter_ms);
+    let delay = d.delay.map(Duration::from_millis).unwrap_or(options.delay)
+        + Duration::from_millis(jitter_ms);
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
@@ -259,13 +266,21 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
             .body(Body::from_stream(stream))
             .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
     }
-    let user = request.messages.last().map(|m| m.content.as_str()).unwrap_or_default();
+    let user = request
+        .messages
+        .last()
+        .map(|m| m.content.as_str())
+        .unwrap_or_default();
     let gist: String = user.chars().take(80).collect();
     let content = if d.prose {
         format!("Sure! Here is a summary: {gist}")
     } else {
         let mut answer = serde_json::Map::new();
-        let value = if d.wrong_type { json!(42) } else { json!(format!("mock answer: {gist}")) };
+        let value = if d.wrong_type {
+            json!(42)
+        } else {
+            json!(format!("mock answer: {gist}"))
+        };
         answer.insert(options.field.clone(), value);
         if d.extra_key {
             answer.insert("confidence".into(), json!(0.9));
@@ -292,7 +307,9 @@ mod tests {
 
     #[test]
     fn directives_are_found_in_text() {
-        let d = directives("Summarize: hello mock:delay=250 mock:status=503, \"mock:drop\" mock:unknown");
+        let d = directives(
+            "Summarize: hello mock:delay=250 mock:status=503, \"mock:drop\" mock:unknown",
+        );
         assert_eq!(
             d,
             Directives {

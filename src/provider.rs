@@ -136,18 +136,21 @@ impl Client {
         // Losing the connection while reading the body is after sending: unknown.
         let bytes = response.bytes().await.map_err(classify)?;
         if !status.is_success() {
-            let usage = serde_json::from_slice::<Completion>(&bytes).ok().and_then(|c| c.usage);
+            let usage = serde_json::from_slice::<Completion>(&bytes)
+                .ok()
+                .and_then(|c| c.usage);
             return Err(CallError::Rejected {
                 message: format!("HTTP {}: {}", status.as_u16(), excerpt(&bytes)),
                 retry_after,
                 usage,
             });
         }
-        let completion: Completion = serde_json::from_slice(&bytes).map_err(|e| CallError::Rejected {
-            message: format!("malformed completion ({e}): {}", excerpt(&bytes)),
-            retry_after: None,
-            usage: None,
-        })?;
+        let completion: Completion =
+            serde_json::from_slice(&bytes).map_err(|e| CallError::Rejected {
+                message: format!("malformed completion ({e}): {}", excerpt(&bytes)),
+                retry_after: None,
+                usage: None,
+            })?;
         let content = completion
             .choices
             .into_iter()
@@ -171,11 +174,17 @@ fn classify(e: reqwest::Error) -> CallError {
     if e.is_connect() {
         CallError::Refused(without_url(&e))
     } else if e.is_timeout() {
-        CallError::Unknown(format!("timed out after the request was sent: {}", without_url(&e)))
+        CallError::Unknown(format!(
+            "timed out after the request was sent: {}",
+            without_url(&e)
+        ))
     } else if e.is_builder() {
         CallError::Refused(without_url(&e))
     } else {
-        CallError::Unknown(format!("connection lost after the request was sent: {}", without_url(&e)))
+        CallError::Unknown(format!(
+            "connection lost after the request was sent: {}",
+            without_url(&e)
+        ))
     }
 }
 

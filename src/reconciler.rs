@@ -31,7 +31,11 @@ pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
         }
         if last_sweep.elapsed() >= sweep_every {
             last_sweep = tokio::time::Instant::now();
-            match ctx.store.expire_vanished(ctx.config.worker.vanished_grace).await {
+            match ctx
+                .store
+                .expire_vanished(ctx.config.worker.vanished_grace)
+                .await
+            {
                 Ok(ids) if !ids.is_empty() => {
                     for id in ids {
                         tracing::warn!(attempt_id = %id, "worker vanished mid-call: attempt and job are now unknown");

@@ -22,7 +22,10 @@ impl Shutdown {
     /// A signal not yet given.
     pub fn new() -> Shutdown {
         let (tx, rx) = watch::channel(false);
-        Shutdown { tx: Arc::new(tx), rx }
+        Shutdown {
+            tx: Arc::new(tx),
+            rx,
+        }
     }
 
     /// Gives the signal to every clone.

@@ -349,7 +349,13 @@ pub struct Routes {
 }
 
 impl Routes {
-    fn attempt_draft(&self, attempt: AttemptId, job: JobId, provider: &str, not_before: Option<DateTime<Utc>>) -> OutboxDraft {
+    fn attempt_draft(
+        &self,
+        attempt: AttemptId,
+        job: JobId,
+        provider: &str,
+        not_before: Option<DateTime<Utc>>,
+    ) -> OutboxDraft {
         OutboxDraft {
             exchange: self.work_exchange.clone(),
             routing_key: crate::broker::attempts_routing_key(provider),
@@ -452,6 +458,22 @@ impl Store {
         Ok(Store { pool, routes })
     }
 
+    /// Creates the database `url` names if it does not exist yet, so a fresh
+    /// machine needs no manual `CREATE DATABASE`. Two pods racing here is harmless:
+    /// the loser's "already exists" is ignored.
+    pub async fn ensure_database(url: &str) -> Result<()> {
+        use sqlx::migrate::MigrateDatabase;
+        if !sqlx::Postgres::database_exists(url).await? {
+            if let Err(e) = sqlx::Postgres::create_database(url).await
+                && !sqlx::Postgres::database_exists(url).await.unwrap_or(false)
+            {
+                return Err(e.into());
+            }
+            tracing::info!("created the database");
+        }
+        Ok(())
+    }
+
     /// Wraps an existing pool.
     pub fn from_pool(pool: PgPool, routes: Routes) -> Store {
         Store { pool, routes }
@@ -483,11 +505,17 @@ impl Store {
                 .with_jitter(),
         )
         .when(StoreError::is_transient)
-        .notify(|e, d| tracing::debug!(error = %e, retry_in = ?d, "transient database error; retrying"))
+        .notify(
+            |e, d| tracing::debug!(error = %e, retry_in = ?d, "transient database error; retrying"),
+        )
         .await
     }
 
-    async fn insert_outbox(&self, conn: &mut PgConnection, drafts: &[OutboxDraft]) -> Result<Vec<OutboxMessage>> {
+    async fn insert_outbox(
+        &self,
+        conn: &mut PgConnection,
+        drafts: &[OutboxDraft],
+    ) -> Result<Vec<OutboxMessage>> {
         if drafts.is_empty() {
             return Ok(Vec::new());
         }
@@ -557,7 +585,10 @@ impl Store {
 
         let drafts: Vec<OutboxDraft> = created
             .iter()
-            .map(|(job, attempt, provider)| self.routes.attempt_draft(AttemptId(*attempt), JobId(*job), provider, None))
+            .map(|(job, attempt, provider)| {
+                self.routes
+                    .attempt_draft(AttemptId(*attempt), JobId(*job), provider, None)
+            })
             .collect();
         let mut publish_by_attempt: HashMap<String, OutboxMessage> = self
             .insert_outbox(&mut tx, &drafts)
@@ -581,8 +612,18 @@ impl Store {
              JOIN unnest($1::text[], $2::text[]) AS i(owner_id, idempotency_key)
                ON j.owner_id = i.owner_id AND j.idempotency_key = i.idempotency_key",
         )
-        .bind(batch.iter().map(|n| n.intent.owner_id.clone()).collect::<Vec<_>>())
-        .bind(batch.iter().map(|n| n.intent.idempotency_key.clone()).collect::<Vec<_>>())
+        .bind(
+            batch
+                .iter()
+                .map(|n| n.intent.owner_id.clone())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            batch
+                .iter()
+                .map(|n| n.intent.idempotency_key.clone())
+                .collect::<Vec<_>>(),
+        )
         .fetch_all(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -602,7 +643,9 @@ impl Store {
                 }
                 let key = (n.intent.owner_id.clone(), n.intent.idempotency_key.clone());
                 match existing.get(&key) {
-                    Some((id, fp)) if *fp == n.fingerprint.0 => Ok(Admission::Duplicate { job_id: JobId(*id) }),
+                    Some((id, fp)) if *fp == n.fingerprint.0 => {
+                        Ok(Admission::Duplicate { job_id: JobId(*id) })
+                    }
                     Some(_) => Ok(Admission::Conflict),
                     None => Err(corrupt(format!(
                         "job for owner {:?} key {:?} neither inserted nor found",
@@ -616,7 +659,12 @@ impl Store {
     /// Moves queued attempts to `started` with one guarded statement and marks their
     /// jobs `running`. An id missing from the result was a duplicate delivery (the
     /// attempt had already left `queued`) or belongs to a job that has ended.
-    pub async fn start(&self, provider: &str, ids: &[AttemptId], timeout: Duration) -> Result<Vec<Started>> {
+    pub async fn start(
+        &self,
+        provider: &str,
+        ids: &[AttemptId],
+        timeout: Duration,
+    ) -> Result<Vec<Started>> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
@@ -704,7 +752,11 @@ impl Store {
         if !unknowns.is_empty() {
             let marked = mark_unknown(&mut tx, &unknowns).await?;
             for (id, _) in &unknowns {
-                let outcome = if marked.contains(id) { Settled::Unknown } else { Settled::Stale };
+                let outcome = if marked.contains(id) {
+                    Settled::Unknown
+                } else {
+                    Settled::Stale
+                };
                 settled.insert(*id, outcome);
             }
         }
@@ -873,7 +925,12 @@ impl Store {
         .bind(failures.iter().map(|f| f.attempt_id.0).collect::<Vec<_>>())
         .bind(failures.iter().map(|f| f.error.clone()).collect::<Vec<_>>())
         .bind(failures.iter().map(|f| f.usage.clone()).collect::<Vec<_>>())
-        .bind(failures.iter().map(|f| f.request_id.clone()).collect::<Vec<_>>())
+        .bind(
+            failures
+                .iter()
+                .map(|f| f.request_id.clone())
+                .collect::<Vec<_>>(),
+        )
         .bind(from.iter().map(|s| s.to_string()).collect::<Vec<_>>())
         .fetch_all(&mut *tx)
         .await?;
@@ -881,7 +938,12 @@ impl Store {
         if failed.is_empty() {
             return Ok((outcomes, Vec::new()));
         }
-        let job_ids: Vec<Uuid> = failed.iter().map(|f| f.1).collect::<BTreeSet<_>>().into_iter().collect();
+        let job_ids: Vec<Uuid> = failed
+            .iter()
+            .map(|f| f.1)
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
 
         // Lock the jobs (in id order), then read their attempts in a new statement:
         // its fresh snapshot sees any attempt another transaction committed while we
@@ -907,7 +969,10 @@ impl Store {
         .map(|(id, n, max, open)| (id, (n, max, open)))
         .collect();
 
-        let retryable: HashMap<Uuid, bool> = failures.iter().map(|f| (f.attempt_id.0, f.retryable)).collect();
+        let retryable: HashMap<Uuid, bool> = failures
+            .iter()
+            .map(|f| (f.attempt_id.0, f.retryable))
+            .collect();
         let now = Utc::now();
         let mut next_attempts: Vec<(Uuid, Uuid, i32, String, DateTime<Utc>)> = Vec::new();
         let mut give_up: Vec<(Uuid, String)> = Vec::new();
@@ -970,7 +1035,10 @@ impl Store {
             .await?;
             for (id, job, _, provider, not_before) in &next_attempts {
                 let at = if immediate { None } else { Some(*not_before) };
-                drafts.push(self.routes.attempt_draft(AttemptId(*id), JobId(*job), provider, at));
+                drafts.push(
+                    self.routes
+                        .attempt_draft(AttemptId(*id), JobId(*job), provider, at),
+                );
             }
         }
         let mut failed_jobs = BTreeSet::new();
@@ -1095,7 +1163,9 @@ impl Store {
             }
         };
         Ok(result.ok_or_else(|| {
-            Refusal::Terminal(format!("attempt {attempt} changed while it was being resolved; look again"))
+            Refusal::Terminal(format!(
+                "attempt {attempt} changed while it was being resolved; look again"
+            ))
         }))
     }
 
@@ -1125,10 +1195,12 @@ impl Store {
         if ids.is_empty() {
             return Ok(());
         }
-        sqlx::query("UPDATE outbox SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL")
-            .bind(ids)
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "UPDATE outbox SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL",
+        )
+        .bind(ids)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 
@@ -1161,12 +1233,14 @@ impl Store {
     /// oldest `unknown` attempt's age (alert on it: only a person or late evidence
     /// resolves an unknown), and the outbox backlog.
     pub async fn gauges(&self) -> Result<String> {
-        let jobs: Vec<(String, i64)> = sqlx::query_as("SELECT status, count(*) FROM jobs GROUP BY status")
-            .fetch_all(&self.pool)
-            .await?;
-        let attempts: Vec<(String, i64)> = sqlx::query_as("SELECT status, count(*) FROM attempts GROUP BY status")
-            .fetch_all(&self.pool)
-            .await?;
+        let jobs: Vec<(String, i64)> =
+            sqlx::query_as("SELECT status, count(*) FROM jobs GROUP BY status")
+                .fetch_all(&self.pool)
+                .await?;
+        let attempts: Vec<(String, i64)> =
+            sqlx::query_as("SELECT status, count(*) FROM attempts GROUP BY status")
+                .fetch_all(&self.pool)
+                .await?;
         let (oldest_unknown, backlog): (Option<f64>, i64) = sqlx::query_as(
             "SELECT (SELECT extract(epoch FROM now() - min(COALESCE(started_at, created_at)))::float8
                      FROM attempts WHERE status = 'unknown'),
@@ -1177,16 +1251,25 @@ impl Store {
         let mut out = String::new();
         out.push_str("# TYPE onejob_jobs gauge\n");
         for s in JobStatus::ALL {
-            let n = jobs.iter().find(|(k, _)| k == s.as_str()).map_or(0, |(_, n)| *n);
+            let n = jobs
+                .iter()
+                .find(|(k, _)| k == s.as_str())
+                .map_or(0, |(_, n)| *n);
             out.push_str(&format!("onejob_jobs{{status=\"{s}\"}} {n}\n"));
         }
         out.push_str("# TYPE onejob_attempts gauge\n");
         for s in AttemptStatus::ALL {
-            let n = attempts.iter().find(|(k, _)| k == s.as_str()).map_or(0, |(_, n)| *n);
+            let n = attempts
+                .iter()
+                .find(|(k, _)| k == s.as_str())
+                .map_or(0, |(_, n)| *n);
             out.push_str(&format!("onejob_attempts{{status=\"{s}\"}} {n}\n"));
         }
         out.push_str("# TYPE onejob_oldest_unknown_attempt_seconds gauge\n");
-        out.push_str(&format!("onejob_oldest_unknown_attempt_seconds {}\n", oldest_unknown.unwrap_or(0.0)));
+        out.push_str(&format!(
+            "onejob_oldest_unknown_attempt_seconds {}\n",
+            oldest_unknown.unwrap_or(0.0)
+        ));
         out.push_str("# TYPE onejob_outbox_unpublished gauge\n");
         out.push_str(&format!("onejob_outbox_unpublished {backlog}\n"));
         Ok(out)
@@ -1197,13 +1280,18 @@ impl Store {
     /// `running` with exactly one open attempt, `started`, in the main lane, and no
     /// attempt `unknown`. Returns the new attempt and its message to publish, or
     /// `None` when the guard refused.
-    pub async fn hedge(&self, job: JobId, provider: &str) -> Result<Option<(AttemptId, Vec<OutboxMessage>)>> {
+    pub async fn hedge(
+        &self,
+        job: JobId,
+        provider: &str,
+    ) -> Result<Option<(AttemptId, Vec<OutboxMessage>)>> {
         let id = AttemptId::new();
         let mut tx = self.pool.begin().await?;
-        let locked: Option<(String,)> = sqlx::query_as("SELECT status FROM jobs WHERE id = $1 FOR UPDATE")
-            .bind(job.0)
-            .fetch_optional(&mut *tx)
-            .await?;
+        let locked: Option<(String,)> =
+            sqlx::query_as("SELECT status FROM jobs WHERE id = $1 FOR UPDATE")
+                .bind(job.0)
+                .fetch_optional(&mut *tx)
+                .await?;
         if !matches!(locked, Some((ref s,)) if s == "running") {
             return Ok(None);
         }
@@ -1291,9 +1379,14 @@ impl Store {
             operation: row.try_get("operation")?,
             input: row.try_get("input")?,
             provider: row.try_get("provider")?,
-            status: row.try_get::<String, _>("status")?.parse().map_err(corrupt)?,
+            status: row
+                .try_get::<String, _>("status")?
+                .parse()
+                .map_err(corrupt)?,
             version: row.try_get("version")?,
-            completed_by: row.try_get::<Option<Uuid>, _>("completed_by")?.map(AttemptId),
+            completed_by: row
+                .try_get::<Option<Uuid>, _>("completed_by")?
+                .map(AttemptId),
             result: row.try_get("result")?,
             error: row.try_get("error")?,
             created_at: row.try_get("created_at")?,
@@ -1312,7 +1405,10 @@ struct Failure {
     request_id: Option<String>,
 }
 
-async fn mark_unknown(tx: &mut PgConnection, unknowns: &[(AttemptId, String)]) -> Result<BTreeSet<AttemptId>> {
+async fn mark_unknown(
+    tx: &mut PgConnection,
+    unknowns: &[(AttemptId, String)],
+) -> Result<BTreeSet<AttemptId>> {
     let ids: Vec<(Uuid,)> = sqlx::query_as(
         "WITH marked AS (
              UPDATE attempts a SET status = 'unknown', error = i.error

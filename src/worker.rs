@@ -87,14 +87,24 @@ pub fn routes(config: &Config) -> Routes {
 
 impl Context {
     /// Connects everything, applies migrations and declares the topology.
-    pub async fn connect(config: Arc<Config>, database_url: &str, amqp_url: &str) -> Result<Context> {
+    pub async fn connect(
+        config: Arc<Config>,
+        database_url: &str,
+        amqp_url: &str,
+    ) -> Result<Context> {
+        Store::ensure_database(database_url).await?;
         let store = Store::connect(database_url, 8, routes(&config)).await?;
         store.migrate().await?;
         let connection = broker::connect(amqp_url).await.map_err(|e| {
             tracing::error!(url = %broker::redact_url(amqp_url), error = %e, "cannot connect to RabbitMQ");
             e
         })?;
-        broker::declare_topology(&connection, &config.provider_names(), config.worker.delivery_limit).await?;
+        broker::declare_topology(
+            &connection,
+            &config.provider_names(),
+            config.worker.delivery_limit,
+        )
+        .await?;
         let publisher = Publisher::open(&connection).await?;
         Ok(Context {
             config,
@@ -111,9 +121,17 @@ impl Context {
 
     /// Copies a delivery to its queue's dead-letter queue with a reason, and waits
     /// for the confirm. The caller acks the original afterwards, never before.
-    pub async fn publish_dead_letter(&self, queue: &str, delivery: &Delivery, reason: &str) -> Result<()> {
+    pub async fn publish_dead_letter(
+        &self,
+        queue: &str,
+        delivery: &Delivery,
+        reason: &str,
+    ) -> Result<()> {
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
-        headers.insert(broker::ERROR_HEADER.into(), AMQPValue::LongString(LongString::from(reason)));
+        headers.insert(
+            broker::ERROR_HEADER.into(),
+            AMQPValue::LongString(LongString::from(reason)),
+        );
         headers.insert(
             "x-onejob-original-exchange".into(),
             AMQPValue::LongString(LongString::from(delivery.exchange.as_str())),
@@ -122,7 +140,11 @@ impl Context {
             "x-onejob-original-routing-key".into(),
             AMQPValue::LongString(LongString::from(delivery.routing_key.as_str())),
         );
-        let props = delivery.properties.clone().with_headers(headers).with_delivery_mode(2);
+        let props = delivery
+            .properties
+            .clone()
+            .with_headers(headers)
+            .with_delivery_mode(2);
         self.publisher
             .publish(broker::DLX, queue, &delivery.data, props, true)
             .await?;
@@ -132,7 +154,11 @@ impl Context {
 
 /// Publishes outbox rows with confirms, then marks them published. A row whose
 /// publish failed stays for the relay once its lease runs out.
-pub async fn publish_outbox(publisher: &Publisher, store: &Store, messages: &[OutboxMessage]) -> Result<()> {
+pub async fn publish_outbox(
+    publisher: &Publisher,
+    store: &Store,
+    messages: &[OutboxMessage],
+) -> Result<()> {
     if messages.is_empty() {
         return Ok(());
     }
@@ -168,7 +194,10 @@ pub async fn publish_outbox(publisher: &Publisher, store: &Store, messages: &[Ou
 /// `Ok(false)` then, and the broker will redeliver).
 pub async fn ack(delivery: &Delivery) -> Result<()> {
     if !delivery.acker.ack(BasicAckOptions::default()).await? {
-        tracing::warn!(delivery_tag = delivery.delivery_tag, "ack not sent: channel closed; the broker will redeliver");
+        tracing::warn!(
+            delivery_tag = delivery.delivery_tag,
+            "ack not sent: channel closed; the broker will redeliver"
+        );
     }
     Ok(())
 }
@@ -207,7 +236,13 @@ where
 /// Consumes `queue` with at most `prefetch` unacked deliveries, running `handle`
 /// on each in its own task. On shutdown it stops taking deliveries, waits up to
 /// the grace period for those in flight, and leaves the rest to redelivery.
-pub async fn consume<H, Fut>(ctx: &Context, queue: &str, prefetch: u16, shutdown: &Shutdown, handle: H) -> Result<()>
+pub async fn consume<H, Fut>(
+    ctx: &Context,
+    queue: &str,
+    prefetch: u16,
+    shutdown: &Shutdown,
+    handle: H,
+) -> Result<()>
 where
     H: Fn(Delivery) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
@@ -216,9 +251,16 @@ where
     use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 
     let channel = ctx.connection.create_channel().await?;
-    channel.basic_qos(prefetch, BasicQosOptions::default()).await?;
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
     let mut consumer = channel
-        .basic_consume(broker::short(queue)?, "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            broker::short(queue)?,
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await?;
     let mut in_flight = tokio::task::JoinSet::new();
     let outcome = loop {
@@ -243,7 +285,11 @@ where
     })
     .await;
     if drained.is_err() {
-        tracing::warn!(queue, remaining = in_flight.len(), "shutdown grace over; unfinished deliveries go back to the queue");
+        tracing::warn!(
+            queue,
+            remaining = in_flight.len(),
+            "shutdown grace over; unfinished deliveries go back to the queue"
+        );
         in_flight.shutdown().await;
     }
     let _ = channel.close(200, "worker stopping".into()).await;
@@ -255,7 +301,12 @@ where
 pub async fn run(ctx: Context, roles: Vec<Role>, shutdown: Shutdown) -> Result<()> {
     let roles = if roles.is_empty() {
         let mut all = vec![Role::Intake];
-        all.extend(ctx.config.providers.keys().map(|p| Role::Attempts(p.clone())));
+        all.extend(
+            ctx.config
+                .providers
+                .keys()
+                .map(|p| Role::Attempts(p.clone())),
+        );
         all.push(Role::Reconciler);
         all
     } else {
@@ -287,7 +338,10 @@ pub async fn run(ctx: Context, roles: Vec<Role>, shutdown: Shutdown) -> Result<(
     while let Some(joined) = tasks.join_next().await {
         let (name, result) = match joined {
             Ok(r) => r,
-            Err(e) => ("unknown".to_owned(), Err(WorkerError::RoleStopped("task".into(), e.to_string()))),
+            Err(e) => (
+                "unknown".to_owned(),
+                Err(WorkerError::RoleStopped("task".into(), e.to_string())),
+            ),
         };
         match result {
             Ok(()) if shutdown.is_triggered() => tracing::info!(role = %name, "role stopped"),
@@ -343,17 +397,38 @@ pub fn health_router(ctx: Context) -> axum::Router {
     use axum::http::StatusCode;
     use axum::routing::get;
 
-    async fn ready(axum::extract::State(ctx): axum::extract::State<Context>) -> (StatusCode, String) {
-        let db = sqlx::query("SELECT 1").execute(ctx.store.pool()).await.is_ok();
+    async fn ready(
+        axum::extract::State(ctx): axum::extract::State<Context>,
+    ) -> (StatusCode, String) {
+        let db = sqlx::query("SELECT 1")
+            .execute(ctx.store.pool())
+            .await
+            .is_ok();
         let amqp = ctx.connection.status().connected();
-        let body = format!("postgres: {}\nrabbitmq: {}\n", if db { "ok" } else { "down" }, if amqp { "ok" } else { "down" });
-        (if db && amqp { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, body)
+        let body = format!(
+            "postgres: {}\nrabbitmq: {}\n",
+            if db { "ok" } else { "down" },
+            if amqp { "ok" } else { "down" }
+        );
+        (
+            if db && amqp {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            },
+            body,
+        )
     }
 
-    async fn metrics(axum::extract::State(ctx): axum::extract::State<Context>) -> (StatusCode, String) {
+    async fn metrics(
+        axum::extract::State(ctx): axum::extract::State<Context>,
+    ) -> (StatusCode, String) {
         match ctx.store.gauges().await {
             Ok(g) => (StatusCode::OK, g),
-            Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("# database unavailable: {e}\n")),
+            Err(e) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("# database unavailable: {e}\n"),
+            ),
         }
     }
 

@@ -10,13 +10,17 @@ use std::time::Duration;
 use common::{TestEnv, config, config_text};
 use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
 use onejob::intent::Intent;
-use onejob::store::{Admission, FailedJob, Finished, NewJob, NextStep, Settled, Started, Store, Verdict};
+use onejob::store::{
+    Admission, FailedJob, Finished, NewJob, NextStep, Settled, Started, Store, Verdict,
+};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestRunner};
 use serde_json::json;
 
 fn give_up(f: &FailedJob) -> NextStep {
-    NextStep::GiveUp { error: f.error.clone() }
+    NextStep::GiveUp {
+        error: f.error.clone(),
+    }
 }
 
 /// A job whose main attempt started first and whose hedge started second.
@@ -25,7 +29,10 @@ async fn two_started_attempts(store: &Store, key: &str) -> (JobId, Started, Star
         owner_id: "acct_cas".into(),
         idempotency_key: key.into(),
         operation: "summarize".into(),
-        input: json!({"text": key}).as_object().cloned().unwrap_or_default(),
+        input: json!({"text": key})
+            .as_object()
+            .cloned()
+            .unwrap_or_default(),
         provider: None,
     };
     let new = NewJob {
@@ -38,9 +45,21 @@ async fn two_started_attempts(store: &Store, key: &str) -> (JobId, Started, Star
     let (job_id, first) = (new.job_id, new.attempt_id);
     let admitted = store.admit(&[new]).await.unwrap();
     assert!(matches!(admitted[0], Admission::Created { .. }));
-    let a = store.start("primary", &[first], Duration::from_secs(30)).await.unwrap().remove(0);
-    let (hedge, _) = store.hedge(job_id, "fallback").await.unwrap().expect("hedge allowed");
-    let b = store.start("fallback", &[hedge], Duration::from_secs(30)).await.unwrap().remove(0);
+    let a = store
+        .start("primary", &[first], Duration::from_secs(30))
+        .await
+        .unwrap()
+        .remove(0);
+    let (hedge, _) = store
+        .hedge(job_id, "fallback")
+        .await
+        .unwrap()
+        .expect("hedge allowed");
+    let b = store
+        .start("fallback", &[hedge], Duration::from_secs(30))
+        .await
+        .unwrap()
+        .remove(0);
     assert_eq!((a.version, b.version), (0, 0));
     (job_id, a, b)
 }
@@ -57,12 +76,19 @@ fn finished(s: &Started, verdict: Verdict) -> Finished {
 }
 
 fn success(s: &Started) -> Finished {
-    finished(s, Verdict::Succeeded(json!({ "summary": s.attempt_id.to_string() })))
+    finished(
+        s,
+        Verdict::Succeeded(json!({ "summary": s.attempt_id.to_string() })),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_later_of_two_reversed_attempts_is_discarded() {
-    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", Some("http://127.0.0.1:9/v1"), ""));
+    let (config, _file) = config(&config_text(
+        "http://127.0.0.1:9/v1",
+        Some("http://127.0.0.1:9/v1"),
+        "",
+    ));
     let env = TestEnv::new(&config).await;
     let store = &env.store;
     let (job_id, a, b) = two_started_attempts(store, "reverse").await;
@@ -75,24 +101,45 @@ async fn the_later_of_two_reversed_attempts_is_discarded() {
 
     // A started first and returns last: discarded, its result never merged.
     let (settled, publish) = store.finalize(&[success(&a)], &give_up).await.unwrap();
-    assert_eq!(settled, vec![Settled::Discarded { winner: Some(b.attempt_id) }]);
+    assert_eq!(
+        settled,
+        vec![Settled::Discarded {
+            winner: Some(b.attempt_id)
+        }]
+    );
     assert!(publish.is_empty(), "a discarded result emits no event");
 
     let job = store.job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Succeeded);
     assert_eq!(job.completed_by, Some(b.attempt_id));
-    assert_eq!(job.result, Some(json!({ "summary": b.attempt_id.to_string() })));
+    assert_eq!(
+        job.result,
+        Some(json!({ "summary": b.attempt_id.to_string() }))
+    );
     assert_eq!(job.version, 1);
-    assert_eq!((job.version, job.result.clone(), job.updated_at), (won.version, won.result, won.updated_at));
+    assert_eq!(
+        (job.version, job.result.clone(), job.updated_at),
+        (won.version, won.result, won.updated_at)
+    );
     let loser = job.attempts.iter().find(|x| x.id == a.attempt_id).unwrap();
     assert_eq!(loser.status, AttemptStatus::Discarded);
-    assert_eq!(loser.usage, Some(json!({"total_tokens": 10})), "the loser's spend stays visible");
+    assert_eq!(
+        loser.usage,
+        Some(json!({"total_tokens": 10})),
+        "the loser's spend stays visible"
+    );
 
     // A redelivered success of either attempt changes nothing.
-    let (settled, _) = store.finalize(&[success(&a), success(&b)], &give_up).await.unwrap();
+    let (settled, _) = store
+        .finalize(&[success(&a), success(&b)], &give_up)
+        .await
+        .unwrap();
     assert_eq!(settled, vec![Settled::Stale, Settled::Stale]);
     let again = store.job(job_id).await.unwrap().unwrap();
-    assert_eq!((again.version, again.completed_by, again.updated_at), (1, Some(b.attempt_id), job.updated_at));
+    assert_eq!(
+        (again.version, again.completed_by, again.updated_at),
+        (1, Some(b.attempt_id), job.updated_at)
+    );
 
     // The database itself refuses to change a terminal job.
     let err = sqlx::query("UPDATE jobs SET error = 'tamper' WHERE id = $1")
@@ -107,7 +154,11 @@ async fn the_later_of_two_reversed_attempts_is_discarded() {
 /// exactly one wins each time, and the job carries the winner's result.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_finishers_have_exactly_one_winner() {
-    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", Some("http://127.0.0.1:9/v1"), ""));
+    let (config, _file) = config(&config_text(
+        "http://127.0.0.1:9/v1",
+        Some("http://127.0.0.1:9/v1"),
+        "",
+    ));
     let env = TestEnv::new(&config).await;
     let store = Arc::new(env.store.clone());
     for i in 0..200 {
@@ -118,7 +169,12 @@ async fn concurrent_finishers_have_exactly_one_winner() {
             let barrier = barrier.clone();
             tokio::spawn(async move {
                 barrier.wait().await;
-                store.finalize(&[success(&s)], &give_up).await.unwrap().0.remove(0)
+                store
+                    .finalize(&[success(&s)], &give_up)
+                    .await
+                    .unwrap()
+                    .0
+                    .remove(0)
             })
         };
         let (ra, rb) = tokio::join!(run(a.clone()), run(b.clone()));
@@ -162,7 +218,11 @@ fn finisher() -> impl Strategy<Value = Finisher> {
         prop_oneof![3 => Just(Kind::Success), 1 => Just(Kind::Failure), 1 => Just(Kind::Unknown)],
         0..1500u64,
     )
-        .prop_map(|(attempt, kind, delay_us)| Finisher { attempt, kind, delay_us })
+        .prop_map(|(attempt, kind, delay_us)| Finisher {
+            attempt,
+            kind,
+            delay_us,
+        })
 }
 
 /// Thousands of random interleavings of concurrent finalizers (each attempt
@@ -171,11 +231,22 @@ fn finisher() -> impl Strategy<Value = Finisher> {
 /// whenever a success reached an open attempt; the job holds the winner's result.
 #[test]
 fn random_interleavings_never_have_two_winners() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
-    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", Some("http://127.0.0.1:9/v1"), ""));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (config, _file) = config(&config_text(
+        "http://127.0.0.1:9/v1",
+        Some("http://127.0.0.1:9/v1"),
+        "",
+    ));
     let env = rt.block_on(TestEnv::new(&config));
     let store = Arc::new(env.store.clone());
-    let cases: u32 = std::env::var("ONEJOB_CAS_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(2000);
+    let cases: u32 = std::env::var("ONEJOB_CAS_CASES")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(2000);
     let mut runner = TestRunner::new(ProptestConfig {
         cases,
         failure_persistence: None,
@@ -271,14 +342,21 @@ fn random_interleavings_never_have_two_winners() {
 /// the grace period pass, never `failed`; and then no hedge or retry may start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_vanished_worker_leaves_an_unknown_attempt() {
-    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", Some("http://127.0.0.1:9/v1"), ""));
+    let (config, _file) = config(&config_text(
+        "http://127.0.0.1:9/v1",
+        Some("http://127.0.0.1:9/v1"),
+        "",
+    ));
     let env = TestEnv::new(&config).await;
     let store = &env.store;
     let intent = Intent {
         owner_id: "acct_v".into(),
         idempotency_key: "vanish".into(),
         operation: "summarize".into(),
-        input: json!({"text": "x"}).as_object().cloned().unwrap_or_default(),
+        input: json!({"text": "x"})
+            .as_object()
+            .cloned()
+            .unwrap_or_default(),
         provider: None,
     };
     let new = NewJob {
@@ -290,25 +368,56 @@ async fn a_vanished_worker_leaves_an_unknown_attempt() {
     };
     let (job_id, attempt) = (new.job_id, new.attempt_id);
     store.admit(&[new]).await.unwrap();
-    store.start("primary", &[attempt], Duration::from_millis(50)).await.unwrap();
+    store
+        .start("primary", &[attempt], Duration::from_millis(50))
+        .await
+        .unwrap();
     // A redelivered message finds the attempt started: nothing to do.
-    assert!(store.start("primary", &[attempt], Duration::from_millis(50)).await.unwrap().is_empty());
-    assert!(store.expire_vanished(Duration::from_secs(60)).await.unwrap().is_empty(), "within grace");
-    common::wait_for("the attempt to be declared vanished", Duration::from_secs(10), || async {
-        let ids = store.expire_vanished(Duration::from_millis(100)).await.unwrap();
-        (!ids.is_empty()).then_some(ids)
-    })
+    assert!(
+        store
+            .start("primary", &[attempt], Duration::from_millis(50))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        store
+            .expire_vanished(Duration::from_secs(60))
+            .await
+            .unwrap()
+            .is_empty(),
+        "within grace"
+    );
+    common::wait_for(
+        "the attempt to be declared vanished",
+        Duration::from_secs(10),
+        || async {
+            let ids = store
+                .expire_vanished(Duration::from_millis(100))
+                .await
+                .unwrap();
+            (!ids.is_empty()).then_some(ids)
+        },
+    )
     .await;
     let job = store.job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Unknown);
     assert_eq!(job.attempts[0].status, AttemptStatus::Unknown);
-    assert!(store.hedge(job_id, "fallback").await.unwrap().is_none(), "no hedge beside an unknown");
+    assert!(
+        store.hedge(job_id, "fallback").await.unwrap().is_none(),
+        "no hedge beside an unknown"
+    );
     // A second open attempt in the main lane is refused by the database itself.
-    let err = sqlx::query("INSERT INTO attempts (id, job_id, number, provider) VALUES ($1, $2, 2, 'primary')")
-        .bind(uuid::Uuid::now_v7())
-        .bind(job_id.0)
-        .execute(store.pool())
-        .await
-        .unwrap_err();
-    assert!(err.to_string().contains("attempts_one_open_per_lane"), "{err}");
+    let err = sqlx::query(
+        "INSERT INTO attempts (id, job_id, number, provider) VALUES ($1, $2, 2, 'primary')",
+    )
+    .bind(uuid::Uuid::now_v7())
+    .bind(job_id.0)
+    .execute(store.pool())
+    .await
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("attempts_one_open_per_lane"),
+        "{err}"
+    );
 }

@@ -26,13 +26,20 @@ async fn a_published_intent_becomes_one_succeeded_job() {
     let (events, events_queue) = env.watch_events(&amqp).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 
-    let receipt = producer.submit(&intent("acct_1", "k-1", "the quick fox")).await.unwrap();
+    let receipt = producer
+        .submit(&intent("acct_1", "k-1", "the quick fox"))
+        .await
+        .unwrap();
     assert_eq!(receipt.outcome, Outcome::Created);
     assert_eq!(receipt.error, None);
     let job_id = receipt.job_id.expect("a created receipt names its job");
 
     let job = wait_for("the job to succeed", SETTLE, || async {
-        env.store.job(job_id).await.unwrap().filter(|j| j.status == JobStatus::Succeeded)
+        env.store
+            .job(job_id)
+            .await
+            .unwrap()
+            .filter(|j| j.status == JobStatus::Succeeded)
     })
     .await;
     assert_eq!(job.version, 1, "one write of the outcome");
@@ -45,10 +52,21 @@ async fn a_published_intent_becomes_one_succeeded_job() {
         job.result.as_ref().and_then(|r| r["summary"].as_str()),
         Some("mock answer: Summarize: the quick fox")
     );
-    assert!(attempt.usage.as_ref().is_some_and(|u| u["total_tokens"].as_u64() > Some(0)));
-    assert_eq!(attempt.provider_request_id.as_deref(), Some("chatcmpl-mock-1"));
+    assert!(
+        attempt
+            .usage
+            .as_ref()
+            .is_some_and(|u| u["total_tokens"].as_u64() > Some(0))
+    );
+    assert_eq!(
+        attempt.provider_request_id.as_deref(),
+        Some("chatcmpl-mock-1")
+    );
     // The provider saw the attempt id as its Idempotency-Key, once.
-    assert_eq!(primary.stats.idempotency_keys(), vec![attempt.id.to_string()]);
+    assert_eq!(
+        primary.stats.idempotency_keys(),
+        vec![attempt.id.to_string()]
+    );
 
     // Exactly one job.succeeded event, identified by job id and version.
     let got = wait_for("the job.succeeded event", SETTLE, || async {
@@ -64,10 +82,22 @@ async fn a_published_intent_becomes_one_succeeded_job() {
 
     // Operators see it through the CLI.
     let out = env.cli(&file.path, &["jobs", "show", &job_id.to_string()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("succeeded") && text.contains("usage"), "{text}");
-    let out = env.cli(&file.path, &["jobs", "find", "--owner", "acct_1", "--key", "k-1", "--json"]);
+    assert!(
+        text.contains("succeeded") && text.contains("usage"),
+        "{text}"
+    );
+    let out = env.cli(
+        &file.path,
+        &[
+            "jobs", "find", "--owner", "acct_1", "--key", "k-1", "--json",
+        ],
+    );
     assert!(out.status.success());
     let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(shown["id"], job_id.to_string());
@@ -98,7 +128,10 @@ async fn double_click_makes_one_job_per_identity() {
                 let producer = producer.clone();
                 async move {
                     let key = format!("click-{round}-{i}");
-                    let receipt = producer.submit(&intent("acct_dc", &key, "same text")).await.unwrap();
+                    let receipt = producer
+                        .submit(&intent("acct_dc", &key, "same text"))
+                        .await
+                        .unwrap();
                     (key, receipt)
                 }
             }))
@@ -112,12 +145,19 @@ async fn double_click_makes_one_job_per_identity() {
         for (key, first) in ra.unwrap() {
             let second = &rb[&key];
             assert!(first.job_id.is_some(), "{key}: {first:?}");
-            assert_eq!(first.job_id, second.job_id, "{key}: both receipts name one job");
+            assert_eq!(
+                first.job_id, second.job_id,
+                "{key}: both receipts name one job"
+            );
             let created = [first.outcome, second.outcome]
                 .iter()
                 .filter(|o| **o == Outcome::Created)
                 .count();
-            assert_eq!(created, 1, "{key}: exactly one created ({:?}, {:?})", first.outcome, second.outcome);
+            assert_eq!(
+                created, 1,
+                "{key}: exactly one created ({:?}, {:?})",
+                first.outcome, second.outcome
+            );
             assert!([first.outcome, second.outcome].contains(&Outcome::Duplicate));
         }
     }
@@ -142,7 +182,9 @@ async fn same_key_different_input_is_a_conflict() {
     let primary = mock(MockOptions::default()).await;
     let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
     let env = TestEnv::new(&config).await;
-    let fleet = env.fleet(config.clone(), vec![onejob::worker::Role::Intake]).await;
+    let fleet = env
+        .fleet(config.clone(), vec![onejob::worker::Role::Intake])
+        .await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 
     let first = producer
@@ -157,7 +199,10 @@ async fn same_key_different_input_is_a_conflict() {
         .await
         .unwrap();
     assert_eq!(conflict.outcome, Outcome::Conflict);
-    assert_eq!(conflict.job_id, None, "a conflict never hands out the existing job");
+    assert_eq!(
+        conflict.job_id, None,
+        "a conflict never hands out the existing job"
+    );
     assert_eq!(conflict.error, None);
 
     // Pinning a provider changes the intent too.
@@ -177,7 +222,10 @@ async fn same_key_different_input_is_a_conflict() {
 
     let after = env.store.find_job("acct_c", "k").await.unwrap().unwrap();
     assert_eq!(after.id, before.id);
-    assert_eq!(after.input, before.input, "the conflicting intent changed nothing");
+    assert_eq!(
+        after.input, before.input,
+        "the conflicting intent changed nothing"
+    );
     assert_eq!(after.request_fingerprint, before.request_fingerprint);
     assert_eq!(after.version, before.version);
     assert_eq!(after.updated_at, before.updated_at);
@@ -206,26 +254,44 @@ async fn contract_violations_fail_attempts_and_then_the_job() {
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 
     for (key, directive, expect) in [
-        ("prose", "mock:prose", "contract_violation: content is not JSON"),
+        (
+            "prose",
+            "mock:prose",
+            "contract_violation: content is not JSON",
+        ),
         ("extra", "mock:extra_key", "contract_violation"),
         ("type", "mock:wrong_type", "contract_violation: at /summary"),
         ("status", "mock:status=503", "provider_error: HTTP 503"),
     ] {
-        let receipt = producer.submit(&intent("acct_v", key, directive)).await.unwrap();
+        let receipt = producer
+            .submit(&intent("acct_v", key, directive))
+            .await
+            .unwrap();
         let job_id = receipt.job_id.unwrap();
         let job = wait_for("the job to fail", SETTLE, || async {
-            env.store.job(job_id).await.unwrap().filter(|j| j.status == JobStatus::Failed)
+            env.store
+                .job(job_id)
+                .await
+                .unwrap()
+                .filter(|j| j.status == JobStatus::Failed)
         })
         .await;
         assert_eq!(job.attempts.len(), 3, "{key}: max_attempts attempts in all");
-        assert!(job.attempts.iter().all(|a| a.status == AttemptStatus::Failed));
+        assert!(
+            job.attempts
+                .iter()
+                .all(|a| a.status == AttemptStatus::Failed)
+        );
         let error = job.error.unwrap_or_default();
         assert!(error.starts_with(expect), "{key}: {error}");
         assert_eq!(job.result, None);
         assert_eq!(job.version, 1);
         // Backoff is persisted: each retry was not to be published before its time.
         for pair in job.attempts.windows(2) {
-            assert!(pair[1].not_before >= pair[0].finished_at.unwrap(), "{key}: backoff kept");
+            assert!(
+                pair[1].not_before >= pair[0].finished_at.unwrap(),
+                "{key}: backoff kept"
+            );
         }
     }
 
@@ -237,19 +303,44 @@ async fn contract_violations_fail_attempts_and_then_the_job() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn connection_refused_is_a_definite_failure() {
     // Bind and drop a listener: nothing listens on that port any more.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let (config, _file) = config(&config_text(&format!("http://127.0.0.1:{port}/v1"), None, ""));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (config, _file) = config(&config_text(
+        &format!("http://127.0.0.1:{port}/v1"),
+        None,
+        "",
+    ));
     let env = TestEnv::new(&config).await;
     let fleet = env.fleet(config.clone(), vec![]).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
-    let job_id = producer.submit(&intent("acct_r", "k", "x")).await.unwrap().job_id.unwrap();
+    let job_id = producer
+        .submit(&intent("acct_r", "k", "x"))
+        .await
+        .unwrap()
+        .job_id
+        .unwrap();
     let job = wait_for("the job to fail", SETTLE, || async {
-        env.store.job(job_id).await.unwrap().filter(|j| j.status == JobStatus::Failed)
+        env.store
+            .job(job_id)
+            .await
+            .unwrap()
+            .filter(|j| j.status == JobStatus::Failed)
     })
     .await;
     assert_eq!(job.attempts.len(), 3);
-    assert!(job.error.unwrap_or_default().starts_with("provider_unreachable"));
-    assert!(job.attempts.iter().all(|a| a.status == AttemptStatus::Failed && a.usage.is_none()));
+    assert!(
+        job.error
+            .unwrap_or_default()
+            .starts_with("provider_unreachable")
+    );
+    assert!(
+        job.attempts
+            .iter()
+            .all(|a| a.status == AttemptStatus::Failed && a.usage.is_none())
+    );
     producer.close().await;
     fleet.stop().await;
 }

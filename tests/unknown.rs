@@ -21,21 +21,46 @@ async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
     })
     .await;
     let fallback = mock(MockOptions::default()).await;
-    let (config, file) = config(&config_text(&primary.base_url(), Some(&fallback.base_url()), ""));
+    let (config, file) = config(&config_text(
+        &primary.base_url(),
+        Some(&fallback.base_url()),
+        "",
+    ));
     let backoff_max = config.worker.retry_backoff_max;
     let env = TestEnv::new(&config).await;
     let fleet = env.fleet(config.clone(), vec![]).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 
-    let job_id = producer.submit(&intent("acct_t", "k", "slow")).await.unwrap().job_id.unwrap();
+    let job_id = producer
+        .submit(&intent("acct_t", "k", "slow"))
+        .await
+        .unwrap()
+        .job_id
+        .unwrap();
     let job = wait_for("the job to be unknown", SETTLE, || async {
-        env.store.job(job_id).await.unwrap().filter(|j| j.status == JobStatus::Unknown)
+        env.store
+            .job(job_id)
+            .await
+            .unwrap()
+            .filter(|j| j.status == JobStatus::Unknown)
     })
     .await;
     assert_eq!(job.attempts.len(), 1);
     let first = job.attempts[0].clone();
-    assert_eq!(first.status, AttemptStatus::Unknown, "a timeout is never `failed`");
-    assert!(first.error.as_deref().unwrap_or("").starts_with("outcome_unknown: timed out"), "{:?}", first.error);
+    assert_eq!(
+        first.status,
+        AttemptStatus::Unknown,
+        "a timeout is never `failed`"
+    );
+    assert!(
+        first
+            .error
+            .as_deref()
+            .unwrap_or("")
+            .starts_with("outcome_unknown: timed out"),
+        "{:?}",
+        first.error
+    );
 
     // For three full backoff periods (at their cap) plus the vanished-worker grace,
     // nothing new starts and nobody calls the fallback.
@@ -45,7 +70,11 @@ async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
         let job = env.store.job(job_id).await.unwrap().unwrap();
         assert_eq!(job.status, JobStatus::Unknown);
         assert_eq!(job.attempts.len(), 1, "no new attempt while one is unknown");
-        assert_eq!(job.attempts[0].status, AttemptStatus::Unknown, "never failed by time alone");
+        assert_eq!(
+            job.attempts[0].status,
+            AttemptStatus::Unknown,
+            "never failed by time alone"
+        );
         assert_eq!(fallback.stats.requests(), 0, "the fallback is never called");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -53,15 +82,33 @@ async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
 
     // The operator learns the provider dropped it, and resolves it as failed.
     primary.configure(|o| o.delay = Duration::ZERO);
-    let out = env.cli(&file.path, &["attempts", "resolve", &first.id.to_string(), "--as", "failed", "--json"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = env.cli(
+        &file.path,
+        &[
+            "attempts",
+            "resolve",
+            &first.id.to_string(),
+            "--as",
+            "failed",
+            "--json",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let resolved: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(resolved["resolved_as"], "failed");
     assert!(resolved["next_attempt"].is_string(), "{resolved}");
     assert_eq!(resolved["published"], true);
 
     let job = wait_for("the job to complete", SETTLE, || async {
-        env.store.job(job_id).await.unwrap().filter(|j| j.status == JobStatus::Succeeded)
+        env.store
+            .job(job_id)
+            .await
+            .unwrap()
+            .filter(|j| j.status == JobStatus::Succeeded)
     })
     .await;
     assert_eq!(job.attempts.len(), 2);
@@ -72,18 +119,48 @@ async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
     assert_eq!(fallback.stats.requests(), 0);
 
     // Resolving a terminal attempt is refused with exit 1 and the reason.
-    let out = env.cli(&file.path, &["attempts", "resolve", &first.id.to_string(), "--as", "failed"]);
+    let out = env.cli(
+        &file.path,
+        &[
+            "attempts",
+            "resolve",
+            &first.id.to_string(),
+            "--as",
+            "failed",
+        ],
+    );
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("already failed"));
     // An attempt that does not exist: exit 1. Bad usage: exit 2.
-    let out = env.cli(&file.path, &["attempts", "resolve", &uuid::Uuid::now_v7().to_string(), "--as", "failed"]);
+    let out = env.cli(
+        &file.path,
+        &[
+            "attempts",
+            "resolve",
+            &uuid::Uuid::now_v7().to_string(),
+            "--as",
+            "failed",
+        ],
+    );
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not found"));
-    let out = env.cli(&file.path, &["attempts", "resolve", &first.id.to_string(), "--as", "maybe"]);
+    let out = env.cli(
+        &file.path,
+        &[
+            "attempts",
+            "resolve",
+            &first.id.to_string(),
+            "--as",
+            "maybe",
+        ],
+    );
     assert_eq!(out.status.code(), Some(2));
     let out = env.cli(&file.path, &["jobs", "show", "not-a-uuid"]);
     assert_eq!(out.status.code(), Some(2));
-    let out = env.cli(&file.path, &["jobs", "show", &uuid::Uuid::now_v7().to_string()]);
+    let out = env.cli(
+        &file.path,
+        &["jobs", "show", &uuid::Uuid::now_v7().to_string()],
+    );
     assert_eq!(out.status.code(), Some(1));
 
     producer.close().await;
@@ -102,17 +179,47 @@ async fn a_dropped_connection_is_unknown_and_can_be_cancelled() {
     let (events, events_queue) = env.watch_events(&amqp).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 
-    let job_id = producer.submit(&intent("acct_d", "k", "mock:drop")).await.unwrap().job_id.unwrap();
+    let job_id = producer
+        .submit(&intent("acct_d", "k", "mock:drop"))
+        .await
+        .unwrap()
+        .job_id
+        .unwrap();
     let job = wait_for("the job to be unknown", SETTLE, || async {
-        env.store.job(job_id).await.unwrap().filter(|j| j.status == JobStatus::Unknown)
+        env.store
+            .job(job_id)
+            .await
+            .unwrap()
+            .filter(|j| j.status == JobStatus::Unknown)
     })
     .await;
     let attempt = &job.attempts[0];
     assert_eq!(attempt.status, AttemptStatus::Unknown);
-    assert!(attempt.error.as_deref().unwrap_or("").contains("connection lost after the request was sent"), "{:?}", attempt.error);
+    assert!(
+        attempt
+            .error
+            .as_deref()
+            .unwrap_or("")
+            .contains("connection lost after the request was sent"),
+        "{:?}",
+        attempt.error
+    );
 
-    let out = env.cli(&file.path, &["attempts", "resolve", &attempt.id.to_string(), "--as", "cancelled"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = env.cli(
+        &file.path,
+        &[
+            "attempts",
+            "resolve",
+            &attempt.id.to_string(),
+            "--as",
+            "cancelled",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let job = env.store.job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Cancelled);
     assert_eq!(job.attempts[0].status, AttemptStatus::Cancelled);
@@ -127,7 +234,16 @@ async fn a_dropped_connection_is_unknown_and_can_be_cancelled() {
     assert_eq!(got[0].routing_key.as_str(), "job.cancelled");
 
     // A cancelled job never changes again.
-    let out = env.cli(&file.path, &["attempts", "resolve", &attempt.id.to_string(), "--as", "failed"]);
+    let out = env.cli(
+        &file.path,
+        &[
+            "attempts",
+            "resolve",
+            &attempt.id.to_string(),
+            "--as",
+            "failed",
+        ],
+    );
     assert_eq!(out.status.code(), Some(1));
 
     producer.close().await;

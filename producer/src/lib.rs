@@ -48,7 +48,9 @@ pub enum ProducerError {
     Broker(#[from] BrokerError),
     /// No receipt came in time. The intent was confirmed by the broker and may
     /// still be processed: submit it again with the same key to learn its job.
-    #[error("no receipt within {0:?}; the intent was confirmed and may still be processed: resubmit it with the same key to learn its outcome")]
+    #[error(
+        "no receipt within {0:?}; the intent was confirmed and may still be processed: resubmit it with the same key to learn its outcome"
+    )]
     ReceiptTimeout(Duration),
     /// The reply consumer stopped (the connection was lost).
     #[error("the receipt channel closed before the receipt arrived")]
@@ -158,7 +160,13 @@ impl Producer {
     pub async fn publish_only(&self, intent: &Intent) -> Result<()> {
         let body = serde_json::to_vec(intent).unwrap_or_default();
         self.publisher
-            .publish(broker::EXCHANGE, broker::INTENTS_KEY, &body, broker::json_properties(), true)
+            .publish(
+                broker::EXCHANGE,
+                broker::INTENTS_KEY,
+                &body,
+                broker::json_properties(),
+                true,
+            )
             .await?;
         Ok(())
     }
@@ -197,7 +205,9 @@ async fn read_receipts(
                 (Some(tx), Ok(receipt)) => {
                     let _ = tx.send(receipt);
                 }
-                (None, _) => tracing::debug!(correlation_id = %id, "receipt for nobody (timed out?)"),
+                (None, _) => {
+                    tracing::debug!(correlation_id = %id, "receipt for nobody (timed out?)")
+                }
                 (Some(_), Err(e)) => tracing::warn!(error = %e, "unreadable receipt"),
             }
         }

@@ -50,7 +50,15 @@ enum Command {
 async fn main() -> ExitCode {
     onejob::telemetry::init();
     let args = Args::parse();
-    let Command::Publish { owner, key, operation, input, provider, wait, timeout } = args.command;
+    let Command::Publish {
+        owner,
+        key,
+        operation,
+        input,
+        provider,
+        wait,
+        timeout,
+    } = args.command;
     let input = match serde_json::from_str::<serde_json::Value>(&input) {
         Ok(serde_json::Value::Object(map)) => map,
         Ok(_) => {
@@ -62,12 +70,24 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let intent = Intent { owner_id: owner, idempotency_key: key, operation, input, provider };
-    let options = ProducerOptions { receipt_timeout: timeout, ..ProducerOptions::default() };
+    let intent = Intent {
+        owner_id: owner,
+        idempotency_key: key,
+        operation,
+        input,
+        provider,
+    };
+    let options = ProducerOptions {
+        receipt_timeout: timeout,
+        ..ProducerOptions::default()
+    };
     let producer = match Producer::connect_with(&args.amqp_url, options).await {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("onejob-producer: cannot connect to {}: {e}", onejob::broker::redact_url(&args.amqp_url));
+            eprintln!(
+                "onejob-producer: cannot connect to {}: {e}",
+                onejob::broker::redact_url(&args.amqp_url)
+            );
             return ExitCode::from(1);
         }
     };

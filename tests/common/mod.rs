@@ -89,7 +89,11 @@ impl TestEnv {
         let ctx = self.context(config).await;
         let shutdown = Shutdown::new();
         let task = tokio::spawn(worker::run(ctx.clone(), roles, shutdown.clone()));
-        Fleet { ctx, shutdown, task }
+        Fleet {
+            ctx,
+            shutdown,
+            task,
+        }
     }
 
     /// Runs the operator CLI binary against this env.
@@ -162,7 +166,9 @@ impl Drop for TestEnv {
                 &format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name),
             ])
             .output();
-        let _ = Command::new("rabbitmqctl").args(["delete_vhost", &self.name]).output();
+        let _ = Command::new("rabbitmqctl")
+            .args(["delete_vhost", &self.name])
+            .output();
     }
 }
 
@@ -260,7 +266,10 @@ pub mod tempfile_path {
 
     impl TempConfig {
         pub fn new(text: &str) -> Self {
-            let path = std::env::temp_dir().join(format!("onejob-test-{}.toml", uuid::Uuid::now_v7().simple()));
+            let path = std::env::temp_dir().join(format!(
+                "onejob-test-{}.toml",
+                uuid::Uuid::now_v7().simple()
+            ));
             std::fs::write(&path, text).expect("write test config");
             TempConfig { path }
         }
@@ -284,7 +293,10 @@ where
         if let Some(v) = check().await {
             return v;
         }
-        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
@@ -295,7 +307,10 @@ pub fn intent(owner: &str, key: &str, text: &str) -> onejob::intent::Intent {
         owner_id: owner.into(),
         idempotency_key: key.into(),
         operation: "summarize".into(),
-        input: serde_json::json!({ "text": text }).as_object().cloned().unwrap_or_default(),
+        input: serde_json::json!({ "text": text })
+            .as_object()
+            .cloned()
+            .unwrap_or_default(),
         provider: None,
     }
 }

@@ -83,7 +83,13 @@ async fn main() -> ExitCode {
         }
     };
     tracing::info!(config = %config.origin, "configuration loaded");
-    let ctx = match Context::connect(config, &args.connections.database_url, &args.connections.amqp_url).await {
+    let ctx = match Context::connect(
+        config,
+        &args.connections.database_url,
+        &args.connections.amqp_url,
+    )
+    .await
+    {
         Ok(c) => c,
         Err(e) => {
             eprintln!("onejob-worker: cannot start: {e}");
@@ -102,7 +108,9 @@ async fn main() -> ExitCode {
         let app = worker::health_router(ctx.clone());
         let stop = shutdown.clone();
         tokio::spawn(async move {
-            let _ = axum::serve(listener, app).with_graceful_shutdown(async move { stop.wait().await }).await;
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stop.wait().await })
+                .await;
         });
         tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
     }
@@ -112,7 +120,10 @@ async fn main() -> ExitCode {
         tracing::info!("signal received: stopping intake of new work, finishing what is in flight");
         signals.trigger();
     });
-    let supervisor = tokio::spawn(worker::supervise_connection(ctx.connection.clone(), shutdown.clone()));
+    let supervisor = tokio::spawn(worker::supervise_connection(
+        ctx.connection.clone(),
+        shutdown.clone(),
+    ));
     let result = worker::run(ctx.clone(), roles, shutdown.clone()).await;
     shutdown.trigger();
     let supervised = supervisor.await.unwrap_or(Ok(()));
