@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use common::{TestEnv, config, config_text};
 use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
-use onejob::intent::Intent;
 use onejob::store::{
     Admission, FailedJob, Finished, NewJob, NextStep, Settled, Started, Store, Verdict,
 };
@@ -23,25 +22,21 @@ fn give_up(f: &FailedJob) -> NextStep {
     }
 }
 
-/// A job whose main attempt started first and whose hedge started second.
-async fn two_started_attempts(store: &Store, key: &str) -> (JobId, Started, Started) {
-    let intent = Intent {
-        owner_id: "acct_cas".into(),
-        idempotency_key: key.into(),
-        operation: "summarize".into(),
-        input: json!({"text": key})
-            .as_object()
-            .cloned()
-            .unwrap_or_default(),
-        provider: None,
-    };
-    let new = NewJob {
+/// A validated intent for the primary provider, ready to admit.
+fn new_job(key: &str) -> NewJob {
+    let intent = common::intent("acct_cas", key, key);
+    NewJob {
         job_id: JobId::new(),
         attempt_id: AttemptId::new(),
         fingerprint: intent.fingerprint(),
         intent,
         provider: "primary".into(),
-    };
+    }
+}
+
+/// A job whose main attempt started first and whose hedge started second.
+async fn two_started_attempts(store: &Store, key: &str) -> (JobId, Started, Started) {
+    let new = new_job(key);
     let (job_id, first) = (new.job_id, new.attempt_id);
     let admitted = store.admit(&[new]).await.unwrap();
     assert!(matches!(admitted[0], Admission::Created { .. }));
@@ -349,23 +344,7 @@ async fn a_vanished_worker_leaves_an_unknown_attempt() {
     ));
     let env = TestEnv::new(&config).await;
     let store = &env.store;
-    let intent = Intent {
-        owner_id: "acct_v".into(),
-        idempotency_key: "vanish".into(),
-        operation: "summarize".into(),
-        input: json!({"text": "x"})
-            .as_object()
-            .cloned()
-            .unwrap_or_default(),
-        provider: None,
-    };
-    let new = NewJob {
-        job_id: JobId::new(),
-        attempt_id: AttemptId::new(),
-        fingerprint: intent.fingerprint(),
-        intent,
-        provider: "primary".into(),
-    };
+    let new = new_job("vanish");
     let (job_id, attempt) = (new.job_id, new.attempt_id);
     store.admit(&[new]).await.unwrap();
     store

@@ -6,7 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{TestEnv, config, config_text, intent, mock, wait_for};
+use common::{
+    TestEnv, config, config_text, intent, mock, wait_for, wait_for_messages, wait_for_status,
+};
 use lapin::options::{BasicGetOptions, BasicPublishOptions};
 use onejob::broker;
 use onejob::domain::JobStatus;
@@ -131,9 +133,10 @@ async fn a_crash_between_commit_and_ack_is_a_duplicate_of_the_same_job() {
         Admission::Created { job_id, .. } => job_id,
         other => panic!("expected created, got {other:?}"),
     };
-    // kill -9: the connection goes away with the delivery unacked.
-    drop(ch);
+    // kill -9: the connection goes away with the delivery unacked (closing the
+    // connection closes its channel; the broker requeues what it had not acked).
     doomed.close(320, "simulated crash".into()).await.unwrap();
+    drop(ch);
 
     let fleet = env.fleet(config.clone(), vec![]).await;
     let receipt = pending.0.await.unwrap().unwrap();
@@ -150,14 +153,7 @@ async fn a_crash_between_commit_and_ack_is_a_duplicate_of_the_same_job() {
 
     // The first attempt was committed with the job; its message is relayed once the
     // dead worker's lease on the outbox row runs out, and the job completes.
-    let job = wait_for("the job to succeed", SETTLE, || async {
-        env.store
-            .job(created)
-            .await
-            .unwrap()
-            .filter(|j| j.status == JobStatus::Succeeded)
-    })
-    .await;
+    let job = wait_for_status(&env, created, JobStatus::Succeeded).await;
     assert_eq!(job.attempts.len(), 1);
     let (jobs,): (i64,) = sqlx::query_as("SELECT count(*) FROM jobs")
         .fetch_one(env.store.pool())
@@ -180,15 +176,7 @@ async fn a_crash_between_commit_and_ack_is_a_duplicate_of_the_same_job() {
     .await
     .unwrap();
     let dlq = broker::dead_letter_queue(&broker::attempts_queue("primary"));
-    let dead = wait_for(
-        "the malformed attempt message in its DLQ",
-        SETTLE,
-        || async {
-            let got = env.drain(&ch, &dlq).await;
-            (!got.is_empty()).then_some(got)
-        },
-    )
-    .await;
+    let dead = wait_for_messages(&env, &ch, &dlq).await;
     let headers = dead[0].properties.headers().clone().unwrap_or_default();
     assert!(
         header_str(&headers, broker::ERROR_HEADER)

@@ -5,16 +5,13 @@ mod common;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
-use common::{TestEnv, config, config_text, intent, mock, wait_for};
+use common::{TestEnv, config, config_text, intent, mock, wait_for_messages, wait_for_status};
 use futures_util::future::join_all;
 use onejob::domain::{AttemptStatus, JobStatus};
 use onejob::intent::Outcome;
 use onejob::mock::MockOptions;
 use onejob_producer::Producer;
-
-const SETTLE: Duration = Duration::from_secs(20);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_published_intent_becomes_one_succeeded_job() {
@@ -34,14 +31,7 @@ async fn a_published_intent_becomes_one_succeeded_job() {
     assert_eq!(receipt.error, None);
     let job_id = receipt.job_id.expect("a created receipt names its job");
 
-    let job = wait_for("the job to succeed", SETTLE, || async {
-        env.store
-            .job(job_id)
-            .await
-            .unwrap()
-            .filter(|j| j.status == JobStatus::Succeeded)
-    })
-    .await;
+    let job = wait_for_status(&env, job_id, JobStatus::Succeeded).await;
     assert_eq!(job.version, 1, "one write of the outcome");
     assert_eq!(job.attempts.len(), 1);
     let attempt = &job.attempts[0];
@@ -69,11 +59,7 @@ async fn a_published_intent_becomes_one_succeeded_job() {
     );
 
     // Exactly one job.succeeded event, identified by job id and version.
-    let got = wait_for("the job.succeeded event", SETTLE, || async {
-        let got = env.drain(&events, &events_queue).await;
-        (!got.is_empty()).then_some(got)
-    })
-    .await;
+    let got = wait_for_messages(&env, &events, &events_queue).await;
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].routing_key.as_str(), "job.succeeded");
     let event: serde_json::Value = serde_json::from_slice(&got[0].data).unwrap();
@@ -268,14 +254,7 @@ async fn contract_violations_fail_attempts_and_then_the_job() {
             .await
             .unwrap();
         let job_id = receipt.job_id.unwrap();
-        let job = wait_for("the job to fail", SETTLE, || async {
-            env.store
-                .job(job_id)
-                .await
-                .unwrap()
-                .filter(|j| j.status == JobStatus::Failed)
-        })
-        .await;
+        let job = wait_for_status(&env, job_id, JobStatus::Failed).await;
         assert_eq!(job.attempts.len(), 3, "{key}: max_attempts attempts in all");
         assert!(
             job.attempts
@@ -322,14 +301,7 @@ async fn connection_refused_is_a_definite_failure() {
         .unwrap()
         .job_id
         .unwrap();
-    let job = wait_for("the job to fail", SETTLE, || async {
-        env.store
-            .job(job_id)
-            .await
-            .unwrap()
-            .filter(|j| j.status == JobStatus::Failed)
-    })
-    .await;
+    let job = wait_for_status(&env, job_id, JobStatus::Failed).await;
     assert_eq!(job.attempts.len(), 3);
     assert!(
         job.error

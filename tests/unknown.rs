@@ -5,12 +5,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{TestEnv, config, config_text, intent, mock, wait_for};
+use common::{TestEnv, config, config_text, intent, mock, wait_for_messages, wait_for_status};
 use onejob::domain::{AttemptStatus, JobStatus};
 use onejob::mock::MockOptions;
 use onejob_producer::Producer;
-
-const SETTLE: Duration = Duration::from_secs(20);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
@@ -37,14 +35,7 @@ async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
         .unwrap()
         .job_id
         .unwrap();
-    let job = wait_for("the job to be unknown", SETTLE, || async {
-        env.store
-            .job(job_id)
-            .await
-            .unwrap()
-            .filter(|j| j.status == JobStatus::Unknown)
-    })
-    .await;
+    let job = wait_for_status(&env, job_id, JobStatus::Unknown).await;
     assert_eq!(job.attempts.len(), 1);
     let first = job.attempts[0].clone();
     assert_eq!(
@@ -103,14 +94,7 @@ async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
     assert!(resolved["next_attempt"].is_string(), "{resolved}");
     assert_eq!(resolved["published"], true);
 
-    let job = wait_for("the job to complete", SETTLE, || async {
-        env.store
-            .job(job_id)
-            .await
-            .unwrap()
-            .filter(|j| j.status == JobStatus::Succeeded)
-    })
-    .await;
+    let job = wait_for_status(&env, job_id, JobStatus::Succeeded).await;
     assert_eq!(job.attempts.len(), 2);
     assert_eq!(job.attempts[0].status, AttemptStatus::Failed);
     assert_eq!(job.attempts[1].status, AttemptStatus::Succeeded);
@@ -185,14 +169,7 @@ async fn a_dropped_connection_is_unknown_and_can_be_cancelled() {
         .unwrap()
         .job_id
         .unwrap();
-    let job = wait_for("the job to be unknown", SETTLE, || async {
-        env.store
-            .job(job_id)
-            .await
-            .unwrap()
-            .filter(|j| j.status == JobStatus::Unknown)
-    })
-    .await;
+    let job = wait_for_status(&env, job_id, JobStatus::Unknown).await;
     let attempt = &job.attempts[0];
     assert_eq!(attempt.status, AttemptStatus::Unknown);
     assert!(
@@ -225,11 +202,7 @@ async fn a_dropped_connection_is_unknown_and_can_be_cancelled() {
     assert_eq!(job.attempts[0].status, AttemptStatus::Cancelled);
     assert_eq!(job.version, 1);
 
-    let got = wait_for("the job.cancelled event", SETTLE, || async {
-        let got = env.drain(&events, &events_queue).await;
-        (!got.is_empty()).then_some(got)
-    })
-    .await;
+    let got = wait_for_messages(&env, &events, &events_queue).await;
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].routing_key.as_str(), "job.cancelled");
 

@@ -301,6 +301,43 @@ where
     }
 }
 
+/// Waits until the job reaches `status`, and returns it.
+pub async fn wait_for_status(
+    env: &TestEnv,
+    job_id: onejob::domain::JobId,
+    status: onejob::domain::JobStatus,
+) -> onejob::store::JobView {
+    wait_for(
+        &format!("job {job_id} to be {status}"),
+        Duration::from_secs(20),
+        || async {
+            env.store
+                .job(job_id)
+                .await
+                .expect("read job")
+                .filter(|j| j.status == status)
+        },
+    )
+    .await
+}
+
+/// Waits until `queue` holds at least one message, and takes them all.
+pub async fn wait_for_messages(
+    env: &TestEnv,
+    ch: &lapin::Channel,
+    queue: &str,
+) -> Vec<lapin::message::Delivery> {
+    wait_for(
+        &format!("messages in {queue}"),
+        Duration::from_secs(20),
+        || async {
+            let got = env.drain(ch, queue).await;
+            (!got.is_empty()).then_some(got)
+        },
+    )
+    .await
+}
+
 /// An intent for the `summarize` operation.
 pub fn intent(owner: &str, key: &str, text: &str) -> onejob::intent::Intent {
     onejob::intent::Intent {
