@@ -8,6 +8,7 @@
 //! after sending, the route rule for a definite failure. The delivery is acked
 //! after the commit.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,6 +21,7 @@ use crate::broker;
 use crate::config::Config;
 use crate::domain::{self, AttemptId, GiveUp, JobId};
 use crate::provider::{CallError, Client};
+use crate::qualify;
 use crate::shutdown::Shutdown;
 use crate::store::{FailedJob, Finished, NextStep, Settled, Started, Verdict};
 use crate::worker::{self, Context, Result, with_retries};
@@ -91,7 +93,17 @@ async fn process(ctx: &Context, client: &Client, queue: &str, delivery: &Deliver
         return worker::ack(delivery).await;
     };
     let finished = call(&ctx.config, client, &started).await;
-    let plan = |failed: &FailedJob| plan_next(&ctx.config, failed);
+    // Only a definite failure needs to know who may take the next attempt.
+    let eligible = match finished.verdict {
+        Verdict::Failed { .. } => {
+            with_retries("reading qualifications", || async {
+                Ok(qualify::eligible(&ctx.config, &ctx.store, &started.operation).await?)
+            })
+            .await?
+        }
+        _ => HashSet::new(),
+    };
+    let plan = |failed: &FailedJob| plan_next(&ctx.config, &eligible, failed);
     let (settled, publish) = with_retries("settling an attempt", || async {
         Ok(ctx
             .store
@@ -125,6 +137,7 @@ pub async fn call(config: &Config, client: &Client, started: &Started) -> Finish
                 started.operation
             ),
             retryable: false,
+            retry_after: None,
         };
         return finished;
     };
@@ -135,6 +148,7 @@ pub async fn call(config: &Config, client: &Client, started: &Started) -> Finish
             finished.verdict = Verdict::Failed {
                 error: e.to_string(),
                 retryable: false,
+                retry_after: None,
             };
             return finished;
         }
@@ -151,6 +165,7 @@ pub async fn call(config: &Config, client: &Client, started: &Started) -> Finish
                 Err(violation) => Verdict::Failed {
                     error: violation.to_string(),
                     retryable: true,
+                    retry_after: None,
                 },
             }
         }
@@ -160,14 +175,21 @@ pub async fn call(config: &Config, client: &Client, started: &Started) -> Finish
         Err(e @ CallError::Refused(_)) => Verdict::Failed {
             error: e.to_string(),
             retryable: true,
+            retry_after: None,
         },
         Err(e @ CallError::Rejected { .. }) => {
-            if let CallError::Rejected { usage, .. } = &e {
+            let mut wait = None;
+            if let CallError::Rejected {
+                usage, retry_after, ..
+            } = &e
+            {
                 finished.usage = usage.clone();
+                wait = *retry_after;
             }
             Verdict::Failed {
                 error: e.to_string(),
                 retryable: true,
+                retry_after: wait,
             }
         }
     };
@@ -175,11 +197,11 @@ pub async fn call(config: &Config, client: &Client, started: &Started) -> Finish
 }
 
 /// The contract's route rule with this configuration: the next provider after
-/// the one that failed, among the eligible ones, with exponential backoff.
-///
-/// Until provider qualification exists, only the route's first provider is
-/// eligible: a fallback must prove it honours the output contract first.
-pub fn plan_next(config: &Config, failed: &FailedJob) -> NextStep {
+/// the one that failed, among the `eligible` ones (the route's first provider and
+/// those qualified for the operation's current contract). Failing over to another
+/// provider happens at once; trying the same provider again waits for the backoff,
+/// or for its `Retry-After` if that is longer.
+pub fn plan_next(config: &Config, eligible: &HashSet<String>, failed: &FailedJob) -> NextStep {
     if !failed.retryable {
         return NextStep::GiveUp {
             error: failed.error.clone(),
@@ -193,17 +215,21 @@ pub fn plan_next(config: &Config, failed: &FailedJob) -> NextStep {
             ),
         };
     };
-    let primary = operation.route[0].as_str();
     match domain::next_provider(
         &operation.route,
-        |p| p == primary,
+        |p| eligible.contains(p),
         &failed.failed_provider,
         failed.attempts_made,
         operation.max_attempts,
     ) {
+        Ok(provider) if provider != failed.failed_provider => NextStep::Retry {
+            provider: provider.to_owned(),
+            delay: Duration::ZERO,
+        },
         Ok(provider) => NextStep::Retry {
             provider: provider.to_owned(),
-            delay: backoff(config, failed.attempts_made),
+            delay: backoff(config, failed.attempts_made)
+                .max(failed.retry_after.unwrap_or_default()),
         },
         Err(GiveUp::AttemptsSpent { .. }) => NextStep::GiveUp {
             error: failed.error.clone(),

@@ -85,6 +85,12 @@ enum JobsCommand {
         /// The job id.
         job_id: Uuid,
     },
+    /// Cancel a job: its version is bumped, queued and unknown attempts are
+    /// cancelled, and any later result is discarded. Refused on a terminal job.
+    Cancel {
+        /// The job id.
+        job_id: Uuid,
+    },
     /// Find the job of an identity.
     Find {
         /// The owner.
@@ -117,8 +123,21 @@ enum ResolveAs {
 
 #[derive(Subcommand, Debug)]
 enum ProvidersCommand {
-    /// List providers and the operations that route to them.
+    /// List providers, the operations that route to them, and their qualification
+    /// state: qualified, stale (the contract changed since), failed, or never
+    /// qualified.
     List,
+    /// Run an operation's golden cases through a provider and record the result.
+    /// Only a provider that passed for an operation's current contract may take
+    /// its failovers and hedges. Exit 1 if any case fails.
+    Qualify {
+        /// The provider.
+        provider: String,
+        /// Only this operation [default: every operation whose route names the
+        /// provider].
+        #[arg(long)]
+        operation: Option<String>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -192,6 +211,34 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
             let job = job.ok_or_else(|| Failure(format!("job {job_id} not found")))?;
             print_job(out, &job, cli.json)?;
         }
+        Command::Jobs(JobsCommand::Cancel { job_id }) => {
+            let config = c.load_config()?;
+            let store = store(c, &config).await?;
+            let publish = match store.cancel_job(JobId(job_id)).await? {
+                Ok(p) => p,
+                Err(refusal) => return Err(Failure(refusal.to_string())),
+            };
+            let published = match publish_now(c, &config, &store, &publish).await {
+                Ok(()) => true,
+                Err(e) => {
+                    eprintln!("onejob: warning: {e}; the reconciler will publish the event");
+                    false
+                }
+            };
+            let job = store.job(JobId(job_id)).await?;
+            if cli.json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({ "cancelled": true, "event_published": published, "job": job })
+                )?;
+            } else {
+                writeln!(
+                    out,
+                    "job {job_id} cancelled; a result still in flight will be discarded"
+                )?;
+            }
+        }
         Command::Jobs(JobsCommand::Find { owner, key }) => {
             let config = c.load_config()?;
             let job = store(c, &config).await?.find_job(&owner, &key).await?;
@@ -209,7 +256,16 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                 ResolveAs::Failed => Resolution::Failed,
                 ResolveAs::Cancelled => Resolution::Cancelled,
             };
-            let plan = |f: &crate::store::FailedJob| plan_next(&config, f);
+            let operation = match store.attempt_job(AttemptId(attempt_id)).await? {
+                Some(job) => store
+                    .job(job)
+                    .await?
+                    .map(|j| j.operation)
+                    .unwrap_or_default(),
+                None => return Err(Failure(format!("attempt {attempt_id} not found"))),
+            };
+            let eligible = crate::qualify::eligible(&config, &store, &operation).await?;
+            let plan = |f: &crate::store::FailedJob| plan_next(&config, &eligible, f);
             let (settled, publish) = match store
                 .resolve(AttemptId(attempt_id), resolution, &plan)
                 .await?
@@ -266,6 +322,8 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
         }
         Command::Providers(ProvidersCommand::List) => {
             let config = c.load_config()?;
+            let store = store(c, &config).await?;
+            let states = crate::qualify::states(&config, &store).await?;
             let rows: Vec<_> = config
                 .providers
                 .values()
@@ -275,11 +333,16 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                         .values()
                         .filter_map(|o| {
                             o.route.iter().position(|r| *r == p.name).map(|i| {
+                                let state = states
+                                    .get(&(p.name.clone(), o.name.clone()))
+                                    .copied()
+                                    .unwrap_or(crate::qualify::State::NeverQualified);
                                 json!({
                                     "operation": o.name,
                                     "position": i,
                                     "role": if i == 0 { "primary" } else { "failover" },
-                                    "eligible": i == 0,
+                                    "qualification": state,
+                                    "eligible": i == 0 || state == crate::qualify::State::Qualified,
                                 })
                             })
                         })
@@ -299,29 +362,109 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                 writeln!(out, "{}", serde_json::Value::Array(rows))?;
             } else {
                 for r in &rows {
+                    let s = |v: &serde_json::Value| v.as_str().unwrap_or("").to_owned();
                     writeln!(
                         out,
                         "{}  {}  model {}  timeout {}",
-                        r["provider"].as_str().unwrap_or(""),
-                        r["base_url"].as_str().unwrap_or(""),
-                        r["model"].as_str().unwrap_or(""),
-                        r["timeout"].as_str().unwrap_or("")
+                        s(&r["provider"]),
+                        s(&r["base_url"]),
+                        s(&r["model"]),
+                        s(&r["timeout"])
                     )?;
                     for o in r["operations"].as_array().into_iter().flatten() {
+                        let state = o["qualification"].as_str().unwrap_or("").replace('_', " ");
                         let eligible = if o["eligible"] == true {
                             "eligible"
                         } else {
-                            "not eligible (failover needs qualification)"
+                            "not eligible"
                         };
                         writeln!(
                             out,
-                            "  {:<20} {:<9} {}",
-                            o["operation"].as_str().unwrap_or(""),
-                            o["role"].as_str().unwrap_or(""),
+                            "  {:<20} {:<9} {:<16} {}",
+                            s(&o["operation"]),
+                            s(&o["role"]),
+                            state,
                             eligible
                         )?;
                     }
                 }
+            }
+        }
+        Command::Providers(ProvidersCommand::Qualify {
+            provider,
+            operation,
+        }) => {
+            let config = c.load_config()?;
+            let p = config
+                .providers
+                .get(&provider)
+                .ok_or_else(|| Failure(format!("{provider:?} is not a configured provider")))?;
+            let operations: Vec<_> =
+                match &operation {
+                    Some(name) => vec![config.operations.get(name).ok_or_else(|| {
+                        Failure(format!("{name:?} is not a configured operation"))
+                    })?],
+                    None => config
+                        .operations
+                        .values()
+                        .filter(|o| o.route.contains(&provider))
+                        .collect(),
+                };
+            if operations.is_empty() {
+                return Err(Failure(format!(
+                    "no operation routes to {provider:?}; name one with --operation"
+                )));
+            }
+            let store = store(c, &config).await?;
+            let mut reports = Vec::new();
+            for op in operations {
+                let report = crate::qualify::qualify(&config, p, op).await;
+                store.record_qualification(&report).await?;
+                reports.push(report);
+            }
+            let all_passed = reports.iter().all(|r| r.passed);
+            if cli.json {
+                writeln!(out, "{}", serde_json::to_value(&reports)?)?;
+            } else {
+                for r in &reports {
+                    let verdict = if r.passed {
+                        "QUALIFIED"
+                    } else {
+                        "NOT QUALIFIED"
+                    };
+                    writeln!(
+                        out,
+                        "{} for {}: {verdict} (contract {})",
+                        r.provider,
+                        r.operation,
+                        &r.contract_hash[..12]
+                    )?;
+                    if r.cases.is_empty() {
+                        writeln!(
+                            out,
+                            "  no golden cases: add [[operations.{}.cases]] to qualify",
+                            r.operation
+                        )?;
+                    }
+                    for case in &r.cases {
+                        let mark = if case.passed { "pass" } else { "FAIL" };
+                        let tokens = match (case.prompt_tokens, case.tokens_estimated) {
+                            (Some(n), true) => format!("~{n} tokens (estimate)"),
+                            (Some(n), false) => format!("{n} tokens"),
+                            (None, _) => "-".into(),
+                        };
+                        writeln!(
+                            out,
+                            "  case {} {mark}  {tokens}  {}",
+                            case.index, case.detail
+                        )?;
+                    }
+                }
+            }
+            if !all_passed {
+                return Err(Failure(format!(
+                    "{provider} did not qualify for every operation"
+                )));
             }
         }
         Command::Config(ConfigCommand::Check) => {

@@ -80,6 +80,8 @@ struct RawWorker {
     outbox_lease: Option<String>,
     vanished_grace: Option<String>,
     shutdown_grace: Option<String>,
+    stuck_after: Option<String>,
+    max_republish: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -137,6 +139,11 @@ pub struct WorkerSettings {
     pub vanished_grace: Duration,
     /// How long a stopping worker waits for in-flight work.
     pub shutdown_grace: Duration,
+    /// How long a published attempt may stay `queued` before the reconciler
+    /// decides its message is gone and republishes it.
+    pub stuck_after: Duration,
+    /// Republishes of one attempt before it is failed (`attempt_lost`).
+    pub max_republish: u32,
 }
 
 impl Default for WorkerSettings {
@@ -151,6 +158,8 @@ impl Default for WorkerSettings {
             outbox_lease: Duration::from_secs(30),
             vanished_grace: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(30),
+            stuck_after: Duration::from_secs(600),
+            max_republish: 3,
         }
     }
 }
@@ -428,6 +437,13 @@ impl Config {
                 &w.shutdown_grace,
                 defaults.shutdown_grace,
             )?,
+            stuck_after: duration(
+                origin,
+                "worker.stuck_after",
+                &w.stuck_after,
+                defaults.stuck_after,
+            )?,
+            max_republish: w.max_republish.unwrap_or(defaults.max_republish),
         };
         if worker.retry_backoff_max < worker.retry_backoff {
             return Err(invalid(

@@ -16,6 +16,7 @@ pub mod intake;
 pub mod intent;
 pub mod mock;
 pub mod provider;
+pub mod qualify;
 pub mod reconciler;
 pub mod shutdown;
 pub mod store;

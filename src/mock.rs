@@ -44,6 +44,22 @@ pub struct MockOptions {
     pub jitter: Duration,
     /// The share of requests answered with HTTP 503, from 0.0 to 1.0.
     pub error_rate: f64,
+    /// Break the output contract on every answer, as a badly behaved provider does.
+    pub misbehave: Option<Misbehaviour>,
+    /// Names this mock in its answers (`mock answer from TAG: …`), to tell apart
+    /// which provider's result won.
+    pub tag: Option<String>,
+}
+
+/// How a badly behaved mock breaks the output contract.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Misbehaviour {
+    /// Prose instead of JSON.
+    Prose,
+    /// An extra top-level key.
+    ExtraKey,
+    /// A number where the schema wants a string.
+    WrongType,
 }
 
 impl Default for MockOptions {
@@ -53,6 +69,8 @@ impl Default for MockOptions {
             delay: Duration::ZERO,
             jitter: Duration::ZERO,
             error_rate: 0.0,
+            misbehave: None,
+            tag: None,
         }
     }
 }
@@ -272,6 +290,16 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
         .map(|m| m.content.as_str())
         .unwrap_or_default();
     let gist: String = user.chars().take(80).collect();
+    let gist = match &options.tag {
+        Some(tag) => format!("from {tag}: {gist}"),
+        None => gist,
+    };
+    let d = Directives {
+        prose: d.prose || options.misbehave == Some(Misbehaviour::Prose),
+        extra_key: d.extra_key || options.misbehave == Some(Misbehaviour::ExtraKey),
+        wrong_type: d.wrong_type || options.misbehave == Some(Misbehaviour::WrongType),
+        ..d
+    };
     let content = if d.prose {
         format!("Sure! Here is a summary: {gist}")
     } else {

@@ -1,25 +1,38 @@
-//! The reconciler role: the outbox relay and the vanished-worker sweep.
+//! The reconciler role: what no single delivery would ever do by itself.
 //!
-//! The relay publishes outbox rows that are due and whose publisher's lease ran out
-//! (the publisher crashed, or the broker was down), and the delayed attempts that
-//! follow a failure once their backoff is over. The sweep turns `started` attempts
-//! silent past their deadline plus a grace period into `unknown`: their worker
-//! vanished, and the provider may still be working, so they are never `failed` by
-//! time alone. Several reconcilers may run at once (`FOR UPDATE SKIP LOCKED`).
+//! - **Relay**: publishes outbox rows that are due and whose publisher's lease ran
+//!   out (the publisher crashed, or the broker was down), and the delayed attempts
+//!   that follow a failure once their backoff is over.
+//! - **Vanished workers**: `started` attempts silent past their deadline plus a
+//!   grace period become `unknown` (never `failed` by time alone: the provider may
+//!   still be working).
+//! - **Lost messages**: `queued` attempts that never started long after their
+//!   message was published are republished, then failed with a reason after
+//!   `max_republish` tries.
+//! - **Hedging**: for operations with `hedge_after`, a job whose attempt has been
+//!   silent that long gets one parallel attempt on the next qualified provider.
+//!
+//! Several reconcilers may run at once: every pass claims rows with
+//! `FOR UPDATE SKIP LOCKED` or goes through a guarded statement.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
+use crate::attempts::plan_next;
+use crate::domain::{self, GiveUp};
+use crate::qualify;
 use crate::shutdown::Shutdown;
+use crate::store::FailedJob;
 use crate::worker::{Context, Result};
 
 /// Outbox rows one relay pass takes at most.
 const RELAY_BATCH: i64 = 256;
 
-/// Runs the relay and the sweep until shutdown.
+/// Runs every pass until shutdown.
 pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
     let mut tick = tokio::time::interval(ctx.config.worker.relay_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let sweep_every = Duration::from_secs(1);
+    let sweep_every = Duration::from_secs(1).min(ctx.config.worker.relay_interval * 4);
     let mut last_sweep = tokio::time::Instant::now();
     loop {
         tokio::select! {
@@ -31,18 +44,8 @@ pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
         }
         if last_sweep.elapsed() >= sweep_every {
             last_sweep = tokio::time::Instant::now();
-            match ctx
-                .store
-                .expire_vanished(ctx.config.worker.vanished_grace)
-                .await
-            {
-                Ok(ids) if !ids.is_empty() => {
-                    for id in ids {
-                        tracing::warn!(attempt_id = %id, "worker vanished mid-call: attempt and job are now unknown");
-                    }
-                }
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "vanished-worker sweep failed; will retry"),
+            if let Err(e) = sweep_once(&ctx).await {
+                tracing::warn!(error = %e, "reconciler sweep failed; will retry");
             }
         }
     }
@@ -64,4 +67,88 @@ pub async fn relay_once(ctx: &Context) -> Result<usize> {
             return Ok(total);
         }
     }
+}
+
+/// One pass of the vanished-worker, lost-message and hedging checks.
+pub async fn sweep_once(ctx: &Context) -> Result<()> {
+    let w = &ctx.config.worker;
+    for id in ctx.store.expire_vanished(w.vanished_grace).await? {
+        tracing::warn!(attempt_id = %id, "worker vanished mid-call: attempt and job are now unknown");
+    }
+
+    let max = i32::try_from(w.max_republish).unwrap_or(i32::MAX);
+    let (republish, lost) = ctx.store.stuck_queued(w.stuck_after, max).await?;
+    ctx.publish_outbox(&republish).await?;
+    if !lost.is_empty() {
+        let eligible = eligibility(ctx).await?;
+        let plan = |f: &FailedJob| {
+            plan_next(
+                &ctx.config,
+                eligible.get(&f.operation).unwrap_or(&Default::default()),
+                f,
+            )
+        };
+        let error = format!(
+            "attempt_lost: its message was republished {} times and the attempt never started",
+            w.max_republish
+        );
+        let lost: Vec<_> = lost.into_iter().map(|a| (a, error.clone())).collect();
+        let (_, publish) = ctx.store.fail_queued(&lost, &plan).await?;
+        ctx.publish_outbox(&publish).await?;
+    }
+
+    hedge_once(ctx).await
+}
+
+/// The eligible providers of every configured operation.
+async fn eligibility(ctx: &Context) -> Result<HashMap<String, std::collections::HashSet<String>>> {
+    let mut out = HashMap::new();
+    for op in ctx.config.operations.keys() {
+        out.insert(
+            op.clone(),
+            qualify::eligible(&ctx.config, &ctx.store, op).await?,
+        );
+    }
+    Ok(out)
+}
+
+/// Starts at most one hedge per job whose attempt has been silent for its
+/// operation's `hedge_after`, on the next qualified provider other than its own.
+pub async fn hedge_once(ctx: &Context) -> Result<()> {
+    let hedged: Vec<(String, Duration)> = ctx
+        .config
+        .operations
+        .values()
+        .filter_map(|o| o.hedge_after.map(|d| (o.name.clone(), d)))
+        .collect();
+    let candidates = ctx.store.hedge_candidates(&hedged).await?;
+    if candidates.is_empty() {
+        return Ok(());
+    }
+    let eligible = eligibility(ctx).await?;
+    for (job, current, operation, made) in candidates {
+        let Some(op) = ctx.config.operations.get(&operation) else {
+            continue;
+        };
+        let allowed = eligible.get(&operation);
+        let target = domain::next_provider(
+            &op.route,
+            |p| p != current && allowed.is_some_and(|e| e.contains(p)),
+            &current,
+            made,
+            op.max_attempts,
+        );
+        match target {
+            Ok(provider) => {
+                if let Some((attempt, publish)) = ctx.store.hedge(job, provider).await? {
+                    tracing::info!(job_id = %job, attempt_id = %attempt, %provider, "hedging: started a parallel attempt");
+                    ctx.publish_outbox(&publish).await?;
+                }
+            }
+            Err(GiveUp::AttemptsSpent { .. } | GiveUp::NoEligibleProvider) => {
+                tracing::debug!(job_id = %job, "no hedge: no other qualified provider, or attempts spent");
+            }
+        }
+    }
+    Ok(())
 }

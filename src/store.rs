@@ -153,6 +153,8 @@ pub enum Verdict {
         error: String,
         /// Whether another attempt may follow.
         retryable: bool,
+        /// How long the provider asked to be left alone (HTTP 429 `Retry-After`).
+        retry_after: Option<Duration>,
     },
     /// The outcome is not known: a timeout, or a connection lost after sending.
     Unknown {
@@ -216,6 +218,8 @@ pub struct FailedJob {
     pub error: String,
     /// Whether another attempt may follow at all.
     pub retryable: bool,
+    /// The failed provider's `Retry-After`, if it sent one.
+    pub retry_after: Option<Duration>,
 }
 
 /// What follows a definite failure.
@@ -764,10 +768,15 @@ impl Store {
         let failures: Vec<Failure> = finished
             .iter()
             .filter_map(|f| match &f.verdict {
-                Verdict::Failed { error, retryable } => Some(Failure {
+                Verdict::Failed {
+                    error,
+                    retryable,
+                    retry_after,
+                } => Some(Failure {
                     attempt_id: f.attempt_id,
                     error: error.clone(),
                     retryable: *retryable,
+                    retry_after: *retry_after,
                     usage: f.usage.clone(),
                     request_id: f.provider_request_id.clone(),
                 }),
@@ -969,10 +978,8 @@ impl Store {
         .map(|(id, n, max, open)| (id, (n, max, open)))
         .collect();
 
-        let retryable: HashMap<Uuid, bool> = failures
-            .iter()
-            .map(|f| (f.attempt_id.0, f.retryable))
-            .collect();
+        let by_attempt: HashMap<Uuid, &Failure> =
+            failures.iter().map(|f| (f.attempt_id.0, f)).collect();
         let now = Utc::now();
         let mut next_attempts: Vec<(Uuid, Uuid, i32, String, DateTime<Utc>)> = Vec::new();
         let mut give_up: Vec<(Uuid, String)> = Vec::new();
@@ -997,7 +1004,8 @@ impl Store {
                 failed_provider: provider.clone(),
                 attempts_made: u32::try_from(made).unwrap_or(u32::MAX),
                 error: error.clone(),
-                retryable: retryable.get(attempt).copied().unwrap_or(true),
+                retryable: by_attempt.get(attempt).is_none_or(|f| f.retryable),
+                retry_after: by_attempt.get(attempt).and_then(|f| f.retry_after),
             });
             match step {
                 NextStep::Retry { provider, delay } => {
@@ -1110,13 +1118,21 @@ impl Store {
                     let mut tx = self.pool.begin().await?;
                     let failure = Failure {
                         attempt_id: attempt,
-                        error: "resolved_failed: an operator resolved this attempt as failed".into(),
+                        error: "resolved_failed: an operator resolved this attempt as failed"
+                            .into(),
                         retryable: true,
+                        retry_after: None,
                         usage: None,
                         request_id: None,
                     };
                     let (mut outcomes, drafts) = self
-                        .settle_failures(&mut tx, &[failure], &["queued", "started", "unknown"], plan, true)
+                        .settle_failures(
+                            &mut tx,
+                            &[failure],
+                            &["queued", "started", "unknown"],
+                            plan,
+                            true,
+                        )
                         .await?;
                     let publish = self.insert_outbox(&mut tx, &drafts).await?;
                     tx.commit().await?;
@@ -1125,41 +1141,12 @@ impl Store {
                 .await?
             }
             Resolution::Cancelled => {
-                self.retrying(|| async {
-                    let mut tx = self.pool.begin().await?;
-                    let rows = sqlx::query(
-                        "WITH target AS (
-                             UPDATE attempts SET status = 'cancelled', finished_at = now(),
-                                    error = 'cancelled: an operator resolved this attempt as cancelled'
-                             WHERE id = $1 AND status IN ('queued', 'started', 'unknown')
-                             RETURNING job_id
-                         ), siblings AS (
-                             UPDATE attempts a SET status = 'cancelled', finished_at = now(),
-                                    error = 'cancelled: its job was cancelled'
-                             FROM target t
-                             WHERE a.job_id = t.job_id AND a.id <> $1
-                               AND a.status IN ('queued', 'started', 'unknown')
-                         )
-                         UPDATE jobs j
-                         SET status = 'cancelled', version = j.version + 1, updated_at = now(),
-                             error = 'cancelled: attempt ' || $1::text || ' was resolved as cancelled by an operator'
-                         FROM target t
-                         WHERE j.id = t.job_id AND j.status IN ('queued', 'running', 'unknown')
-                         RETURNING j.id, j.version, j.owner_id, j.idempotency_key, j.operation,
-                                   j.status, j.completed_by, j.result, j.error",
-                    )
-                    .bind(attempt.0)
-                    .fetch_all(&mut *tx)
-                    .await?;
-                    let Some(row) = rows.first() else {
-                        return Ok(None);
-                    };
-                    let draft = Ended::from_row(row)?.draft(&self.routes);
-                    let publish = self.insert_outbox(&mut tx, &[draft]).await?;
-                    tx.commit().await?;
-                    Ok(Some((Settled::Stale, publish)))
-                })
-                .await?
+                let reason = format!(
+                    "cancelled: attempt {attempt} was resolved as cancelled by an operator"
+                );
+                self.retrying(|| self.cancel_once(JobId(job_id), Some(attempt), &reason))
+                    .await?
+                    .map(|publish| (Settled::Stale, publish))
             }
         };
         Ok(result.ok_or_else(|| {
@@ -1167,6 +1154,195 @@ impl Store {
                 "attempt {attempt} changed while it was being resolved; look again"
             ))
         }))
+    }
+
+    /// Cancels a job: the version is bumped, queued and unknown attempts are
+    /// cancelled, and an attempt still in flight is left to finish, so that its late
+    /// result is `discarded` by the compare-and-swap. Refused on a terminal job.
+    pub async fn cancel_job(&self, job: JobId) -> Result<Result<Vec<OutboxMessage>, Refusal>> {
+        let Some((status,)) =
+            sqlx::query_as::<_, (String,)>("SELECT status FROM jobs WHERE id = $1")
+                .bind(job.0)
+                .fetch_optional(&self.pool)
+                .await?
+        else {
+            return Ok(Err(Refusal::NotFound(format!("job {job}"))));
+        };
+        let status: JobStatus = status.parse().map_err(corrupt)?;
+        if status.is_terminal() {
+            return Ok(Err(Refusal::Terminal(format!(
+                "job {job} is already {status}: a terminal job never changes"
+            ))));
+        }
+        let reason = "cancelled: by an operator";
+        Ok(self
+            .retrying(|| self.cancel_once(job, None, reason))
+            .await?
+            .ok_or_else(|| {
+                Refusal::Terminal(format!(
+                    "job {job} ended while it was being cancelled; look again"
+                ))
+            }))
+    }
+
+    /// One cancellation transaction; `None` if the job had already ended.
+    async fn cancel_once(
+        &self,
+        job: JobId,
+        target: Option<AttemptId>,
+        reason: &str,
+    ) -> Result<Option<Vec<OutboxMessage>>> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "UPDATE attempts SET status = 'cancelled', finished_at = now(),
+                    error = CASE WHEN id = $2 THEN 'cancelled: resolved as cancelled by an operator'
+                                 ELSE 'cancelled: its job was cancelled' END
+             WHERE id IN (SELECT id FROM attempts
+                          WHERE job_id = $1
+                            AND (status IN ('queued', 'unknown') OR (id = $2 AND status = 'started'))
+                          ORDER BY id FOR UPDATE)",
+        )
+        .bind(job.0)
+        .bind(target.map(|a| a.0))
+        .execute(&mut *tx)
+        .await?;
+        let rows = sqlx::query(
+            "UPDATE jobs j
+             SET status = 'cancelled', version = j.version + 1, updated_at = now(), error = $2
+             WHERE j.id = $1 AND j.status IN ('queued', 'running', 'unknown')
+             RETURNING j.id, j.version, j.owner_id, j.idempotency_key, j.operation,
+                       j.status, j.completed_by, j.result, j.error",
+        )
+        .bind(job.0)
+        .bind(reason)
+        .fetch_all(&mut *tx)
+        .await?;
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let draft = Ended::from_row(row)?.draft(&self.routes);
+        let publish = self.insert_outbox(&mut tx, &[draft]).await?;
+        tx.commit().await?;
+        Ok(Some(publish))
+    }
+
+    /// Fails attempts that are still `queued` (their message was lost for good), and
+    /// plans what follows each, as for any definite failure.
+    pub async fn fail_queued(
+        &self,
+        attempts: &[(AttemptId, String)],
+        plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
+    ) -> Result<(Vec<(AttemptId, Settled)>, Vec<OutboxMessage>)> {
+        if attempts.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        self.retrying(|| async {
+            let mut tx = self.pool.begin().await?;
+            let failures: Vec<Failure> = attempts
+                .iter()
+                .map(|(id, error)| Failure {
+                    attempt_id: *id,
+                    error: error.clone(),
+                    retryable: true,
+                    retry_after: None,
+                    usage: None,
+                    request_id: None,
+                })
+                .collect();
+            let (outcomes, drafts) = self
+                .settle_failures(&mut tx, &failures, &["queued"], plan, false)
+                .await?;
+            let publish = self.insert_outbox(&mut tx, &drafts).await?;
+            tx.commit().await?;
+            Ok((outcomes, publish))
+        })
+        .await
+    }
+
+    /// Queued attempts that never started although their message was published
+    /// `stuck_after` ago (it was dead-lettered, or its queue purged): republishes each
+    /// (a duplicate is harmless: `queued → started` is guarded) and counts it.
+    /// Returns the messages to publish now, and the attempts already republished
+    /// `max_republish` times, for the caller to fail.
+    pub async fn stuck_queued(
+        &self,
+        stuck_after: Duration,
+        max_republish: i32,
+    ) -> Result<(Vec<OutboxMessage>, Vec<AttemptId>)> {
+        let mut tx = self.pool.begin().await?;
+        let stuck: Vec<(Uuid, Uuid, String, i32)> = sqlx::query_as(
+            "SELECT a.id, a.job_id, a.provider, a.republished FROM attempts a
+             WHERE a.status = 'queued' AND a.not_before < now() - make_interval(secs => $1)
+               AND NOT EXISTS (SELECT 1 FROM outbox o
+                               WHERE o.message_id = a.id::text AND o.published_at IS NULL)
+             ORDER BY a.id
+             LIMIT 100
+             FOR UPDATE OF a SKIP LOCKED",
+        )
+        .bind(stuck_after.as_secs_f64())
+        .fetch_all(&mut *tx)
+        .await?;
+        let (exhausted, again): (Vec<_>, Vec<_>) =
+            stuck.into_iter().partition(|s| s.3 >= max_republish);
+        let mut drafts = Vec::new();
+        if !again.is_empty() {
+            sqlx::query("UPDATE attempts SET republished = republished + 1, not_before = now() WHERE id = ANY($1)")
+                .bind(again.iter().map(|s| s.0).collect::<Vec<_>>())
+                .execute(&mut *tx)
+                .await?;
+            for (id, job, provider, n) in &again {
+                tracing::warn!(attempt_id = %id, republished = n + 1, "queued attempt never started; republishing its message");
+                drafts.push(
+                    self.routes
+                        .attempt_draft(AttemptId(*id), JobId(*job), provider, None),
+                );
+            }
+        }
+        let publish = self.insert_outbox(&mut tx, &drafts).await?;
+        tx.commit().await?;
+        Ok((
+            publish,
+            exhausted.into_iter().map(|s| AttemptId(s.0)).collect(),
+        ))
+    }
+
+    /// Jobs of operations with `hedge_after` whose only attempt has been `started`
+    /// longer than that, with no hedge yet: `(job, its provider, operation, attempts
+    /// made)`.
+    pub async fn hedge_candidates(
+        &self,
+        hedge_after: &[(String, Duration)],
+    ) -> Result<Vec<(JobId, String, String, u32)>> {
+        if hedge_after.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<(Uuid, String, String, i64)> = sqlx::query_as(
+            "SELECT a.job_id, a.provider, j.operation,
+                    (SELECT count(*) FROM attempts x WHERE x.job_id = a.job_id)
+             FROM attempts a
+             JOIN jobs j ON j.id = a.job_id
+             JOIN unnest($1::text[], $2::float8[]) AS h(operation, secs) ON h.operation = j.operation
+             WHERE a.status = 'started' AND a.lane = 0 AND j.status = 'running'
+               AND a.started_at + make_interval(secs => h.secs) < now()
+               AND NOT EXISTS (SELECT 1 FROM attempts b WHERE b.job_id = a.job_id AND b.lane = 1)
+             ORDER BY a.started_at
+             LIMIT 100",
+        )
+        .bind(hedge_after.iter().map(|h| h.0.clone()).collect::<Vec<_>>())
+        .bind(hedge_after.iter().map(|h| h.1.as_secs_f64()).collect::<Vec<_>>())
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(job, provider, op, n)| {
+                (
+                    JobId(job),
+                    provider,
+                    op,
+                    u32::try_from(n).unwrap_or(u32::MAX),
+                )
+            })
+            .collect())
     }
 
     /// Takes due outbox rows whose lease is free (or over) for this publisher.
@@ -1206,22 +1382,28 @@ impl Store {
 
     /// Started attempts silent past their deadline plus `grace` lost their worker:
     /// they and their jobs become `unknown` (never `failed`: the provider may still
-    /// be working).
+    /// be working). One whose job has already ended is simply `cancelled`.
     pub async fn expire_vanished(&self, grace: Duration) -> Result<Vec<AttemptId>> {
         let ids: Vec<(Uuid,)> = sqlx::query_as(
             "WITH vanished AS (
-                 UPDATE attempts
-                 SET status = 'unknown',
-                     error = 'worker_vanished: no outcome by the deadline plus the grace period'
-                 WHERE id IN (SELECT id FROM attempts
-                              WHERE status = 'started' AND deadline_at + make_interval(secs => $1) < now()
-                              ORDER BY id FOR UPDATE SKIP LOCKED)
-                 RETURNING id, job_id
+                 SELECT a.id, a.job_id, j.status IN ('succeeded', 'failed', 'cancelled') AS ended
+                 FROM attempts a JOIN jobs j ON j.id = a.job_id
+                 WHERE a.status = 'started' AND a.deadline_at + make_interval(secs => $1) < now()
+                 ORDER BY a.id
+                 FOR UPDATE OF a SKIP LOCKED
+             ), marked AS (
+                 UPDATE attempts a
+                 SET status = CASE WHEN v.ended THEN 'cancelled' ELSE 'unknown' END,
+                     finished_at = CASE WHEN v.ended THEN now() END,
+                     error = CASE WHEN v.ended THEN 'cancelled: its worker vanished after the job had ended'
+                                  ELSE 'worker_vanished: no outcome by the deadline plus the grace period' END
+                 FROM vanished v WHERE a.id = v.id
+                 RETURNING a.id, a.job_id, a.status
              ), jobs_unknown AS (
                  UPDATE jobs j SET status = 'unknown', updated_at = now()
-                 FROM vanished v WHERE j.id = v.job_id AND j.status = 'running'
+                 FROM marked m WHERE j.id = m.job_id AND m.status = 'unknown' AND j.status = 'running'
              )
-             SELECT id FROM vanished",
+             SELECT id FROM marked WHERE status = 'unknown'",
         )
         .bind(grace.as_secs_f64())
         .fetch_all(&self.pool)
@@ -1316,6 +1498,86 @@ impl Store {
         Ok(Some((id, publish)))
     }
 
+    /// Records a qualification run, one row per case.
+    pub async fn record_qualification(&self, q: &crate::qualify::Qualification) -> Result<Uuid> {
+        let run = Uuid::now_v7();
+        // A run with no case still records that it failed.
+        let cases: Vec<crate::qualify::CaseResult> = if q.cases.is_empty() {
+            vec![crate::qualify::CaseResult {
+                index: 0,
+                passed: false,
+                detail: "no_cases: the operation has no golden cases to qualify with".into(),
+                prompt_tokens: None,
+                tokens_estimated: false,
+                latency_ms: None,
+            }]
+        } else {
+            q.cases.clone()
+        };
+        sqlx::query(
+            "INSERT INTO provider_qualifications
+                 (run_id, provider, operation, contract_hash, case_index, passed, detail,
+                  prompt_tokens, tokens_estimated, latency_ms)
+             SELECT $1, $2, $3, $4, c.case_index, c.passed, c.detail, c.prompt_tokens, c.estimated, c.latency_ms
+             FROM unnest($5::int[], $6::bool[], $7::text[], $8::int[], $9::bool[], $10::bigint[])
+                  AS c(case_index, passed, detail, prompt_tokens, estimated, latency_ms)",
+        )
+        .bind(run)
+        .bind(&q.provider)
+        .bind(&q.operation)
+        .bind(&q.contract_hash)
+        .bind(cases.iter().map(|c| i32::try_from(c.index).unwrap_or(i32::MAX)).collect::<Vec<_>>())
+        .bind(cases.iter().map(|c| c.passed).collect::<Vec<_>>())
+        .bind(cases.iter().map(|c| c.detail.clone()).collect::<Vec<_>>())
+        .bind(
+            cases
+                .iter()
+                .map(|c| c.prompt_tokens.map(|t| i32::try_from(t).unwrap_or(i32::MAX)))
+                .collect::<Vec<_>>(),
+        )
+        .bind(cases.iter().map(|c| c.tokens_estimated).collect::<Vec<_>>())
+        .bind(
+            cases
+                .iter()
+                .map(|c| c.latency_ms.map(|l| i64::try_from(l).unwrap_or(i64::MAX)))
+                .collect::<Vec<_>>(),
+        )
+        .execute(&self.pool)
+        .await?;
+        Ok(run)
+    }
+
+    /// For each `(provider, operation)`, the contract hash of its latest
+    /// qualification run and whether every case of that run passed.
+    pub async fn latest_qualifications(
+        &self,
+        pairs: &[(String, String, String)],
+    ) -> Result<HashMap<(String, String), (String, bool)>> {
+        if pairs.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let rows: Vec<(String, String, String, bool)> = sqlx::query_as(
+            "WITH latest AS (
+                 SELECT DISTINCT ON (q.provider, q.operation) q.provider, q.operation, q.run_id, q.contract_hash
+                 FROM provider_qualifications q
+                 JOIN unnest($1::text[], $2::text[]) AS k(provider, operation)
+                   ON q.provider = k.provider AND q.operation = k.operation
+                 ORDER BY q.provider, q.operation, q.created_at DESC, q.id DESC
+             )
+             SELECT l.provider, l.operation, l.contract_hash, bool_and(q.passed)
+             FROM latest l JOIN provider_qualifications q ON q.run_id = l.run_id
+             GROUP BY l.provider, l.operation, l.contract_hash",
+        )
+        .bind(pairs.iter().map(|p| p.0.clone()).collect::<Vec<_>>())
+        .bind(pairs.iter().map(|p| p.1.clone()).collect::<Vec<_>>())
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(p, o, h, ok)| ((p, o), (h, ok)))
+            .collect())
+    }
+
     /// The job an attempt belongs to.
     pub async fn attempt_job(&self, attempt: AttemptId) -> Result<Option<JobId>> {
         let row: Option<(Uuid,)> = sqlx::query_as("SELECT job_id FROM attempts WHERE id = $1")
@@ -1401,6 +1663,7 @@ struct Failure {
     attempt_id: AttemptId,
     error: String,
     retryable: bool,
+    retry_after: Option<Duration>,
     usage: Option<Value>,
     request_id: Option<String>,
 }

@@ -312,6 +312,9 @@ pub async fn run(ctx: Context, roles: Vec<Role>, shutdown: Shutdown) -> Result<(
     } else {
         roles
     };
+    if let Err(e) = crate::qualify::warn_stale(&ctx.config, &ctx.store).await {
+        tracing::warn!(error = %e, "could not read provider qualifications");
+    }
     for role in &roles {
         if let Role::Attempts(p) = role
             && !ctx.config.providers.contains_key(p)

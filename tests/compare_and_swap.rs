@@ -260,7 +260,7 @@ fn random_interleavings_never_have_two_winners() {
                     let s = &attempts[f.attempt];
                     match f.kind {
                         Kind::Success => success(s),
-                        Kind::Failure => finished(s, Verdict::Failed { error: "boom".into(), retryable: true }),
+                        Kind::Failure => finished(s, Verdict::Failed { error: "boom".into(), retryable: true, retry_after: None }),
                         Kind::Unknown => finished(s, Verdict::Unknown { error: "timeout".into() }),
                     }
                 };

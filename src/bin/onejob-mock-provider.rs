@@ -28,6 +28,12 @@ struct Args {
     /// Share of requests answered with HTTP 503, from 0.0 to 1.0.
     #[arg(long, default_value_t = 0.0)]
     error_rate: f64,
+    /// Break the output contract on every answer.
+    #[arg(long, value_enum)]
+    misbehave: Option<onejob::mock::Misbehaviour>,
+    /// Name this mock in its answers ("mock answer from TAG: ...").
+    #[arg(long)]
+    tag: Option<String>,
 }
 
 #[tokio::main]
@@ -42,6 +48,8 @@ async fn main() -> anyhow::Result<()> {
         delay: args.delay,
         jitter: args.jitter,
         error_rate: args.error_rate,
+        misbehave: args.misbehave,
+        tag: args.tag,
     };
     let handle = onejob::mock::start(args.listen, options)
         .await

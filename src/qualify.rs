@@ -1,0 +1,263 @@
+//! Provider qualification: a fallback is trusted only after it has proven, on the
+//! operation's golden cases, that it honours the same output contract.
+//!
+//! An operation's contract, as seen through one provider, is the SHA-256 of the
+//! canonical JSON of `{system, prompt, output_schema, model, temperature}`. A
+//! qualification is recorded against that hash, so any change to the prompt, the
+//! schema, the model or the temperature makes it stale at once: the provider must
+//! qualify again before it may take a failover or a hedge.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Instant;
+
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::config::{Config, Operation, Provider, Rendered};
+use crate::domain::AttemptId;
+use crate::provider::Client;
+use crate::store::{Store, StoreError};
+
+/// Where a provider stands for one operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    /// Its latest run passed every case against the current contract.
+    Qualified,
+    /// Its latest run was against another contract: the config changed since.
+    Stale,
+    /// Its latest run, against the current contract, failed a case.
+    Failed,
+    /// It never ran.
+    NeverQualified,
+}
+
+impl State {
+    /// The state as `providers list` prints it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Qualified => "qualified",
+            State::Stale => "stale",
+            State::Failed => "failed",
+            State::NeverQualified => "never qualified",
+        }
+    }
+}
+
+/// The contract hash of `operation` through `provider`.
+pub fn contract_hash(operation: &Operation, provider: &Provider) -> String {
+    let contract = serde_json::json!({
+        "system": operation.system,
+        "prompt": operation.prompt,
+        "output_schema": operation.output_schema,
+        "model": provider.model,
+        "temperature": operation.temperature,
+    });
+    let canonical = serde_jcs::to_vec(&contract).unwrap_or_default();
+    Sha256::digest(&canonical)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// One golden case's outcome.
+#[derive(Clone, Debug, Serialize)]
+pub struct CaseResult {
+    /// Its position in `cases`.
+    pub index: usize,
+    /// Whether every check passed.
+    pub passed: bool,
+    /// What passed, or what failed.
+    pub detail: String,
+    /// The rendered prompt's token count (system and user messages with framing).
+    pub prompt_tokens: Option<usize>,
+    /// Whether that count is an estimate (the model's own encoding is not known).
+    pub tokens_estimated: bool,
+    /// The round trip, if the provider answered.
+    pub latency_ms: Option<u64>,
+}
+
+/// A qualification run of one provider for one operation.
+#[derive(Clone, Debug, Serialize)]
+pub struct Qualification {
+    /// The provider.
+    pub provider: String,
+    /// The operation.
+    pub operation: String,
+    /// The contract the run was made against.
+    pub contract_hash: String,
+    /// Whether every case passed (and there was at least one).
+    pub passed: bool,
+    /// The cases.
+    pub cases: Vec<CaseResult>,
+}
+
+/// Counts a rendered prompt's tokens: exactly with the model's encoding when
+/// tiktoken knows the model, else with `cl100k_base` as an estimate. Chat framing
+/// adds 3 tokens per message and 3 to prime the reply.
+pub fn count_tokens(model: &str, rendered: &Rendered) -> (usize, bool) {
+    let (bpe, estimated) = match tiktoken_rs::bpe_for_model(model) {
+        Ok(bpe) => (bpe, false),
+        Err(_) => (tiktoken_rs::cl100k_base_singleton(), true),
+    };
+    let n = bpe.encode_with_special_tokens(&rendered.system).len()
+        + bpe.encode_with_special_tokens(&rendered.user).len()
+        + 3 * 2
+        + 3;
+    (n, estimated)
+}
+
+/// Runs the operation's golden cases through the real adapter and judges each:
+/// the prompt renders with no undefined variables, fits the context window, the
+/// answer is JSON that satisfies the schema, and the round trip ends in time.
+pub async fn qualify(config: &Config, provider: &Provider, operation: &Operation) -> Qualification {
+    let client = Client::new(provider.clone());
+    let mut cases = Vec::new();
+    for (index, input) in operation.cases.iter().enumerate() {
+        cases.push(run_case(config, &client, provider, operation, index, input).await);
+    }
+    let passed = !cases.is_empty() && cases.iter().all(|c| c.passed);
+    Qualification {
+        provider: provider.name.clone(),
+        operation: operation.name.clone(),
+        contract_hash: contract_hash(operation, provider),
+        passed,
+        cases,
+    }
+}
+
+async fn run_case(
+    config: &Config,
+    client: &Client,
+    provider: &Provider,
+    operation: &Operation,
+    index: usize,
+    input: &serde_json::Map<String, serde_json::Value>,
+) -> CaseResult {
+    let mut result = CaseResult {
+        index,
+        passed: false,
+        detail: String::new(),
+        prompt_tokens: None,
+        tokens_estimated: false,
+        latency_ms: None,
+    };
+    let rendered = match config.render(operation, input) {
+        Ok(r) => r,
+        Err(e) => {
+            result.detail = e.to_string();
+            return result;
+        }
+    };
+    let (tokens, estimated) = count_tokens(&provider.model, &rendered);
+    result.prompt_tokens = Some(tokens);
+    result.tokens_estimated = estimated;
+    let approx = if estimated { "about " } else { "" };
+    if let Some(window) = provider.context_window
+        && tokens > window as usize
+    {
+        result.detail = format!(
+            "prompt_too_long: the prompt is {approx}{tokens} tokens, over the context window of {window}"
+        );
+        return result;
+    }
+    let started = Instant::now();
+    let answer = client
+        .complete(AttemptId::new(), operation, &rendered)
+        .await;
+    let elapsed = started.elapsed();
+    result.latency_ms = Some(u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX));
+    let answer = match answer {
+        Ok(a) => a,
+        Err(e) => {
+            result.detail = e.to_string();
+            return result;
+        }
+    };
+    if let Err(violation) = operation.check_output(&answer.content) {
+        result.detail = violation.to_string();
+        return result;
+    }
+    if elapsed > provider.timeout {
+        result.detail = format!(
+            "too_slow: {elapsed:?} is over the timeout of {:?}",
+            provider.timeout
+        );
+        return result;
+    }
+    result.passed = true;
+    result.detail = format!(
+        "ok: {approx}{tokens} prompt tokens, answered in {} ms",
+        elapsed.as_millis()
+    );
+    result
+}
+
+/// Each `(provider, operation)` pair of the configuration's routes with its state.
+pub async fn states(
+    config: &Config,
+    store: &Store,
+) -> Result<BTreeMap<(String, String), State>, StoreError> {
+    let mut pairs = Vec::new();
+    for op in config.operations.values() {
+        for p in &op.route {
+            if let Some(provider) = config.providers.get(p) {
+                pairs.push((p.clone(), op.name.clone(), contract_hash(op, provider)));
+            }
+        }
+    }
+    let latest = store.latest_qualifications(&pairs).await?;
+    Ok(pairs
+        .into_iter()
+        .map(|(p, o, hash)| {
+            let state = match latest.get(&(p.clone(), o.clone())) {
+                None => State::NeverQualified,
+                Some((h, _)) if *h != hash => State::Stale,
+                Some((_, true)) => State::Qualified,
+                Some((_, false)) => State::Failed,
+            };
+            ((p, o), state)
+        })
+        .collect())
+}
+
+/// The providers that may take an attempt of `operation` besides its first one:
+/// the route's first provider, and every provider qualified for the current contract.
+pub async fn eligible(
+    config: &Config,
+    store: &Store,
+    operation: &str,
+) -> Result<HashSet<String>, StoreError> {
+    let Some(op) = config.operations.get(operation) else {
+        return Ok(HashSet::new());
+    };
+    let mut pairs = Vec::new();
+    for p in &op.route[1..] {
+        if let Some(provider) = config.providers.get(p) {
+            pairs.push((p.clone(), op.name.clone(), contract_hash(op, provider)));
+        }
+    }
+    let latest = store.latest_qualifications(&pairs).await?;
+    let mut out: HashSet<String> = pairs
+        .into_iter()
+        .filter(|(p, o, hash)| matches!(latest.get(&(p.clone(), o.clone())), Some((h, true)) if h == hash))
+        .map(|(p, _, _)| p)
+        .collect();
+    out.insert(op.route[0].clone());
+    Ok(out)
+}
+
+/// Logs, once, every failover provider whose qualification went stale because the
+/// configuration changed since it qualified.
+pub async fn warn_stale(config: &Config, store: &Store) -> Result<(), StoreError> {
+    for ((provider, operation), state) in states(config, store).await? {
+        if state == State::Stale {
+            tracing::warn!(
+                %provider,
+                %operation,
+                "qualification is stale: the operation's contract changed since the provider qualified; it takes no failover or hedge until `onejob providers qualify {provider} --operation {operation}` passes again"
+            );
+        }
+    }
+    Ok(())
+}
