@@ -981,7 +981,7 @@ impl Store {
         let by_attempt: HashMap<Uuid, &Failure> =
             failures.iter().map(|f| (f.attempt_id.0, f)).collect();
         let now = Utc::now();
-        let mut next_attempts: Vec<(Uuid, Uuid, i32, String, DateTime<Utc>)> = Vec::new();
+        let mut next_attempts: Vec<NextAttempt> = Vec::new();
         let mut give_up: Vec<(Uuid, String)> = Vec::new();
         let mut planned: HashMap<Uuid, Option<AttemptId>> = HashMap::new();
         // The failed attempt whose settlement created each next attempt.
@@ -1011,8 +1011,15 @@ impl Store {
                 NextStep::Retry { provider, delay } => {
                     let id = AttemptId::new();
                     let delay = if immediate { Duration::ZERO } else { delay };
-                    let not_before = now + chrono::Duration::from_std(delay).unwrap_or_default();
-                    next_attempts.push((id.0, *job, max_number + 1, provider, not_before));
+                    let not_before = (!delay.is_zero())
+                        .then(|| now + chrono::Duration::from_std(delay).unwrap_or_default());
+                    next_attempts.push(NextAttempt {
+                        id,
+                        job: JobId(*job),
+                        number: max_number + 1,
+                        provider,
+                        not_before,
+                    });
                     planned.insert(*job, Some(id));
                     triggered.insert(*attempt, id);
                 }
@@ -1028,24 +1035,35 @@ impl Store {
             sqlx::query(
                 "WITH new AS (
                      INSERT INTO attempts (id, job_id, number, provider, not_before)
-                     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[], $5::timestamptz[])
+                     SELECT n.id, n.job_id, n.number, n.provider, COALESCE(n.not_before, now())
+                     FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[], $5::timestamptz[])
+                          AS n(id, job_id, number, provider, not_before)
                      RETURNING job_id
                  )
                  UPDATE jobs j SET status = 'running', updated_at = now()
                  FROM new WHERE j.id = new.job_id AND j.status = 'unknown'",
             )
-            .bind(next_attempts.iter().map(|n| n.0).collect::<Vec<_>>())
-            .bind(next_attempts.iter().map(|n| n.1).collect::<Vec<_>>())
-            .bind(next_attempts.iter().map(|n| n.2).collect::<Vec<_>>())
-            .bind(next_attempts.iter().map(|n| n.3.clone()).collect::<Vec<_>>())
-            .bind(next_attempts.iter().map(|n| n.4).collect::<Vec<_>>())
+            .bind(next_attempts.iter().map(|n| n.id.0).collect::<Vec<_>>())
+            .bind(next_attempts.iter().map(|n| n.job.0).collect::<Vec<_>>())
+            .bind(next_attempts.iter().map(|n| n.number).collect::<Vec<_>>())
+            .bind(
+                next_attempts
+                    .iter()
+                    .map(|n| n.provider.clone())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                next_attempts
+                    .iter()
+                    .map(|n| n.not_before)
+                    .collect::<Vec<_>>(),
+            )
             .execute(&mut *tx)
             .await?;
-            for (id, job, _, provider, not_before) in &next_attempts {
-                let at = if immediate { None } else { Some(*not_before) };
+            for n in &next_attempts {
                 drafts.push(
                     self.routes
-                        .attempt_draft(AttemptId(*id), JobId(*job), provider, at),
+                        .attempt_draft(n.id, n.job, &n.provider, n.not_before),
                 );
             }
         }
@@ -1656,6 +1674,16 @@ impl Store {
             attempts,
         }))
     }
+}
+
+/// An attempt planned after a definite failure. `not_before` is `None` when it is
+/// due now: its writer publishes it at once instead of leaving it to the relay.
+struct NextAttempt {
+    id: AttemptId,
+    job: JobId,
+    number: i32,
+    provider: String,
+    not_before: Option<DateTime<Utc>>,
 }
 
 /// One definite failure to settle.

@@ -200,10 +200,14 @@ pub async fn mock(options: MockOptions) -> MockHandle {
         .expect("start mock provider")
 }
 
+/// One provider of a test configuration: its name, base URL, and extra TOML lines.
+pub struct P<'a>(pub &'a str, pub &'a str, pub &'a str);
+
 /// A configuration for tests: short timeouts and backoff so conditions settle
-/// fast, the primary and (if given) fallback providers at the mocks' URLs.
-pub fn config_text(primary: &str, fallback: Option<&str>, extra: &str) -> String {
-    let mut text = format!(
+/// fast, the providers in route order, one `summarize` operation with one golden
+/// case, and `op_extra` lines added to the operation.
+pub fn config_for(providers: &[P<'_>], op_extra: &str) -> String {
+    let mut text = String::from(
         r#"
 [worker]
 retry_backoff = "200ms"
@@ -212,44 +216,44 @@ relay_interval = "100ms"
 outbox_lease = "2s"
 vanished_grace = "1s"
 shutdown_grace = "5s"
-
-[providers.primary]
-kind = "openai"
-base_url = "{primary}"
-model = "mock-model"
-timeout = "1s"
-concurrency = 8
-"#
+"#,
     );
-    let route = match fallback {
-        Some(url) => {
-            text.push_str(&format!(
-                r#"
-[providers.fallback]
-kind = "openai"
-base_url = "{url}"
-model = "other-model"
-timeout = "1s"
-concurrency = 8
-"#
-            ));
-            r#"["primary", "fallback"]"#
-        }
-        None => r#"["primary"]"#,
-    };
+    for P(name, url, extra) in providers {
+        let timeout = if extra.contains("timeout") {
+            ""
+        } else {
+            "timeout = \"1s\"\n"
+        };
+        text.push_str(&format!(
+            "\n[providers.{name}]\nkind = \"openai\"\nbase_url = \"{url}\"\nmodel = \"mock-model\"\n{timeout}concurrency = 8\n{extra}\n"
+        ));
+    }
+    let route: Vec<String> = providers.iter().map(|p| format!("{:?}", p.0)).collect();
     text.push_str(&format!(
         r#"
 [operations.summarize]
 system = "Answer with one JSON object only."
 prompt = "Summarize: {{{{ text }}}}"
 output_schema = {{ type = "object", required = ["summary"], additionalProperties = false, properties = {{ summary = {{ type = "string" }} }} }}
-route = {route}
+route = [{}]
 max_attempts = 3
 temperature = 0.0
-{extra}
-"#
+{op_extra}
+
+[[operations.summarize.cases]]
+input = {{ text = "The quick brown fox jumps over the lazy dog." }}
+"#,
+        route.join(", ")
     ));
     text
+}
+
+/// The usual test configuration: a primary and, if given, a fallback.
+pub fn config_text(primary: &str, fallback: Option<&str>, extra: &str) -> String {
+    match fallback {
+        Some(url) => config_for(&[P("primary", primary, ""), P("fallback", url, "")], extra),
+        None => config_for(&[P("primary", primary, "")], extra),
+    }
 }
 
 /// Parses a test configuration, and writes it to a file for the CLI.
