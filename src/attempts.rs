@@ -89,7 +89,25 @@ async fn process(ctx: &Context, client: &Client, queue: &str, delivery: &Deliver
     })
     .await?;
     let Some(started) = started.into_iter().next() else {
-        tracing::debug!(attempt_id = %message.attempt_id, "attempt is not queued any more: duplicate delivery dropped");
+        let job = with_retries("looking up an attempt", || async {
+            Ok(ctx.store.attempt_job(message.attempt_id).await?)
+        })
+        .await?;
+        if job == Some(message.job_id) {
+            tracing::debug!(attempt_id = %message.attempt_id, "attempt is not queued any more: duplicate delivery dropped");
+            return worker::ack(delivery).await;
+        }
+        // A message naming no such attempt (or the wrong job) is bad input: keep it
+        // where an operator can see it, with the reason.
+        let reason = format!(
+            "unknown_attempt: no attempt {} of job {} exists",
+            message.attempt_id, message.job_id
+        );
+        tracing::warn!(%reason, "attempt message dead-lettered");
+        with_retries("dead-lettering an unknown attempt message", || {
+            ctx.publish_dead_letter(queue, delivery, &reason)
+        })
+        .await?;
         return worker::ack(delivery).await;
     };
     let finished = call(&ctx.config, client, &started).await;

@@ -83,12 +83,31 @@ pub fn short(s: &str) -> Result<ShortString> {
     Ok(ShortString::from(s))
 }
 
-/// Connects with automatic recovery enabled. When recovery gives up, the
-/// connection's status says so and the caller must exit (see the worker binary).
-pub async fn connect(url: &str) -> Result<Connection> {
-    let props = ConnectionProperties::default()
-        .with_connection_name("onejob".into())
-        .enable_auto_recover();
+/// How a connection reacts to losing the broker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recovery {
+    /// Fail at once: for short-lived tools (the CLI, the producer), which report
+    /// the error and let their caller retry.
+    None,
+    /// Reconnect and replay the topology, retrying for about a minute; when that
+    /// gives up the connection's status says so and the worker exits non-zero, so
+    /// that its orchestrator restarts it.
+    Auto,
+}
+
+/// Connects to RabbitMQ.
+pub async fn connect(url: &str, recovery: Recovery) -> Result<Connection> {
+    let props = ConnectionProperties::default().with_connection_name("onejob".into());
+    let props = match recovery {
+        Recovery::None => props,
+        Recovery::Auto => props
+            .configure_backoff(|b| {
+                b.with_min_delay(Duration::from_millis(200))
+                    .with_max_delay(Duration::from_secs(5))
+                    .with_max_times(16)
+            })
+            .enable_auto_recover(),
+    };
     Ok(Connection::connect(url, props).await?)
 }
 

@@ -73,9 +73,45 @@ enum Command {
     /// Inspect providers.
     #[command(subcommand)]
     Providers(ProvidersCommand),
+    /// Inspect and act on dead-letter queues.
+    #[command(subcommand)]
+    Dlq(DlqCommand),
     /// Check the configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum DlqCommand {
+    /// Browse dead letters without consuming them: reason, x-death, original
+    /// routing, age and a body preview. Without QUEUE, every dead-letter queue.
+    List {
+        /// A dead-letter queue (or its work queue), e.g. onejob.intents.dlq.
+        queue: Option<String>,
+        /// Show at most this many per queue.
+        #[arg(long, default_value_t = crate::dlq::DEFAULT_LIMIT)]
+        limit: usize,
+    },
+    /// Republish dead letters to their original exchange and routing key (with a
+    /// confirm), then remove them.
+    Replay {
+        /// A dead-letter queue (or its work queue). Without it, every one.
+        queue: Option<String>,
+        /// Replay the dead letter with this message id.
+        #[arg(long, conflicts_with = "all", required_unless_present = "all")]
+        id: Option<String>,
+        /// Replay every dead letter.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Delete every dead letter of a queue. Needs --yes.
+    Purge {
+        /// A dead-letter queue (or its work queue). Without it, every one.
+        queue: Option<String>,
+        /// Confirm the deletion.
+        #[arg(long)]
+        yes: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -171,14 +207,19 @@ pub async fn main(cli: Cli) -> ExitCode {
 }
 
 async fn store(c: &Connections, config: &Config) -> Result<Store, Failure> {
-    Store::connect(&c.database_url, 2, worker::routes(config))
-        .await
-        .map_err(|e| {
-            Failure(format!(
-                "cannot reach Postgres at {}: {e}",
-                broker::redact_url(&c.database_url)
-            ))
-        })
+    Store::connect(
+        &c.database_url,
+        2,
+        worker::routes(config),
+        std::time::Duration::ZERO,
+    )
+    .await
+    .map_err(|e| {
+        Failure(format!(
+            "cannot reach Postgres at {}: {e}",
+            broker::redact_url(&c.database_url)
+        ))
+    })
 }
 
 async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
@@ -467,6 +508,26 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                 )));
             }
         }
+        Command::Dlq(command) => {
+            let config = c.load_config()?;
+            let conn = broker::connect(&c.amqp_url, broker::Recovery::None)
+                .await
+                .map_err(|e| {
+                    Failure(format!(
+                        "cannot reach RabbitMQ at {}: {e}",
+                        broker::redact_url(&c.amqp_url)
+                    ))
+                })?;
+            broker::declare_topology(
+                &conn,
+                &config.provider_names(),
+                config.worker.delivery_limit,
+            )
+            .await?;
+            let result = dlq_command(&config, &conn, command, cli.json, out).await;
+            let _ = conn.close(200, "done".into()).await;
+            result?;
+        }
         Command::Config(ConfigCommand::Check) => {
             let config = c.load_config()?;
             if cli.json {
@@ -498,6 +559,121 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
     Ok(())
 }
 
+async fn dlq_command(
+    config: &Config,
+    conn: &lapin::Connection,
+    command: DlqCommand,
+    as_json: bool,
+    out: &mut impl Write,
+) -> Outcome {
+    use crate::dlq;
+    match command {
+        DlqCommand::List { queue, limit } => {
+            let mut all = Vec::new();
+            for q in dlq::select_queues(config, queue.as_deref())? {
+                let letters = dlq::browse(conn, &q, limit).await?;
+                if !as_json {
+                    writeln!(
+                        out,
+                        "{q}: {} dead letter(s){}",
+                        letters.len(),
+                        if letters.len() == limit {
+                            " (limit reached)"
+                        } else {
+                            ""
+                        }
+                    )?;
+                    for d in &letters {
+                        let id = d.message_id.as_deref().unwrap_or("-");
+                        let age = d.age_seconds.map_or("-".to_owned(), |a| format!("{a}s"));
+                        let origin = format!(
+                            "{}/{}",
+                            d.original_exchange.as_deref().unwrap_or("?"),
+                            d.original_routing_key.as_deref().unwrap_or("?")
+                        );
+                        writeln!(out, "  #{} id {id}  age {age}  from {origin}", d.position)?;
+                        writeln!(out, "     reason  {}", d.reason)?;
+                        for death in &d.deaths {
+                            writeln!(
+                                out,
+                                "     x-death {} ×{} in {}",
+                                death.reason, death.count, death.queue
+                            )?;
+                        }
+                        writeln!(
+                            out,
+                            "     body    {} ({} bytes)",
+                            d.body_preview, d.body_bytes
+                        )?;
+                    }
+                }
+                all.extend(letters);
+            }
+            if as_json {
+                writeln!(out, "{}", serde_json::to_value(&all)?)?;
+            }
+        }
+        DlqCommand::Replay { queue, id, all } => {
+            let selection = match (id, all) {
+                (Some(id), _) => dlq::Selection::Id(id),
+                (None, true) => dlq::Selection::All,
+                (None, false) => return Err(Failure("say which: --id MESSAGE-ID or --all".into())),
+            };
+            let mut replayed = Vec::new();
+            for q in dlq::select_queues(config, queue.as_deref())? {
+                replayed.extend(dlq::replay(conn, &q, &selection).await?);
+                if matches!(selection, dlq::Selection::Id(_)) && !replayed.is_empty() {
+                    break;
+                }
+            }
+            if let dlq::Selection::Id(id) = &selection
+                && replayed.is_empty()
+            {
+                return Err(Failure(format!("no dead letter with message id {id:?}")));
+            }
+            if as_json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({ "replayed": replayed.len(), "dead_letters": replayed })
+                )?;
+            } else {
+                for d in &replayed {
+                    writeln!(
+                        out,
+                        "replayed {} to {}/{}",
+                        d.message_id.as_deref().unwrap_or("-"),
+                        d.original_exchange.as_deref().unwrap_or("?"),
+                        d.original_routing_key.as_deref().unwrap_or("?")
+                    )?;
+                }
+                writeln!(out, "{} dead letter(s) replayed", replayed.len())?;
+            }
+        }
+        DlqCommand::Purge { queue, yes } => {
+            let queues = dlq::select_queues(config, queue.as_deref())?;
+            if !yes {
+                return Err(Failure(format!(
+                    "refusing to delete the dead letters of {} without --yes",
+                    queues.join(", ")
+                )));
+            }
+            let mut purged = serde_json::Map::new();
+            for q in queues {
+                let n = dlq::purge(conn, &q).await?;
+                if !as_json {
+                    writeln!(out, "{q}: {n} dead letter(s) deleted")?;
+                }
+                purged.insert(q, json!(n));
+            }
+            if as_json {
+                writeln!(out, "{}", json!({ "purged": purged }))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 async fn publish_now(
     c: &Connections,
     config: &Config,
@@ -507,12 +683,14 @@ async fn publish_now(
     if messages.is_empty() {
         return Ok(());
     }
-    let conn = broker::connect(&c.amqp_url).await.map_err(|e| {
-        format!(
-            "cannot reach RabbitMQ at {}: {e}",
-            broker::redact_url(&c.amqp_url)
-        )
-    })?;
+    let conn = broker::connect(&c.amqp_url, broker::Recovery::None)
+        .await
+        .map_err(|e| {
+            format!(
+                "cannot reach RabbitMQ at {}: {e}",
+                broker::redact_url(&c.amqp_url)
+            )
+        })?;
     broker::declare_topology(
         &conn,
         &config.provider_names(),

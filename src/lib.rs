@@ -11,6 +11,7 @@ pub mod attempts;
 pub mod broker;
 pub mod cli;
 pub mod config;
+pub mod dlq;
 pub mod domain;
 pub mod intake;
 pub mod intent;

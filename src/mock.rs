@@ -80,12 +80,23 @@ impl Default for MockOptions {
 pub struct Stats {
     requests: AtomicU64,
     idempotency_keys: Mutex<Vec<String>>,
+    #[serde(skip)]
+    authorizations: Mutex<Vec<String>>,
 }
 
 impl Stats {
     /// Completions requested so far.
     pub fn requests(&self) -> u64 {
         self.requests.load(Ordering::SeqCst)
+    }
+
+    /// The `Authorization` header of each request that had one, so tests can check
+    /// an API key was sent (it is never served by `/_mock/stats`).
+    pub fn authorizations(&self) -> Vec<String> {
+        self.authorizations
+            .lock()
+            .map(|k| k.clone())
+            .unwrap_or_default()
     }
 
     /// The `Idempotency-Key` of each request, in arrival order.
@@ -220,6 +231,11 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
         && let Ok(mut keys) = state.stats.idempotency_keys.lock()
     {
         keys.push(key.to_owned());
+    }
+    if let Some(auth) = headers.get("authorization").and_then(|v| v.to_str().ok())
+        && let Ok(mut seen) = state.stats.authorizations.lock()
+    {
+        seen.push(auth.to_owned());
     }
     let request: ChatRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,

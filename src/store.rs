@@ -439,25 +439,35 @@ pub struct Store {
 }
 
 impl Store {
-    /// Connects a small pool, retrying with backoff while the database is not up yet.
-    pub async fn connect(url: &str, max_connections: u32, routes: Routes) -> Result<Store> {
+    /// Connects a small pool. While the database is unreachable it retries with
+    /// backoff for up to `patience` (zero: one try), so a worker started before
+    /// Postgres waits for it and a CLI fails at once with the reason.
+    pub async fn connect(
+        url: &str,
+        max_connections: u32,
+        routes: Routes,
+        patience: Duration,
+    ) -> Result<Store> {
         let options: PgConnectOptions = url.parse()?;
-        let connect = || async {
-            PgPoolOptions::new()
-                .max_connections(max_connections)
-                .acquire_timeout(Duration::from_secs(10))
-                .connect_with(options.clone())
-                .await
-        };
-        let pool = connect
+        let deadline = std::time::Instant::now() + patience;
+        // One plain connection first: it fails fast, where a pool would keep
+        // retrying until its acquire timeout.
+        let probe = || async { <PgConnection as sqlx::Connection>::connect_with(&options).await };
+        let conn = probe
             .retry(
                 ExponentialBuilder::default()
                     .with_min_delay(Duration::from_millis(100))
                     .with_max_delay(Duration::from_secs(2))
-                    .with_max_times(8),
+                    .without_max_times(),
             )
-            .when(|e| matches!(e, sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut))
+            .when(|e| matches!(e, sqlx::Error::Io(_)) && std::time::Instant::now() < deadline)
             .notify(|e, d| tracing::warn!(error = %e, retry_in = ?d, "database not reachable yet"))
+            .await?;
+        let _ = sqlx::Connection::close(conn).await;
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(options)
             .await?;
         Ok(Store { pool, routes })
     }

@@ -93,9 +93,10 @@ impl Context {
         amqp_url: &str,
     ) -> Result<Context> {
         Store::ensure_database(database_url).await?;
-        let store = Store::connect(database_url, 8, routes(&config)).await?;
+        let store =
+            Store::connect(database_url, 8, routes(&config), Duration::from_secs(60)).await?;
         store.migrate().await?;
-        let connection = broker::connect(amqp_url).await.map_err(|e| {
+        let connection = broker::connect(amqp_url, broker::Recovery::Auto).await.map_err(|e| {
             tracing::error!(url = %broker::redact_url(amqp_url), error = %e, "cannot connect to RabbitMQ");
             e
         })?;

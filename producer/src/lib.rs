@@ -99,7 +99,7 @@ impl Producer {
 
     /// Connects, declares the intents topology, and starts the receipt reader.
     pub async fn connect_with(amqp_url: &str, options: ProducerOptions) -> Result<Producer> {
-        let connection = broker::connect(amqp_url).await?;
+        let connection = broker::connect(amqp_url, broker::Recovery::None).await?;
         broker::declare_topology(&connection, &[], options.delivery_limit).await?;
         let channel = connection.create_channel().await?;
         channel

@@ -65,9 +65,14 @@ impl TestEnv {
         rabbitmqctl(&["set_permissions", "-p", &name, "guest", ".*", ".*", ".*"]);
         let database_url = format!("{}/{name}", pg_base());
         let amqp_url = format!("{}/{name}", amqp_base());
-        let store = Store::connect(&database_url, 16, worker::routes(config))
-            .await
-            .expect("connect test database");
+        let store = Store::connect(
+            &database_url,
+            16,
+            worker::routes(config),
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("connect test database");
         store.migrate().await.expect("migrate test database");
         TestEnv {
             name,

@@ -1,0 +1,356 @@
+//! Dead-letter queues: browse, replay, purge.
+//!
+//! Every work queue `Q` dead-letters into `Q.dlq`, where messages stay until an
+//! operator acts. Browsing takes messages without acking them and then closes its
+//! channel, so the broker puts every one back: the same listing twice gives the
+//! same result and the depth is unchanged. Replaying publishes a copy to the
+//! original exchange and routing key and waits for the confirm before it acks the
+//! dead letter: a crash in between leaves a duplicate (which the guarded
+//! transitions drop), never a loss.
+
+use chrono::{DateTime, Utc};
+use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions, QueuePurgeOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Connection};
+use serde::Serialize;
+
+use crate::broker::{self, BrokerError, Publisher, short};
+use crate::config::Config;
+use crate::worker::header_str;
+
+/// How many dead letters one browse takes at most by default.
+pub const DEFAULT_LIMIT: usize = 100;
+
+/// One `x-death` entry: the broker's record of one dead-lettering.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Death {
+    /// The queue the message died in.
+    pub queue: String,
+    /// Why: `rejected`, `expired`, `maxlen` or `delivery_limit`.
+    pub reason: String,
+    /// How often it died there for that reason.
+    pub count: i64,
+    /// The exchange it had been published to.
+    pub exchange: String,
+    /// Its routing keys.
+    pub routing_keys: Vec<String>,
+    /// When it first died there.
+    pub time: Option<DateTime<Utc>>,
+}
+
+/// A dead letter as operators see it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DeadLetter {
+    /// The dead-letter queue holding it.
+    pub queue: String,
+    /// Its position in the listing (0 = the head of the queue).
+    pub position: usize,
+    /// The publisher's `message_id`, if any: what `replay --id` selects on.
+    pub message_id: Option<String>,
+    /// Why it is here: onejob's `x-onejob-error`, else the broker's `x-death` reason.
+    pub reason: String,
+    /// The broker's `x-death` records, most recent first.
+    pub deaths: Vec<Death>,
+    /// Where it was first published: exchange…
+    pub original_exchange: Option<String>,
+    /// …and routing key.
+    pub original_routing_key: Option<String>,
+    /// Seconds since it was dead-lettered, when that is known.
+    pub age_seconds: Option<i64>,
+    /// The first 120 characters of its body.
+    pub body_preview: String,
+    /// Its body size.
+    pub body_bytes: usize,
+}
+
+/// A dead-letter failure.
+#[derive(Debug, thiserror::Error)]
+pub enum DlqError {
+    /// The broker.
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+    /// The AMQP client.
+    #[error("amqp: {0}")]
+    Amqp(#[from] lapin::Error),
+    /// The queue is not one of onejob's dead-letter queues.
+    #[error("{0:?} is not a dead-letter queue of this configuration (see `onejob dlq list`)")]
+    UnknownQueue(String),
+    /// A dead letter with no original routing cannot be replayed.
+    #[error("dead letter {0} has no original exchange and routing key to replay to")]
+    NoOrigin(String),
+}
+
+/// Result alias for dead letters.
+pub type Result<T, E = DlqError> = std::result::Result<T, E>;
+
+/// Every dead-letter queue of the configuration: the intents' and each provider's
+/// attempts'.
+pub fn queues(config: &Config) -> Vec<String> {
+    let mut out = vec![broker::dead_letter_queue(broker::INTENTS_QUEUE)];
+    out.extend(
+        config
+            .providers
+            .keys()
+            .map(|p| broker::dead_letter_queue(&broker::attempts_queue(p))),
+    );
+    out
+}
+
+/// The queues an operator named, or all of them. Accepts a work queue's name for
+/// its dead-letter queue too.
+pub fn select_queues(config: &Config, queue: Option<&str>) -> Result<Vec<String>> {
+    let all = queues(config);
+    match queue {
+        None => Ok(all),
+        Some(q) => {
+            let dlq = if q.ends_with(".dlq") {
+                q.to_owned()
+            } else {
+                broker::dead_letter_queue(q)
+            };
+            if all.contains(&dlq) {
+                Ok(vec![dlq])
+            } else {
+                Err(DlqError::UnknownQueue(q.to_owned()))
+            }
+        }
+    }
+}
+
+fn text(v: &AMQPValue) -> Option<String> {
+    match v {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
+    }
+}
+
+fn deaths(headers: &FieldTable) -> Vec<Death> {
+    let Some(AMQPValue::FieldArray(entries)) = headers.inner().get("x-death") else {
+        return Vec::new();
+    };
+    entries
+        .as_slice()
+        .iter()
+        .filter_map(|e| match e {
+            AMQPValue::FieldTable(t) => Some(t),
+            _ => None,
+        })
+        .map(|t| {
+            let get = |k: &str| t.inner().get(k).and_then(text).unwrap_or_default();
+            let count = match t.inner().get("count") {
+                Some(AMQPValue::LongLongInt(n)) => *n,
+                Some(AMQPValue::LongInt(n)) => i64::from(*n),
+                _ => 0,
+            };
+            let routing_keys = match t.inner().get("routing-keys") {
+                Some(AMQPValue::FieldArray(keys)) => {
+                    keys.as_slice().iter().filter_map(text).collect()
+                }
+                _ => Vec::new(),
+            };
+            let time = match t.inner().get("time") {
+                Some(AMQPValue::Timestamp(ts)) => i64::try_from(*ts)
+                    .ok()
+                    .and_then(|s| DateTime::from_timestamp(s, 0)),
+                _ => None,
+            };
+            Death {
+                queue: get("queue"),
+                reason: get("reason"),
+                count,
+                exchange: get("exchange"),
+                routing_keys,
+                time,
+            }
+        })
+        .collect()
+}
+
+fn describe(queue: &str, position: usize, properties: &BasicProperties, body: &[u8]) -> DeadLetter {
+    let headers = properties.headers().clone().unwrap_or_default();
+    let deaths = deaths(&headers);
+    let first = deaths.first();
+    let onejob_error = header_str(&headers, broker::ERROR_HEADER);
+    let reason = onejob_error
+        .or_else(|| first.map(|d| d.reason.clone()))
+        .unwrap_or_else(|| "unknown".into());
+    let original_exchange = header_str(&headers, "x-onejob-original-exchange")
+        .or_else(|| first.map(|d| d.exchange.clone()));
+    let original_routing_key = header_str(&headers, "x-onejob-original-routing-key")
+        .or_else(|| first.and_then(|d| d.routing_keys.first().cloned()));
+    let died_at = first.and_then(|d| d.time).or_else(|| {
+        properties
+            .timestamp()
+            .and_then(|t| i64::try_from(t).ok())
+            .and_then(|s| DateTime::from_timestamp(s, 0))
+    });
+    let body_text = String::from_utf8_lossy(body);
+    let mut preview: String = body_text.chars().take(120).collect();
+    if body_text.chars().count() > 120 {
+        preview.push('…');
+    }
+    DeadLetter {
+        queue: queue.to_owned(),
+        position,
+        message_id: properties.message_id().as_ref().map(|m| m.to_string()),
+        reason,
+        deaths,
+        original_exchange,
+        original_routing_key,
+        age_seconds: died_at.map(|t| (Utc::now() - t).num_seconds()),
+        body_preview: preview,
+        body_bytes: body.len(),
+    }
+}
+
+/// The number of ready messages in `queue`.
+async fn depth(conn: &Connection, queue: &str) -> Result<u32> {
+    let ch = conn.create_channel().await?;
+    let q = ch
+        .queue_declare(
+            short(queue)?,
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let _ = ch.close(200, "counted".into()).await;
+    Ok(q.message_count())
+}
+
+/// After a channel holding unacked messages closes, the broker returns them
+/// asynchronously: wait (briefly) until the queue holds `expected` again, so the
+/// next look at it sees every message.
+async fn settle(conn: &Connection, queue: &str, expected: u32) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    while depth(conn, queue).await? < expected && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// Lists up to `limit` dead letters of `queue` without consuming them.
+pub async fn browse(conn: &Connection, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
+    let before = depth(conn, queue).await?;
+    let ch = conn.create_channel().await?;
+    let mut out = Vec::new();
+    while out.len() < limit {
+        let Some(got) = ch
+            .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
+            .await?
+        else {
+            break;
+        };
+        let d = got.delivery;
+        out.push(describe(queue, out.len(), &d.properties, &d.data));
+    }
+    // Closing the channel returns every unacked message to the queue.
+    ch.close(200, "browsed".into()).await?;
+    settle(conn, queue, before).await?;
+    Ok(out)
+}
+
+/// Which dead letters a replay takes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Selection {
+    /// Every dead letter.
+    All,
+    /// Those with this `message_id`.
+    Id(String),
+}
+
+/// Replays dead letters of `queue` to where they were first published, each with
+/// a confirm before its dead letter is acked. Returns the dead letters replayed.
+pub async fn replay(
+    conn: &Connection,
+    queue: &str,
+    selection: &Selection,
+) -> Result<Vec<DeadLetter>> {
+    let before = depth(conn, queue).await?;
+    let publisher = Publisher::open(conn).await?;
+    let ch = conn.create_channel().await?;
+    let mut replayed = Vec::new();
+    let mut position = 0;
+    let result = async {
+        while let Some(got) = ch
+            .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
+            .await?
+        {
+            let d = got.delivery;
+            let letter = describe(queue, position, &d.properties, &d.data);
+            position += 1;
+            let wanted = match selection {
+                Selection::All => true,
+                Selection::Id(id) => letter.message_id.as_deref() == Some(id.as_str()),
+            };
+            if !wanted {
+                continue;
+            }
+            let (Some(exchange), Some(key)) =
+                (&letter.original_exchange, &letter.original_routing_key)
+            else {
+                return Err(DlqError::NoOrigin(
+                    letter
+                        .message_id
+                        .clone()
+                        .unwrap_or_else(|| format!("#{}", letter.position)),
+                ));
+            };
+            // The copy goes out clean: without the death records and onejob's notes.
+            let mut headers = d.properties.headers().clone().unwrap_or_default();
+            let kept: FieldTable = {
+                let mut t = FieldTable::default();
+                for (k, v) in headers.inner() {
+                    if !k.as_str().starts_with("x-death")
+                        && !k.as_str().starts_with("x-first-death")
+                        && !k.as_str().starts_with("x-last-death")
+                        && !k.as_str().starts_with("x-onejob-")
+                        && k.as_str() != "x-delivery-count"
+                    {
+                        t.insert(k.clone(), v.clone());
+                    }
+                }
+                t
+            };
+            headers = kept;
+            let props = d
+                .properties
+                .clone()
+                .with_headers(headers)
+                .with_delivery_mode(2);
+            publisher
+                .publish(exchange, key, &d.data, props, true)
+                .await?;
+            if !d.acker.ack(BasicAckOptions::default()).await? {
+                tracing::warn!(
+                    "dead letter republished but its ack was not sent: it stays, as a duplicate"
+                );
+            }
+            replayed.push(letter);
+            if matches!(selection, Selection::Id(_)) {
+                break;
+            }
+        }
+        Ok(())
+    }
+    .await;
+    // Everything taken but not replayed goes back to the queue.
+    let _ = ch.close(200, "replayed".into()).await;
+    let _ = publisher.channel().close(200, "replayed".into()).await;
+    let kept = before.saturating_sub(u32::try_from(replayed.len()).unwrap_or(u32::MAX));
+    settle(conn, queue, kept).await?;
+    result.map(|()| replayed)
+}
+
+/// Removes every message of a dead-letter queue; returns how many.
+pub async fn purge(conn: &Connection, queue: &str) -> Result<u32> {
+    let ch = conn.create_channel().await?;
+    let n = ch
+        .queue_purge(short(queue)?, QueuePurgeOptions::default())
+        .await?;
+    let _ = ch.close(200, "purged".into()).await;
+    Ok(n)
+}

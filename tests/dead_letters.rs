@@ -1,0 +1,267 @@
+//! Dead letters on the real broker: poison messages end in the DLQ with a reason,
+//! `onejob dlq list` browses without consuming, `replay` republishes (confirmed)
+//! before it removes, `purge` needs --yes.
+
+mod common;
+
+use common::{TestEnv, config, config_text, intent, mock, wait_for, wait_for_status};
+use lapin::options::{BasicGetOptions, BasicNackOptions, BasicPublishOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use onejob::broker;
+use onejob::domain::JobStatus;
+use onejob::intent::Outcome;
+use onejob::mock::MockOptions;
+use onejob::store::Admission;
+use onejob::worker::Role;
+use onejob_producer::Producer;
+
+async fn depth(ch: &lapin::Channel, queue: &str) -> u32 {
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("passive declare")
+    .message_count()
+}
+
+fn json(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("json output")
+}
+
+/// Takes a message off `queue` and returns it `times` times, as a worker that
+/// crashes on it would, until the delivery limit dead-letters it.
+async fn poison(ch: &lapin::Channel, queue: &str) -> usize {
+    let mut deliveries = 0;
+    while let Some(got) = ch
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+    {
+        deliveries += 1;
+        got.delivery
+            .acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..BasicNackOptions::default()
+            })
+            .await
+            .unwrap();
+        assert!(deliveries < 50, "the delivery limit never dead-lettered it");
+    }
+    deliveries
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dlq_list_browses_without_consuming_and_purge_needs_yes() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, file) = config(&config_text(&primary.base_url(), None, ""));
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![Role::Intake]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    for body in [
+        &b"not json"[..],
+        br#"{"owner_id":"a","idempotency_key":"k","operation":"nope","input":{}}"#,
+    ] {
+        assert_eq!(
+            producer.submit_raw(body).await.unwrap().outcome,
+            Outcome::Rejected
+        );
+    }
+    let amqp = env.amqp().await;
+    let ch = amqp.create_channel().await.unwrap();
+    let dlq = broker::dead_letter_queue(broker::INTENTS_QUEUE);
+    assert_eq!(depth(&ch, &dlq).await, 2);
+
+    let first = json(&env.cli(&file.path, &["dlq", "list", "--json"]));
+    let second = json(&env.cli(&file.path, &["dlq", "list", "onejob.intents.dlq", "--json"]));
+    let strip_age = |v: &serde_json::Value| {
+        let mut v = v.clone();
+        for d in v.as_array_mut().unwrap() {
+            d.as_object_mut().unwrap().remove("age_seconds");
+        }
+        v
+    };
+    assert_eq!(
+        strip_age(&first),
+        strip_age(&second),
+        "browsing twice gives the same listing"
+    );
+    assert_eq!(depth(&ch, &dlq).await, 2, "browsing consumed nothing");
+    let letters = first.as_array().unwrap();
+    assert_eq!(letters.len(), 2);
+    assert!(
+        letters[0]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("invalid_json")
+    );
+    assert!(
+        letters[1]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("unknown_operation")
+    );
+    assert_eq!(letters[0]["original_exchange"], "onejob");
+    assert_eq!(letters[0]["original_routing_key"], "intents");
+    assert_eq!(letters[0]["body_preview"], "not json");
+    let human = env.cli(&file.path, &["dlq", "list"]);
+    let text = String::from_utf8_lossy(&human.stdout);
+    assert!(
+        text.contains("onejob.intents.dlq: 2 dead letter(s)") && text.contains("invalid_json"),
+        "{text}"
+    );
+
+    let refused = env.cli(&file.path, &["dlq", "purge", "onejob.intents.dlq"]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--yes"));
+    assert_eq!(depth(&ch, &dlq).await, 2);
+    assert_eq!(
+        env.cli(&file.path, &["dlq", "list", "no.such.queue"])
+            .status
+            .code(),
+        Some(1)
+    );
+    assert_eq!(
+        env.cli(&file.path, &["dlq", "replay", "onejob.intents.dlq"])
+            .status
+            .code(),
+        Some(2),
+        "--id or --all"
+    );
+    let purged = json(&env.cli(
+        &file.path,
+        &["dlq", "purge", "onejob.intents.dlq", "--yes", "--json"],
+    ));
+    assert_eq!(purged["purged"]["onejob.intents.dlq"], 2);
+    assert_eq!(depth(&ch, &dlq).await, 0);
+
+    producer.close().await;
+    fleet.stop().await;
+}
+
+/// An attempt message that keeps failing (a worker crashing on it) is
+/// dead-lettered by the delivery limit, with the broker's reason; once the cause is
+/// gone, `dlq replay --id` republishes it and the job completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_poison_attempt_is_dead_lettered_then_replayed() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, file) = config(&config_text(&primary.base_url(), None, ""));
+    let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
+    let new = onejob::intake::validate(
+        &ctx,
+        &serde_json::to_vec(&intent("acct_p", "k", "poison")).unwrap(),
+    )
+    .unwrap();
+    let job_id = new.job_id;
+    let Admission::Created { publish, .. } = env.store.admit(&[new]).await.unwrap().remove(0)
+    else {
+        panic!("created");
+    };
+    ctx.publish_outbox(std::slice::from_ref(&publish))
+        .await
+        .unwrap();
+
+    let ch = ctx.connection.create_channel().await.unwrap();
+    let queue = broker::attempts_queue("primary");
+    let deliveries = poison(&ch, &queue).await;
+    assert!(
+        deliveries >= 5,
+        "delivered {deliveries} times before dead-lettering"
+    );
+    let dlq = broker::dead_letter_queue(&queue);
+    // Quorum queues dead-letter asynchronously.
+    wait_for(
+        "the dead letter",
+        std::time::Duration::from_secs(20),
+        || async { (depth(&ch, &dlq).await == 1).then_some(()) },
+    )
+    .await;
+
+    let listed = json(&env.cli(&file.path, &["dlq", "list", &queue, "--json"]));
+    let letter = &listed[0];
+    assert_eq!(letter["reason"], "delivery_limit", "{letter}");
+    assert_eq!(letter["message_id"], publish.message_id);
+    assert_eq!(letter["original_exchange"], "onejob");
+    assert_eq!(letter["original_routing_key"], "attempts.primary");
+    assert_eq!(letter["deaths"][0]["queue"], queue);
+
+    // The cause is gone: replay it, and a worker completes the job.
+    let fleet = env
+        .fleet(config.clone(), vec![Role::Attempts("primary".into())])
+        .await;
+    let replayed = json(&env.cli(
+        &file.path,
+        &["dlq", "replay", &dlq, "--id", &publish.message_id, "--json"],
+    ));
+    assert_eq!(replayed["replayed"], 1);
+    assert_eq!(
+        depth(&ch, &dlq).await,
+        0,
+        "removed after the confirmed republish"
+    );
+    wait_for_status(&env, job_id, JobStatus::Succeeded).await;
+    let missing = env.cli(&file.path, &["dlq", "replay", &dlq, "--id", "nope"]);
+    assert_eq!(missing.status.code(), Some(1));
+
+    fleet.stop().await;
+    let _ = ctx.connection.close(200, "done".into()).await;
+}
+
+/// An attempt message naming no attempt is dead-lettered with its reason, not
+/// dropped in silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_attempt_message_for_no_attempt_is_dead_lettered() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, file) = config(&config_text(&primary.base_url(), None, ""));
+    let env = TestEnv::new(&config).await;
+    let fleet = env
+        .fleet(config.clone(), vec![Role::Attempts("primary".into())])
+        .await;
+    let ch = fleet.ctx.connection.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let body =
+        serde_json::json!({ "attempt_id": uuid::Uuid::now_v7(), "job_id": uuid::Uuid::now_v7() });
+    ch.basic_publish(
+        broker::EXCHANGE.into(),
+        "attempts.primary".into(),
+        BasicPublishOptions::default(),
+        body.to_string().as_bytes(),
+        broker::json_properties(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let listed = wait_for(
+        "the dead letter",
+        std::time::Duration::from_secs(20),
+        || async {
+            let v = json(&env.cli(
+                &file.path,
+                &["dlq", "list", "onejob.attempts.primary.dlq", "--json"],
+            ));
+            (!v.as_array().unwrap().is_empty()).then_some(v)
+        },
+    )
+    .await;
+    assert!(
+        listed[0]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("unknown_attempt"),
+        "{listed}"
+    );
+    assert_eq!(primary.stats.requests(), 0);
+    fleet.stop().await;
+}

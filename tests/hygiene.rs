@@ -1,0 +1,248 @@
+//! Secrets never reach logs, errors or `--json` output; a stopping worker finishes
+//! what is in flight.
+
+mod common;
+
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{P, TestEnv, config, config_for, intent, mock, wait_for_status};
+use onejob::domain::JobStatus;
+use onejob::mock::MockOptions;
+use onejob_producer::Producer;
+
+const API_KEY: &str = "sk-live-API-KEY-0123456789abcdef";
+const PG_PASSWORD: &str = "pg-PASSWORD-5f3a9c";
+const AMQP_PASSWORD: &str = "amqp-PASSWORD-8b1d7e";
+
+/// Log lines written by this test process, captured at debug level.
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Capture {
+    type Writer = Capture;
+    fn make_writer(&'a self) -> Capture {
+        self.clone()
+    }
+}
+
+/// A RabbitMQ user with a distinctive password, removed on drop.
+struct AmqpUser(String);
+
+impl AmqpUser {
+    fn new(vhost: &str) -> AmqpUser {
+        let name = format!("u_{vhost}");
+        for args in [
+            vec!["add_user", name.as_str(), AMQP_PASSWORD],
+            vec![
+                "set_permissions",
+                "-p",
+                vhost,
+                name.as_str(),
+                ".*",
+                ".*",
+                ".*",
+            ],
+        ] {
+            let out = Command::new("rabbitmqctl").args(&args).output().unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        AmqpUser(name)
+    }
+}
+
+impl Drop for AmqpUser {
+    fn drop(&mut self) {
+        let _ = Command::new("rabbitmqctl")
+            .args(["delete_user", &self.0])
+            .output();
+    }
+}
+
+fn assert_clean(what: &str, text: &str) {
+    for secret in [API_KEY, PG_PASSWORD, AMQP_PASSWORD] {
+        assert!(!text.contains(secret), "{what} leaks a secret:\n{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn secrets_never_reach_logs_errors_or_json_output() {
+    let capture = Capture::default();
+    tracing_subscriber::fmt()
+        .with_env_filter("debug")
+        .with_ansi(false)
+        .with_writer(capture.clone())
+        .init();
+
+    let primary = mock(MockOptions::default()).await;
+    let url = primary.base_url();
+    let text = config_for(
+        &[P("primary", &url, "api_key_env = \"ONEJOB_TEST_API_KEY\"")],
+        "",
+    );
+    let (config, file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let user = AmqpUser::new(&env.name);
+    let database_url = env
+        .database_url
+        .replace("postgres@", &format!("postgres:{PG_PASSWORD}@"));
+    let amqp_url = format!(
+        "amqp://{}:{AMQP_PASSWORD}@127.0.0.1:5672/{}",
+        user.0, env.name
+    );
+
+    // The CLI, at debug level, with the key in its environment: every command's
+    // output, --json or not, and its logs.
+    let cli = |args: &[&str], db: &str, amqp: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_onejob"))
+            .args(args)
+            .env("DATABASE_URL", db)
+            .env("AMQP_URL", amqp)
+            .env("ONEJOB_CONFIG", &file.path)
+            .env("ONEJOB_TEST_API_KEY", API_KEY)
+            .env("RUST_LOG", "debug")
+            .output()
+            .unwrap();
+        let all = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_clean(&format!("onejob {args:?}"), &all);
+        out
+    };
+    let qualified = cli(
+        &["providers", "qualify", "primary", "--json"],
+        &database_url,
+        &amqp_url,
+    );
+    assert!(
+        qualified.status.success(),
+        "{}",
+        String::from_utf8_lossy(&qualified.stderr)
+    );
+    assert_eq!(
+        primary.stats.authorizations(),
+        vec![format!("Bearer {API_KEY}")],
+        "the key was sent to the provider, and only there"
+    );
+    for args in [
+        vec!["config", "check", "--json"],
+        vec!["providers", "list", "--json"],
+        vec!["dlq", "list", "--json"],
+        vec!["jobs", "find", "--owner", "o", "--key", "k", "--json"],
+        vec!["--help"],
+    ] {
+        cli(&args, &database_url, &amqp_url);
+    }
+    // Unreachable services: the errors name the URL with its password masked.
+    let down = cli(
+        &["jobs", "find", "--owner", "o", "--key", "k"],
+        &database_url.replace(":5432", ":1"),
+        &amqp_url,
+    );
+    assert_eq!(down.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&down.stderr).contains("***"));
+    let down = cli(
+        &["dlq", "list"],
+        &database_url,
+        &amqp_url.replace(":5672", ":1"),
+    );
+    assert_eq!(down.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&down.stderr).contains("***"));
+
+    // The worker, in this process, at debug level, through a whole job.
+    let ctx = onejob::worker::Context::connect(config.clone(), &database_url, &amqp_url)
+        .await
+        .unwrap();
+    let shutdown = onejob::shutdown::Shutdown::new();
+    let task = tokio::spawn(onejob::worker::run(ctx.clone(), vec![], shutdown.clone()));
+    let producer = Producer::connect(&amqp_url).await.unwrap();
+    let job_id = producer
+        .submit(&intent("acct_s", "k", "secret-free"))
+        .await
+        .unwrap()
+        .job_id
+        .unwrap();
+    // The key is not in this process's environment: the call fails definitely,
+    // naming the variable, never a value.
+    let job = wait_for_status(&env, job_id, JobStatus::Failed).await;
+    assert!(
+        job.error
+            .as_deref()
+            .unwrap_or("")
+            .contains("ONEJOB_TEST_API_KEY"),
+        "{:?}",
+        job.error
+    );
+    shutdown.trigger();
+    task.await.unwrap().unwrap();
+    producer.close().await;
+    let shown = cli(
+        &["jobs", "show", &job_id.to_string(), "--json"],
+        &database_url,
+        &amqp_url,
+    );
+    assert!(shown.status.success());
+
+    let logs = String::from_utf8_lossy(&capture.0.lock().unwrap()).into_owned();
+    assert!(
+        logs.contains("job created"),
+        "the capture saw the worker's logs"
+    );
+    assert_clean("the worker's logs", &logs);
+}
+
+/// On shutdown the worker stops taking deliveries but finishes the call in flight,
+/// commits its outcome and acks it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shutdown_finishes_in_flight_work() {
+    let primary = mock(MockOptions {
+        delay: Duration::from_millis(1500),
+        ..MockOptions::default()
+    })
+    .await;
+    let url = primary.base_url();
+    let (config, _file) = config(&config_for(&[P("primary", &url, "timeout = \"10s\"")], ""));
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let job_id = producer
+        .submit(&intent("acct_g", "k", "graceful"))
+        .await
+        .unwrap()
+        .job_id
+        .unwrap();
+    wait_for_status(&env, job_id, JobStatus::Running).await;
+    fleet.stop().await;
+    let job = env.store.job(job_id).await.unwrap().unwrap();
+    assert_eq!(
+        job.status,
+        JobStatus::Succeeded,
+        "the call in flight finished before the worker stopped"
+    );
+    // Its delivery was acked: nothing is left in the attempts queue.
+    let amqp = env.amqp().await;
+    let ch = amqp.create_channel().await.unwrap();
+    assert!(
+        env.drain(&ch, &onejob::broker::attempts_queue("primary"))
+            .await
+            .is_empty()
+    );
+    producer.close().await;
+}
