@@ -510,20 +510,7 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
         }
         Command::Dlq(command) => {
             let config = c.load_config()?;
-            let conn = broker::connect(&c.amqp_url, broker::Recovery::None)
-                .await
-                .map_err(|e| {
-                    Failure(format!(
-                        "cannot reach RabbitMQ at {}: {e}",
-                        broker::redact_url(&c.amqp_url)
-                    ))
-                })?;
-            broker::declare_topology(
-                &conn,
-                &config.provider_names(),
-                config.worker.delivery_limit,
-            )
-            .await?;
+            let conn = broker_connection(c, &config).await.map_err(Failure)?;
             let result = dlq_command(&config, &conn, command, cli.json, out).await;
             let _ = conn.close(200, "done".into()).await;
             result?;
@@ -674,15 +661,9 @@ async fn dlq_command(
     Ok(())
 }
 
-async fn publish_now(
-    c: &Connections,
-    config: &Config,
-    store: &Store,
-    messages: &[crate::store::OutboxMessage],
-) -> Result<(), String> {
-    if messages.is_empty() {
-        return Ok(());
-    }
+/// A connection for one command, with the topology declared (as every program
+/// does at start); fails at once, with the reason, if the broker is unreachable.
+async fn broker_connection(c: &Connections, config: &Config) -> Result<lapin::Connection, String> {
     let conn = broker::connect(&c.amqp_url, broker::Recovery::None)
         .await
         .map_err(|e| {
@@ -698,6 +679,19 @@ async fn publish_now(
     )
     .await
     .map_err(|e| e.to_string())?;
+    Ok(conn)
+}
+
+async fn publish_now(
+    c: &Connections,
+    config: &Config,
+    store: &Store,
+    messages: &[crate::store::OutboxMessage],
+) -> Result<(), String> {
+    if messages.is_empty() {
+        return Ok(());
+    }
+    let conn = broker_connection(c, config).await?;
     let publisher = Publisher::open(&conn).await.map_err(|e| e.to_string())?;
     let result = worker::publish_outbox(&publisher, store, messages)
         .await

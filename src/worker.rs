@@ -366,7 +366,7 @@ pub async fn run(ctx: Context, roles: Vec<Role>, shutdown: Shutdown) -> Result<(
     }
 }
 
-/// Headers for messages onejob dead-letters itself, for tests and the CLI.
+/// A header's value as text, if it is a string.
 pub fn header_str(headers: &FieldTable, name: &str) -> Option<String> {
     match headers.inner().get(name)? {
         AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
