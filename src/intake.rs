@@ -49,17 +49,14 @@ async fn handle(ctx: &Context, delivery: Delivery) {
 async fn process(ctx: &Context, delivery: &Delivery) -> Result<()> {
     let receipt = match validate(ctx, &delivery.data) {
         Err(reason) => {
-            let reason = reason.to_string();
-            tracing::warn!(%reason, message_id = ?delivery.properties.message_id(), "intent rejected");
+            let receipt = Receipt::rejected(&reason);
+            let why = receipt.error.clone().unwrap_or_default();
+            tracing::warn!(reason = %why, message_id = ?delivery.properties.message_id(), "intent rejected");
             with_retries("dead-lettering a rejected intent", || {
-                ctx.publish_dead_letter(INTENTS_QUEUE, delivery, &reason)
+                ctx.publish_dead_letter(INTENTS_QUEUE, delivery, &why)
             })
             .await?;
-            Receipt {
-                outcome: Outcome::Rejected,
-                job_id: None,
-                error: Some(reason),
-            }
+            receipt
         }
         Ok(new_job) => {
             let batch = [new_job];

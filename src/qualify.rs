@@ -32,18 +32,6 @@ pub enum State {
     NeverQualified,
 }
 
-impl State {
-    /// The state as `providers list` prints it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            State::Qualified => "qualified",
-            State::Stale => "stale",
-            State::Failed => "failed",
-            State::NeverQualified => "never qualified",
-        }
-    }
-}
-
 /// The contract hash of `operation` through `provider`.
 pub fn contract_hash(operation: &Operation, provider: &Provider) -> String {
     let contract = serde_json::json!({

@@ -488,11 +488,6 @@ impl Store {
         Ok(())
     }
 
-    /// Wraps an existing pool.
-    pub fn from_pool(pool: PgPool, routes: Routes) -> Store {
-        Store { pool, routes }
-    }
-
     /// The pool, for health checks.
     pub fn pool(&self) -> &PgPool {
         &self.pool
