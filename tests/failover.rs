@@ -7,7 +7,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    P, TestEnv, config, config_for, intent, mock, wait_for, wait_for_messages, wait_for_status,
+    P, TestEnv, config, config_for, intent, mock, submit, wait_for, wait_for_messages,
+    wait_for_status,
 };
 use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
 use onejob::mock::{Misbehaviour, MockOptions};
@@ -220,12 +221,7 @@ async fn failover_reaches_a_qualified_provider_and_never_an_unqualified_one() {
     let fleet = env.fleet(config.clone(), vec![]).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 
-    let job_id = producer
-        .submit(&intent("acct_f", "k", "fail over"))
-        .await
-        .unwrap()
-        .job_id
-        .unwrap();
+    let job_id = submit(&producer, "acct_f", "k", "fail over").await;
     let job = wait_for_status(&env, job_id, JobStatus::Succeeded).await;
     assert_eq!(job.attempts.len(), 2);
     let (first, second) = (&job.attempts[0], &job.attempts[1]);
@@ -303,12 +299,7 @@ async fn a_hedge_that_answers_first_wins_and_the_late_primary_is_discarded() {
     let (events, events_queue) = env.watch_events(&amqp).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 
-    let job_id = producer
-        .submit(&intent("acct_h", "k", "hedge me"))
-        .await
-        .unwrap()
-        .job_id
-        .unwrap();
+    let job_id = submit(&producer, "acct_h", "k", "hedge me").await;
     let won = wait_for_status(&env, job_id, JobStatus::Succeeded).await;
     assert!(
         won.result.as_ref().unwrap()["summary"]
@@ -394,12 +385,7 @@ async fn a_cancelled_job_discards_the_late_result() {
     let (events, events_queue) = env.watch_events(&amqp).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 
-    let job_id = producer
-        .submit(&intent("acct_c", "k", "cancel me"))
-        .await
-        .unwrap()
-        .job_id
-        .unwrap();
+    let job_id = submit(&producer, "acct_c", "k", "cancel me").await;
     wait_for_status(&env, job_id, JobStatus::Running).await;
     let out = env.cli(&file.path, &["jobs", "cancel", &job_id.to_string()]);
     assert!(
@@ -524,16 +510,13 @@ async fn retry_after_is_honoured() {
     let env = TestEnv::new(&config).await;
     let fleet = env.fleet(config.clone(), vec![]).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
-    let job_id = producer
-        .submit(&intent(
-            "acct_429",
-            "k",
-            "mock:status=429 mock:retry_after=2",
-        ))
-        .await
-        .unwrap()
-        .job_id
-        .unwrap();
+    let job_id = submit(
+        &producer,
+        "acct_429",
+        "k",
+        "mock:status=429 mock:retry_after=2",
+    )
+    .await;
     let job = wait_for_status(&env, job_id, JobStatus::Failed).await;
     assert_eq!(job.attempts.len(), 2);
     assert!(

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{P, TestEnv, config, config_for, intent, mock, wait_for_status};
+use common::{P, TestEnv, config, config_for, mock, submit, wait_for_status};
 use onejob::domain::JobStatus;
 use onejob::mock::MockOptions;
 use onejob_producer::Producer;
@@ -173,12 +173,7 @@ async fn secrets_never_reach_logs_errors_or_json_output() {
     let shutdown = onejob::shutdown::Shutdown::new();
     let task = tokio::spawn(onejob::worker::run(ctx.clone(), vec![], shutdown.clone()));
     let producer = Producer::connect(&amqp_url).await.unwrap();
-    let job_id = producer
-        .submit(&intent("acct_s", "k", "secret-free"))
-        .await
-        .unwrap()
-        .job_id
-        .unwrap();
+    let job_id = submit(&producer, "acct_s", "k", "secret-free").await;
     // The key is not in this process's environment: the call fails definitely,
     // naming the variable, never a value.
     let job = wait_for_status(&env, job_id, JobStatus::Failed).await;
@@ -222,12 +217,7 @@ async fn shutdown_finishes_in_flight_work() {
     let env = TestEnv::new(&config).await;
     let fleet = env.fleet(config.clone(), vec![]).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
-    let job_id = producer
-        .submit(&intent("acct_g", "k", "graceful"))
-        .await
-        .unwrap()
-        .job_id
-        .unwrap();
+    let job_id = submit(&producer, "acct_g", "k", "graceful").await;
     wait_for_status(&env, job_id, JobStatus::Running).await;
     fleet.stop().await;
     let job = env.store.job(job_id).await.unwrap().unwrap();

@@ -6,7 +6,9 @@ mod common;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use common::{TestEnv, config, config_text, intent, mock, wait_for_messages, wait_for_status};
+use common::{
+    TestEnv, config, config_text, intent, mock, submit, wait_for_messages, wait_for_status,
+};
 use futures_util::future::join_all;
 use onejob::domain::{AttemptStatus, JobStatus};
 use onejob::intent::Outcome;
@@ -295,12 +297,7 @@ async fn connection_refused_is_a_definite_failure() {
     let env = TestEnv::new(&config).await;
     let fleet = env.fleet(config.clone(), vec![]).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
-    let job_id = producer
-        .submit(&intent("acct_r", "k", "x"))
-        .await
-        .unwrap()
-        .job_id
-        .unwrap();
+    let job_id = submit(&producer, "acct_r", "k", "x").await;
     let job = wait_for_status(&env, job_id, JobStatus::Failed).await;
     assert_eq!(job.attempts.len(), 3);
     assert!(

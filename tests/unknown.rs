@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{TestEnv, config, config_text, intent, mock, wait_for_messages, wait_for_status};
+use common::{TestEnv, config, config_text, mock, submit, wait_for_messages, wait_for_status};
 use onejob::domain::{AttemptStatus, JobStatus};
 use onejob::mock::MockOptions;
 use onejob_producer::Producer;
@@ -29,12 +29,7 @@ async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
     let fleet = env.fleet(config.clone(), vec![]).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 
-    let job_id = producer
-        .submit(&intent("acct_t", "k", "slow"))
-        .await
-        .unwrap()
-        .job_id
-        .unwrap();
+    let job_id = submit(&producer, "acct_t", "k", "slow").await;
     let job = wait_for_status(&env, job_id, JobStatus::Unknown).await;
     assert_eq!(job.attempts.len(), 1);
     let first = job.attempts[0].clone();
@@ -163,12 +158,7 @@ async fn a_dropped_connection_is_unknown_and_can_be_cancelled() {
     let (events, events_queue) = env.watch_events(&amqp).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 
-    let job_id = producer
-        .submit(&intent("acct_d", "k", "mock:drop"))
-        .await
-        .unwrap()
-        .job_id
-        .unwrap();
+    let job_id = submit(&producer, "acct_d", "k", "mock:drop").await;
     let job = wait_for_status(&env, job_id, JobStatus::Unknown).await;
     let attempt = &job.attempts[0];
     assert_eq!(attempt.status, AttemptStatus::Unknown);

@@ -347,6 +347,22 @@ pub async fn wait_for_messages(
     .await
 }
 
+/// Submits a `summarize` intent and returns the job its receipt names.
+pub async fn submit(
+    producer: &onejob_producer::Producer,
+    owner: &str,
+    key: &str,
+    text: &str,
+) -> onejob::domain::JobId {
+    let receipt = producer
+        .submit(&intent(owner, key, text))
+        .await
+        .expect("submit");
+    receipt
+        .job_id
+        .unwrap_or_else(|| panic!("no job in receipt {receipt:?}"))
+}
+
 /// An intent for the `summarize` operation.
 pub fn intent(owner: &str, key: &str, text: &str) -> onejob::intent::Intent {
     onejob::intent::Intent {
