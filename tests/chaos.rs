@@ -5,7 +5,7 @@
 //! once. Then an invariant checker asserts contract section 5 and prints the counts.
 //!
 //! It restarts the machine's shared RabbitMQ and Postgres, so it runs alone:
-//! nextest's default filter leaves it out, and `scripts/test` runs it after the
+//! nextest's default filter leaves it out, and `scripts/test` runs it before the
 //! rest. `ONEJOB_CHAOS_INTENTS` and `ONEJOB_CHAOS_SECONDS` size it (CI: 1500 over
 //! 30 s; the README gives a full run's figures).
 
