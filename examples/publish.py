@@ -5,12 +5,13 @@ and wait for its receipt through RabbitMQ's direct reply-to.
     python3 examples/publish.py acct_42 order-1234 "Text to summarize"
 """
 import json
+import os
 import sys
 import uuid
 
 import pika
 
-AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2f"
+AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f")
 
 
 def submit(owner_id, idempotency_key, text, timeout=30):
@@ -55,4 +56,7 @@ def submit(owner_id, idempotency_key, text, timeout=30):
 
 if __name__ == "__main__":
     owner, key, text = sys.argv[1], sys.argv[2], sys.argv[3]
-    print(json.dumps(submit(owner, key, text)))
+    result = submit(owner, key, text)
+    if result is None:
+        sys.exit("no receipt in time; the intent may still be processed: resend it with the same key")
+    print(json.dumps(result))

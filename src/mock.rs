@@ -46,7 +46,7 @@ pub struct MockOptions {
     pub error_rate: f64,
     /// Break the output contract on every answer, as a badly behaved provider does.
     pub misbehave: Option<Misbehaviour>,
-    /// Names this mock in its answers (`mock answer from TAG: …`), to tell apart
+    /// Names this mock in its answers (`mock answer: from TAG: …`), to tell apart
     /// which provider's result won.
     pub tag: Option<String>,
 }

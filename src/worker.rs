@@ -92,7 +92,18 @@ impl Context {
         database_url: &str,
         amqp_url: &str,
     ) -> Result<Context> {
-        Store::ensure_database(database_url).await?;
+        // Wait for Postgres as Store::connect does: a worker may start first.
+        (|| Store::ensure_database(database_url))
+            .retry(
+                ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(200))
+                    .with_max_delay(Duration::from_secs(2))
+                    .with_total_delay(Some(Duration::from_secs(60)))
+                    .without_max_times(),
+            )
+            .when(|e| matches!(e, StoreError::Db(sqlx::Error::Io(_))))
+            .notify(|e, d| tracing::warn!(error = %e, retry_in = ?d, "database not reachable yet"))
+            .await?;
         let store =
             Store::connect(database_url, 8, routes(&config), Duration::from_secs(60)).await?;
         store.migrate().await?;

@@ -13,6 +13,11 @@ struct Args {
     /// RabbitMQ URL.
     #[arg(long, env = "AMQP_URL", default_value = onejob::cli::DEFAULT_AMQP_URL, hide_env_values = true, global = true)]
     amqp_url: String,
+    /// The fleet's configuration, for the queue arguments the producer declares
+    /// (`worker.delivery_limit`) [default: ./onejob.toml if it exists, else the
+    /// embedded defaults].
+    #[arg(long, env = "ONEJOB_CONFIG", global = true)]
+    config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,
 }

@@ -31,7 +31,7 @@ struct Args {
     /// Break the output contract on every answer.
     #[arg(long, value_enum)]
     misbehave: Option<onejob::mock::Misbehaviour>,
-    /// Name this mock in its answers ("mock answer from TAG: ...").
+    /// Name this mock in its answers ("mock answer: from TAG: ...").
     #[arg(long)]
     tag: Option<String>,
 }
