@@ -82,6 +82,7 @@ struct RawWorker {
     shutdown_grace: Option<String>,
     stuck_after: Option<String>,
     max_republish: Option<u32>,
+    dead_letter_scan: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -144,6 +145,9 @@ pub struct WorkerSettings {
     pub stuck_after: Duration,
     /// Republishes of one attempt before it is failed (`attempt_lost`).
     pub max_republish: u32,
+    /// How often the reconciler reads the attempts' dead-letter queues to mark
+    /// the attempts whose messages died there.
+    pub dead_letter_scan: Duration,
 }
 
 impl Default for WorkerSettings {
@@ -160,6 +164,7 @@ impl Default for WorkerSettings {
             shutdown_grace: Duration::from_secs(30),
             stuck_after: Duration::from_secs(600),
             max_republish: 3,
+            dead_letter_scan: Duration::from_secs(30),
         }
     }
 }
@@ -444,6 +449,12 @@ impl Config {
                 defaults.stuck_after,
             )?,
             max_republish: w.max_republish.unwrap_or(defaults.max_republish),
+            dead_letter_scan: duration(
+                origin,
+                "worker.dead_letter_scan",
+                &w.dead_letter_scan,
+                defaults.dead_letter_scan,
+            )?,
         };
         if worker.retry_backoff_max < worker.retry_backoff {
             return Err(invalid(

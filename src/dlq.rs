@@ -61,6 +61,9 @@ pub struct DeadLetter {
     pub body_preview: String,
     /// Its body size.
     pub body_bytes: usize,
+    /// Its whole body (not shown in listings).
+    #[serde(skip)]
+    pub body: Vec<u8>,
 }
 
 /// A dead-letter failure.
@@ -201,6 +204,7 @@ fn describe(queue: &str, position: usize, properties: &BasicProperties, body: &[
         age_seconds: died_at.map(|t| (Utc::now() - t).num_seconds()),
         body_preview: preview,
         body_bytes: body.len(),
+        body: body.to_vec(),
     }
 }
 

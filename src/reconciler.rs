@@ -9,6 +9,10 @@
 //! - **Lost messages**: `queued` attempts that never started long after their
 //!   message was published are republished, then failed with a reason after
 //!   `max_republish` tries.
+//! - **Dead-lettered attempts**: an attempt whose message died in its
+//!   dead-letter queue (the delivery limit, say) while the attempt was still
+//!   `queued` is marked `failed` with the dead letter's reason, and the route rule
+//!   plans what follows. The dead letter itself stays for an operator.
 //! - **Hedging**: for operations with `hedge_after`, a job whose attempt has been
 //!   silent that long gets one parallel attempt on the next qualified provider.
 //!
@@ -34,6 +38,7 @@ pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let sweep_every = Duration::from_secs(1).min(ctx.config.worker.relay_interval * 4);
     let mut last_sweep = tokio::time::Instant::now();
+    let mut last_scan = tokio::time::Instant::now();
     loop {
         tokio::select! {
             () = shutdown.wait() => return Ok(()),
@@ -46,6 +51,12 @@ pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
             last_sweep = tokio::time::Instant::now();
             if let Err(e) = sweep_once(&ctx).await {
                 tracing::warn!(error = %e, "reconciler sweep failed; will retry");
+            }
+        }
+        if last_scan.elapsed() >= ctx.config.worker.dead_letter_scan {
+            last_scan = tokio::time::Instant::now();
+            if let Err(e) = reflect_dead_letters(&ctx).await {
+                tracing::warn!(error = %e, "dead-letter scan failed; will retry");
             }
         }
     }
@@ -98,6 +109,48 @@ pub async fn sweep_once(ctx: &Context) -> Result<()> {
     }
 
     hedge_once(ctx).await
+}
+
+/// Marks attempts whose messages died in their dead-letter queue while they were
+/// still `queued`: `failed`, with the dead letter's reason, and plans the next
+/// attempt. Browsing returns every dead letter to its queue.
+pub async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
+    let mut dead = Vec::new();
+    for provider in ctx.config.providers.keys() {
+        let queue = crate::broker::dead_letter_queue(&crate::broker::attempts_queue(provider));
+        let letters = crate::dlq::browse(&ctx.connection, &queue, 256)
+            .await
+            .map_err(|e| {
+                crate::worker::WorkerError::RoleStopped("dead-letter scan".into(), e.to_string())
+            })?;
+        for letter in letters {
+            if let Ok(message) =
+                serde_json::from_slice::<crate::attempts::AttemptMessage>(&letter.body)
+            {
+                dead.push((
+                    message.attempt_id,
+                    format!("dead_lettered: {} (see {queue})", letter.reason),
+                ));
+            }
+        }
+    }
+    if dead.is_empty() {
+        return Ok(());
+    }
+    let eligible = eligibility(ctx).await?;
+    let plan = |f: &FailedJob| {
+        plan_next(
+            &ctx.config,
+            eligible.get(&f.operation).unwrap_or(&Default::default()),
+            f,
+        )
+    };
+    let (settled, publish) = ctx.store.fail_queued(&dead, &plan).await?;
+    for (attempt, _) in &settled {
+        tracing::warn!(attempt_id = %attempt, "attempt's message was dead-lettered: attempt marked failed");
+    }
+    ctx.publish_outbox(&publish).await?;
+    Ok(())
 }
 
 /// The eligible providers of every configured operation.

@@ -52,6 +52,9 @@ pub enum WorkerError {
     /// The AMQP client.
     #[error("amqp: {0}")]
     Amqp(#[from] lapin::Error),
+    /// Reading a dead-letter queue.
+    #[error(transparent)]
+    DeadLetters(#[from] crate::dlq::DlqError),
     /// A role names a provider that is not configured.
     #[error("--provider {0:?} is not a configured provider")]
     UnknownProvider(String),

@@ -265,3 +265,66 @@ async fn an_attempt_message_for_no_attempt_is_dead_lettered() {
     assert_eq!(primary.stats.requests(), 0);
     fleet.stop().await;
 }
+
+/// With a reconciler running, an attempt whose message was dead-lettered while it
+/// was still queued is marked failed with the dead letter's reason, and the job
+/// goes on with its next attempt; the dead letter stays for the operator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_lettered_attempt_is_reflected_on_its_row() {
+    let primary = mock(MockOptions::default()).await;
+    let text = config_text(&primary.base_url(), None, "")
+        .replace("[worker]\n", "[worker]\ndead_letter_scan = \"200ms\"\n");
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
+    let new = onejob::intake::validate(
+        &ctx,
+        &serde_json::to_vec(&intent("acct_r", "k", "reflect")).unwrap(),
+    )
+    .unwrap();
+    let job_id = new.job_id;
+    let Admission::Created { publish, .. } = env.store.admit(&[new]).await.unwrap().remove(0)
+    else {
+        panic!("created");
+    };
+    ctx.publish_outbox(std::slice::from_ref(&publish))
+        .await
+        .unwrap();
+    let ch = ctx.connection.create_channel().await.unwrap();
+    let queue = broker::attempts_queue("primary");
+    poison(&ch, &queue).await;
+    let dlq = broker::dead_letter_queue(&queue);
+    wait_for(
+        "the dead letter",
+        std::time::Duration::from_secs(20),
+        || async { (depth(&ch, &dlq).await == 1).then_some(()) },
+    )
+    .await;
+
+    let fleet = env
+        .fleet(
+            config.clone(),
+            vec![Role::Reconciler, Role::Attempts("primary".into())],
+        )
+        .await;
+    let job = wait_for_status(&env, job_id, JobStatus::Succeeded).await;
+    assert_eq!(job.attempts.len(), 2);
+    let first = &job.attempts[0];
+    assert_eq!(first.status, onejob::domain::AttemptStatus::Failed);
+    assert!(
+        first
+            .error
+            .as_deref()
+            .unwrap_or("")
+            .starts_with("dead_lettered: delivery_limit"),
+        "{:?}",
+        first.error
+    );
+    assert_eq!(
+        depth(&ch, &dlq).await,
+        1,
+        "the dead letter stays for the operator"
+    );
+    fleet.stop().await;
+    let _ = ctx.connection.close(200, "done".into()).await;
+}
