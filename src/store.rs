@@ -259,6 +259,14 @@ pub enum Refusal {
     Terminal(String),
 }
 
+impl Refusal {
+    fn terminal_job(job: impl std::fmt::Display, status: JobStatus) -> Refusal {
+        Refusal::Terminal(format!(
+            "job {job} is already {status}: a terminal job never changes"
+        ))
+    }
+}
+
 /// A job as operators see it.
 #[derive(Clone, Debug, Serialize)]
 pub struct JobView {
@@ -1131,9 +1139,7 @@ impl Store {
             ))));
         }
         if job_status.is_terminal() {
-            return Ok(Err(Refusal::Terminal(format!(
-                "job {job_id} is already {job_status}: a terminal job never changes"
-            ))));
+            return Ok(Err(Refusal::terminal_job(job_id, job_status)));
         }
         let result = match resolution {
             Resolution::Failed => {
@@ -1193,9 +1199,7 @@ impl Store {
         };
         let status: JobStatus = status.parse().map_err(corrupt)?;
         if status.is_terminal() {
-            return Ok(Err(Refusal::Terminal(format!(
-                "job {job} is already {status}: a terminal job never changes"
-            ))));
+            return Ok(Err(Refusal::terminal_job(job, status)));
         }
         let reason = "cancelled: by an operator";
         Ok(self

@@ -22,6 +22,16 @@ fn give_up(f: &FailedJob) -> NextStep {
     }
 }
 
+/// A database (and vhost) for store-level tests; no provider is ever called.
+async fn store_env() -> TestEnv {
+    let (config, _file) = config(&config_text(
+        "http://127.0.0.1:9/v1",
+        Some("http://127.0.0.1:9/v1"),
+        "",
+    ));
+    TestEnv::new(&config).await
+}
+
 /// A validated intent for the primary provider, ready to admit.
 fn new_job(key: &str) -> NewJob {
     let intent = common::intent("acct_cas", key, key);
@@ -79,12 +89,7 @@ fn success(s: &Started) -> Finished {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_later_of_two_reversed_attempts_is_discarded() {
-    let (config, _file) = config(&config_text(
-        "http://127.0.0.1:9/v1",
-        Some("http://127.0.0.1:9/v1"),
-        "",
-    ));
-    let env = TestEnv::new(&config).await;
+    let env = store_env().await;
     let store = &env.store;
     let (job_id, a, b) = two_started_attempts(store, "reverse").await;
 
@@ -149,12 +154,7 @@ async fn the_later_of_two_reversed_attempts_is_discarded() {
 /// exactly one wins each time, and the job carries the winner's result.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_finishers_have_exactly_one_winner() {
-    let (config, _file) = config(&config_text(
-        "http://127.0.0.1:9/v1",
-        Some("http://127.0.0.1:9/v1"),
-        "",
-    ));
-    let env = TestEnv::new(&config).await;
+    let env = store_env().await;
     let store = Arc::new(env.store.clone());
     for i in 0..200 {
         let (job_id, a, b) = two_started_attempts(&store, &format!("race-{i}")).await;
@@ -231,12 +231,7 @@ fn random_interleavings_never_have_two_winners() {
         .enable_all()
         .build()
         .unwrap();
-    let (config, _file) = config(&config_text(
-        "http://127.0.0.1:9/v1",
-        Some("http://127.0.0.1:9/v1"),
-        "",
-    ));
-    let env = rt.block_on(TestEnv::new(&config));
+    let env = rt.block_on(store_env());
     let store = Arc::new(env.store.clone());
     let cases: u32 = std::env::var("ONEJOB_CAS_CASES")
         .ok()
@@ -337,12 +332,7 @@ fn random_interleavings_never_have_two_winners() {
 /// the grace period pass, never `failed`; and then no hedge or retry may start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_vanished_worker_leaves_an_unknown_attempt() {
-    let (config, _file) = config(&config_text(
-        "http://127.0.0.1:9/v1",
-        Some("http://127.0.0.1:9/v1"),
-        "",
-    ));
-    let env = TestEnv::new(&config).await;
+    let env = store_env().await;
     let store = &env.store;
     let new = new_job("vanish");
     let (job_id, attempt) = (new.job_id, new.attempt_id);

@@ -4,14 +4,13 @@
 
 mod common;
 
-use common::{TestEnv, config, config_text, intent, mock, wait_for, wait_for_status};
+use common::{TestEnv, config, config_text, mock, wait_for, wait_for_status};
 use lapin::options::{BasicGetOptions, BasicNackOptions, BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use onejob::broker;
 use onejob::domain::JobStatus;
 use onejob::intent::Outcome;
 use onejob::mock::MockOptions;
-use onejob::store::Admission;
 use onejob::worker::Role;
 use onejob_producer::Producer;
 
@@ -38,8 +37,9 @@ fn json(out: &std::process::Output) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).expect("json output")
 }
 
-/// Takes a message off `queue` and returns it `times` times, as a worker that
-/// crashes on it would, until the delivery limit dead-letters it.
+/// Takes the message off `queue` and returns it, again and again, as a worker that
+/// crashes on it would, until the delivery limit dead-letters it; then waits until
+/// it is in the dead-letter queue. Returns how often it was delivered.
 async fn poison(ch: &lapin::Channel, queue: &str) -> usize {
     let mut deliveries = 0;
     while let Some(got) = ch
@@ -58,6 +58,14 @@ async fn poison(ch: &lapin::Channel, queue: &str) -> usize {
             .unwrap();
         assert!(deliveries < 50, "the delivery limit never dead-lettered it");
     }
+    // Quorum queues dead-letter asynchronously.
+    let dlq = broker::dead_letter_queue(queue);
+    wait_for(
+        "the dead letter",
+        std::time::Duration::from_secs(20),
+        || async { (depth(ch, &dlq).await == 1).then_some(()) },
+    )
+    .await;
     deliveries
 }
 
@@ -158,16 +166,7 @@ async fn a_poison_attempt_is_dead_lettered_then_replayed() {
     let (config, file) = config(&config_text(&primary.base_url(), None, ""));
     let env = TestEnv::new(&config).await;
     let ctx = env.context(config.clone()).await;
-    let new = onejob::intake::validate(
-        &ctx,
-        &serde_json::to_vec(&intent("acct_p", "k", "poison")).unwrap(),
-    )
-    .unwrap();
-    let job_id = new.job_id;
-    let Admission::Created { publish, .. } = env.store.admit(&[new]).await.unwrap().remove(0)
-    else {
-        panic!("created");
-    };
+    let (job_id, publish) = env.admit(&ctx, "acct_p", "k", "poison").await;
     ctx.publish_outbox(std::slice::from_ref(&publish))
         .await
         .unwrap();
@@ -180,13 +179,6 @@ async fn a_poison_attempt_is_dead_lettered_then_replayed() {
         "delivered {deliveries} times before dead-lettering"
     );
     let dlq = broker::dead_letter_queue(&queue);
-    // Quorum queues dead-letter asynchronously.
-    wait_for(
-        "the dead letter",
-        std::time::Duration::from_secs(20),
-        || async { (depth(&ch, &dlq).await == 1).then_some(()) },
-    )
-    .await;
 
     let listed = json(&env.cli(&file.path, &["dlq", "list", &queue, "--json"]));
     let letter = &listed[0];
@@ -277,16 +269,7 @@ async fn a_dead_lettered_attempt_is_reflected_on_its_row() {
     let (config, _file) = config(&text);
     let env = TestEnv::new(&config).await;
     let ctx = env.context(config.clone()).await;
-    let new = onejob::intake::validate(
-        &ctx,
-        &serde_json::to_vec(&intent("acct_r", "k", "reflect")).unwrap(),
-    )
-    .unwrap();
-    let job_id = new.job_id;
-    let Admission::Created { publish, .. } = env.store.admit(&[new]).await.unwrap().remove(0)
-    else {
-        panic!("created");
-    };
+    let (job_id, publish) = env.admit(&ctx, "acct_r", "k", "reflect").await;
     ctx.publish_outbox(std::slice::from_ref(&publish))
         .await
         .unwrap();
@@ -294,12 +277,6 @@ async fn a_dead_lettered_attempt_is_reflected_on_its_row() {
     let queue = broker::attempts_queue("primary");
     poison(&ch, &queue).await;
     let dlq = broker::dead_letter_queue(&queue);
-    wait_for(
-        "the dead letter",
-        std::time::Duration::from_secs(20),
-        || async { (depth(&ch, &dlq).await == 1).then_some(()) },
-    )
-    .await;
 
     let fleet = env
         .fleet(

@@ -87,7 +87,7 @@ async fn qualification_passes_fails_and_goes_stale() {
     let (config, file) = config(&config_for(&providers, ""));
     let env = TestEnv::new(&config).await;
 
-    let out = env.cli(
+    let out = env.cli_ok(
         &file.path,
         &[
             "providers",
@@ -97,11 +97,6 @@ async fn qualification_passes_fails_and_goes_stale() {
             "summarize",
             "--json",
         ],
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
     );
     let report = stdout_json(&out);
     assert_eq!(report[0]["passed"], true);
@@ -387,12 +382,7 @@ async fn a_cancelled_job_discards_the_late_result() {
 
     let job_id = submit(&producer, "acct_c", "k", "cancel me").await;
     wait_for_status(&env, job_id, JobStatus::Running).await;
-    let out = env.cli(&file.path, &["jobs", "cancel", &job_id.to_string()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    env.cli_ok(&file.path, &["jobs", "cancel", &job_id.to_string()]);
     let cancelled = env.store.job(job_id).await.unwrap().unwrap();
     assert_eq!(
         (cancelled.status, cancelled.version),
@@ -548,18 +538,7 @@ async fn a_lost_attempt_message_is_republished_then_failed_with_a_reason() {
     let (config, _file) = config(&text);
     let env = TestEnv::new(&config).await;
     let ctx = env.context(config.clone()).await;
-    let job = onejob::intake::validate(
-        &ctx,
-        serde_json::to_vec(&intent("acct_l", "k", "lost"))
-            .unwrap()
-            .as_slice(),
-    )
-    .unwrap();
-    let job_id = job.job_id;
-    let publish = match env.store.admit(&[job]).await.unwrap().remove(0) {
-        onejob::store::Admission::Created { publish, .. } => publish,
-        other => panic!("{other:?}"),
-    };
+    let (job_id, publish) = env.admit(&ctx, "acct_l", "k", "lost").await;
     // Marked published, but the message never reached the queue.
     env.store.mark_published(&[publish.id]).await.unwrap();
 

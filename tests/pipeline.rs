@@ -69,12 +69,7 @@ async fn a_published_intent_becomes_one_succeeded_job() {
     assert_eq!(event["result"], job.result.clone().unwrap());
 
     // Operators see it through the CLI.
-    let out = env.cli(&file.path, &["jobs", "show", &job_id.to_string()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = env.cli_ok(&file.path, &["jobs", "show", &job_id.to_string()]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("succeeded") && text.contains("usage"),

@@ -113,6 +113,35 @@ impl TestEnv {
             .expect("run the onejob CLI")
     }
 
+    /// Runs the CLI and asserts it succeeded.
+    pub fn cli_ok(&self, config_path: &std::path::Path, args: &[&str]) -> std::process::Output {
+        let out = self.cli(config_path, args);
+        assert!(
+            out.status.success(),
+            "onejob {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    /// Admits a `summarize` intent as intake would, without publishing its first
+    /// attempt: returns the job and the attempt's outbox message.
+    pub async fn admit(
+        &self,
+        ctx: &Context,
+        owner: &str,
+        key: &str,
+        text: &str,
+    ) -> (onejob::domain::JobId, onejob::store::OutboxMessage) {
+        let body = serde_json::to_vec(&intent(owner, key, text)).expect("intent json");
+        let new = onejob::intake::validate(ctx, &body).expect("valid intent");
+        let job_id = new.job_id;
+        match self.store.admit(&[new]).await.expect("admit").remove(0) {
+            onejob::store::Admission::Created { publish, .. } => (job_id, publish),
+            other => panic!("expected created, got {other:?}"),
+        }
+    }
+
     /// A fresh AMQP connection to this env's vhost.
     pub async fn amqp(&self) -> lapin::Connection {
         lapin::Connection::connect(&self.amqp_url, lapin::ConnectionProperties::default())
