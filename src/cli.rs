@@ -76,9 +76,35 @@ enum Command {
     /// Inspect and act on dead-letter queues.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Manage the HTTP gateway's bearer tokens.
+    #[command(subcommand)]
+    Tokens(TokensCommand),
     /// Check the configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum TokensCommand {
+    /// Make a bearer token for an owner and print it once (on stdout alone, so
+    /// `TOKEN=$(onejob tokens create --owner O)` works). Only its SHA-256 is
+    /// stored: a lost token cannot be shown again; revoke it and make another.
+    Create {
+        /// The owner whose jobs the token may create and read.
+        #[arg(long)]
+        owner: String,
+    },
+    /// List tokens: id, owner, when made and when revoked. Never the tokens.
+    List {
+        /// Only this owner's.
+        #[arg(long)]
+        owner: Option<String>,
+    },
+    /// Revoke a token: the gateway refuses it from its next request on.
+    Revoke {
+        /// The token's id, as `tokens list` shows it.
+        token_id: Uuid,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -515,6 +541,20 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
             let _ = conn.close(200, "done".into()).await;
             result?;
         }
+        Command::Tokens(command) => {
+            let config = c.load_config()?;
+            let store = store(c, &config).await?;
+            tokens_command(&store, command, cli.json, out)
+                .await
+                .map_err(|e| match e {
+                    TokenFailure::Store(e) if e.is_undefined_table() => Failure(
+                        "the database has no onejob tables yet: run `onejob migrate` (or start a worker) first"
+                            .into(),
+                    ),
+                    TokenFailure::Store(e) => Failure(e.to_string()),
+                    TokenFailure::Refused(f) => f,
+                })?;
+        }
         Command::Config(ConfigCommand::Check) => {
             let config = c.load_config()?;
             if cli.json {
@@ -540,6 +580,93 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                         o.max_attempts
                     )?;
                 }
+            }
+        }
+    }
+    Ok(())
+}
+
+enum TokenFailure {
+    Store(crate::store::StoreError),
+    Refused(Failure),
+}
+
+impl From<crate::store::StoreError> for TokenFailure {
+    fn from(e: crate::store::StoreError) -> Self {
+        TokenFailure::Store(e)
+    }
+}
+
+impl From<std::io::Error> for TokenFailure {
+    fn from(e: std::io::Error) -> Self {
+        TokenFailure::Refused(e.into())
+    }
+}
+
+async fn tokens_command(
+    store: &Store,
+    command: TokensCommand,
+    as_json: bool,
+    out: &mut impl Write,
+) -> Result<(), TokenFailure> {
+    use crate::token::Token;
+    match command {
+        TokensCommand::Create { owner } => {
+            crate::intent::Intent::check_owner_id(&owner)
+                .map_err(|e| TokenFailure::Refused(Failure(format!("--owner: {e}"))))?;
+            let token = Token::generate();
+            let id = store.create_token(&owner, &token).await?;
+            if as_json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({ "owner_id": owner, "token": token.reveal() })
+                )?;
+            } else {
+                writeln!(out, "{}", token.reveal())?;
+                eprintln!(
+                    "token {id} for owner {owner}: shown this once, only its SHA-256 is stored"
+                );
+            }
+        }
+        TokensCommand::List { owner } => {
+            let tokens = store.tokens(owner.as_deref()).await?;
+            if as_json {
+                writeln!(out, "{}", serde_json::to_value(&tokens).unwrap_or_default())?;
+            } else if tokens.is_empty() {
+                writeln!(out, "no tokens")?;
+            } else {
+                for t in &tokens {
+                    let state = match t.revoked_at {
+                        Some(at) => format!("revoked {}", at.format("%Y-%m-%d %H:%M:%S UTC")),
+                        None => "active".into(),
+                    };
+                    writeln!(
+                        out,
+                        "{}  owner {}  created {}  {state}",
+                        t.id,
+                        t.owner_id,
+                        t.created_at.format("%Y-%m-%d %H:%M:%S UTC")
+                    )?;
+                }
+            }
+        }
+        TokensCommand::Revoke { token_id } => {
+            let revoked = store.revoke_token(token_id).await?.ok_or_else(|| {
+                TokenFailure::Refused(Failure(format!("token {token_id} not found")))
+            })?;
+            if as_json {
+                writeln!(
+                    out,
+                    "{}",
+                    serde_json::to_value(&revoked).unwrap_or_default()
+                )?;
+            } else {
+                writeln!(
+                    out,
+                    "token {token_id} of owner {} revoked",
+                    revoked.owner_id
+                )?;
             }
         }
     }

@@ -121,6 +121,27 @@ const FIELDS: [&str; 5] = [
     "provider",
 ];
 
+/// The fields a gateway request's body may carry: the owner comes from the
+/// token and the key from the `Idempotency-Key` header.
+const REQUEST_FIELDS: [&str; 3] = ["operation", "input", "provider"];
+
+/// The size, encoding and shape checks every intent body passes first: a JSON
+/// object, its members in source order, duplicates kept so they can be refused.
+fn members(body: &[u8], max_body_bytes: usize) -> Result<Vec<(String, Value)>, RejectReason> {
+    if body.len() > max_body_bytes {
+        return Err(RejectReason::TooLarge {
+            size: body.len(),
+            limit: max_body_bytes,
+        });
+    }
+    let text = std::str::from_utf8(body).map_err(|_| RejectReason::NotUtf8)?;
+    match serde_json::from_str::<Members>(text) {
+        Ok(m) => Ok(m.0),
+        Err(e) if e.to_string().starts_with(NOT_AN_OBJECT) => Err(RejectReason::NotAnObject),
+        Err(e) => Err(RejectReason::InvalidJson(e.to_string())),
+    }
+}
+
 /// A JSON object's members in source order, keeping duplicates so they can be refused.
 struct Members(Vec<(String, Value)>);
 
@@ -182,31 +203,34 @@ impl Intent {
     /// Parses and validates an intent body against contract section 3. The
     /// operation and provider are checked against configuration separately.
     pub fn parse(body: &[u8], max_body_bytes: usize) -> Result<Intent, RejectReason> {
-        if body.len() > max_body_bytes {
-            return Err(RejectReason::TooLarge {
-                size: body.len(),
-                limit: max_body_bytes,
-            });
-        }
-        let text = std::str::from_utf8(body).map_err(|_| RejectReason::NotUtf8)?;
-        let members = match serde_json::from_str::<Members>(text) {
-            Ok(m) => m.0,
-            Err(e) if e.to_string().starts_with(NOT_AN_OBJECT) => {
-                return Err(RejectReason::NotAnObject);
-            }
-            Err(e) => return Err(RejectReason::InvalidJson(e.to_string())),
-        };
-        let mut fields: BTreeMap<&'static str, Value> = BTreeMap::new();
-        for (key, value) in members {
-            let Some(&name) = FIELDS.iter().find(|f| **f == key) else {
-                return Err(RejectReason::UnknownField(key));
-            };
-            if fields.insert(name, value).is_some() {
-                return Err(RejectReason::DuplicateField(key));
-            }
-        }
-        let owner_id = take_string(&mut fields, "owner_id")?;
-        check_length("owner_id", &owner_id, 1, MAX_OWNER_ID_CHARS)?;
+        Self::from_members(members(body, max_body_bytes)?, &FIELDS, [])
+    }
+
+    /// Parses the body of an HTTP gateway request (`operation`, `input` and
+    /// `provider`) into the intent of `owner_id`, whose token the gateway checked,
+    /// under the `Idempotency-Key` the request carried. The owner and key come only
+    /// from there: a body naming either is refused as an unknown field. The rules
+    /// are otherwise those of [`Intent::parse`], to the letter.
+    pub fn from_request(
+        body: &[u8],
+        owner_id: &str,
+        idempotency_key: &str,
+        max_body_bytes: usize,
+    ) -> Result<Intent, RejectReason> {
+        Self::from_members(
+            members(body, max_body_bytes)?,
+            &REQUEST_FIELDS,
+            [
+                ("owner_id", Value::String(owner_id.into())),
+                ("idempotency_key", Value::String(idempotency_key.into())),
+            ],
+        )
+    }
+
+    /// Validates an owner id alone, as `onejob tokens create` must before it gives
+    /// an owner a token.
+    pub fn check_owner_id(owner_id: &str) -> Result<(), RejectReason> {
+        check_length("owner_id", owner_id, 1, MAX_OWNER_ID_CHARS)?;
         if !owner_id
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || "._:@-".contains(c))
@@ -216,6 +240,28 @@ impl Intent {
                 allowed: "A-Z a-z 0-9 . _ : @ -",
             });
         }
+        Ok(())
+    }
+
+    /// Checks what a publisher sent against the contract: only `allowed` fields,
+    /// each once, then the `given` ones the caller vouches for.
+    fn from_members<const N: usize>(
+        sent: Vec<(String, Value)>,
+        allowed: &[&'static str],
+        given: [(&'static str, Value); N],
+    ) -> Result<Intent, RejectReason> {
+        let mut fields: BTreeMap<&'static str, Value> = BTreeMap::new();
+        for (key, value) in sent {
+            let Some(&name) = allowed.iter().find(|f| **f == key) else {
+                return Err(RejectReason::UnknownField(key));
+            };
+            if fields.insert(name, value).is_some() {
+                return Err(RejectReason::DuplicateField(key));
+            }
+        }
+        fields.extend(given);
+        let owner_id = take_string(&mut fields, "owner_id")?;
+        Self::check_owner_id(&owner_id)?;
         let idempotency_key = take_string(&mut fields, "idempotency_key")?;
         check_length(
             "idempotency_key",
@@ -505,11 +551,107 @@ mod tests {
         })
     }
 
+    fn request(body: &str, owner: &str, key: &str) -> Result<Intent, RejectReason> {
+        Intent::from_request(body.as_bytes(), owner, key, DEFAULT_MAX_BODY_BYTES)
+    }
+
+    #[test]
+    fn a_gateway_request_is_the_same_intent_as_the_message() {
+        let via_http = request(
+            r#"{"input":{"text":"hi"},"operation":"summarize"}"#,
+            "acct_42",
+            "k-1",
+        )
+        .unwrap();
+        assert_eq!(via_http, parse(GOOD).unwrap());
+        assert_eq!(via_http.fingerprint(), parse(GOOD).unwrap().fingerprint());
+    }
+
+    #[test]
+    fn a_gateway_request_cannot_name_its_owner_or_key() {
+        for (body, field) in [
+            (
+                r#"{"owner_id":"someone_else","operation":"o","input":{}}"#,
+                "owner_id",
+            ),
+            (
+                r#"{"idempotency_key":"other","operation":"o","input":{}}"#,
+                "idempotency_key",
+            ),
+        ] {
+            assert_eq!(
+                request(body, "acct_42", "k"),
+                Err(RejectReason::UnknownField(field.into()))
+            );
+        }
+    }
+
+    #[test]
+    fn a_gateway_request_keeps_every_rule() {
+        let cases = [
+            (r#"{"operation":"o"}"#, "k", "missing_field"),
+            (r#"{"operation":"o","input":[]}"#, "k", "wrong_type"),
+            (
+                r#"{"operation":"o","input":{},"x":1}"#,
+                "k",
+                "unknown_field",
+            ),
+            (
+                r#"{"operation":"o","operation":"p","input":{}}"#,
+                "k",
+                "duplicate_field",
+            ),
+            (r#"{"operation":"o","input":{}}"#, "", "bad_length"),
+            (
+                r#"{"operation":"o","input":{}}"#,
+                "tab\there",
+                "bad_characters",
+            ),
+            (
+                r#"{"operation":"o","input":{}}"#,
+                "caf\u{e9}",
+                "bad_characters",
+            ),
+            ("[]", "k", "not_an_object"),
+            ("{", "k", "invalid_json"),
+        ];
+        for (body, key, code) in cases {
+            let err = request(body, "acct_42", key).unwrap_err();
+            assert!(err.to_string().starts_with(code), "{body} {key:?}: {err}");
+        }
+        let big = format!(
+            r#"{{"operation":"o","input":{{"t":"{}"}}}}"#,
+            "x".repeat(300)
+        );
+        assert!(matches!(
+            Intent::from_request(big.as_bytes(), "a", "k", 256),
+            Err(RejectReason::TooLarge { limit: 256, .. })
+        ));
+    }
+
+    #[test]
+    fn owner_ids_are_checked_alone() {
+        assert!(Intent::check_owner_id("acct_42").is_ok());
+        assert!(Intent::check_owner_id("").is_err());
+        assert!(Intent::check_owner_id("a b").is_err());
+        assert!(Intent::check_owner_id(&"a".repeat(MAX_OWNER_ID_CHARS + 1)).is_err());
+    }
+
     proptest! {
         /// Arbitrary bytes never panic the parser.
         #[test]
         fn parse_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
             let _ = Intent::parse(&bytes, 256);
+        }
+
+        /// Arbitrary bodies, owners and keys never panic the gateway's parser.
+        #[test]
+        fn from_request_never_panics(
+            bytes in prop::collection::vec(any::<u8>(), 0..512),
+            owner in ".{0,8}",
+            key in ".{0,8}",
+        ) {
+            let _ = Intent::from_request(&bytes, &owner, &key, 256);
         }
 
         /// Re-serialising an input with keys in reverse order and extra whitespace

@@ -22,4 +22,5 @@ pub mod reconciler;
 pub mod shutdown;
 pub mod store;
 pub mod telemetry;
+pub mod token;
 pub mod worker;

@@ -45,3 +45,18 @@ impl Shutdown {
         let _ = rx.wait_for(|given| *given).await;
     }
 }
+
+/// Resolves on SIGTERM (what an orchestrator sends) or Ctrl-C.
+pub async fn wait_for_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}

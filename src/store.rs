@@ -22,6 +22,7 @@ use uuid::Uuid;
 
 use crate::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
 use crate::intent::{Fingerprint, Intent};
+use crate::token::Token;
 
 /// The migrations, embedded in every binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -44,6 +45,11 @@ pub enum StoreError {
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
 impl StoreError {
+    /// A table is missing: the database was never migrated.
+    pub fn is_undefined_table(&self) -> bool {
+        matches!(self, StoreError::Db(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01"))
+    }
+
     /// Deadlocks and serialization failures: the transaction can simply run again.
     fn is_transient(&self) -> bool {
         match self {
@@ -302,6 +308,19 @@ pub struct JobView {
     pub attempts: Vec<AttemptView>,
 }
 
+/// A gateway token as operators see it: never the secret.
+#[derive(Clone, Debug, Serialize)]
+pub struct TokenView {
+    /// The token's id.
+    pub id: Uuid,
+    /// Whose jobs it reaches.
+    pub owner_id: String,
+    /// When it was made.
+    pub created_at: DateTime<Utc>,
+    /// When it was revoked, if it was.
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
 /// An attempt as operators see it.
 #[derive(Clone, Debug, Serialize)]
 pub struct AttemptView {
@@ -494,6 +513,11 @@ impl Store {
             tracing::info!("created the database");
         }
         Ok(())
+    }
+
+    /// Whether Postgres answers.
+    pub async fn ping(&self) -> bool {
+        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
     }
 
     /// The pool, for health checks.
@@ -1633,6 +1657,58 @@ impl Store {
         self.view(row).await
     }
 
+    /// Records a new gateway token for `owner_id` (only its digest) and returns
+    /// the token's id.
+    pub async fn create_token(&self, owner_id: &str, token: &Token) -> Result<Uuid> {
+        let id = Uuid::now_v7();
+        sqlx::query("INSERT INTO gateway_tokens (id, owner_id, token_sha256) VALUES ($1, $2, $3)")
+            .bind(id)
+            .bind(owner_id)
+            .bind(token.digest())
+            .execute(&self.pool)
+            .await?;
+        Ok(id)
+    }
+
+    /// The owner a presented token belongs to, unless it is unknown or revoked.
+    pub async fn token_owner(&self, token: &Token) -> Result<Option<String>> {
+        let row: Option<(String,)> = sqlx::query_as(
+            "SELECT owner_id FROM gateway_tokens WHERE token_sha256 = $1 AND revoked_at IS NULL",
+        )
+        .bind(token.digest())
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.map(|(owner,)| owner))
+    }
+
+    /// Gateway tokens, oldest first, optionally of one owner. Never the tokens
+    /// themselves: the database does not have them.
+    pub async fn tokens(&self, owner_id: Option<&str>) -> Result<Vec<TokenView>> {
+        let rows = sqlx::query(
+            "SELECT id, owner_id, created_at, revoked_at FROM gateway_tokens
+             WHERE $1::text IS NULL OR owner_id = $1
+             ORDER BY created_at, id",
+        )
+        .bind(owner_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(token_view).collect()
+    }
+
+    /// Revokes a token at once: the gateway refuses it from its next request on.
+    /// `Ok(None)` when there is no such token; revoking twice keeps the first time.
+    pub async fn revoke_token(&self, id: Uuid) -> Result<Option<TokenView>> {
+        let row = sqlx::query(
+            "UPDATE gateway_tokens SET revoked_at = coalesce(revoked_at, now())
+             WHERE id = $1
+             RETURNING id, owner_id, created_at, revoked_at",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(token_view).transpose()
+    }
+
     async fn view(&self, row: Option<sqlx::postgres::PgRow>) -> Result<Option<JobView>> {
         let Some(row) = row else {
             return Ok(None);
@@ -1727,6 +1803,15 @@ async fn mark_unknown(
     .fetch_all(&mut *tx)
     .await?;
     Ok(ids.into_iter().map(|(id,)| AttemptId(id)).collect())
+}
+
+fn token_view(row: &sqlx::postgres::PgRow) -> Result<TokenView> {
+    Ok(TokenView {
+        id: row.try_get("id")?,
+        owner_id: row.try_get("owner_id")?,
+        created_at: row.try_get("created_at")?,
+        revoked_at: row.try_get("revoked_at")?,
+    })
 }
 
 fn outbox_message(row: &sqlx::postgres::PgRow) -> Result<OutboxMessage> {

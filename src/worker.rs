@@ -409,6 +409,22 @@ pub async fn supervise_connection(connection: Arc<Connection>, shutdown: Shutdow
     }
 }
 
+/// The `/readyz` answer of a process that needs both services: `200` when both
+/// are up, else `503`, with one line per service.
+pub fn readiness(postgres: bool, rabbitmq: bool) -> (axum::http::StatusCode, String) {
+    let state = |up: bool| if up { "ok" } else { "down" };
+    let body = format!(
+        "postgres: {}\nrabbitmq: {}\n",
+        state(postgres),
+        state(rabbitmq)
+    );
+    if postgres && rabbitmq {
+        (axum::http::StatusCode::OK, body)
+    } else {
+        (axum::http::StatusCode::SERVICE_UNAVAILABLE, body)
+    }
+}
+
 /// `/healthz` (the process is up), `/readyz` (Postgres answers and the AMQP
 /// connection is connected) and `/metrics` (Prometheus text).
 pub fn health_router(ctx: Context) -> axum::Router {
@@ -418,24 +434,7 @@ pub fn health_router(ctx: Context) -> axum::Router {
     async fn ready(
         axum::extract::State(ctx): axum::extract::State<Context>,
     ) -> (StatusCode, String) {
-        let db = sqlx::query("SELECT 1")
-            .execute(ctx.store.pool())
-            .await
-            .is_ok();
-        let amqp = ctx.connection.status().connected();
-        let body = format!(
-            "postgres: {}\nrabbitmq: {}\n",
-            if db { "ok" } else { "down" },
-            if amqp { "ok" } else { "down" }
-        );
-        (
-            if db && amqp {
-                StatusCode::OK
-            } else {
-                StatusCode::SERVICE_UNAVAILABLE
-            },
-            body,
-        )
+        readiness(ctx.store.ping().await, ctx.connection.status().connected())
     }
 
     async fn metrics(

@@ -22,6 +22,8 @@
 //! # Ok(()) }
 //! ```
 
+pub mod gateway;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -169,6 +171,12 @@ impl Producer {
             )
             .await?;
         Ok(())
+    }
+
+    /// Whether the connection is up: a lost connection is not recovered, so a
+    /// long-lived owner (the gateway) should exit and be restarted.
+    pub fn is_connected(&self) -> bool {
+        self.connection.status().connected() && !self.reader.is_finished()
     }
 
     /// Closes the connection.

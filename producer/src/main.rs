@@ -4,6 +4,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use std::sync::Arc;
+
+use onejob::shutdown::Shutdown;
+use onejob_producer::gateway::{Gateway, GatewayOptions};
 use onejob_producer::{Intent, Outcome, Producer, ProducerOptions};
 
 /// Publish job intents to onejob.
@@ -49,55 +53,107 @@ enum Command {
         #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
         timeout: Duration,
     },
+    /// Serve the HTTP gateway: `POST /v1/jobs` (bearer token from `onejob tokens
+    /// create`, `Idempotency-Key` header, body `{"operation", "input", "provider"?}`),
+    /// `GET /v1/jobs/{id}`, `/openapi.json`, `/healthz`, `/readyz`. Stops on
+    /// SIGTERM after finishing the requests in flight; exits 1 if RabbitMQ is lost.
+    Serve {
+        /// Where to listen.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: std::net::SocketAddr,
+        /// Postgres URL (tokens and jobs).
+        #[arg(long, env = "DATABASE_URL", default_value = onejob::cli::DEFAULT_DATABASE_URL, hide_env_values = true)]
+        database_url: String,
+        /// How long a request waits for the fleet's receipt before answering 504
+        /// (retrying with the same key is then safe).
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+        receipt_timeout: Duration,
+        /// Requests served at once; more are answered 503 with Retry-After.
+        #[arg(long, default_value_t = 256)]
+        max_in_flight: usize,
+    },
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     onejob::telemetry::init();
     let args = Args::parse();
-    let Command::Publish {
-        owner,
-        key,
-        operation,
-        input,
-        provider,
-        wait,
-        timeout,
-    } = args.command;
-    let input = match serde_json::from_str::<serde_json::Value>(&input) {
-        Ok(serde_json::Value::Object(map)) => map,
-        Ok(_) => {
-            eprintln!("onejob-producer: --input must be a JSON object");
-            return ExitCode::from(2);
-        }
+    // The fleet's configuration: the producer's queue declarations must carry the
+    // same delivery limit, and the gateway checks operations and sizes with it.
+    let config = match onejob::config::Config::load(args.config.as_deref()) {
+        Ok(c) => c,
         Err(e) => {
-            eprintln!("onejob-producer: --input is not JSON: {e}");
-            return ExitCode::from(2);
+            eprintln!("onejob-producer: {e}");
+            return ExitCode::from(1);
         }
     };
-    let intent = Intent {
-        owner_id: owner,
-        idempotency_key: key,
-        operation,
-        input,
-        provider,
-    };
-    let options = ProducerOptions {
-        receipt_timeout: timeout,
-        ..ProducerOptions::default()
-    };
-    let producer = match Producer::connect_with(&args.amqp_url, options).await {
+    match args.command {
+        Command::Publish {
+            owner,
+            key,
+            operation,
+            input,
+            provider,
+            wait,
+            timeout,
+        } => {
+            let input = match serde_json::from_str::<serde_json::Value>(&input) {
+                Ok(serde_json::Value::Object(map)) => map,
+                Ok(_) => {
+                    eprintln!("onejob-producer: --input must be a JSON object");
+                    return ExitCode::from(2);
+                }
+                Err(e) => {
+                    eprintln!("onejob-producer: --input is not JSON: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let intent = Intent {
+                owner_id: owner,
+                idempotency_key: key,
+                operation,
+                input,
+                provider,
+            };
+            let options = ProducerOptions {
+                receipt_timeout: timeout,
+                delivery_limit: config.worker.delivery_limit,
+            };
+            publish(&args.amqp_url, options, &intent, wait).await
+        }
+        Command::Serve {
+            listen,
+            database_url,
+            receipt_timeout,
+            max_in_flight,
+        } => {
+            let options = GatewayOptions {
+                receipt_timeout,
+                max_in_flight,
+            };
+            serve(config, &database_url, &args.amqp_url, listen, options).await
+        }
+    }
+}
+
+async fn publish(
+    amqp_url: &str,
+    options: ProducerOptions,
+    intent: &Intent,
+    wait: bool,
+) -> ExitCode {
+    let producer = match Producer::connect_with(amqp_url, options).await {
         Ok(p) => p,
         Err(e) => {
             eprintln!(
                 "onejob-producer: cannot connect to {}: {e}",
-                onejob::broker::redact_url(&args.amqp_url)
+                onejob::broker::redact_url(amqp_url)
             );
             return ExitCode::from(1);
         }
     };
     let code = if wait {
-        match producer.submit(&intent).await {
+        match producer.submit(intent).await {
             Ok(receipt) => {
                 println!("{}", serde_json::to_string(&receipt).unwrap_or_default());
                 match receipt.outcome {
@@ -111,7 +167,7 @@ async fn main() -> ExitCode {
             }
         }
     } else {
-        match producer.publish_only(&intent).await {
+        match producer.publish_only(intent).await {
             Ok(()) => {
                 eprintln!("published; the broker confirmed it");
                 ExitCode::SUCCESS
@@ -124,4 +180,50 @@ async fn main() -> ExitCode {
     };
     producer.close().await;
     code
+}
+
+async fn serve(
+    config: onejob::config::Config,
+    database_url: &str,
+    amqp_url: &str,
+    listen: std::net::SocketAddr,
+    options: GatewayOptions,
+) -> ExitCode {
+    let listener = match tokio::net::TcpListener::bind(listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("onejob-producer: --listen {listen}: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let gateway = match Gateway::connect(Arc::new(config), database_url, amqp_url, options).await {
+        Ok(g) => Arc::new(g),
+        Err(e) => {
+            eprintln!(
+                "onejob-producer: cannot start the gateway (Postgres {}, RabbitMQ {}): {e}",
+                onejob::broker::redact_url(database_url),
+                onejob::broker::redact_url(amqp_url)
+            );
+            return ExitCode::from(1);
+        }
+    };
+    let shutdown = Shutdown::new();
+    let signals = shutdown.clone();
+    tokio::spawn(async move {
+        onejob::shutdown::wait_for_signal().await;
+        tracing::info!("signal received: finishing the requests in flight");
+        signals.trigger();
+    });
+    tracing::info!(%listen, "serving the HTTP gateway");
+    let result = gateway.clone().serve(listener, shutdown).await;
+    if let Ok(gateway) = Arc::try_unwrap(gateway) {
+        gateway.close().await;
+    }
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("onejob-producer: {e}");
+            ExitCode::from(1)
+        }
+    }
 }

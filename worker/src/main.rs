@@ -116,7 +116,7 @@ async fn main() -> ExitCode {
     }
     let signals = shutdown.clone();
     tokio::spawn(async move {
-        wait_for_signal().await;
+        onejob::shutdown::wait_for_signal().await;
         tracing::info!("signal received: stopping intake of new work, finishing what is in flight");
         signals.trigger();
     });
@@ -134,19 +134,5 @@ async fn main() -> ExitCode {
             eprintln!("onejob-worker: {e}");
             ExitCode::from(1)
         }
-    }
-}
-
-async fn wait_for_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
     }
 }

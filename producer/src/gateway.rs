@@ -1,0 +1,346 @@
+//! The HTTP gateway, `onejob-producer serve`: for upstream services that speak
+//! HTTP rather than AMQP.
+//!
+//! `POST /v1/jobs` turns a request into exactly the intent an AMQP publisher would
+//! send. The owner comes from the bearer token (never from the body) and the
+//! idempotency key from the `Idempotency-Key` header; the body holds `operation`,
+//! `input` and optionally `provider`, under the same strict rules as the message
+//! ([`Intent::from_request`]). The gateway checks what it can before publishing
+//! (so a bad request gets its `400` at once instead of a dead letter), then
+//! publishes with a confirm and answers with the receipt the fleet sent back:
+//!
+//! | receipt | status | |
+//! |---|---|---|
+//! | `created` | 201 | `Location: /v1/jobs/{id}` |
+//! | `duplicate` | 200 | the same job; `Idempotent-Replayed: true` |
+//! | `conflict` | 422 | the key was used for a different request |
+//! | `rejected` | 400 (413 when too large) | `error` says why |
+//!
+//! No receipt in time (504) or a broker that refused the publish (503) leaves the
+//! request safe to retry with the same key: the database keeps one job per key.
+//! Nothing is remembered in the gateway itself, so any number of them can run.
+//!
+//! `GET /v1/jobs/{id}` shows a job to its owner only: another owner's job is a
+//! `404`, as if it did not exist. `/openapi.json` describes all of it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use onejob::config::Config;
+use onejob::domain::JobId;
+use onejob::intent::{Intent, Outcome, Receipt, RejectReason};
+use onejob::shutdown::Shutdown;
+use onejob::store::Store;
+use onejob::token::Token;
+use serde_json::json;
+use tokio::sync::Semaphore;
+
+use crate::{Producer, ProducerError, ProducerOptions};
+
+/// The OpenAPI 3.1 description served at `/openapi.json`.
+pub const OPENAPI: &str = include_str!("../openapi.json");
+
+/// A gateway failure at start or while serving.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// Postgres failed.
+    #[error(transparent)]
+    Store(#[from] onejob::store::StoreError),
+    /// RabbitMQ failed.
+    #[error(transparent)]
+    Producer(#[from] ProducerError),
+    /// The listener failed.
+    #[error("http: {0}")]
+    Io(#[from] std::io::Error),
+    /// The RabbitMQ connection was lost while serving: exit, and let the
+    /// orchestrator start a fresh gateway.
+    #[error("the RabbitMQ connection was lost")]
+    ConnectionLost,
+}
+
+/// Result alias for the gateway.
+pub type Result<T, E = GatewayError> = std::result::Result<T, E>;
+
+/// Settings of [`Gateway::connect`].
+#[derive(Clone, Debug)]
+pub struct GatewayOptions {
+    /// How long a `POST /v1/jobs` waits for the fleet's receipt.
+    pub receipt_timeout: Duration,
+    /// Requests served at once; more get `503` with `Retry-After`.
+    pub max_in_flight: usize,
+}
+
+impl Default for GatewayOptions {
+    fn default() -> Self {
+        Self {
+            receipt_timeout: Duration::from_secs(10),
+            max_in_flight: 256,
+        }
+    }
+}
+
+/// What every request shares: configuration, the database (tokens and jobs) and
+/// the producer connection.
+#[derive(Debug)]
+pub struct Gateway {
+    config: Arc<Config>,
+    store: Store,
+    producer: Producer,
+    in_flight: Semaphore,
+}
+
+impl Gateway {
+    /// Connects to Postgres (creating the database and applying migrations, as a
+    /// worker does) and to RabbitMQ (declaring the intents topology with the
+    /// fleet's delivery limit).
+    pub async fn connect(
+        config: Arc<Config>,
+        database_url: &str,
+        amqp_url: &str,
+        options: GatewayOptions,
+    ) -> Result<Gateway> {
+        Store::ensure_database(database_url).await?;
+        let store = Store::connect(
+            database_url,
+            8,
+            onejob::worker::routes(&config),
+            Duration::from_secs(60),
+        )
+        .await?;
+        store.migrate().await?;
+        let producer = Producer::connect_with(
+            amqp_url,
+            ProducerOptions {
+                receipt_timeout: options.receipt_timeout,
+                delivery_limit: config.worker.delivery_limit,
+            },
+        )
+        .await?;
+        Ok(Gateway {
+            config,
+            store,
+            producer,
+            in_flight: Semaphore::new(options.max_in_flight.max(1)),
+        })
+    }
+
+    /// The routes: `/v1/jobs`, `/v1/jobs/{id}`, `/openapi.json`, `/healthz`,
+    /// `/readyz`.
+    pub fn router(self: Arc<Self>) -> axum::Router {
+        axum::Router::new()
+            .route("/v1/jobs", post(create_job))
+            .route("/v1/jobs/{id}", get(show_job))
+            .route(
+                "/openapi.json",
+                get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
+            )
+            .route("/healthz", get(|| async { "ok\n" }))
+            .route("/readyz", get(ready))
+            .with_state(self)
+    }
+
+    /// Serves until `shutdown` (finishing the requests in flight), or until the
+    /// RabbitMQ connection is lost, which is an error: the process should exit
+    /// non-zero and be restarted.
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: tokio::net::TcpListener,
+        shutdown: Shutdown,
+    ) -> Result<()> {
+        let watched = self.clone();
+        let stop = shutdown.clone();
+        let supervisor = async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                tokio::select! {
+                    () = stop.wait() => return Ok(()),
+                    _ = tick.tick() => {}
+                }
+                if !watched.producer.is_connected() {
+                    stop.trigger();
+                    return Err(GatewayError::ConnectionLost);
+                }
+            }
+        };
+        let stop = shutdown.clone();
+        let server = axum::serve(listener, self.clone().router())
+            .with_graceful_shutdown(async move { stop.wait().await });
+        let (served, supervised) = tokio::join!(server, supervisor);
+        served?;
+        supervised
+    }
+
+    /// Closes the RabbitMQ connection.
+    pub async fn close(self) {
+        self.producer.close().await;
+    }
+}
+
+/// A JSON error that is not a receipt: `{"error": "code: detail"}`.
+fn problem(status: StatusCode, error: String) -> Response {
+    (status, axum::Json(json!({ "error": error }))).into_response()
+}
+
+fn unauthorized(detail: &str) -> Response {
+    let mut response = problem(StatusCode::UNAUTHORIZED, format!("unauthorized: {detail}"));
+    response.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        HeaderValue::from_static("Bearer realm=\"onejob\""),
+    );
+    response
+}
+
+fn unavailable(status: StatusCode, error: String) -> Response {
+    let mut response = problem(status, error);
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}
+
+/// The owner the request's bearer token belongs to, or the response refusing it.
+async fn owner(gateway: &Gateway, headers: &HeaderMap) -> Result<String, Response> {
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .ok_or_else(|| unauthorized("send `Authorization: Bearer <token>`"))?;
+    let token = Token::parse(presented.trim())
+        .ok_or_else(|| unauthorized("the token is unknown or revoked"))?;
+    match gateway.store.token_owner(&token).await {
+        Ok(Some(owner)) => Ok(owner),
+        Ok(None) => Err(unauthorized("the token is unknown or revoked")),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot check a token");
+            Err(unavailable(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable: the database cannot be reached; retry".into(),
+            ))
+        }
+    }
+}
+
+fn receipt_response(status: StatusCode, receipt: &Receipt) -> Response {
+    let mut response = (status, axum::Json(receipt)).into_response();
+    if let Some(id) = receipt.job_id
+        && let Ok(location) = HeaderValue::from_str(&format!("/v1/jobs/{id}"))
+    {
+        response.headers_mut().insert(header::LOCATION, location);
+    }
+    response
+}
+
+fn rejected(reason: &RejectReason) -> Response {
+    let status = match reason {
+        RejectReason::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    receipt_response(status, &Receipt::rejected(reason))
+}
+
+async fn create_job(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
+    let Ok(_permit) = gateway.in_flight.try_acquire() else {
+        return unavailable(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded: too many requests in flight; retry".into(),
+        );
+    };
+    let (parts, body) = request.into_parts();
+    let owner = match owner(&gateway, &parts.headers).await {
+        Ok(o) => o,
+        Err(response) => return response,
+    };
+    let Some(key) = parts.headers.get("idempotency-key") else {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "missing_idempotency_key: send an `Idempotency-Key` header, the same on every retry of one intention".into(),
+        );
+    };
+    let Ok(key) = key.to_str() else {
+        return rejected(&RejectReason::BadCharacters {
+            field: "idempotency_key",
+            allowed: "printable ASCII",
+        });
+    };
+    let limit = gateway.config.worker.max_message_bytes;
+    // Read one byte past the limit, so an oversize body is reported with its
+    // limit rather than cut short.
+    let body = match axum::body::to_bytes(body, limit.saturating_add(1)).await {
+        Ok(b) => b,
+        Err(_) => {
+            return rejected(&RejectReason::TooLarge {
+                size: limit.saturating_add(1),
+                limit,
+            });
+        }
+    };
+    let intent = match Intent::from_request(&body, &owner, key, limit) {
+        Ok(i) => i,
+        Err(reason) => return rejected(&reason),
+    };
+    if let Err(reason) = gateway.config.admit(&intent) {
+        return rejected(&reason);
+    }
+    match gateway.producer.submit(&intent).await {
+        Ok(receipt) => {
+            tracing::debug!(owner = %intent.owner_id, outcome = ?receipt.outcome, "intent answered");
+            match receipt.outcome {
+                Outcome::Created => receipt_response(StatusCode::CREATED, &receipt),
+                Outcome::Duplicate => {
+                    let mut response = receipt_response(StatusCode::OK, &receipt);
+                    response
+                        .headers_mut()
+                        .insert("idempotent-replayed", HeaderValue::from_static("true"));
+                    response
+                }
+                Outcome::Conflict => receipt_response(StatusCode::UNPROCESSABLE_ENTITY, &receipt),
+                Outcome::Rejected => receipt_response(StatusCode::BAD_REQUEST, &receipt),
+            }
+        }
+        Err(e @ ProducerError::ReceiptTimeout(_)) => {
+            unavailable(StatusCode::GATEWAY_TIMEOUT, format!("receipt_timeout: {e}"))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot publish an intent");
+            unavailable(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("unavailable: the intent was not published ({e}); retry with the same key"),
+            )
+        }
+    }
+}
+
+async fn show_job(
+    State(gateway): State<Arc<Gateway>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let owner = match owner(&gateway, &headers).await {
+        Ok(o) => o,
+        Err(response) => return response,
+    };
+    let not_found = || problem(StatusCode::NOT_FOUND, format!("not_found: no job {id}"));
+    let Ok(job_id) = id.parse::<uuid::Uuid>() else {
+        return not_found();
+    };
+    match gateway.store.job(JobId(job_id)).await {
+        // Another owner's job is not found, so ids reveal nothing.
+        Ok(Some(job)) if job.owner_id == owner => (StatusCode::OK, axum::Json(job)).into_response(),
+        Ok(_) => not_found(),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read a job");
+            unavailable(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable: the database cannot be reached; retry".into(),
+            )
+        }
+    }
+}
+
+async fn ready(State(gateway): State<Arc<Gateway>>) -> (StatusCode, String) {
+    onejob::worker::readiness(gateway.store.ping().await, gateway.producer.is_connected())
+}

@@ -1,0 +1,535 @@
+//! The HTTP gateway (`onejob-producer serve`) over real HTTP, in front of the real
+//! RabbitMQ and Postgres: bearer tokens per owner, one job per `Idempotency-Key`
+//! however often a request is sent (concurrently too), owners that cannot see
+//! each other's jobs, specific errors for bad requests, and answers that match
+//! the gateway's own `/openapi.json`.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{TestEnv, config, config_text, mock, tempfile_path::TempConfig, wait_for};
+use futures_util::future::join_all;
+use onejob::domain::JobId;
+use onejob::mock::MockOptions;
+use onejob::shutdown::Shutdown;
+use onejob_producer::gateway::{Gateway, GatewayOptions, OPENAPI};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+/// A fleet and a gateway on a free port, on one test env.
+struct Served {
+    env: TestEnv,
+    file: TempConfig,
+    base: String,
+    http: reqwest::Client,
+    shutdown: Shutdown,
+    server: tokio::task::JoinHandle<onejob_producer::gateway::Result<()>>,
+    fleet: common::Fleet,
+    _mock: onejob::mock::MockHandle,
+}
+
+impl Served {
+    async fn start() -> Served {
+        let primary = mock(MockOptions::default()).await;
+        let (config, file) = config(&config_text(&primary.base_url(), None, ""));
+        let env = TestEnv::new(&config).await;
+        let fleet = env.fleet(config.clone(), vec![]).await;
+        let gateway = Gateway::connect(
+            config,
+            &env.database_url,
+            &env.amqp_url,
+            GatewayOptions::default(),
+        )
+        .await
+        .expect("gateway connects");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let shutdown = Shutdown::new();
+        let server = tokio::spawn(Arc::new(gateway).serve(listener, shutdown.clone()));
+        Served {
+            env,
+            file,
+            base,
+            http: reqwest::Client::new(),
+            shutdown,
+            server,
+            fleet,
+            _mock: primary,
+        }
+    }
+
+    /// A new token for `owner`, through the operator CLI.
+    fn token(&self, owner: &str) -> String {
+        let out = self
+            .env
+            .cli_ok(&self.file.path, &["tokens", "create", "--owner", owner]);
+        String::from_utf8(out.stdout).unwrap().trim().to_owned()
+    }
+
+    async fn post(&self, token: Option<&str>, key: Option<&str>, body: &str) -> Answer {
+        let mut request = self
+            .http
+            .post(format!("{}/v1/jobs", self.base))
+            .header("content-type", "application/json")
+            .body(body.to_owned());
+        if let Some(t) = token {
+            request = request.bearer_auth(t);
+        }
+        if let Some(k) = key {
+            request = request.header("Idempotency-Key", k);
+        }
+        Answer::of(request.send().await.expect("POST /v1/jobs")).await
+    }
+
+    async fn get(&self, token: &str, id: &str) -> Answer {
+        let response = self
+            .http
+            .get(format!("{}/v1/jobs/{id}", self.base))
+            .bearer_auth(token)
+            .send()
+            .await
+            .expect("GET /v1/jobs/{id}");
+        Answer::of(response).await
+    }
+
+    async fn stop(self) {
+        self.shutdown.trigger();
+        tokio::time::timeout(Duration::from_secs(30), self.server)
+            .await
+            .expect("the gateway stops")
+            .expect("gateway task")
+            .expect("the gateway served without errors");
+        self.fleet.stop().await;
+    }
+}
+
+/// An HTTP answer, read whole.
+#[derive(Debug)]
+struct Answer {
+    status: StatusCode,
+    headers: reqwest::header::HeaderMap,
+    body: Value,
+}
+
+impl Answer {
+    async fn of(response: reqwest::Response) -> Answer {
+        let status = response.status();
+        let headers = response.headers().clone();
+        let text = response.text().await.expect("body");
+        let body = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{status}: body is not JSON ({e}): {text}"));
+        Answer {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    fn job_id(&self) -> JobId {
+        JobId(
+            self.body["job_id"]
+                .as_str()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| panic!("no job id in {self:?}")),
+        )
+    }
+
+    /// Asserts the body matches the schema `/openapi.json` gives for this path,
+    /// method and status.
+    fn conforms(&self, path: &str, method: &str) -> &Self {
+        let doc: Value = serde_json::from_str(OPENAPI).unwrap();
+        let pointer = format!(
+            "/paths/{}/{method}/responses/{}/content/application~1json/schema",
+            path.replace('~', "~0").replace('/', "~1"),
+            self.status.as_u16()
+        );
+        let schema = doc
+            .pointer(&pointer)
+            .unwrap_or_else(|| panic!("/openapi.json documents no {pointer}"));
+        let mut root = schema.clone();
+        root["components"] = doc["components"].clone();
+        let validator = jsonschema::validator_for(&root).expect("the schema compiles");
+        let errors: Vec<String> = validator
+            .iter_errors(&self.body)
+            .map(|e| e.to_string())
+            .collect();
+        assert!(
+            errors.is_empty(),
+            "{method} {path} {}: {} does not match /openapi.json: {errors:?}",
+            self.status,
+            self.body
+        );
+        self
+    }
+}
+
+const SUMMARIZE: &str = r#"{"operation":"summarize","input":{"text":"the quick fox"}}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tokens_are_shown_once_and_only_their_digest_is_kept() {
+    let s = Served::start().await;
+    let out = s.env.cli_ok(
+        &s.file.path,
+        &["tokens", "create", "--owner", "acct_1", "--json"],
+    );
+    let created: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let keys: Vec<&str> = created
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(keys, ["owner_id", "token"], "the contract's shape exactly");
+    assert_eq!(created["owner_id"], "acct_1");
+    let token = created["token"].as_str().unwrap().to_owned();
+    assert!(onejob::token::Token::parse(&token).is_some(), "{token}");
+
+    // The database holds no trace of the token itself.
+    let rows: Vec<(String, String)> =
+        sqlx::query_as("SELECT owner_id, token_sha256 FROM gateway_tokens")
+            .fetch_all(s.env.store.pool())
+            .await
+            .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].0, "acct_1");
+    assert_ne!(rows[0].1, token);
+    assert!(!rows[0].1.contains(&token[4..]));
+
+    // Text mode prints the token alone on stdout; listing never shows it.
+    let second = s.token("acct_1");
+    assert!(onejob::token::Token::parse(&second).is_some(), "{second}");
+    let out = s.env.cli_ok(&s.file.path, &["tokens", "list", "--json"]);
+    let listed = String::from_utf8(out.stdout).unwrap();
+    assert!(!listed.contains(&token[4..]) && !listed.contains(&second[4..]));
+    let listed: Value = serde_json::from_str(&listed).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 2);
+
+    // Both work; revoking one stops it at its next request, not the other.
+    assert_eq!(
+        s.post(Some(&token), Some("k-1"), SUMMARIZE).await.status,
+        StatusCode::CREATED
+    );
+    let id = listed[0]["id"].as_str().unwrap();
+    s.env.cli_ok(&s.file.path, &["tokens", "revoke", id]);
+    let refused = s.post(Some(&token), Some("k-1"), SUMMARIZE).await;
+    assert_eq!(refused.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        s.post(Some(&second), Some("k-1"), SUMMARIZE).await.status,
+        StatusCode::OK
+    );
+    let out = s.env.cli_ok(
+        &s.file.path,
+        &["tokens", "list", "--owner", "acct_1", "--json"],
+    );
+    let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(listed[0]["revoked_at"].is_string() && listed[1]["revoked_at"].is_null());
+
+    // Refusals: a bad owner, an unknown token id.
+    let out = s
+        .env
+        .cli(&s.file.path, &["tokens", "create", "--owner", "not ok"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bad_characters"));
+    let out = s.env.cli(
+        &s.file.path,
+        &["tokens", "revoke", &uuid::Uuid::now_v7().to_string()],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not found"));
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_is_one_job_however_often_and_however_concurrently_it_is_sent() {
+    let s = Served::start().await;
+    let token = s.token("acct_1");
+
+    let first = s.post(Some(&token), Some("k-0"), SUMMARIZE).await;
+    first.conforms("/v1/jobs", "post");
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(first.body["outcome"], "created");
+    let job_id = first.job_id();
+    assert_eq!(
+        first.header("location"),
+        Some(format!("/v1/jobs/{job_id}").as_str())
+    );
+
+    // The same request again, with its keys reordered and spaced: a duplicate.
+    let again = s
+        .post(
+            Some(&token),
+            Some("k-0"),
+            r#"{ "input" : { "text" : "the quick fox" },
+                 "operation" : "summarize" }"#,
+        )
+        .await;
+    again.conforms("/v1/jobs", "post");
+    assert_eq!(again.status, StatusCode::OK);
+    assert_eq!(again.body["outcome"], "duplicate");
+    assert_eq!(again.job_id(), job_id);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+
+    // Double clicks: many identical requests racing on fresh keys, round after round.
+    for round in 1..=3 {
+        let key = format!("k-{round}");
+        let answers = join_all((0..20).map(|_| s.post(Some(&token), Some(&key), SUMMARIZE))).await;
+        let created = answers
+            .iter()
+            .filter(|a| a.status == StatusCode::CREATED)
+            .count();
+        let replayed = answers
+            .iter()
+            .filter(|a| a.status == StatusCode::OK)
+            .count();
+        assert_eq!((created, replayed), (1, 19), "round {round}: {answers:?}");
+        let ids: std::collections::BTreeSet<JobId> = answers.iter().map(Answer::job_id).collect();
+        assert_eq!(ids.len(), 1, "round {round}: one job for all of them");
+        let (jobs,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FROM jobs WHERE owner_id = 'acct_1' AND idempotency_key = $1",
+        )
+        .bind(&key)
+        .fetch_one(s.env.store.pool())
+        .await
+        .unwrap();
+        assert_eq!(jobs, 1);
+    }
+
+    // The same key for a different request: a conflict that reveals nothing.
+    let conflict = s
+        .post(
+            Some(&token),
+            Some("k-0"),
+            r#"{"operation":"summarize","input":{"text":"something else"}}"#,
+        )
+        .await;
+    conflict.conforms("/v1/jobs", "post");
+    assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(conflict.body["outcome"], "conflict");
+    assert!(conflict.body["job_id"].is_null());
+
+    // The owner watches the job succeed.
+    let done = wait_for(
+        "the job to succeed over HTTP",
+        Duration::from_secs(20),
+        || async {
+            let a = s.get(&token, &job_id.to_string()).await;
+            (a.body["status"] == "succeeded").then_some(a)
+        },
+    )
+    .await;
+    done.conforms("/v1/jobs/{id}", "get");
+    assert_eq!(
+        done.body["result"]["summary"],
+        "mock answer: Summarize: the quick fox"
+    );
+    assert_eq!(done.body["owner_id"], "acct_1");
+    assert_eq!(done.body["attempts"][0]["status"], "succeeded");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn owners_see_only_their_own_jobs() {
+    let s = Served::start().await;
+    let alice = s.token("alice");
+    let bob = s.token("bob");
+
+    // The same key under two owners: two identities, two jobs.
+    let a = s.post(Some(&alice), Some("shared-key"), SUMMARIZE).await;
+    let b = s.post(Some(&bob), Some("shared-key"), SUMMARIZE).await;
+    assert_eq!(
+        (a.status, b.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert_ne!(a.job_id(), b.job_id());
+
+    let mine = s.get(&alice, &a.job_id().to_string()).await;
+    assert_eq!(mine.status, StatusCode::OK);
+    mine.conforms("/v1/jobs/{id}", "get");
+    // Bob's view of Alice's job is the same as of a job that does not exist.
+    let theirs = s.get(&bob, &a.job_id().to_string()).await;
+    let missing = s.get(&bob, &uuid::Uuid::now_v7().to_string()).await;
+    let garbage = s.get(&bob, "not-a-uuid").await;
+    for answer in [&theirs, &missing, &garbage] {
+        assert_eq!(answer.status, StatusCode::NOT_FOUND, "{answer:?}");
+        answer.conforms("/v1/jobs/{id}", "get");
+        assert!(
+            answer.body["error"]
+                .as_str()
+                .unwrap()
+                .starts_with("not_found")
+        );
+    }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_requests_get_specific_errors_and_publish_nothing() {
+    let s = Served::start().await;
+    let token = s.token("acct_1");
+    let unknown_token = onejob::token::Token::generate();
+    let long_key = "k".repeat(256);
+
+    // (token, Idempotency-Key, body, expected status, expected error code)
+    type Case<'a> = (
+        Option<&'a str>,
+        Option<&'a str>,
+        String,
+        StatusCode,
+        &'a str,
+    );
+    let cases: Vec<Case<'_>> = vec![
+        (
+            None,
+            Some("k"),
+            SUMMARIZE.into(),
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        ),
+        (
+            Some("not-a-token"),
+            Some("k"),
+            SUMMARIZE.into(),
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        ),
+        (
+            Some(unknown_token.reveal()),
+            Some("k"),
+            SUMMARIZE.into(),
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        ),
+        (
+            Some(&token),
+            None,
+            SUMMARIZE.into(),
+            StatusCode::BAD_REQUEST,
+            "missing_idempotency_key",
+        ),
+        (
+            Some(&token),
+            Some("k"),
+            "not json".into(),
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+        ),
+        (
+            Some(&token),
+            Some("k"),
+            "[]".into(),
+            StatusCode::BAD_REQUEST,
+            "not_an_object",
+        ),
+        (
+            Some(&token),
+            Some("k"),
+            r#"{"owner_id":"someone_else","operation":"summarize","input":{}}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "unknown_field",
+        ),
+        (
+            Some(&token),
+            Some("k"),
+            r#"{"operation":"nope","input":{}}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "unknown_operation",
+        ),
+        (
+            Some(&token),
+            Some("k"),
+            r#"{"operation":"summarize","input":{},"provider":"elsewhere"}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "provider_not_in_route",
+        ),
+        (
+            Some(&token),
+            Some("k"),
+            format!(
+                r#"{{"operation":"summarize","input":{{"text":"{}"}}}}"#,
+                "x".repeat(onejob::intent::DEFAULT_MAX_BODY_BYTES)
+            ),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+        ),
+        (
+            Some(&token),
+            Some(&long_key),
+            SUMMARIZE.into(),
+            StatusCode::BAD_REQUEST,
+            "bad_length",
+        ),
+    ];
+    for (token, key, body, status, code) in cases {
+        let answer = s.post(token, key, &body).await;
+        assert_eq!(answer.status, status, "{code}: {answer:?}");
+        answer.conforms("/v1/jobs", "post");
+        let error = answer.body["error"].as_str().unwrap_or_default();
+        assert!(error.starts_with(code), "expected {code}, got {error:?}");
+        if status == StatusCode::UNAUTHORIZED {
+            assert!(
+                answer
+                    .header("www-authenticate")
+                    .is_some_and(|v| v.starts_with("Bearer"))
+            );
+        }
+    }
+    // Nothing reached the fleet: no job, no dead letter.
+    let (jobs,): (i64,) = sqlx::query_as("SELECT count(*) FROM jobs")
+        .fetch_one(s.env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(jobs, 0);
+    let out = s.env.cli_ok(
+        &s.file.path,
+        &["dlq", "list", "onejob.intents.dlq", "--json"],
+    );
+    let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(listed, json!([]), "no dead letter");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_gateway_describes_itself_and_reports_readiness() {
+    let s = Served::start().await;
+    let served = s
+        .http
+        .get(format!("{}/openapi.json", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(served.status(), StatusCode::OK);
+    assert_eq!(
+        served
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some("application/json")
+    );
+    let doc: Value = served.json().await.unwrap();
+    assert_eq!(doc, serde_json::from_str::<Value>(OPENAPI).unwrap());
+    assert_eq!(doc["openapi"], "3.1.0");
+    for path in ["/v1/jobs", "/v1/jobs/{id}", "/healthz", "/readyz"] {
+        assert!(doc["paths"][path].is_object(), "{path} is documented");
+    }
+    // Every schema the document names compiles.
+    for (name, schema) in doc["components"]["schemas"].as_object().unwrap() {
+        let mut root = schema.clone();
+        root["components"] = doc["components"].clone();
+        assert!(jsonschema::validator_for(&root).is_ok(), "{name}");
+    }
+    let ready = s
+        .http
+        .get(format!("{}/readyz", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), StatusCode::OK);
+    assert_eq!(ready.text().await.unwrap(), "postgres: ok\nrabbitmq: ok\n");
+    s.stop().await;
+}
