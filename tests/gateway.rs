@@ -312,6 +312,12 @@ async fn a_request_is_one_job_however_often_and_however_concurrently_it_is_sent(
     assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(conflict.body["outcome"], "conflict");
     assert!(conflict.body["job_id"].is_null());
+    assert!(
+        conflict.body["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("conflict: Idempotency-Key \"k-0\"")
+    );
 
     // The owner watches the job succeed.
     let done = wait_for(

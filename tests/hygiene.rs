@@ -1,5 +1,5 @@
-//! Secrets never reach logs, errors or `--json` output; a stopping worker finishes
-//! what is in flight.
+//! Secrets (API keys, URL passwords, gateway tokens) never reach logs, errors or
+//! `--json` output; a stopping worker finishes what is in flight.
 
 mod common;
 
@@ -185,6 +185,59 @@ async fn secrets_never_reach_logs_errors_or_json_output() {
         "{:?}",
         job.error
     );
+
+    // The gateway, in this process, at debug level: its tokens are secrets too.
+    let created = cli(
+        &["tokens", "create", "--owner", "acct_s", "--json"],
+        &database_url,
+        &amqp_url,
+    );
+    let created: serde_json::Value = serde_json::from_slice(&created.stdout).unwrap();
+    let token = created["token"].as_str().unwrap().to_owned();
+    let secret_part = token["ojt_".len()..].to_owned();
+    let gateway = onejob_producer::gateway::Gateway::connect(
+        config.clone(),
+        &database_url,
+        &amqp_url,
+        onejob_producer::gateway::GatewayOptions::default(),
+    )
+    .await
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let stop = onejob::shutdown::Shutdown::new();
+    let server = tokio::spawn(Arc::new(gateway).serve(listener, stop.clone()));
+    let http = reqwest::Client::new();
+    let mut answers = String::new();
+    for (bearer, key) in [
+        (token.clone(), "k-http"),
+        (token.clone(), "k-http"),
+        (format!("{}0", &token[..token.len() - 1]), "k-http"),
+    ] {
+        let response = http
+            .post(format!("{base}/v1/jobs"))
+            .bearer_auth(&bearer)
+            .header("Idempotency-Key", key)
+            .body(r#"{"operation":"summarize","input":{"text":"over http"}}"#)
+            .send()
+            .await
+            .unwrap();
+        answers.push_str(&response.text().await.unwrap());
+    }
+    assert!(
+        answers.contains("created") && answers.contains("unauthorized"),
+        "{answers}"
+    );
+    assert!(
+        !answers.contains(&secret_part),
+        "an answer shows the token: {answers}"
+    );
+    stop.trigger();
+    server.await.unwrap().unwrap();
+    let listed = cli(&["tokens", "list", "--json"], &database_url, &amqp_url);
+    assert!(listed.status.success());
+    assert!(!String::from_utf8_lossy(&listed.stdout).contains(&secret_part));
+
     shutdown.trigger();
     task.await.unwrap().unwrap();
     producer.close().await;
@@ -201,6 +254,14 @@ async fn secrets_never_reach_logs_errors_or_json_output() {
         "the capture saw the worker's logs"
     );
     assert_clean("the worker's logs", &logs);
+    assert!(
+        logs.contains("intent answered"),
+        "the capture saw the gateway's logs"
+    );
+    assert!(
+        !logs.contains(&secret_part),
+        "the logs show a gateway token"
+    );
 }
 
 /// On shutdown the worker stops taking deliveries but finishes the call in flight,

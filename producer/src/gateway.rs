@@ -297,7 +297,17 @@ async fn create_job(State(gateway): State<Arc<Gateway>>, request: Request) -> Re
                         .insert("idempotent-replayed", HeaderValue::from_static("true"));
                     response
                 }
-                Outcome::Conflict => receipt_response(StatusCode::UNPROCESSABLE_ENTITY, &receipt),
+                Outcome::Conflict => {
+                    // The receipt carries no error; over HTTP, say what happened.
+                    let explained = Receipt {
+                        error: Some(format!(
+                            "conflict: Idempotency-Key {:?} was already used for a different request; that job is neither shown nor changed",
+                            intent.idempotency_key
+                        )),
+                        ..receipt
+                    };
+                    receipt_response(StatusCode::UNPROCESSABLE_ENTITY, &explained)
+                }
                 Outcome::Rejected => receipt_response(StatusCode::BAD_REQUEST, &receipt),
             }
         }
