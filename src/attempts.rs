@@ -130,6 +130,16 @@ async fn process(ctx: &Context, client: &Client, queue: &str, delivery: &Deliver
     })
     .await?;
     log_settled(&started, &finished, settled.first());
+    crate::metrics::attempt_settled(
+        &provider.name,
+        match settled.first() {
+            Some(Settled::Won) => "won",
+            Some(Settled::Discarded { .. }) => "discarded",
+            Some(Settled::Failed { .. }) => "failed",
+            Some(Settled::Unknown) => "unknown",
+            Some(Settled::Stale) | None => "unchanged",
+        },
+    );
     if let Err(e) = ctx.publish_outbox(&publish).await {
         tracing::warn!(error = %e, "publish after settling failed; the relay will retry");
     }
@@ -171,10 +181,21 @@ pub async fn call(config: &Config, client: &Client, started: &Started) -> Finish
             return finished;
         }
     };
-    finished.verdict = match client
+    let began = std::time::Instant::now();
+    let answer = client
         .complete(started.attempt_id, operation, &rendered)
-        .await
-    {
+        .await;
+    crate::metrics::provider_call(
+        &client.provider().name,
+        match &answer {
+            Ok(_) => "answered",
+            Err(CallError::Refused(_)) => "refused",
+            Err(CallError::Rejected { .. }) => "rejected",
+            Err(CallError::Unknown(_)) => "unknown",
+        },
+        began.elapsed(),
+    );
+    finished.verdict = match answer {
         Ok(answer) => {
             finished.provider_request_id = answer.request_id;
             finished.usage = answer.usage;

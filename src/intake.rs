@@ -97,7 +97,9 @@ async fn process(ctx: &Context, delivery: &Delivery) -> Result<()> {
         }
     };
     send_receipt(ctx, delivery, &receipt).await?;
-    worker::ack(delivery).await
+    worker::ack(delivery).await?;
+    crate::metrics::intent(receipt.outcome);
+    Ok(())
 }
 
 /// Publishes the receipt to the intent's `reply_to`, if it asked for one.

@@ -388,6 +388,18 @@ pub enum Outcome {
     Rejected,
 }
 
+impl Outcome {
+    /// The outcome as the receipt spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Created => "created",
+            Outcome::Duplicate => "duplicate",
+            Outcome::Conflict => "conflict",
+            Outcome::Rejected => "rejected",
+        }
+    }
+}
+
 /// The receipt published to an intent's `reply_to`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -15,6 +15,7 @@ pub mod dlq;
 pub mod domain;
 pub mod intake;
 pub mod intent;
+pub mod metrics;
 pub mod mock;
 pub mod provider;
 pub mod qualify;

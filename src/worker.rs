@@ -107,6 +107,7 @@ impl Context {
             .when(|e| matches!(e, StoreError::Db(sqlx::Error::Io(_))))
             .notify(|e, d| tracing::warn!(error = %e, retry_in = ?d, "database not reachable yet"))
             .await?;
+        crate::metrics::install();
         let store =
             Store::connect(database_url, 8, routes(&config), Duration::from_secs(60)).await?;
         store.migrate().await?;
@@ -163,6 +164,7 @@ impl Context {
         self.publisher
             .publish(broker::DLX, queue, &delivery.data, props, true)
             .await?;
+        crate::metrics::dead_lettered(queue);
         Ok(())
     }
 }
@@ -199,6 +201,7 @@ pub async fn publish_outbox(
         }
     }
     store.mark_published(&published).await?;
+    crate::metrics::published(published.len());
     match first_error {
         Some(e) => Err(e.into()),
         None => Ok(()),
@@ -441,7 +444,7 @@ pub fn health_router(ctx: Context) -> axum::Router {
         axum::extract::State(ctx): axum::extract::State<Context>,
     ) -> (StatusCode, String) {
         match ctx.store.gauges().await {
-            Ok(g) => (StatusCode::OK, g),
+            Ok(g) => (StatusCode::OK, g + &crate::metrics::render()),
             Err(e) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("# database unavailable: {e}\n"),

@@ -471,6 +471,10 @@ async fn bad_requests_get_specific_errors_and_publish_nothing() {
             "bad_length",
         ),
     ];
+    let bad_requests = cases
+        .iter()
+        .filter(|c| c.3 == StatusCode::BAD_REQUEST)
+        .count() as u64;
     for (token, key, body, status, code) in cases {
         let answer = s.post(token, key, &body).await;
         assert_eq!(answer.status, status, "{code}: {answer:?}");
@@ -485,6 +489,27 @@ async fn bad_requests_get_specific_errors_and_publish_nothing() {
             );
         }
     }
+    // Each answer was counted by route and status.
+    let metrics = s
+        .http
+        .get(format!("{}/metrics", s.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let count = |status: u16| {
+        let series =
+            format!(r#"onejob_gateway_requests_total{{route="/v1/jobs",status="{status}"}} "#);
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series.as_str())?.parse::<u64>().ok())
+    };
+    // Only this test makes these answers, so the counts hold under any runner.
+    assert_eq!(count(400), Some(bad_requests), "{metrics}");
+    assert_eq!(count(413), Some(1), "{metrics}");
+
     // Nothing reached the fleet: no job, no dead letter.
     let (jobs,): (i64,) = sqlx::query_as("SELECT count(*) FROM jobs")
         .fetch_one(s.env.store.pool())

@@ -103,6 +103,7 @@ impl Gateway {
         amqp_url: &str,
         options: GatewayOptions,
     ) -> Result<Gateway> {
+        onejob::metrics::install();
         Store::ensure_database(database_url).await?;
         let store = Store::connect(
             database_url,
@@ -129,7 +130,7 @@ impl Gateway {
     }
 
     /// The routes: `/v1/jobs`, `/v1/jobs/{id}`, `/openapi.json`, `/healthz`,
-    /// `/readyz`.
+    /// `/readyz` and `/metrics` (answers by route and status).
     pub fn router(self: Arc<Self>) -> axum::Router {
         axum::Router::new()
             .route("/v1/jobs", post(create_job))
@@ -140,6 +141,8 @@ impl Gateway {
             )
             .route("/healthz", get(|| async { "ok\n" }))
             .route("/readyz", get(ready))
+            .route("/metrics", get(|| async { onejob::metrics::render() }))
+            .route_layer(axum::middleware::from_fn(count_answers))
             .with_state(self)
     }
 
@@ -178,6 +181,18 @@ impl Gateway {
     pub async fn close(self) {
         self.producer.close().await;
     }
+}
+
+/// Counts every answer by route and status, for `/metrics`.
+async fn count_answers(
+    route: axum::extract::MatchedPath,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let route = route.as_str().to_owned();
+    let response = next.run(request).await;
+    onejob::metrics::gateway_answer(&route, response.status().as_u16());
+    response
 }
 
 /// A JSON error that is not a receipt: `{"error": "code: detail"}`.

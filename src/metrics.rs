@@ -1,0 +1,102 @@
+//! Per-process counters for `/metrics`, beside the gauges the store reads from
+//! the tables ([`crate::store::Store::gauges`]).
+//!
+//! The gauges say where the system stands (jobs by status, the oldest unknown);
+//! these counters say what this process did since it started, so `rate()` over
+//! them across pods shows the flow: intents by outcome, attempts by how they
+//! settled, provider call durations, publishes, dead letters and gateway answers.
+//! A process installs the recorder once; until then (and in a process that never
+//! does) recording is a no-op.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use ::metrics::{counter, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::intent::Outcome;
+
+/// Provider call durations, in seconds, by provider and result.
+pub const PROVIDER_CALL_SECONDS: &str = "onejob_provider_call_seconds";
+
+/// Bucket bounds for provider calls: inference takes from tens of milliseconds
+/// to the configured timeout.
+const CALL_BUCKETS: [f64; 11] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+
+static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// Installs the process-wide recorder (once; later calls return the same
+/// handle). `None` when another recorder was installed first.
+pub fn install() -> Option<&'static PrometheusHandle> {
+    HANDLE
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full(PROVIDER_CALL_SECONDS.into()), &CALL_BUCKETS)
+                .ok()?;
+            match builder.install_recorder() {
+                Ok(handle) => Some(handle),
+                Err(e) => {
+                    tracing::warn!(error = %e, "per-process counters are off");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+/// The counters in Prometheus text format; empty when no recorder is installed.
+pub fn render() -> String {
+    install()
+        .map(|handle| {
+            handle.run_upkeep();
+            handle.render()
+        })
+        .unwrap_or_default()
+}
+
+/// Intake answered an intent.
+pub fn intent(outcome: Outcome) {
+    counter!("onejob_intents_total", "outcome" => outcome.as_str()).increment(1);
+}
+
+/// An attempt's outcome was settled: `won`, `discarded`, `failed`, `unknown`,
+/// or `unchanged` when it had been resolved elsewhere meanwhile.
+pub fn attempt_settled(provider: &str, settled: &'static str) {
+    counter!(
+        "onejob_attempts_settled_total",
+        "provider" => provider.to_owned(),
+        "settled" => settled
+    )
+    .increment(1);
+}
+
+/// A provider call ended: `answered` (whatever the answer), `refused` (never
+/// left), `rejected` (an error status) or `unknown` (timed out or cut off).
+pub fn provider_call(provider: &str, result: &'static str, elapsed: Duration) {
+    histogram!(
+        PROVIDER_CALL_SECONDS,
+        "provider" => provider.to_owned(),
+        "result" => result
+    )
+    .record(elapsed.as_secs_f64());
+}
+
+/// Outbox rows published and confirmed.
+pub fn published(rows: usize) {
+    counter!("onejob_outbox_published_total").increment(rows as u64);
+}
+
+/// A message was dead-lettered by onejob itself (not by the delivery limit).
+pub fn dead_lettered(queue: &str) {
+    counter!("onejob_dead_letters_total", "queue" => queue.to_owned()).increment(1);
+}
+
+/// The gateway answered a request.
+pub fn gateway_answer(route: &str, status: u16) {
+    counter!(
+        "onejob_gateway_requests_total",
+        "route" => route.to_owned(),
+        "status" => status.to_string()
+    )
+    .increment(1);
+}

@@ -1,0 +1,124 @@
+//! The worker's `/healthz`, `/readyz` and `/metrics`: readiness follows each
+//! service's connection, and the per-process counters follow what the worker did,
+//! beside the gauges read from the tables. A binary of its own, so that the
+//! process-wide counters see this test's work alone whichever runner runs it.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{TestEnv, config, config_text, mock, submit, wait_for, wait_for_status};
+use onejob::domain::JobStatus;
+use onejob::intent::Outcome;
+use onejob::mock::MockOptions;
+use onejob_producer::Producer;
+use reqwest::StatusCode;
+
+/// The value of the sample whose line starts with `series` (name and labels).
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let ctx = fleet.ctx.clone();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(
+        axum::serve(listener, onejob::worker::health_router(ctx.clone())).into_future(),
+    );
+    let http = reqwest::Client::new();
+    let get = |path: &'static str| {
+        let (http, base) = (http.clone(), base.clone());
+        async move {
+            let r = http.get(format!("{base}{path}")).send().await.unwrap();
+            (r.status(), r.text().await.unwrap())
+        }
+    };
+
+    assert_eq!(get("/healthz").await, (StatusCode::OK, "ok\n".into()));
+    assert_eq!(
+        get("/readyz").await,
+        (StatusCode::OK, "postgres: ok\nrabbitmq: ok\n".into())
+    );
+
+    // One job created, one duplicate, one rejected intent.
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let job_id = submit(&producer, "acct_m", "k-1", "counted").await;
+    assert_eq!(submit(&producer, "acct_m", "k-1", "counted").await, job_id);
+    let rejected = producer.submit_raw(b"not json").await.unwrap();
+    assert_eq!(rejected.outcome, Outcome::Rejected);
+    wait_for_status(&env, job_id, JobStatus::Succeeded).await;
+
+    let text = wait_for(
+        "the counters to settle",
+        Duration::from_secs(20),
+        || async {
+            let (status, text) = get("/metrics").await;
+            assert_eq!(status, StatusCode::OK);
+            (sample(
+                &text,
+                r#"onejob_attempts_settled_total{provider="primary",settled="won"}"#,
+            ) == Some(1.0)
+                && sample(&text, "onejob_outbox_published_total") == Some(2.0))
+            .then_some(text)
+        },
+    )
+    .await;
+    for (series, value) in [
+        (r#"onejob_intents_total{outcome="created"}"#, 1.0),
+        (r#"onejob_intents_total{outcome="duplicate"}"#, 1.0),
+        (r#"onejob_intents_total{outcome="rejected"}"#, 1.0),
+        (r#"onejob_dead_letters_total{queue="onejob.intents"}"#, 1.0),
+        (
+            r#"onejob_provider_call_seconds_count{provider="primary",result="answered"}"#,
+            1.0,
+        ),
+        (
+            r#"onejob_provider_call_seconds_bucket{provider="primary",result="answered",le="+Inf"}"#,
+            1.0,
+        ),
+        // The gauges read from the tables are there too.
+        (r#"onejob_jobs{status="succeeded"}"#, 1.0),
+        (r#"onejob_attempts{status="succeeded"}"#, 1.0),
+        ("onejob_outbox_unpublished", 0.0),
+    ] {
+        assert_eq!(sample(&text, series), Some(value), "{series} in\n{text}");
+    }
+    assert_eq!(
+        sample(&text, r#"onejob_intents_total{outcome="conflict"}"#),
+        None
+    );
+    producer.close().await;
+
+    // RabbitMQ lost: not ready. Postgres lost too: both say so.
+    fleet.stop().await;
+    let (status, text) = get("/readyz").await;
+    assert_eq!(
+        (status, text.as_str()),
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "postgres: ok\nrabbitmq: down\n"
+        )
+    );
+    ctx.store.pool().close().await;
+    let (status, text) = get("/readyz").await;
+    assert_eq!(
+        (status, text.as_str()),
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "postgres: down\nrabbitmq: down\n"
+        )
+    );
+    assert_eq!(
+        get("/healthz").await.0,
+        StatusCode::OK,
+        "alive all the same"
+    );
+    server.abort();
+}
