@@ -9,6 +9,27 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+/// Lowercase hex of `bytes`, as digests are stored and shown.
+pub fn hex(bytes: &[u8]) -> String {
+    use fmt::Write;
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(out, "{b:02x}");
+    }
+    out
+}
+
+/// The SHA-256, in hex, of `value`'s RFC 8785 canonical JSON: key order and
+/// whitespace never change it, any change of a value does. Intent fingerprints
+/// and provider contract hashes are both this.
+pub fn canonical_sha256(value: &serde_json::Value) -> String {
+    use sha2::{Digest, Sha256};
+    // Serialising a `serde_json::Value` cannot fail: its keys are strings and its
+    // numbers are finite.
+    let canonical = serde_jcs::to_vec(value).unwrap_or_default();
+    hex(&Sha256::digest(&canonical))
+}
+
 /// The identity of a job: one per `(owner_id, idempotency_key)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]

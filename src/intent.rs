@@ -10,7 +10,6 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
 use crate::domain::JobId;
 
@@ -320,15 +319,7 @@ impl Intent {
             "input": self.input,
             "provider": self.provider,
         });
-        // Serialising a `serde_json::Value` cannot fail: its keys are strings and
-        // its numbers are finite.
-        let canonical = serde_jcs::to_vec(&canonical_input).unwrap_or_default();
-        let digest = Sha256::digest(&canonical);
-        let mut hex = String::with_capacity(64);
-        for b in digest {
-            hex.push_str(&format!("{b:02x}"));
-        }
-        Fingerprint(hex)
+        Fingerprint(crate::domain::canonical_sha256(&canonical_input))
     }
 }
 

@@ -11,7 +11,6 @@ use std::collections::{BTreeMap, HashSet};
 use std::time::Instant;
 
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 
 use crate::config::{Config, Operation, Provider, Rendered};
 use crate::domain::AttemptId;
@@ -41,11 +40,7 @@ pub fn contract_hash(operation: &Operation, provider: &Provider) -> String {
         "model": provider.model,
         "temperature": operation.temperature,
     });
-    let canonical = serde_jcs::to_vec(&contract).unwrap_or_default();
-    Sha256::digest(&canonical)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::domain::canonical_sha256(&contract)
 }
 
 /// One golden case's outcome.

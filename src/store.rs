@@ -1647,6 +1647,17 @@ impl Store {
         self.view(row).await
     }
 
+    /// A job with its attempts, only if it belongs to `owner_id`: the owner check
+    /// is part of the query, so another owner's job is never even read.
+    pub async fn owned_job(&self, id: JobId, owner_id: &str) -> Result<Option<JobView>> {
+        let row = sqlx::query("SELECT * FROM jobs WHERE id = $1 AND owner_id = $2")
+            .bind(id.0)
+            .bind(owner_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        self.view(row).await
+    }
+
     /// The job with this identity, if any.
     pub async fn find_job(&self, owner_id: &str, idempotency_key: &str) -> Result<Option<JobView>> {
         let row = sqlx::query("SELECT * FROM jobs WHERE owner_id = $1 AND idempotency_key = $2")

@@ -10,6 +10,8 @@ use std::fmt;
 use rand::RngCore;
 use sha2::{Digest, Sha256};
 
+use crate::domain::hex;
+
 /// Every token starts with this, so a token found in a log or a paste is
 /// recognisable (and secret scanners can match it).
 pub const PREFIX: &str = "ojt_";
@@ -55,15 +57,6 @@ impl fmt::Debug for Token {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Token(ojt_…)")
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    use fmt::Write;
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        let _ = write!(out, "{b:02x}");
-    }
-    out
 }
 
 #[cfg(test)]

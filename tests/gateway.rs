@@ -18,38 +18,42 @@ use onejob_producer::gateway::{Gateway, GatewayOptions, OPENAPI};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-/// A fleet and a gateway on a free port, on one test env.
+/// A gateway on a free port, with or without a fleet behind it, on one test env.
 struct Served {
     env: TestEnv,
+    config: Arc<onejob::config::Config>,
     file: TempConfig,
     base: String,
     http: reqwest::Client,
     shutdown: Shutdown,
     server: tokio::task::JoinHandle<onejob_producer::gateway::Result<()>>,
-    fleet: common::Fleet,
+    fleet: Option<common::Fleet>,
     _mock: onejob::mock::MockHandle,
 }
 
 impl Served {
     async fn start() -> Served {
+        Self::start_with(true, GatewayOptions::default()).await
+    }
+
+    async fn start_with(with_fleet: bool, options: GatewayOptions) -> Served {
         let primary = mock(MockOptions::default()).await;
         let (config, file) = config(&config_text(&primary.base_url(), None, ""));
         let env = TestEnv::new(&config).await;
-        let fleet = env.fleet(config.clone(), vec![]).await;
-        let gateway = Gateway::connect(
-            config,
-            &env.database_url,
-            &env.amqp_url,
-            GatewayOptions::default(),
-        )
-        .await
-        .expect("gateway connects");
+        let fleet = match with_fleet {
+            true => Some(env.fleet(config.clone(), vec![]).await),
+            false => None,
+        };
+        let gateway = Gateway::connect(config.clone(), &env.database_url, &env.amqp_url, options)
+            .await
+            .expect("gateway connects");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let shutdown = Shutdown::new();
-        let server = tokio::spawn(Arc::new(gateway).serve(listener, shutdown.clone()));
+        let server = tokio::spawn(Arc::new(gateway).serve(listener, None, shutdown.clone()));
         Served {
             env,
+            config,
             file,
             base,
             http: reqwest::Client::new(),
@@ -101,7 +105,9 @@ impl Served {
             .expect("the gateway stops")
             .expect("gateway task")
             .expect("the gateway served without errors");
-        self.fleet.stop().await;
+        if let Some(fleet) = self.fleet {
+            fleet.stop().await;
+        }
     }
 }
 
@@ -336,6 +342,12 @@ async fn a_request_is_one_job_however_often_and_however_concurrently_it_is_sent(
     );
     assert_eq!(done.body["owner_id"], "acct_1");
     assert_eq!(done.body["attempts"][0]["status"], "succeeded");
+    // The owner's view, not the operator's: no usage, request ids or fingerprints
+    // (the schema allows no other field, and `conforms` checked it).
+    for internal in ["request_fingerprint", "completed_by"] {
+        assert!(done.body.get(internal).is_none(), "{internal} shown");
+    }
+    assert!(done.body["attempts"][0].get("usage").is_none());
     s.stop().await;
 }
 
@@ -463,6 +475,20 @@ async fn bad_requests_get_specific_errors_and_publish_nothing() {
             StatusCode::PAYLOAD_TOO_LARGE,
             "too_large",
         ),
+        // A body just under the limit, whose message (with the owner and key
+        // added) would be over it: refused here, not dead-lettered by intake.
+        (
+            Some(&token),
+            Some(&long_key[..200]),
+            {
+                let head = r#"{"operation":"summarize","input":{"text":""#;
+                let tail = r#""}}"#;
+                let fill = onejob::intent::DEFAULT_MAX_BODY_BYTES - 8 - head.len() - tail.len();
+                format!("{head}{}{tail}", "x".repeat(fill))
+            },
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+        ),
         (
             Some(&token),
             Some(&long_key),
@@ -471,10 +497,6 @@ async fn bad_requests_get_specific_errors_and_publish_nothing() {
             "bad_length",
         ),
     ];
-    let bad_requests = cases
-        .iter()
-        .filter(|c| c.3 == StatusCode::BAD_REQUEST)
-        .count() as u64;
     for (token, key, body, status, code) in cases {
         let answer = s.post(token, key, &body).await;
         assert_eq!(answer.status, status, "{code}: {answer:?}");
@@ -489,27 +511,6 @@ async fn bad_requests_get_specific_errors_and_publish_nothing() {
             );
         }
     }
-    // Each answer was counted by route and status.
-    let metrics = s
-        .http
-        .get(format!("{}/metrics", s.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let count = |status: u16| {
-        let series =
-            format!(r#"onejob_gateway_requests_total{{route="/v1/jobs",status="{status}"}} "#);
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(series.as_str())?.parse::<u64>().ok())
-    };
-    // Only this test makes these answers, so the counts hold under any runner.
-    assert_eq!(count(400), Some(bad_requests), "{metrics}");
-    assert_eq!(count(413), Some(1), "{metrics}");
-
     // Nothing reached the fleet: no job, no dead letter.
     let (jobs,): (i64,) = sqlx::query_as("SELECT count(*) FROM jobs")
         .fetch_one(s.env.store.pool())
@@ -563,4 +564,158 @@ async fn the_gateway_describes_itself_and_reports_readiness() {
     assert_eq!(ready.status(), StatusCode::OK);
     assert_eq!(ready.text().await.unwrap(), "postgres: ok\nrabbitmq: ok\n");
     s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_bearer_scheme_is_case_insensitive() {
+    let s = Served::start().await;
+    let token = s.token("acct_1");
+    for (i, scheme) in ["bearer", "BEARER", "Bearer"].iter().enumerate() {
+        let response = s
+            .http
+            .post(format!("{}/v1/jobs", s.base))
+            .header("authorization", format!("{scheme} {token}"))
+            .header("idempotency-key", format!("k-{i}"))
+            .body(SUMMARIZE)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED, "{scheme}");
+    }
+    let basic = s
+        .http
+        .post(format!("{}/v1/jobs", s.base))
+        .header("authorization", format!("Basic {token}"))
+        .header("idempotency-key", "k-basic")
+        .body(SUMMARIZE)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(basic.status(), StatusCode::UNAUTHORIZED);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_in_flight_at_shutdown_gets_its_answer() {
+    // No fleet yet: the intent waits in its queue, and the request for its receipt.
+    let mut s = Served::start_with(false, GatewayOptions::default()).await;
+    let token = s.token("acct_1");
+    let request = {
+        let http = s.http.clone();
+        let url = format!("{}/v1/jobs", s.base);
+        tokio::spawn(async move {
+            http.post(url)
+                .bearer_auth(token)
+                .header("Idempotency-Key", "k-late")
+                .body(SUMMARIZE)
+                .send()
+                .await
+        })
+    };
+    let amqp = s.env.amqp().await;
+    let channel = amqp.create_channel().await.unwrap();
+    wait_for(
+        "the intent to be published",
+        Duration::from_secs(10),
+        || async {
+            let queue = channel
+                .queue_declare(
+                    onejob::broker::INTENTS_QUEUE.into(),
+                    lapin::options::QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    lapin::types::FieldTable::default(),
+                )
+                .await
+                .unwrap();
+            (queue.message_count() == 1).then_some(())
+        },
+    )
+    .await;
+    // SIGTERM now: the gateway stops taking connections but answers this one,
+    // once intake (started only now) has admitted the job.
+    s.shutdown.trigger();
+    s.fleet = Some(
+        s.env
+            .fleet(s.config.clone(), vec![onejob::worker::Role::Intake])
+            .await,
+    );
+    let response = request
+        .await
+        .unwrap()
+        .expect("an answer, not a dropped connection");
+    assert_eq!(response.status(), StatusCode::CREATED);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_gateway_stops_with_an_error_when_it_loses_rabbitmq() {
+    let s = Served::start_with(false, GatewayOptions::default()).await;
+    let ready = s
+        .http
+        .get(format!("{}/readyz", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), StatusCode::OK);
+    // The broker closes every connection of this test's vhost.
+    let out = std::process::Command::new("rabbitmqctl")
+        .args([
+            "close_all_connections",
+            "-p",
+            &s.env.name,
+            "test: connection lost",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let served = tokio::time::timeout(Duration::from_secs(20), s.server)
+        .await
+        .expect("the gateway stops by itself")
+        .unwrap();
+    assert!(
+        matches!(
+            served,
+            Err(onejob_producer::gateway::GatewayError::ConnectionLost)
+        ),
+        "{served:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_abandoned_submit_leaves_no_waiter_behind() {
+    // No intake: no receipt ever comes. The caller gives up, as an HTTP server
+    // does when its client disconnects, and the producer forgets the waiter.
+    let primary = mock(MockOptions::default()).await;
+    let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
+    let env = TestEnv::new(&config).await;
+    let producer = Arc::new(
+        onejob_producer::Producer::connect(&env.amqp_url)
+            .await
+            .unwrap(),
+    );
+    let abandoned: Vec<_> = (0..10)
+        .map(|i| {
+            let producer = producer.clone();
+            tokio::spawn(async move {
+                let _ = producer
+                    .submit(&common::intent("acct_1", &format!("gone-{i}"), "x"))
+                    .await;
+            })
+        })
+        .collect();
+    wait_for("ten submits waiting", Duration::from_secs(10), || async {
+        (producer.waiting() == 10).then_some(())
+    })
+    .await;
+    for task in abandoned {
+        task.abort();
+        let _ = task.await;
+    }
+    assert_eq!(producer.waiting(), 0);
 }

@@ -7,12 +7,33 @@ mod common;
 
 use std::time::Duration;
 
-use common::{TestEnv, config, config_text, mock, submit, wait_for, wait_for_status};
+use common::{TestEnv, config, config_text, mock, submit, wait_for_status};
 use onejob::domain::JobStatus;
 use onejob::intent::Outcome;
 use onejob::mock::MockOptions;
 use onejob_producer::Producer;
 use reqwest::StatusCode;
+
+/// Polls `/metrics` until every expected sample has its value, or 20 s have
+/// passed; returns the last text either way, for the caller's assertions to show.
+async fn settled<F, Fut>(get: &F, expected: &[(&str, f64)]) -> String
+where
+    F: Fn(&'static str) -> Fut,
+    Fut: std::future::Future<Output = (StatusCode, String)>,
+{
+    let start = std::time::Instant::now();
+    loop {
+        let (status, text) = get("/metrics").await;
+        assert_eq!(status, StatusCode::OK);
+        let done = expected
+            .iter()
+            .all(|(series, value)| sample(&text, series) == Some(*value));
+        if done || start.elapsed() > Duration::from_secs(20) {
+            return text;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
 
 /// The value of the sample whose line starts with `series` (name and labels).
 fn sample(text: &str, series: &str) -> Option<f64> {
@@ -55,22 +76,13 @@ async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
     assert_eq!(rejected.outcome, Outcome::Rejected);
     wait_for_status(&env, job_id, JobStatus::Succeeded).await;
 
-    let text = wait_for(
-        "the counters to settle",
-        Duration::from_secs(20),
-        || async {
-            let (status, text) = get("/metrics").await;
-            assert_eq!(status, StatusCode::OK);
-            (sample(
-                &text,
-                r#"onejob_attempts_settled_total{provider="primary",settled="won"}"#,
-            ) == Some(1.0)
-                && sample(&text, "onejob_outbox_published_total") == Some(2.0))
-            .then_some(text)
-        },
-    )
-    .await;
-    for (series, value) in [
+    let expected = [
+        (
+            r#"onejob_attempts_settled_total{provider="primary",settled="won"}"#,
+            1.0,
+        ),
+        // The first attempt's message and the job.succeeded event.
+        ("onejob_outbox_published_total", 2.0),
         (r#"onejob_intents_total{outcome="created"}"#, 1.0),
         (r#"onejob_intents_total{outcome="duplicate"}"#, 1.0),
         (r#"onejob_intents_total{outcome="rejected"}"#, 1.0),
@@ -87,7 +99,9 @@ async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
         (r#"onejob_jobs{status="succeeded"}"#, 1.0),
         (r#"onejob_attempts{status="succeeded"}"#, 1.0),
         ("onejob_outbox_unpublished", 0.0),
-    ] {
+    ];
+    let text = settled(&get, &expected).await;
+    for (series, value) in expected {
         assert_eq!(sample(&text, series), Some(value), "{series} in\n{text}");
     }
     assert_eq!(
@@ -95,6 +109,87 @@ async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
         None
     );
     producer.close().await;
+
+    // The gateway counts its answers by route and status, on its probes listener
+    // only.
+    let gateway = onejob_producer::gateway::Gateway::connect(
+        config.clone(),
+        &env.database_url,
+        &env.amqp_url,
+        onejob_producer::gateway::GatewayOptions::default(),
+    )
+    .await
+    .unwrap();
+    let public = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let probes = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (public_url, probes_url) = (
+        format!("http://{}", public.local_addr().unwrap()),
+        format!("http://{}", probes.local_addr().unwrap()),
+    );
+    let stop = onejob::shutdown::Shutdown::new();
+    let serving =
+        tokio::spawn(std::sync::Arc::new(gateway).serve(public, Some(probes), stop.clone()));
+    let token = onejob::token::Token::generate();
+    env.store.create_token("acct_m", &token).await.unwrap();
+    for key in ["g-1", "g-1", "g-2"] {
+        let r = http
+            .post(format!("{public_url}/v1/jobs"))
+            .bearer_auth(token.reveal())
+            .header("Idempotency-Key", key)
+            .body(r#"{"operation":"summarize","input":{"text":"via http"}}"#)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{}", r.status());
+    }
+    let unauthorized = http
+        .get(format!("{public_url}/v1/jobs/{job_id}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unauthorized.status(), StatusCode::UNAUTHORIZED);
+    let public_metrics = http
+        .get(format!("{public_url}/metrics"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        public_metrics.status(),
+        StatusCode::NOT_FOUND,
+        "no metrics for tenants"
+    );
+    let text = http
+        .get(format!("{probes_url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for (series, value) in [
+        (
+            r#"onejob_gateway_requests_total{route="/v1/jobs",status="201"}"#,
+            2.0,
+        ),
+        (
+            r#"onejob_gateway_requests_total{route="/v1/jobs",status="200"}"#,
+            1.0,
+        ),
+        (
+            r#"onejob_gateway_requests_total{route="/v1/jobs/{id}",status="401"}"#,
+            1.0,
+        ),
+    ] {
+        assert_eq!(sample(&text, series), Some(value), "{series} in\n{text}");
+    }
+    let ready = http
+        .get(format!("{probes_url}/readyz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), StatusCode::OK);
+    stop.trigger();
+    serving.await.unwrap().unwrap();
 
     // RabbitMQ lost: not ready. Postgres lost too: both say so.
     fleet.stop().await;

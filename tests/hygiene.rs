@@ -206,13 +206,17 @@ async fn secrets_never_reach_logs_errors_or_json_output() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let stop = onejob::shutdown::Shutdown::new();
-    let server = tokio::spawn(Arc::new(gateway).serve(listener, stop.clone()));
+    let server = tokio::spawn(Arc::new(gateway).serve(listener, None, stop.clone()));
     let http = reqwest::Client::new();
     let mut answers = String::new();
     for (bearer, key) in [
         (token.clone(), "k-http"),
         (token.clone(), "k-http"),
-        (format!("{}0", &token[..token.len() - 1]), "k-http"),
+        // Well-formed, but not a token of this database.
+        (
+            onejob::token::Token::generate().reveal().to_owned(),
+            "k-http",
+        ),
     ] {
         let response = http
             .post(format!("{base}/v1/jobs"))

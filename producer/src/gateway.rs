@@ -18,14 +18,20 @@
 //!
 //! No receipt in time (504) or a broker that refused the publish (503) leaves the
 //! request safe to retry with the same key: the database keeps one job per key.
-//! Nothing is remembered in the gateway itself, so any number of them can run.
+//! The gateway keeps no state of its own beyond the requests it is answering, so
+//! any number of them can run.
 //!
-//! `GET /v1/jobs/{id}` shows a job to its owner only: another owner's job is a
-//! `404`, as if it did not exist. `/openapi.json` describes all of it.
+//! `GET /v1/jobs/{id}` shows a job to its owner only (the owner is part of the
+//! query): another owner's job is a `404`, as if it did not exist. The view is the
+//! owner's, not the operator's: no provider error excerpts, request ids or usage.
+//! `/openapi.json` describes all of it. `/healthz` and `/readyz` are served on the
+//! public listener too; `/metrics` only on the probes listener (`--http`), as the
+//! worker does, since request counts across owners are not a tenant's business.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::Body;
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -36,6 +42,7 @@ use onejob::intent::{Intent, Outcome, Receipt, RejectReason};
 use onejob::shutdown::Shutdown;
 use onejob::store::Store;
 use onejob::token::Token;
+use serde::Serialize;
 use serde_json::json;
 use tokio::sync::Semaphore;
 
@@ -61,6 +68,13 @@ pub enum GatewayError {
     #[error("the RabbitMQ connection was lost")]
     ConnectionLost,
 }
+
+/// How long a client may take to send a request body.
+const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// An over-long body is read (and dropped) up to this multiple of the limit before
+/// the `413`, so the client reads the answer instead of a reset connection.
+const DRAIN_FACTOR: usize = 4;
 
 /// Result alias for the gateway.
 pub type Result<T, E = GatewayError> = std::result::Result<T, E>;
@@ -129,8 +143,8 @@ impl Gateway {
         })
     }
 
-    /// The routes: `/v1/jobs`, `/v1/jobs/{id}`, `/openapi.json`, `/healthz`,
-    /// `/readyz` and `/metrics` (answers by route and status).
+    /// The public routes: `/v1/jobs`, `/v1/jobs/{id}`, `/openapi.json`,
+    /// `/healthz` and `/readyz`. Every answer is counted by route and status.
     pub fn router(self: Arc<Self>) -> axum::Router {
         axum::Router::new()
             .route("/v1/jobs", post(create_job))
@@ -139,19 +153,26 @@ impl Gateway {
                 "/openapi.json",
                 get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
             )
-            .route("/healthz", get(|| async { "ok\n" }))
-            .route("/readyz", get(ready))
-            .route("/metrics", get(|| async { onejob::metrics::render() }))
+            .merge(probes())
             .route_layer(axum::middleware::from_fn(count_answers))
+            .with_state(self)
+    }
+
+    /// The probes listener's routes: `/healthz`, `/readyz` and `/metrics`.
+    pub fn probes_router(self: Arc<Self>) -> axum::Router {
+        probes()
+            .route("/metrics", get(|| async { onejob::metrics::render() }))
             .with_state(self)
     }
 
     /// Serves until `shutdown` (finishing the requests in flight), or until the
     /// RabbitMQ connection is lost, which is an error: the process should exit
     /// non-zero and be restarted.
+    /// With `probes`, `/healthz`, `/readyz` and `/metrics` are served there too.
     pub async fn serve(
         self: Arc<Self>,
         listener: tokio::net::TcpListener,
+        probes: Option<tokio::net::TcpListener>,
         shutdown: Shutdown,
     ) -> Result<()> {
         let watched = self.clone();
@@ -172,8 +193,21 @@ impl Gateway {
         let stop = shutdown.clone();
         let server = axum::serve(listener, self.clone().router())
             .with_graceful_shutdown(async move { stop.wait().await });
-        let (served, supervised) = tokio::join!(server, supervisor);
+        let stop = shutdown.clone();
+        let probes_router = self.clone().probes_router();
+        let probes = async move {
+            match probes {
+                Some(l) => {
+                    axum::serve(l, probes_router)
+                        .with_graceful_shutdown(async move { stop.wait().await })
+                        .await
+                }
+                None => Ok(()),
+            }
+        };
+        let (served, probed, supervised) = tokio::join!(server, probes, supervisor);
         served?;
+        probed?;
         supervised
     }
 
@@ -193,6 +227,14 @@ async fn count_answers(
     let response = next.run(request).await;
     onejob::metrics::gateway_answer(&route, response.status().as_u16());
     response
+}
+
+/// `/healthz` (the process is up) and `/readyz` (Postgres answers and the
+/// RabbitMQ connection is up).
+fn probes() -> axum::Router<Arc<Gateway>> {
+    axum::Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
 }
 
 /// A JSON error that is not a receipt: `{"error": "code: detail"}`.
@@ -219,10 +261,13 @@ fn unavailable(status: StatusCode, error: String) -> Response {
 
 /// The owner the request's bearer token belongs to, or the response refusing it.
 async fn owner(gateway: &Gateway, headers: &HeaderMap) -> Result<String, Response> {
+    // The scheme is case-insensitive (RFC 9110 section 11.1).
     let presented = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token)
         .ok_or_else(|| unauthorized("send `Authorization: Bearer <token>`"))?;
     let token = Token::parse(presented.trim())
         .ok_or_else(|| unauthorized("the token is unknown or revoked"))?;
@@ -257,12 +302,53 @@ fn rejected(reason: &RejectReason) -> Response {
     receipt_response(status, &Receipt::rejected(reason))
 }
 
+fn overloaded() -> Response {
+    unavailable(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "overloaded: too many requests in flight; retry".into(),
+    )
+}
+
+/// Reads a request body of at most `limit` bytes, within [`BODY_TIMEOUT`].
+async fn read_body(body: Body, limit: usize) -> Result<Vec<u8>, Response> {
+    use futures_util::StreamExt;
+    let mut stream = body.into_data_stream();
+    let mut kept = Vec::new();
+    let mut size = 0usize;
+    let read = async {
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|_| {
+                problem(
+                    StatusCode::BAD_REQUEST,
+                    "bad_body: the request body could not be read".into(),
+                )
+            })?;
+            size = size.saturating_add(chunk.len());
+            if size <= limit {
+                kept.extend_from_slice(&chunk);
+            } else if size > limit.saturating_mul(DRAIN_FACTOR) {
+                break;
+            }
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(BODY_TIMEOUT, read).await {
+        Err(_) => Err(problem(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "request_timeout: the body did not arrive within {}s",
+                BODY_TIMEOUT.as_secs()
+            ),
+        )),
+        Ok(Err(response)) => Err(response),
+        Ok(Ok(())) if size > limit => Err(rejected(&RejectReason::TooLarge { size, limit })),
+        Ok(Ok(())) => Ok(kept),
+    }
+}
+
 async fn create_job(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
     let Ok(_permit) = gateway.in_flight.try_acquire() else {
-        return unavailable(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "overloaded: too many requests in flight; retry".into(),
-        );
+        return overloaded();
     };
     let (parts, body) = request.into_parts();
     let owner = match owner(&gateway, &parts.headers).await {
@@ -282,16 +368,9 @@ async fn create_job(State(gateway): State<Arc<Gateway>>, request: Request) -> Re
         });
     };
     let limit = gateway.config.worker.max_message_bytes;
-    // Read one byte past the limit, so an oversize body is reported with its
-    // limit rather than cut short.
-    let body = match axum::body::to_bytes(body, limit.saturating_add(1)).await {
+    let body = match read_body(body, limit).await {
         Ok(b) => b,
-        Err(_) => {
-            return rejected(&RejectReason::TooLarge {
-                size: limit.saturating_add(1),
-                limit,
-            });
-        }
+        Err(response) => return response,
     };
     let intent = match Intent::from_request(&body, &owner, key, limit) {
         Ok(i) => i,
@@ -300,7 +379,16 @@ async fn create_job(State(gateway): State<Arc<Gateway>>, request: Request) -> Re
     if let Err(reason) = gateway.config.admit(&intent) {
         return rejected(&reason);
     }
-    match gateway.producer.submit(&intent).await {
+    // The message carries the owner and key as well: it must fit the limit that
+    // intake applies, or it would only be rejected there.
+    let message = serde_json::to_vec(&intent).unwrap_or_default();
+    if message.len() > limit {
+        return rejected(&RejectReason::TooLarge {
+            size: message.len(),
+            limit,
+        });
+    }
+    match gateway.producer.submit_raw(&message).await {
         Ok(receipt) => {
             tracing::debug!(owner = %intent.owner_id, outcome = ?receipt.outcome, "intent answered");
             match receipt.outcome {
@@ -323,11 +411,23 @@ async fn create_job(State(gateway): State<Arc<Gateway>>, request: Request) -> Re
                     };
                     receipt_response(StatusCode::UNPROCESSABLE_ENTITY, &explained)
                 }
+                // The fleet's configuration may differ from this gateway's.
+                Outcome::Rejected
+                    if receipt
+                        .error
+                        .as_deref()
+                        .is_some_and(|e| e.starts_with("too_large")) =>
+                {
+                    receipt_response(StatusCode::PAYLOAD_TOO_LARGE, &receipt)
+                }
                 Outcome::Rejected => receipt_response(StatusCode::BAD_REQUEST, &receipt),
             }
         }
         Err(e @ ProducerError::ReceiptTimeout(_)) => {
             unavailable(StatusCode::GATEWAY_TIMEOUT, format!("receipt_timeout: {e}"))
+        }
+        Err(e @ ProducerError::ReplyChannelClosed) => {
+            unavailable(StatusCode::SERVICE_UNAVAILABLE, format!("unavailable: {e}"))
         }
         Err(e) => {
             tracing::warn!(error = %e, "cannot publish an intent");
@@ -344,6 +444,9 @@ async fn show_job(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
+    let Ok(_permit) = gateway.in_flight.try_acquire() else {
+        return overloaded();
+    };
     let owner = match owner(&gateway, &headers).await {
         Ok(o) => o,
         Err(response) => return response,
@@ -352,10 +455,10 @@ async fn show_job(
     let Ok(job_id) = id.parse::<uuid::Uuid>() else {
         return not_found();
     };
-    match gateway.store.job(JobId(job_id)).await {
-        // Another owner's job is not found, so ids reveal nothing.
-        Ok(Some(job)) if job.owner_id == owner => (StatusCode::OK, axum::Json(job)).into_response(),
-        Ok(_) => not_found(),
+    // Another owner's job is not found, so ids reveal nothing.
+    match gateway.store.owned_job(JobId(job_id), &owner).await {
+        Ok(Some(job)) => (StatusCode::OK, axum::Json(PublicJob::from(job))).into_response(),
+        Ok(None) => not_found(),
         Err(e) => {
             tracing::warn!(error = %e, "cannot read a job");
             unavailable(
@@ -368,4 +471,64 @@ async fn show_job(
 
 async fn ready(State(gateway): State<Arc<Gateway>>) -> (StatusCode, String) {
     onejob::worker::readiness(gateway.store.ping().await, gateway.producer.is_connected())
+}
+
+/// A job as its owner sees it through the gateway.
+#[derive(Debug, Serialize)]
+struct PublicJob {
+    id: JobId,
+    owner_id: String,
+    idempotency_key: String,
+    operation: String,
+    input: serde_json::Value,
+    provider: Option<String>,
+    status: onejob::domain::JobStatus,
+    version: i64,
+    result: Option<serde_json::Value>,
+    error: Option<String>,
+    created_at: chrono::DateTime<chrono::Utc>,
+    updated_at: chrono::DateTime<chrono::Utc>,
+    attempts: Vec<PublicAttempt>,
+}
+
+/// An attempt as the job's owner sees it: when and where, and how it ended.
+#[derive(Debug, Serialize)]
+struct PublicAttempt {
+    number: i32,
+    provider: String,
+    status: onejob::domain::AttemptStatus,
+    created_at: chrono::DateTime<chrono::Utc>,
+    started_at: Option<chrono::DateTime<chrono::Utc>>,
+    finished_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+impl From<onejob::store::JobView> for PublicJob {
+    fn from(job: onejob::store::JobView) -> Self {
+        PublicJob {
+            id: job.id,
+            owner_id: job.owner_id,
+            idempotency_key: job.idempotency_key,
+            operation: job.operation,
+            input: job.input,
+            provider: job.provider,
+            status: job.status,
+            version: job.version,
+            result: job.result,
+            error: job.error,
+            created_at: job.created_at,
+            updated_at: job.updated_at,
+            attempts: job
+                .attempts
+                .into_iter()
+                .map(|a| PublicAttempt {
+                    number: a.number,
+                    provider: a.provider,
+                    status: a.status,
+                    created_at: a.created_at,
+                    started_at: a.started_at,
+                    finished_at: a.finished_at,
+                })
+                .collect(),
+        }
+    }
 }

@@ -54,8 +54,11 @@ pub enum ProducerError {
         "no receipt within {0:?}; the intent was confirmed and may still be processed: resubmit it with the same key to learn its outcome"
     )]
     ReceiptTimeout(Duration),
-    /// The reply consumer stopped (the connection was lost).
-    #[error("the receipt channel closed before the receipt arrived")]
+    /// The reply consumer stopped (the connection was lost). The intent was
+    /// confirmed by the broker: submit it again with the same key.
+    #[error(
+        "the connection closed before the receipt arrived; the intent was confirmed and may still be processed: resubmit it with the same key to learn its outcome"
+    )]
     ReplyChannelClosed,
 }
 
@@ -132,30 +135,28 @@ impl Producer {
         if let Ok(mut p) = self.pending.lock() {
             p.insert(correlation_id.clone(), tx);
         }
+        // However this call ends (an error, a timeout, or its caller dropping it,
+        // as an HTTP server does when its client goes away), its waiter goes.
+        let _waiter = Waiter {
+            pending: &self.pending,
+            correlation_id: &correlation_id,
+        };
         let props = broker::json_properties()
             .with_reply_to(DIRECT_REPLY_TO.into())
             .with_correlation_id(correlation_id.as_str().into());
-        let published = self
-            .publisher
+        self.publisher
             .publish(broker::EXCHANGE, broker::INTENTS_KEY, body, props, true)
-            .await;
-        let forget = || {
-            if let Ok(mut p) = self.pending.lock() {
-                p.remove(&correlation_id);
-            }
-        };
-        if let Err(e) = published {
-            forget();
-            return Err(e.into());
-        }
+            .await?;
         match tokio::time::timeout(self.options.receipt_timeout, rx).await {
             Ok(Ok(receipt)) => Ok(receipt),
             Ok(Err(_)) => Err(ProducerError::ReplyChannelClosed),
-            Err(_) => {
-                forget();
-                Err(ProducerError::ReceiptTimeout(self.options.receipt_timeout))
-            }
+            Err(_) => Err(ProducerError::ReceiptTimeout(self.options.receipt_timeout)),
         }
+    }
+
+    /// How many submits are waiting for their receipt.
+    pub fn waiting(&self) -> usize {
+        self.pending.lock().map_or(0, |p| p.len())
     }
 
     /// Publishes an intent and returns once the broker confirmed it; no receipt.
@@ -183,6 +184,20 @@ impl Producer {
     pub async fn close(self) {
         self.reader.abort();
         let _ = self.connection.close(200, "producer closed".into()).await;
+    }
+}
+
+/// Removes a submit's entry from the waiters when the submit ends.
+struct Waiter<'a> {
+    pending: &'a Pending,
+    correlation_id: &'a str,
+}
+
+impl Drop for Waiter<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut p) = self.pending.lock() {
+            p.remove(self.correlation_id);
+        }
     }
 }
 

@@ -61,6 +61,10 @@ enum Command {
         /// Where to listen.
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: std::net::SocketAddr,
+        /// Also serve /healthz, /readyz and /metrics here (metrics are not on the
+        /// public listener).
+        #[arg(long)]
+        http: Option<std::net::SocketAddr>,
         /// Postgres URL (tokens and jobs).
         #[arg(long, env = "DATABASE_URL", default_value = onejob::cli::DEFAULT_DATABASE_URL, hide_env_values = true)]
         database_url: String,
@@ -123,6 +127,7 @@ async fn main() -> ExitCode {
         }
         Command::Serve {
             listen,
+            http,
             database_url,
             receipt_timeout,
             max_in_flight,
@@ -131,7 +136,14 @@ async fn main() -> ExitCode {
                 receipt_timeout,
                 max_in_flight,
             };
-            serve(config, &database_url, &args.amqp_url, listen, options).await
+            serve(
+                config,
+                &database_url,
+                &args.amqp_url,
+                (listen, http),
+                options,
+            )
+            .await
         }
     }
 }
@@ -186,7 +198,7 @@ async fn serve(
     config: onejob::config::Config,
     database_url: &str,
     amqp_url: &str,
-    listen: std::net::SocketAddr,
+    (listen, http): (std::net::SocketAddr, Option<std::net::SocketAddr>),
     options: GatewayOptions,
 ) -> ExitCode {
     let listener = match tokio::net::TcpListener::bind(listen).await {
@@ -195,6 +207,16 @@ async fn serve(
             eprintln!("onejob-producer: --listen {listen}: {e}");
             return ExitCode::from(1);
         }
+    };
+    let probes = match http {
+        None => None,
+        Some(addr) => match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => Some(l),
+            Err(e) => {
+                eprintln!("onejob-producer: --http {addr}: {e}");
+                return ExitCode::from(1);
+            }
+        },
     };
     let gateway = match Gateway::connect(Arc::new(config), database_url, amqp_url, options).await {
         Ok(g) => Arc::new(g),
@@ -215,7 +237,7 @@ async fn serve(
         signals.trigger();
     });
     tracing::info!(%listen, "serving the HTTP gateway");
-    let result = gateway.clone().serve(listener, shutdown).await;
+    let result = gateway.clone().serve(listener, probes, shutdown).await;
     if let Ok(gateway) = Arc::try_unwrap(gateway) {
         gateway.close().await;
     }
