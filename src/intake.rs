@@ -1,12 +1,17 @@
 //! The intake role: intents in, jobs out.
 //!
-//! Each intent is validated strictly, fingerprinted, and admitted through the
-//! store's `INSERT … ON CONFLICT DO NOTHING`. Then, in this order: the first
-//! attempt is published (confirmed), the receipt is sent, and the delivery is
-//! acked. A bad intent is copied to `onejob.intents.dlq` with its reason and gets
-//! a `rejected` receipt. A crash anywhere means a redelivery, which comes out as a
-//! `duplicate` naming the same job.
+//! Deliveries are taken in batches: all that are ready at once, up to
+//! [`MAX_BATCH`], so a busy intake admits many intents with one statement while a
+//! lone intent never waits for company. Each intent is validated strictly,
+//! fingerprinted, and admitted through the store's `INSERT … ON CONFLICT DO
+//! NOTHING` (two intents with one identity in the same batch come out as
+//! `created` and `duplicate`, as they would apart). Then, in this order: the first
+//! attempts are published (confirmed), the receipts are sent, and the deliveries
+//! are acked. A bad intent is copied to `onejob.intents.dlq` with its reason and
+//! gets a `rejected` receipt. A crash anywhere means a redelivery, which comes out
+//! as a `duplicate` naming the same job.
 
+use futures_util::future::join_all;
 use lapin::message::Delivery;
 
 use crate::broker::{self, INTENTS_QUEUE};
@@ -16,13 +21,29 @@ use crate::shutdown::Shutdown;
 use crate::store::{Admission, NewJob};
 use crate::worker::{self, Context, Result, with_retries};
 
+/// The most intents admitted by one statement.
+const MAX_BATCH: usize = 64;
+/// Batches settled at once; more deliveries wait and make the next batch larger.
+const BATCHES_IN_FLIGHT: usize = 4;
+
 /// Runs intake until shutdown.
 pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
     let prefetch = ctx.config.worker.intake_prefetch;
-    worker::consume(&ctx, INTENTS_QUEUE, prefetch, &shutdown, |delivery| {
-        let ctx = ctx.clone();
-        async move { handle(&ctx, delivery).await }
-    })
+    let batching = worker::Batching {
+        max_batch: MAX_BATCH,
+        max_in_flight: BATCHES_IN_FLIGHT,
+    };
+    worker::consume_batches(
+        &ctx,
+        INTENTS_QUEUE,
+        prefetch,
+        batching,
+        &shutdown,
+        |batch| {
+            let ctx = ctx.clone();
+            async move { handle(&ctx, batch).await }
+        },
+    )
     .await
 }
 
@@ -39,67 +60,128 @@ pub fn validate(ctx: &Context, body: &[u8]) -> Result<NewJob, RejectReason> {
     })
 }
 
-async fn handle(ctx: &Context, delivery: Delivery) {
-    if let Err(e) = process(ctx, &delivery).await {
-        tracing::error!(error = %e, "intent not settled; returning it to the queue");
-        worker::requeue(&delivery).await;
+/// Settles a batch of deliveries: the invalid ones are dead-lettered with their
+/// reason, the valid ones admitted by one statement, the first attempts of the
+/// new jobs published together; then each delivery gets its receipt and its ack.
+/// Whatever fails returns its deliveries to the queue, and their redelivery comes
+/// out as a `duplicate` of the same job.
+async fn handle(ctx: &Context, batch: Vec<Delivery>) {
+    crate::metrics::intake_batch(batch.len());
+    let mut valid = Vec::with_capacity(batch.len());
+    let mut rejected = Vec::new();
+    for delivery in batch {
+        match validate(ctx, &delivery.data) {
+            Ok(new_job) => valid.push((delivery, new_job)),
+            Err(reason) => rejected.push((delivery, reason)),
+        }
+    }
+    let rejections = join_all(
+        rejected
+            .into_iter()
+            .map(|(delivery, reason)| reject(ctx, delivery, reason)),
+    );
+    let admissions = admit(ctx, valid);
+    let (rejections, admissions) = tokio::join!(rejections, admissions);
+    let answered = rejections.into_iter().chain(admissions);
+    join_all(answered.map(|(delivery, receipt)| async move {
+        let Some(receipt) = receipt else {
+            worker::requeue(&delivery).await;
+            return;
+        };
+        let answered = async {
+            send_receipt(ctx, &delivery, &receipt).await?;
+            worker::ack(&delivery).await
+        };
+        match answered.await {
+            Ok(()) => crate::metrics::intent(receipt.outcome),
+            Err(e) => {
+                tracing::error!(error = %e, "intent not settled; returning it to the queue");
+                worker::requeue(&delivery).await;
+            }
+        }
+    }))
+    .await;
+}
+
+/// Copies an invalid intent to the dead-letter queue with its reason; its
+/// receipt, or `None` if the copy could not be made.
+async fn reject(
+    ctx: &Context,
+    delivery: Delivery,
+    reason: RejectReason,
+) -> (Delivery, Option<Receipt>) {
+    let receipt = Receipt::rejected(&reason);
+    let why = receipt.error.clone().unwrap_or_default();
+    tracing::warn!(reason = %why, message_id = ?delivery.properties.message_id(), "intent rejected");
+    let copied = with_retries("dead-lettering a rejected intent", || {
+        ctx.publish_dead_letter(INTENTS_QUEUE, &delivery, &why)
+    })
+    .await;
+    match copied {
+        Ok(()) => (delivery, Some(receipt)),
+        Err(e) => {
+            tracing::error!(error = %e, "rejected intent not dead-lettered; returning it to the queue");
+            (delivery, None)
+        }
     }
 }
 
-async fn process(ctx: &Context, delivery: &Delivery) -> Result<()> {
-    let receipt = match validate(ctx, &delivery.data) {
-        Err(reason) => {
-            let receipt = Receipt::rejected(&reason);
-            let why = receipt.error.clone().unwrap_or_default();
-            tracing::warn!(reason = %why, message_id = ?delivery.properties.message_id(), "intent rejected");
-            with_retries("dead-lettering a rejected intent", || {
-                ctx.publish_dead_letter(INTENTS_QUEUE, delivery, &why)
-            })
-            .await?;
-            receipt
+/// Admits the valid intents of a batch in one statement and publishes the new
+/// jobs' first attempts; each delivery's receipt, or `None` for all of them if
+/// the database could not be reached.
+async fn admit(ctx: &Context, valid: Vec<(Delivery, NewJob)>) -> Vec<(Delivery, Option<Receipt>)> {
+    if valid.is_empty() {
+        return Vec::new();
+    }
+    let (deliveries, batch): (Vec<Delivery>, Vec<NewJob>) = valid.into_iter().unzip();
+    let admitted = with_retries("admitting intents", || async {
+        Ok(ctx.store.admit(&batch).await?)
+    })
+    .await;
+    let admissions = match admitted {
+        Ok(a) if a.len() == batch.len() => a,
+        Ok(a) => {
+            tracing::error!(
+                expected = batch.len(),
+                got = a.len(),
+                "admission answered for the wrong number of intents; returning them to the queue"
+            );
+            return deliveries.into_iter().map(|d| (d, None)).collect();
         }
-        Ok(new_job) => {
-            let batch = [new_job];
-            let admission = with_retries("admitting an intent", || async {
-                let mut admitted = ctx.store.admit(&batch).await?;
-                Ok(admitted.pop())
-            })
-            .await?;
-            let [new_job] = batch;
-            match admission {
-                Some(Admission::Created { job_id, publish }) => {
-                    tracing::info!(%job_id, owner_id = %new_job.intent.owner_id, operation = %new_job.intent.operation, "job created");
-                    // If this publish fails the outbox row stays, and the relay
-                    // publishes it when the lease runs out: nothing is lost.
-                    if let Err(e) = ctx.publish_outbox(std::slice::from_ref(&publish)).await {
-                        tracing::warn!(%job_id, error = %e, "first attempt not published yet; the relay will");
-                    }
-                    Receipt::for_job(Outcome::Created, job_id)
-                }
-                Some(Admission::Duplicate { job_id }) => {
-                    tracing::info!(%job_id, "duplicate intent: same identity, same fingerprint");
-                    Receipt::for_job(Outcome::Duplicate, job_id)
-                }
-                Some(Admission::Conflict) => {
-                    tracing::warn!(
-                        owner_id = %new_job.intent.owner_id,
-                        idempotency_key = %new_job.intent.idempotency_key,
-                        "conflicting intent: same identity, different fingerprint"
-                    );
-                    Receipt::conflict()
-                }
-                None => {
-                    return Err(
-                        crate::store::StoreError::Corrupt("admit returned nothing".into()).into(),
-                    );
-                }
-            }
+        Err(e) => {
+            tracing::error!(error = %e, intents = batch.len(), "intents not admitted; returning them to the queue");
+            return deliveries.into_iter().map(|d| (d, None)).collect();
         }
     };
-    send_receipt(ctx, delivery, &receipt).await?;
-    worker::ack(delivery).await?;
-    crate::metrics::intent(receipt.outcome);
-    Ok(())
+    let mut publish = Vec::new();
+    let mut receipts = Vec::with_capacity(batch.len());
+    for (new_job, admission) in batch.iter().zip(admissions) {
+        receipts.push(Some(match admission {
+            Admission::Created { job_id, publish: message } => {
+                tracing::info!(%job_id, owner_id = %new_job.intent.owner_id, operation = %new_job.intent.operation, "job created");
+                publish.push(message);
+                Receipt::for_job(Outcome::Created, job_id)
+            }
+            Admission::Duplicate { job_id } => {
+                tracing::info!(%job_id, "duplicate intent: same identity, same fingerprint");
+                Receipt::for_job(Outcome::Duplicate, job_id)
+            }
+            Admission::Conflict => {
+                tracing::warn!(
+                    owner_id = %new_job.intent.owner_id,
+                    idempotency_key = %new_job.intent.idempotency_key,
+                    "conflicting intent: same identity, different fingerprint"
+                );
+                Receipt::conflict()
+            }
+        }));
+    }
+    // If this publish fails the outbox rows stay, and the relay publishes them
+    // when their lease runs out: nothing is lost.
+    if let Err(e) = ctx.publish_outbox(&publish).await {
+        tracing::warn!(error = %e, "first attempts not all published yet; the relay will");
+    }
+    deliveries.into_iter().zip(receipts).collect()
 }
 
 /// Publishes the receipt to the intent's `reply_to`, if it asked for one.

@@ -19,6 +19,9 @@ use crate::intent::Outcome;
 /// Provider call durations, in seconds, by provider and result.
 pub const PROVIDER_CALL_SECONDS: &str = "onejob_provider_call_seconds";
 
+/// Deliveries per intake batch.
+pub const INTAKE_BATCH_SIZE: &str = "onejob_intake_batch_size";
+
 /// Bucket bounds for provider calls: inference takes from tens of milliseconds
 /// to the configured timeout.
 const CALL_BUCKETS: [f64; 11] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
@@ -32,6 +35,11 @@ pub fn install() -> Option<&'static PrometheusHandle> {
         .get_or_init(|| {
             let builder = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Full(PROVIDER_CALL_SECONDS.into()), &CALL_BUCKETS)
+                .ok()?
+                .set_buckets_for_metric(
+                    Matcher::Full(INTAKE_BATCH_SIZE.into()),
+                    &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0],
+                )
                 .ok()?;
             match builder.install_recorder() {
                 Ok(handle) => Some(handle),
@@ -57,6 +65,11 @@ pub fn render() -> String {
 /// Intake answered an intent.
 pub fn intent(outcome: Outcome) {
     counter!("onejob_intents_total", "outcome" => outcome.as_str()).increment(1);
+}
+
+/// Intake took a batch of `size` deliveries.
+pub fn intake_batch(size: usize) {
+    histogram!(INTAKE_BATCH_SIZE).record(size as f64);
 }
 
 /// An attempt's outcome was settled: `won`, `discarded`, `failed`, `unknown`,

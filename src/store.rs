@@ -595,16 +595,26 @@ impl Store {
     }
 
     async fn admit_once(&self, batch: &[NewJob]) -> Result<Vec<Admission>> {
+        // Rows are inserted in identity order, so that batches which overlap take
+        // their locks in one order and do not deadlock; within a batch, the first
+        // intent of an identity stays first (the sort is stable).
+        let mut sorted: Vec<&NewJob> = batch.iter().collect();
+        sorted.sort_by(|a, b| {
+            (&a.intent.owner_id, &a.intent.idempotency_key)
+                .cmp(&(&b.intent.owner_id, &b.intent.idempotency_key))
+        });
         let mut tx = self.pool.begin().await?;
         let created: Vec<(Uuid, Uuid, String)> = sqlx::query_as(
             "WITH input AS (
                  SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
                                       $6::jsonb[], $7::text[], $8::uuid[], $9::text[])
+                     WITH ORDINALITY
                      AS t(job_id, owner_id, idempotency_key, fingerprint, operation, input, pinned,
-                          attempt_id, provider)
+                          attempt_id, provider, position)
              ), new_jobs AS (
                  INSERT INTO jobs (id, owner_id, idempotency_key, request_fingerprint, operation, input, provider)
-                 SELECT job_id, owner_id, idempotency_key, fingerprint, operation, input, pinned FROM input
+                 SELECT job_id, owner_id, idempotency_key, fingerprint, operation, input, pinned
+                 FROM input ORDER BY position
                  ON CONFLICT (owner_id, idempotency_key) DO NOTHING
                  RETURNING id
              )
@@ -612,15 +622,15 @@ impl Store {
              SELECT i.attempt_id, i.job_id, 1, i.provider FROM input i JOIN new_jobs n ON n.id = i.job_id
              RETURNING job_id, id, provider",
         )
-        .bind(batch.iter().map(|n| n.job_id.0).collect::<Vec<_>>())
-        .bind(batch.iter().map(|n| n.intent.owner_id.clone()).collect::<Vec<_>>())
-        .bind(batch.iter().map(|n| n.intent.idempotency_key.clone()).collect::<Vec<_>>())
-        .bind(batch.iter().map(|n| n.fingerprint.0.clone()).collect::<Vec<_>>())
-        .bind(batch.iter().map(|n| n.intent.operation.clone()).collect::<Vec<_>>())
-        .bind(batch.iter().map(|n| Value::Object(n.intent.input.clone())).collect::<Vec<_>>())
-        .bind(batch.iter().map(|n| n.intent.provider.clone()).collect::<Vec<_>>())
-        .bind(batch.iter().map(|n| n.attempt_id.0).collect::<Vec<_>>())
-        .bind(batch.iter().map(|n| n.provider.clone()).collect::<Vec<_>>())
+        .bind(sorted.iter().map(|n| n.job_id.0).collect::<Vec<_>>())
+        .bind(sorted.iter().map(|n| n.intent.owner_id.clone()).collect::<Vec<_>>())
+        .bind(sorted.iter().map(|n| n.intent.idempotency_key.clone()).collect::<Vec<_>>())
+        .bind(sorted.iter().map(|n| n.fingerprint.0.clone()).collect::<Vec<_>>())
+        .bind(sorted.iter().map(|n| n.intent.operation.clone()).collect::<Vec<_>>())
+        .bind(sorted.iter().map(|n| Value::Object(n.intent.input.clone())).collect::<Vec<_>>())
+        .bind(sorted.iter().map(|n| n.intent.provider.clone()).collect::<Vec<_>>())
+        .bind(sorted.iter().map(|n| n.attempt_id.0).collect::<Vec<_>>())
+        .bind(sorted.iter().map(|n| n.provider.clone()).collect::<Vec<_>>())
         .fetch_all(&mut *tx)
         .await?;
 

@@ -265,7 +265,43 @@ where
     H: Fn(Delivery) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    use futures_util::StreamExt;
+    let batching = Batching {
+        max_batch: 1,
+        max_in_flight: usize::from(prefetch.max(1)),
+    };
+    consume_batches(ctx, queue, prefetch, batching, shutdown, |mut batch| {
+        // A batch of one: `max_batch` is 1.
+        handle(batch.remove(0))
+    })
+    .await
+}
+
+/// How [`consume_batches`] groups deliveries.
+#[derive(Clone, Copy, Debug)]
+pub struct Batching {
+    /// The most deliveries in one batch.
+    pub max_batch: usize,
+    /// The most batches being handled at once. While that many are, deliveries
+    /// wait in the consumer, so the next batch takes all that arrived meanwhile:
+    /// batches grow with the load, and a lone delivery never waits for company.
+    pub max_in_flight: usize,
+}
+
+/// Consumes `queue` like [`consume`], but hands `handle` every delivery that is
+/// ready at once (up to `max_batch`), so that one statement can settle them all.
+pub async fn consume_batches<H, Fut>(
+    ctx: &Context,
+    queue: &str,
+    prefetch: u16,
+    batching: Batching,
+    shutdown: &Shutdown,
+    handle: H,
+) -> Result<()>
+where
+    H: Fn(Vec<Delivery>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    use futures_util::{FutureExt, StreamExt};
     use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 
     let channel = ctx.connection.create_channel().await?;
@@ -280,16 +316,37 @@ where
             FieldTable::default(),
         )
         .await?;
+    let stopped = |next: Option<std::result::Result<Delivery, lapin::Error>>| match next {
+        Some(Err(e)) => Err(WorkerError::Amqp(e)),
+        _ => Err(WorkerError::RoleStopped(
+            queue.to_owned(),
+            "the broker cancelled the consumer".into(),
+        )),
+    };
     let mut in_flight = tokio::task::JoinSet::new();
     let outcome = loop {
         tokio::select! {
             () = shutdown.wait() => break Ok(()),
-            next = consumer.next() => match next {
-                Some(Ok(delivery)) => {
-                    in_flight.spawn(handle(delivery));
+            next = consumer.next(), if in_flight.len() < batching.max_in_flight.max(1) => {
+                let Some(Ok(first)) = next else {
+                    break stopped(next);
+                };
+                let mut batch = vec![first];
+                let mut ended = None;
+                while batch.len() < batching.max_batch {
+                    match consumer.next().now_or_never() {
+                        None => break,
+                        Some(Some(Ok(delivery))) => batch.push(delivery),
+                        Some(next) => {
+                            ended = Some(stopped(next));
+                            break;
+                        }
+                    }
                 }
-                Some(Err(e)) => break Err(WorkerError::Amqp(e)),
-                None => break Err(WorkerError::RoleStopped(queue.to_owned(), "the broker cancelled the consumer".into())),
+                in_flight.spawn(handle(batch));
+                if let Some(end) = ended {
+                    break end;
+                }
             },
             Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
         }

@@ -188,3 +188,185 @@ async fn a_crash_between_commit_and_ack_is_a_duplicate_of_the_same_job() {
     fleet.stop().await;
     let _ = ctx.connection.close(200, "done".into()).await;
 }
+
+fn new_job(owner: &str, key: &str, text: &str) -> onejob::store::NewJob {
+    let intent = intent(owner, key, text);
+    onejob::store::NewJob {
+        job_id: onejob::domain::JobId::new(),
+        attempt_id: onejob::domain::AttemptId::new(),
+        fingerprint: intent.fingerprint(),
+        intent,
+        provider: "primary".into(),
+    }
+}
+
+/// What an admission says, with the job it names.
+fn said(a: &Admission) -> (&'static str, Option<onejob::domain::JobId>) {
+    match a {
+        Admission::Created { job_id, .. } => ("created", Some(*job_id)),
+        Admission::Duplicate { job_id } => ("duplicate", Some(*job_id)),
+        Admission::Conflict => ("conflict", None),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_batch_settles_each_identity_once_even_when_batches_race() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
+    let env = TestEnv::new(&config).await;
+
+    // Within one statement: the same identity three times, another twice.
+    let batch = [
+        new_job("acct_b", "a", "one"),
+        new_job("acct_b", "a", "one"),
+        new_job("acct_b", "a", "other"),
+        new_job("acct_b", "b", "two"),
+        new_job("acct_b", "b", "two"),
+    ];
+    let admitted = env.store.admit(&batch).await.unwrap();
+    let got: Vec<_> = admitted.iter().map(said).collect();
+    let (a, b) = (batch[0].job_id, batch[3].job_id);
+    assert_eq!(
+        got,
+        [
+            ("created", Some(a)),
+            ("duplicate", Some(a)),
+            ("conflict", None),
+            ("created", Some(b)),
+            ("duplicate", Some(b)),
+        ]
+    );
+
+    // Batches that overlap, racing on separate connections, round after round.
+    for round in 0..20 {
+        let keys: Vec<String> = (0..10).map(|k| format!("r{round}-{k}")).collect();
+        let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(3));
+        let racers = (0..3).map(|racer| {
+            let store = env.store.clone();
+            let barrier = barrier.clone();
+            // Each racer sends the same keys in its own order.
+            let mut mine: Vec<_> = keys.iter().map(|k| new_job("acct_r", k, "same")).collect();
+            mine.rotate_left(racer * 3);
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let admitted = store.admit(&mine).await.unwrap();
+                mine.iter()
+                    .zip(admitted)
+                    .map(|(n, a)| (n.intent.idempotency_key.clone(), said(&a)))
+                    .collect::<Vec<_>>()
+            })
+        });
+        let mut by_key: std::collections::HashMap<String, Vec<(&str, Option<_>)>> =
+            std::collections::HashMap::new();
+        for racer in futures_util::future::join_all(racers).await {
+            for (key, answer) in racer.unwrap() {
+                by_key.entry(key).or_default().push(answer);
+            }
+        }
+        for (key, answers) in by_key {
+            let created = answers.iter().filter(|a| a.0 == "created").count();
+            let jobs: std::collections::BTreeSet<_> = answers.iter().map(|a| a.1).collect();
+            assert_eq!(created, 1, "round {round}, {key}: {answers:?}");
+            assert_eq!(jobs.len(), 1, "round {round}, {key}: one job named by all");
+        }
+    }
+    let (jobs, identities): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT (owner_id, idempotency_key)) FROM jobs")
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap();
+    assert_eq!((jobs, identities), (2 + 20 * 10, 2 + 20 * 10));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_backlog_is_admitted_in_batches_with_every_receipt_right() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
+    let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
+    let producer = std::sync::Arc::new(Producer::connect(&env.amqp_url).await.unwrap());
+
+    // 300 intents wait in the queue before intake starts: 200 keys, 70 of them
+    // sent again (the same intent) and 20 with a different one, plus 10 invalid.
+    let mut sends: Vec<(String, Vec<u8>)> = (0..200)
+        .map(|k| (format!("k{k}"), format!("text {k}")))
+        .chain((0..70).map(|k| (format!("k{k}"), format!("text {k}"))))
+        .chain((100..120).map(|k| (format!("k{k}"), "changed".to_owned())))
+        .map(|(key, text)| {
+            let body = serde_json::to_vec(&intent("acct_q", &key, &text)).unwrap();
+            (key, body)
+        })
+        .collect();
+    sends.extend((0..10).map(|i| (format!("bad{i}"), format!("{{\"bad\":{i}}}").into_bytes())));
+    let waiting: Vec<_> = sends
+        .into_iter()
+        .map(|(key, body)| {
+            let producer = producer.clone();
+            tokio::spawn(async move { (key, producer.submit_raw(&body).await.unwrap()) })
+        })
+        .collect();
+    let ch = ctx.connection.create_channel().await.unwrap();
+    wait_for("the backlog to be queued", SETTLE, || async {
+        let q = ch
+            .queue_declare(
+                broker::INTENTS_QUEUE.into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        (q.message_count() == 300).then_some(())
+    })
+    .await;
+
+    let fleet = env.fleet(config.clone(), vec![Role::Intake]).await;
+    let mut outcomes: std::collections::HashMap<&str, usize> = Default::default();
+    let mut job_of: std::collections::HashMap<String, onejob::domain::JobId> = Default::default();
+    for task in waiting {
+        let (key, receipt) = task.await.unwrap();
+        *outcomes.entry(receipt.outcome.as_str()).or_default() += 1;
+        if let Some(job) = receipt.job_id {
+            let first = *job_of.entry(key.clone()).or_insert(job);
+            assert_eq!(first, job, "{key}: every receipt names the same job");
+        }
+    }
+    assert_eq!(outcomes.get("created"), Some(&200));
+    assert_eq!(outcomes.get("duplicate"), Some(&70));
+    assert_eq!(outcomes.get("conflict"), Some(&20));
+    assert_eq!(outcomes.get("rejected"), Some(&10));
+    let (jobs,): (i64,) = sqlx::query_as("SELECT count(*) FROM jobs")
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(jobs, 200);
+
+    // Fewer statements than intents: the counters show the batches.
+    let text = onejob::metrics::render();
+    let value = |series: &str| {
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(series)?
+                    .strip_prefix(' ')?
+                    .parse::<f64>()
+                    .ok()
+            })
+            .unwrap_or(0.0)
+    };
+    let (batches, delivered) = (
+        value("onejob_intake_batch_size_count"),
+        value("onejob_intake_batch_size_sum"),
+    );
+    assert!(delivered >= 300.0, "{text}");
+    assert!(
+        batches <= 150.0,
+        "{batches} batches for {delivered} deliveries"
+    );
+    println!("intake: {delivered} deliveries in {batches} batches");
+
+    std::sync::Arc::try_unwrap(producer).unwrap().close().await;
+    fleet.stop().await;
+    let _ = ctx.connection.close(200, "done".into()).await;
+}
