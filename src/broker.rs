@@ -25,6 +25,9 @@ pub const INTENTS_QUEUE: &str = "onejob.intents";
 pub const INTENTS_KEY: &str = "intents";
 /// The header naming why a message was dead-lettered by onejob.
 pub const ERROR_HEADER: &str = "x-onejob-error";
+/// When onejob dead-lettered a message itself (the broker's own dead letters
+/// carry the time in `x-death`).
+pub const DEAD_LETTERED_AT_HEADER: &str = "x-onejob-dead-lettered-at";
 /// AMQP 0-9-1 caps short strings (routing keys, reply-to) at 255 bytes.
 const SHORT_STRING_MAX: usize = 255;
 

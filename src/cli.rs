@@ -35,7 +35,7 @@ pub struct Connections {
     pub amqp_url: String,
     /// Configuration file [default: ./onejob.toml if it exists, else the embedded
     /// defaults].
-    #[arg(long, env = "ONEJOB_CONFIG", global = true)]
+    #[arg(long, env = "ONEJOB_CONFIG", hide_env_values = true, global = true)]
     pub config: Option<PathBuf>,
 }
 
@@ -62,7 +62,7 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Apply pending database migrations.
+    /// Create the database if it is missing, and apply pending migrations.
     Migrate,
     /// Inspect jobs.
     #[command(subcommand)]
@@ -119,18 +119,20 @@ enum DlqCommand {
         limit: usize,
     },
     /// Republish dead letters to their original exchange and routing key (with a
-    /// confirm), then remove them.
+    /// confirm), then remove them. Say which: --id MESSAGE-ID or --all.
+    #[command(group(clap::ArgGroup::new("which").required(true)))]
     Replay {
         /// A dead-letter queue (or its work queue). Without it, every one.
         queue: Option<String>,
         /// Replay the dead letter with this message id.
-        #[arg(long, conflicts_with = "all", required_unless_present = "all")]
+        #[arg(long, group = "which")]
         id: Option<String>,
         /// Replay every dead letter.
-        #[arg(long)]
+        #[arg(long, group = "which")]
         all: bool,
     },
-    /// Delete every dead letter of a queue. Needs --yes.
+    /// Delete the dead letters of a queue (of every dead-letter queue without
+    /// QUEUE). Needs --yes.
     Purge {
         /// A dead-letter queue (or its work queue). Without it, every one.
         queue: Option<String>,
@@ -652,7 +654,7 @@ async fn tokens_command(
             }
         }
         TokensCommand::Revoke { token_id } => {
-            let revoked = store.revoke_token(token_id).await?.ok_or_else(|| {
+            let (revoked, already) = store.revoke_token(token_id).await?.ok_or_else(|| {
                 TokenFailure::Refused(Failure(format!("token {token_id} not found")))
             })?;
             if as_json {
@@ -660,6 +662,16 @@ async fn tokens_command(
                     out,
                     "{}",
                     serde_json::to_value(&revoked).unwrap_or_default()
+                )?;
+            } else if already {
+                let at = revoked
+                    .revoked_at
+                    .map(|at| format!(" on {}", at.format("%Y-%m-%d %H:%M:%S UTC")))
+                    .unwrap_or_default();
+                writeln!(
+                    out,
+                    "token {token_id} of owner {} was already revoked{at}",
+                    revoked.owner_id
                 )?;
             } else {
                 writeln!(

@@ -182,12 +182,20 @@ fn describe(queue: &str, position: usize, properties: &BasicProperties, body: &[
         .or_else(|| first.map(|d| d.exchange.clone()));
     let original_routing_key = header_str(&headers, "x-onejob-original-routing-key")
         .or_else(|| first.and_then(|d| d.routing_keys.first().cloned()));
-    let died_at = first.and_then(|d| d.time).or_else(|| {
-        properties
-            .timestamp()
-            .and_then(|t| i64::try_from(t).ok())
+    let seconds = |t: u64| {
+        i64::try_from(t)
+            .ok()
             .and_then(|s| DateTime::from_timestamp(s, 0))
-    });
+    };
+    let died_at = first
+        .and_then(|d| d.time)
+        .or_else(
+            || match headers.inner().get(broker::DEAD_LETTERED_AT_HEADER) {
+                Some(AMQPValue::Timestamp(t)) => seconds(*t),
+                _ => None,
+            },
+        )
+        .or_else(|| properties.timestamp().and_then(seconds));
     let body_text = String::from_utf8_lossy(body);
     let mut preview: String = body_text.chars().take(120).collect();
     if body_text.chars().count() > 120 {

@@ -1717,17 +1717,21 @@ impl Store {
     }
 
     /// Revokes a token at once: the gateway refuses it from its next request on.
-    /// `Ok(None)` when there is no such token; revoking twice keeps the first time.
-    pub async fn revoke_token(&self, id: Uuid) -> Result<Option<TokenView>> {
+    /// Returns the token and whether it had already been revoked (revoking twice
+    /// keeps the first time); `Ok(None)` when there is no such token.
+    pub async fn revoke_token(&self, id: Uuid) -> Result<Option<(TokenView, bool)>> {
         let row = sqlx::query(
-            "UPDATE gateway_tokens SET revoked_at = coalesce(revoked_at, now())
-             WHERE id = $1
-             RETURNING id, owner_id, created_at, revoked_at",
+            "UPDATE gateway_tokens t SET revoked_at = coalesce(b.revoked_at, now())
+             FROM (SELECT id, revoked_at FROM gateway_tokens WHERE id = $1 FOR UPDATE) b
+             WHERE t.id = b.id
+             RETURNING t.id, t.owner_id, t.created_at, t.revoked_at,
+                       b.revoked_at IS NOT NULL AS already",
         )
         .bind(id)
         .fetch_optional(&self.pool)
         .await?;
-        row.as_ref().map(token_view).transpose()
+        row.map(|r| Ok((token_view(&r)?, r.try_get("already")?)))
+            .transpose()
     }
 
     async fn view(&self, row: Option<sqlx::postgres::PgRow>) -> Result<Option<JobView>> {

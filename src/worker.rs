@@ -156,6 +156,10 @@ impl Context {
             "x-onejob-original-routing-key".into(),
             AMQPValue::LongString(LongString::from(delivery.routing_key.as_str())),
         );
+        headers.insert(
+            broker::DEAD_LETTERED_AT_HEADER.into(),
+            AMQPValue::Timestamp(chrono::Utc::now().timestamp().max(0).unsigned_abs()),
+        );
         let props = delivery
             .properties
             .clone()

@@ -34,14 +34,7 @@ async fn store_env() -> TestEnv {
 
 /// A validated intent for the primary provider, ready to admit.
 fn new_job(key: &str) -> NewJob {
-    let intent = common::intent("acct_cas", key, key);
-    NewJob {
-        job_id: JobId::new(),
-        attempt_id: AttemptId::new(),
-        fingerprint: intent.fingerprint(),
-        intent,
-        provider: "primary".into(),
-    }
+    common::new_job("acct_cas", key, key)
 }
 
 /// A job whose main attempt started first and whose hedge started second.

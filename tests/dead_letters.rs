@@ -4,29 +4,14 @@
 
 mod common;
 
-use common::{TestEnv, config, config_text, mock, wait_for, wait_for_status};
-use lapin::options::{BasicGetOptions, BasicNackOptions, BasicPublishOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
+use common::{TestEnv, config, config_text, depth, mock, wait_for, wait_for_status};
+use lapin::options::{BasicGetOptions, BasicNackOptions, BasicPublishOptions};
 use onejob::broker;
 use onejob::domain::JobStatus;
 use onejob::intent::Outcome;
 use onejob::mock::MockOptions;
 use onejob::worker::Role;
 use onejob_producer::Producer;
-
-async fn depth(ch: &lapin::Channel, queue: &str) -> u32 {
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .expect("passive declare")
-    .message_count()
-}
 
 fn json(out: &std::process::Output) -> serde_json::Value {
     assert!(
@@ -119,6 +104,21 @@ async fn dlq_list_browses_without_consuming_and_purge_needs_yes() {
             .unwrap()
             .starts_with("unknown_operation")
     );
+    for letter in letters {
+        // The producer names each intent, and intake stamps when it gave up on it.
+        assert!(
+            letter["message_id"]
+                .as_str()
+                .is_some_and(|id| !id.is_empty()),
+            "{letter}"
+        );
+        assert!(
+            letter["age_seconds"]
+                .as_i64()
+                .is_some_and(|a| (0..60).contains(&a)),
+            "{letter}"
+        );
+    }
     assert_eq!(letters[0]["original_exchange"], "onejob");
     assert_eq!(letters[0]["original_routing_key"], "intents");
     assert_eq!(letters[0]["body_preview"], "not json");

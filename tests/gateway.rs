@@ -222,7 +222,14 @@ async fn tokens_are_shown_once_and_only_their_digest_is_kept() {
         StatusCode::CREATED
     );
     let id = listed[0]["id"].as_str().unwrap();
-    s.env.cli_ok(&s.file.path, &["tokens", "revoke", id]);
+    let out = s.env.cli_ok(&s.file.path, &["tokens", "revoke", id]);
+    assert!(String::from_utf8_lossy(&out.stdout).ends_with("revoked\n"));
+    let again = s.env.cli_ok(&s.file.path, &["tokens", "revoke", id]);
+    assert!(
+        String::from_utf8_lossy(&again.stdout).contains("was already revoked on"),
+        "{}",
+        String::from_utf8_lossy(&again.stdout)
+    );
     let refused = s.post(Some(&token), Some("k-1"), SUMMARIZE).await;
     assert_eq!(refused.status, StatusCode::UNAUTHORIZED);
     assert_eq!(
@@ -618,18 +625,7 @@ async fn a_request_in_flight_at_shutdown_gets_its_answer() {
         "the intent to be published",
         Duration::from_secs(10),
         || async {
-            let queue = channel
-                .queue_declare(
-                    onejob::broker::INTENTS_QUEUE.into(),
-                    lapin::options::QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    lapin::types::FieldTable::default(),
-                )
-                .await
-                .unwrap();
-            (queue.message_count() == 1).then_some(())
+            (common::depth(&channel, onejob::broker::INTENTS_QUEUE).await == 1).then_some(())
         },
     )
     .await;

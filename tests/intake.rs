@@ -7,7 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    TestEnv, config, config_text, intent, mock, wait_for, wait_for_messages, wait_for_status,
+    TestEnv, config, config_text, intent, mock, new_job, wait_for, wait_for_messages,
+    wait_for_status,
 };
 use lapin::options::{BasicGetOptions, BasicPublishOptions};
 use onejob::broker;
@@ -189,17 +190,6 @@ async fn a_crash_between_commit_and_ack_is_a_duplicate_of_the_same_job() {
     let _ = ctx.connection.close(200, "done".into()).await;
 }
 
-fn new_job(owner: &str, key: &str, text: &str) -> onejob::store::NewJob {
-    let intent = intent(owner, key, text);
-    onejob::store::NewJob {
-        job_id: onejob::domain::JobId::new(),
-        attempt_id: onejob::domain::AttemptId::new(),
-        fingerprint: intent.fingerprint(),
-        intent,
-        provider: "primary".into(),
-    }
-}
-
 /// What an admission says, with the job it names.
 fn said(a: &Admission) -> (&'static str, Option<onejob::domain::JobId>) {
     match a {
@@ -307,18 +297,7 @@ async fn a_backlog_is_admitted_in_batches_with_every_receipt_right() {
         .collect();
     let ch = ctx.connection.create_channel().await.unwrap();
     wait_for("the backlog to be queued", SETTLE, || async {
-        let q = ch
-            .queue_declare(
-                broker::INTENTS_QUEUE.into(),
-                lapin::options::QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                lapin::types::FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        (q.message_count() == 300).then_some(())
+        (common::depth(&ch, broker::INTENTS_QUEUE).await == 300).then_some(())
     })
     .await;
 

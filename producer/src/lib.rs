@@ -141,7 +141,7 @@ impl Producer {
             pending: &self.pending,
             correlation_id: &correlation_id,
         };
-        let props = broker::json_properties()
+        let props = identified()
             .with_reply_to(DIRECT_REPLY_TO.into())
             .with_correlation_id(correlation_id.as_str().into());
         self.publisher
@@ -167,7 +167,7 @@ impl Producer {
                 broker::EXCHANGE,
                 broker::INTENTS_KEY,
                 &body,
-                broker::json_properties(),
+                identified(),
                 true,
             )
             .await?;
@@ -185,6 +185,18 @@ impl Producer {
         self.reader.abort();
         let _ = self.connection.close(200, "producer closed".into()).await;
     }
+}
+
+/// The properties of an intent message: persistent JSON with a fresh
+/// `message_id` (so an operator can pick it out of a dead-letter queue) and the
+/// time it was sent.
+fn identified() -> lapin::BasicProperties {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    broker::json_properties()
+        .with_message_id(uuid::Uuid::now_v7().to_string().as_str().into())
+        .with_timestamp(now)
 }
 
 /// Removes a submit's entry from the waiters when the submit ends.

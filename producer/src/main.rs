@@ -20,7 +20,7 @@ struct Args {
     /// The fleet's configuration, for the queue arguments the producer declares
     /// (`worker.delivery_limit`) [default: ./onejob.toml if it exists, else the
     /// embedded defaults].
-    #[arg(long, env = "ONEJOB_CONFIG", global = true)]
+    #[arg(long, env = "ONEJOB_CONFIG", hide_env_values = true, global = true)]
     config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,

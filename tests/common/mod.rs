@@ -320,6 +320,21 @@ pub mod tempfile_path {
     }
 }
 
+/// How many messages `queue` holds now (a passive declare: nothing taken).
+pub async fn depth(ch: &lapin::Channel, queue: &str) -> u32 {
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("passive declare")
+    .message_count()
+}
+
 /// Polls `check` until it returns `Some`, or panics naming `what` after `limit`.
 pub async fn wait_for<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
 where
@@ -390,6 +405,18 @@ pub async fn submit(
     receipt
         .job_id
         .unwrap_or_else(|| panic!("no job in receipt {receipt:?}"))
+}
+
+/// A validated `summarize` intent for the primary provider, ready to admit.
+pub fn new_job(owner: &str, key: &str, text: &str) -> onejob::store::NewJob {
+    let intent = intent(owner, key, text);
+    onejob::store::NewJob {
+        job_id: onejob::domain::JobId::new(),
+        attempt_id: onejob::domain::AttemptId::new(),
+        fingerprint: intent.fingerprint(),
+        intent,
+        provider: "primary".into(),
+    }
 }
 
 /// An intent for the `summarize` operation.
