@@ -739,11 +739,11 @@ async fn dlq_command(
                 writeln!(out, "{}", serde_json::to_value(&all)?)?;
             }
         }
-        DlqCommand::Replay { queue, id, all } => {
-            let selection = match (id, all) {
-                (Some(id), _) => dlq::Selection::Id(id),
-                (None, true) => dlq::Selection::All,
-                (None, false) => return Err(Failure("say which: --id MESSAGE-ID or --all".into())),
+        DlqCommand::Replay { queue, id, .. } => {
+            // clap requires exactly one of --id and --all.
+            let selection = match id {
+                Some(id) => dlq::Selection::Id(id),
+                None => dlq::Selection::All,
             };
             let mut replayed = Vec::new();
             for q in dlq::select_queues(config, queue.as_deref())? {

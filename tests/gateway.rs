@@ -87,6 +87,15 @@ impl Served {
         Answer::of(request.send().await.expect("POST /v1/jobs")).await
     }
 
+    /// An unauthenticated GET of `path`.
+    async fn fetch(&self, path: &str) -> reqwest::Response {
+        self.http
+            .get(format!("{}{path}", self.base))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+    }
+
     async fn get(&self, token: &str, id: &str) -> Answer {
         let response = self
             .http
@@ -158,9 +167,8 @@ impl Answer {
         let schema = doc
             .pointer(&pointer)
             .unwrap_or_else(|| panic!("/openapi.json documents no {pointer}"));
-        let mut root = schema.clone();
-        root["components"] = doc["components"].clone();
-        let validator = jsonschema::validator_for(&root).expect("the schema compiles");
+        let validator =
+            jsonschema::validator_for(&with_components(&doc, schema)).expect("the schema compiles");
         let errors: Vec<String> = validator
             .iter_errors(&self.body)
             .map(|e| e.to_string())
@@ -173,6 +181,14 @@ impl Answer {
         );
         self
     }
+}
+
+/// `schema` as a root document that can resolve the OpenAPI document's
+/// `#/components/...` references.
+fn with_components(doc: &Value, schema: &Value) -> Value {
+    let mut root = schema.clone();
+    root["components"] = doc["components"].clone();
+    root
 }
 
 const SUMMARIZE: &str = r#"{"operation":"summarize","input":{"text":"the quick fox"}}"#;
@@ -536,12 +552,7 @@ async fn bad_requests_get_specific_errors_and_publish_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_gateway_describes_itself_and_reports_readiness() {
     let s = Served::start().await;
-    let served = s
-        .http
-        .get(format!("{}/openapi.json", s.base))
-        .send()
-        .await
-        .unwrap();
+    let served = s.fetch("/openapi.json").await;
     assert_eq!(served.status(), StatusCode::OK);
     assert_eq!(
         served
@@ -558,16 +569,12 @@ async fn the_gateway_describes_itself_and_reports_readiness() {
     }
     // Every schema the document names compiles.
     for (name, schema) in doc["components"]["schemas"].as_object().unwrap() {
-        let mut root = schema.clone();
-        root["components"] = doc["components"].clone();
-        assert!(jsonschema::validator_for(&root).is_ok(), "{name}");
+        assert!(
+            jsonschema::validator_for(&with_components(&doc, schema)).is_ok(),
+            "{name}"
+        );
     }
-    let ready = s
-        .http
-        .get(format!("{}/readyz", s.base))
-        .send()
-        .await
-        .unwrap();
+    let ready = s.fetch("/readyz").await;
     assert_eq!(ready.status(), StatusCode::OK);
     assert_eq!(ready.text().await.unwrap(), "postgres: ok\nrabbitmq: ok\n");
     s.stop().await;
@@ -648,13 +655,7 @@ async fn a_request_in_flight_at_shutdown_gets_its_answer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_gateway_stops_with_an_error_when_it_loses_rabbitmq() {
     let s = Served::start_with(false, GatewayOptions::default()).await;
-    let ready = s
-        .http
-        .get(format!("{}/readyz", s.base))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(ready.status(), StatusCode::OK);
+    assert_eq!(s.fetch("/readyz").await.status(), StatusCode::OK);
     // The broker closes every connection of this test's vhost.
     let out = std::process::Command::new("rabbitmqctl")
         .args([
