@@ -182,20 +182,15 @@ fn describe(queue: &str, position: usize, properties: &BasicProperties, body: &[
         .or_else(|| first.map(|d| d.exchange.clone()));
     let original_routing_key = header_str(&headers, "x-onejob-original-routing-key")
         .or_else(|| first.and_then(|d| d.routing_keys.first().cloned()));
-    let seconds = |t: u64| {
-        i64::try_from(t)
+    // The latest death: the broker's (x-death) or onejob's own, whichever came
+    // last (a replayed letter may have died both ways).
+    let onejob_death = match headers.inner().get(broker::DEAD_LETTERED_AT_HEADER) {
+        Some(AMQPValue::Timestamp(t)) => i64::try_from(*t)
             .ok()
-            .and_then(|s| DateTime::from_timestamp(s, 0))
+            .and_then(|s| DateTime::from_timestamp(s, 0)),
+        _ => None,
     };
-    let died_at = first
-        .and_then(|d| d.time)
-        .or_else(
-            || match headers.inner().get(broker::DEAD_LETTERED_AT_HEADER) {
-                Some(AMQPValue::Timestamp(t)) => seconds(*t),
-                _ => None,
-            },
-        )
-        .or_else(|| properties.timestamp().and_then(seconds));
+    let died_at = first.and_then(|d| d.time).max(onejob_death);
     let body_text = String::from_utf8_lossy(body);
     let mut preview: String = body_text.chars().take(120).collect();
     if body_text.chars().count() > 120 {
@@ -365,4 +360,28 @@ pub async fn purge(conn: &Connection, queue: &str) -> Result<u32> {
         .await?;
     let _ = ch.close(200, "purged".into()).await;
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn props(headers: FieldTable) -> BasicProperties {
+        broker::json_properties().with_headers(headers)
+    }
+
+    #[test]
+    fn the_age_is_that_of_the_latest_death() {
+        let ago = |s: i64| (Utc::now().timestamp() - s).unsigned_abs();
+        let mut headers = FieldTable::default();
+        headers.insert(
+            broker::DEAD_LETTERED_AT_HEADER.into(),
+            AMQPValue::Timestamp(ago(30)),
+        );
+        let age = describe("q.dlq", 0, &props(headers), b"{}").age_seconds;
+        assert!(age.is_some_and(|a| (30..40).contains(&a)), "{age:?}");
+        // A publisher's timestamp says when it was sent, not when it died.
+        let sent = props(FieldTable::default()).with_timestamp(ago(100));
+        assert_eq!(describe("q.dlq", 0, &sent, b"{}").age_seconds, None);
+    }
 }

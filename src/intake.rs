@@ -19,7 +19,7 @@ use crate::domain::{AttemptId, JobId};
 use crate::intent::{Intent, Outcome, Receipt, RejectReason};
 use crate::shutdown::Shutdown;
 use crate::store::{Admission, NewJob};
-use crate::worker::{self, Context, Result, with_retries};
+use crate::worker::{self, Context, Result, WorkerError, with_retries};
 
 /// The most intents admitted by one statement.
 const MAX_BATCH: usize = 64;
@@ -127,32 +127,29 @@ async fn reject(
 }
 
 /// Admits the valid intents of a batch in one statement and publishes the new
-/// jobs' first attempts; each delivery's receipt, or `None` for all of them if
-/// the database could not be reached.
+/// jobs' first attempts; each delivery's receipt, or `None` when it goes back to
+/// the queue (the database could not be reached).
 async fn admit(ctx: &Context, valid: Vec<(Delivery, NewJob)>) -> Vec<(Delivery, Option<Receipt>)> {
     if valid.is_empty() {
         return Vec::new();
     }
     let (deliveries, batch): (Vec<Delivery>, Vec<NewJob>) = valid.into_iter().unzip();
-    let admitted = with_retries("admitting intents", || async {
-        Ok(ctx.store.admit(&batch).await?)
-    })
-    .await;
-    let admissions = match admitted {
-        Ok(a) if a.len() == batch.len() => a,
-        Ok(a) => {
-            tracing::error!(
-                expected = batch.len(),
-                got = a.len(),
-                "admission answered for the wrong number of intents; returning them to the queue"
-            );
-            return deliveries.into_iter().map(|d| (d, None)).collect();
+    let rows = admit_rows(ctx, &batch).await;
+    // Intents Postgres refused to store are rejected, like any invalid intent.
+    let mut answered = Vec::with_capacity(batch.len());
+    let mut admissions = Vec::with_capacity(batch.len());
+    let mut kept = Vec::with_capacity(batch.len());
+    for ((delivery, new_job), row) in deliveries.into_iter().zip(batch).zip(rows) {
+        match row {
+            Some(Ok(admission)) => {
+                admissions.push(admission);
+                kept.push((delivery, new_job));
+            }
+            Some(Err(reason)) => answered.push(reject(ctx, delivery, reason).await),
+            None => answered.push((delivery, None)),
         }
-        Err(e) => {
-            tracing::error!(error = %e, intents = batch.len(), "intents not admitted; returning them to the queue");
-            return deliveries.into_iter().map(|d| (d, None)).collect();
-        }
-    };
+    }
+    let (deliveries, batch): (Vec<Delivery>, Vec<NewJob>) = kept.into_iter().unzip();
     let mut publish = Vec::new();
     let mut receipts = Vec::with_capacity(batch.len());
     for (new_job, admission) in batch.iter().zip(admissions) {
@@ -181,7 +178,49 @@ async fn admit(ctx: &Context, valid: Vec<(Delivery, NewJob)>) -> Vec<(Delivery, 
     if let Err(e) = ctx.publish_outbox(&publish).await {
         tracing::warn!(error = %e, "first attempts not all published yet; the relay will");
     }
-    deliveries.into_iter().zip(receipts).collect()
+    answered.extend(deliveries.into_iter().zip(receipts));
+    answered
+}
+
+/// Admits a batch with one statement. If Postgres refuses its data, admits the
+/// intents one by one, so that only the one it refuses fails. For each intent:
+/// its admission, the reason it can never be stored, or `None` to requeue it.
+pub async fn admit_rows(
+    ctx: &Context,
+    batch: &[NewJob],
+) -> Vec<Option<Result<Admission, RejectReason>>> {
+    let requeue = |e: &dyn std::fmt::Display, n: usize| {
+        tracing::error!(error = %e, intents = n, "intents not admitted; returning them to the queue");
+        (0..n).map(|_| None).collect()
+    };
+    match admit_now(ctx, batch).await {
+        Ok(admissions) if admissions.len() == batch.len() => {
+            admissions.into_iter().map(|a| Some(Ok(a))).collect()
+        }
+        Ok(admissions) => requeue(
+            &format!("{} answers for {} intents", admissions.len(), batch.len()),
+            batch.len(),
+        ),
+        Err(WorkerError::Store(e)) if e.is_data_error() && batch.len() > 1 => {
+            tracing::warn!(error = %e, "the database refused a batch; admitting its intents one by one");
+            let mut rows = Vec::with_capacity(batch.len());
+            for one in batch.chunks(1) {
+                rows.push(match admit_now(ctx, one).await {
+                    Ok(mut a) if a.len() == 1 => Some(Ok(a.remove(0))),
+                    Err(WorkerError::Store(e)) if e.is_data_error() => {
+                        Some(Err(RejectReason::Unstorable(e.to_string())))
+                    }
+                    Ok(_) => None,
+                    Err(e) => requeue(&e, 1).pop().flatten(),
+                });
+            }
+            rows
+        }
+        Err(WorkerError::Store(e)) if e.is_data_error() => {
+            vec![Some(Err(RejectReason::Unstorable(e.to_string())))]
+        }
+        Err(e) => requeue(&e, batch.len()),
+    }
 }
 
 /// Publishes the receipt to the intent's `reply_to`, if it asked for one.
@@ -199,6 +238,13 @@ async fn send_receipt(ctx: &Context, delivery: &Delivery, receipt: &Receipt) -> 
             .publisher
             .publish("", reply_to.as_str(), &body, props.clone(), false)
             .await?)
+    })
+    .await
+}
+
+async fn admit_now(ctx: &Context, rows: &[NewJob]) -> Result<Vec<Admission>> {
+    with_retries("admitting intents", || async {
+        Ok(ctx.store.admit(rows).await?)
     })
     .await
 }

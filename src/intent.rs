@@ -99,6 +99,10 @@ pub enum RejectReason {
         /// The allowed set.
         allowed: &'static str,
     },
+    /// Postgres refused to store the intent (a data error such as a value out of
+    /// range): no retry can succeed.
+    #[error("unstorable: the database refused the intent: {0}")]
+    Unstorable(String),
     /// `operation` is not configured.
     #[error("unknown_operation: {0:?} is not a configured operation")]
     UnknownOperation(String),
@@ -281,6 +285,12 @@ impl Intent {
         check_length("operation", &operation, 1, MAX_OPERATION_CHARS)?;
         let input = match fields.remove("input") {
             None => return Err(RejectReason::MissingField("input")),
+            Some(Value::Object(map)) if map.iter().any(|(k, v)| k.contains('\0') || has_nul(v)) => {
+                return Err(RejectReason::BadCharacters {
+                    field: "input",
+                    allowed: "any text but NUL (\\u0000), which Postgres cannot store",
+                });
+            }
             Some(Value::Object(map)) => map,
             Some(_) => {
                 return Err(RejectReason::WrongType {
@@ -320,6 +330,17 @@ impl Intent {
             "provider": self.provider,
         });
         Fingerprint(crate::domain::canonical_sha256(&canonical_input))
+    }
+}
+
+/// Whether a string anywhere in `value` (a key or a value) holds NUL. serde_json
+/// limits nesting to 128 levels, so the recursion is bounded.
+fn has_nul(value: &Value) -> bool {
+    match value {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(has_nul),
+        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
+        _ => false,
     }
 }
 
@@ -630,6 +651,30 @@ mod tests {
             Intent::from_request(big.as_bytes(), "a", "k", 256),
             Err(RejectReason::TooLarge { limit: 256, .. })
         ));
+    }
+
+    #[test]
+    fn nul_anywhere_in_the_input_is_refused() {
+        for input in [
+            r#"{"t":"a\u0000b"}"#,
+            r#"{"a\u0000":1}"#,
+            r#"{"deep":[{"x":["ok","\u0000"]}]}"#,
+        ] {
+            let body = format!(
+                r#"{{"owner_id":"o","idempotency_key":"k","operation":"op","input":{input}}}"#
+            );
+            let err = parse(&body).unwrap_err();
+            assert!(
+                err.to_string().starts_with("bad_characters: \"input\""),
+                "{input}: {err}"
+            );
+        }
+        assert!(
+            parse(
+                r#"{"owner_id":"o","idempotency_key":"k","operation":"op","input":{"t":"\u0001"}}"#
+            )
+            .is_ok()
+        );
     }
 
     #[test]

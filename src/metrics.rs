@@ -94,6 +94,19 @@ pub fn provider_call(provider: &str, result: &'static str, elapsed: Duration) {
     .record(elapsed.as_secs_f64());
 }
 
+/// A transaction ran again after a transient error, by its SQLSTATE (`40P01` a
+/// deadlock, `40001` a serialization failure) or `io`.
+pub fn db_retry(error: &crate::store::StoreError) {
+    let code = match error {
+        crate::store::StoreError::Db(sqlx::Error::Database(db)) => {
+            db.code().map_or("other".to_owned(), |c| c.into_owned())
+        }
+        crate::store::StoreError::Db(sqlx::Error::Io(_)) => "io".to_owned(),
+        _ => "other".to_owned(),
+    };
+    counter!("onejob_db_retries_total", "code" => code).increment(1);
+}
+
 /// Outbox rows published and confirmed.
 pub fn published(rows: usize) {
     counter!("onejob_outbox_published_total").increment(rows as u64);

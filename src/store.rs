@@ -50,6 +50,12 @@ impl StoreError {
         matches!(self, StoreError::Db(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01"))
     }
 
+    /// Data the database refuses (SQLSTATE class 22: a string it cannot store, a
+    /// number out of range): running the statement again cannot help.
+    pub fn is_data_error(&self) -> bool {
+        matches!(self, StoreError::Db(sqlx::Error::Database(db)) if db.code().is_some_and(|c| c.starts_with("22")))
+    }
+
     /// Deadlocks and serialization failures: the transaction can simply run again.
     fn is_transient(&self) -> bool {
         match self {
@@ -546,9 +552,10 @@ impl Store {
                 .with_jitter(),
         )
         .when(StoreError::is_transient)
-        .notify(
-            |e, d| tracing::debug!(error = %e, retry_in = ?d, "transient database error; retrying"),
-        )
+        .notify(|e, d| {
+            crate::metrics::db_retry(e);
+            tracing::debug!(error = %e, retry_in = ?d, "transient database error; retrying")
+        })
         .await
     }
 

@@ -251,6 +251,8 @@ where
             .with_max_times(15)
             .with_jitter(),
     )
+    // Data Postgres refuses stays refused.
+    .when(|e| !matches!(e, WorkerError::Store(s) if s.is_data_error()))
     .notify(|e, d| tracing::warn!(error = %e, retry_in = ?d, "{what} failed; retrying"))
     .await
 }
@@ -352,7 +354,18 @@ where
                     break end;
                 }
             },
-            Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
+            Some(joined) = in_flight.join_next(), if !in_flight.is_empty() => {
+                // A handler that panicked left its deliveries unsettled: stop, so
+                // that the channel closes and the broker hands them out again.
+                if let Err(e) = joined
+                    && e.is_panic()
+                {
+                    break Err(WorkerError::RoleStopped(
+                        queue.to_owned(),
+                        "a delivery handler panicked; its deliveries go back to the queue".into(),
+                    ));
+                }
+            }
         }
     };
     let _ = channel

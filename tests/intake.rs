@@ -205,24 +205,26 @@ async fn one_batch_settles_each_identity_once_even_when_batches_race() {
     let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
     let env = TestEnv::new(&config).await;
 
-    // Within one statement: the same identity three times, another twice.
+    onejob::metrics::install();
+    // Within one statement: the same identity three times, another twice, out
+    // of order (the store sorts by identity; answers come back in this order).
     let batch = [
-        new_job("acct_b", "a", "one"),
+        new_job("acct_b", "b", "two"),
         new_job("acct_b", "a", "one"),
         new_job("acct_b", "a", "other"),
-        new_job("acct_b", "b", "two"),
+        new_job("acct_b", "a", "one"),
         new_job("acct_b", "b", "two"),
     ];
     let admitted = env.store.admit(&batch).await.unwrap();
     let got: Vec<_> = admitted.iter().map(said).collect();
-    let (a, b) = (batch[0].job_id, batch[3].job_id);
+    let (a, b) = (batch[1].job_id, batch[0].job_id);
     assert_eq!(
         got,
         [
-            ("created", Some(a)),
-            ("duplicate", Some(a)),
-            ("conflict", None),
             ("created", Some(b)),
+            ("created", Some(a)),
+            ("conflict", None),
+            ("duplicate", Some(a)),
             ("duplicate", Some(b)),
         ]
     );
@@ -266,6 +268,49 @@ async fn one_batch_settles_each_identity_once_even_when_batches_race() {
             .await
             .unwrap();
     assert_eq!((jobs, identities), (2 + 20 * 10, 2 + 20 * 10));
+    // Overlapping batches insert in one order, so none deadlocked (a deadlock
+    // would have been retried, and counted).
+    let metrics = onejob::metrics::render();
+    assert!(
+        !metrics.contains(r#"onejob_db_retries_total{code="40P01"}"#),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_the_database_refuses_fails_only_the_refused_intent() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
+    let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
+    // Validation refuses NUL, which Postgres cannot store; this intent skips
+    // validation to stand for any data the database refuses.
+    let mut refused = new_job("acct_n", "bad", "x");
+    refused.intent.input.insert(
+        "text".into(),
+        serde_json::Value::String("nul \u{0} here".into()),
+    );
+    let batch = [
+        new_job("acct_n", "good-1", "x"),
+        refused,
+        new_job("acct_n", "good-2", "x"),
+    ];
+    let rows = onejob::intake::admit_rows(&ctx, &batch).await;
+    let got: Vec<&str> = rows
+        .iter()
+        .map(|r| match r {
+            Some(Ok(a)) => said(a).0,
+            Some(Err(reason)) if reason.to_string().starts_with("unstorable") => "unstorable",
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(got, ["created", "unstorable", "created"]);
+    let (jobs,): (i64,) = sqlx::query_as("SELECT count(*) FROM jobs")
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(jobs, 2);
+    let _ = ctx.connection.close(200, "done".into()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -274,7 +319,16 @@ async fn a_backlog_is_admitted_in_batches_with_every_receipt_right() {
     let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
     let env = TestEnv::new(&config).await;
     let ctx = env.context(config.clone()).await;
-    let producer = std::sync::Arc::new(Producer::connect(&env.amqp_url).await.unwrap());
+    // The receipts wait while the backlog builds up and the fleet starts.
+    let options = onejob_producer::ProducerOptions {
+        receipt_timeout: Duration::from_secs(120),
+        ..Default::default()
+    };
+    let producer = std::sync::Arc::new(
+        Producer::connect_with(&env.amqp_url, options)
+            .await
+            .unwrap(),
+    );
 
     // 300 intents wait in the queue before intake starts: 200 keys, 70 of them
     // sent again (the same intent) and 20 with a different one, plus 10 invalid.
@@ -310,6 +364,8 @@ async fn a_backlog_is_admitted_in_batches_with_every_receipt_right() {
         if let Some(job) = receipt.job_id {
             let first = *job_of.entry(key.clone()).or_insert(job);
             assert_eq!(first, job, "{key}: every receipt names the same job");
+            let stored = env.store.find_job("acct_q", &key).await.unwrap();
+            assert_eq!(stored.map(|j| j.id), Some(job), "{key}: its own job");
         }
     }
     assert_eq!(outcomes.get("created"), Some(&200));
