@@ -690,6 +690,38 @@ impl Store {
             .into_iter()
             .map(|(o, k, id, fp)| ((o, k), (id, fp)))
             .collect();
+        // A job that bears this batch's own id was created by an earlier run of
+        // this call whose commit went through unseen (the connection dropped at
+        // COMMIT, and `retrying` ran it again): it is still `created`, with the
+        // outbox row that run wrote.
+        let unseen: Vec<String> = batch
+            .iter()
+            .filter(|n| {
+                !publish_by_job.contains_key(&n.job_id.0)
+                    && existing
+                        .get(&(n.intent.owner_id.clone(), n.intent.idempotency_key.clone()))
+                        .is_some_and(|(id, _)| *id == n.job_id.0)
+            })
+            .map(|n| n.attempt_id.to_string())
+            .collect();
+        if !unseen.is_empty() {
+            let rows = sqlx::query(
+                "SELECT id, exchange, routing_key, message_id, body FROM outbox
+                 WHERE message_id = ANY($1)",
+            )
+            .bind(&unseen)
+            .fetch_all(&self.pool)
+            .await?;
+            let by_attempt: HashMap<String, OutboxMessage> = rows
+                .iter()
+                .map(|r| outbox_message(r).map(|m| (m.message_id.clone(), m)))
+                .collect::<Result<_>>()?;
+            for n in batch {
+                if let Some(m) = by_attempt.get(&n.attempt_id.to_string()) {
+                    publish_by_job.insert(n.job_id.0, m.clone());
+                }
+            }
+        }
         batch
             .iter()
             .map(|n| {

@@ -229,6 +229,35 @@ async fn one_batch_settles_each_identity_once_even_when_batches_race() {
         ]
     );
 
+    // The same call run again after its commit went through unseen (the
+    // connection dropped at COMMIT): still `created`, with the outbox row that
+    // the first run wrote, not a `duplicate` of itself.
+    let again = env.store.admit(&batch[..2]).await.unwrap();
+    match &again[..] {
+        [
+            Admission::Created {
+                job_id: jb,
+                publish: pb,
+            },
+            Admission::Created {
+                job_id: ja,
+                publish: pa,
+            },
+        ] => {
+            assert_eq!((*jb, *ja), (b, a));
+            assert_eq!(pb.message_id, batch[0].attempt_id.to_string());
+            assert_eq!(pa.message_id, batch[1].attempt_id.to_string());
+        }
+        other => panic!("{other:?}"),
+    }
+    // Anyone else with the same intent is told `duplicate`.
+    let other = env
+        .store
+        .admit(&[new_job("acct_b", "a", "one")])
+        .await
+        .unwrap();
+    assert_eq!(said(&other[0]), ("duplicate", Some(a)));
+
     // Batches that overlap, racing on separate connections, round after round.
     for round in 0..20 {
         let keys: Vec<String> = (0..10).map(|k| format!("r{round}-{k}")).collect();
