@@ -64,7 +64,11 @@ fn line(what: &str, per_second: f64, unit: &str, ratio: Option<(f64, &str)>) {
 async fn main() {
     let count = n();
     let primary = mock(MockOptions::default()).await;
-    let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
+    // The test configuration, with room for as many provider calls in flight as
+    // the client keeps requests in flight.
+    let text = config_text(&primary.base_url(), None, "")
+        .replace("concurrency = 8", &format!("concurrency = {IN_FLIGHT}"));
+    let (config, _file) = config(&text);
     println!(
         "bench: {count} per phase, {IN_FLIGHT} in flight, on this machine's PostgreSQL and RabbitMQ"
     );
