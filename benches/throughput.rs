@@ -53,6 +53,27 @@ where
     count as f64 / start.elapsed().as_secs_f64()
 }
 
+/// Submits `count` intents keyed `<prefix>-<i>`, `IN_FLIGHT` at a time; each
+/// receipt must come, with the `expected` outcome if one is given. Per second.
+async fn submit_all(
+    producer: &Producer,
+    count: usize,
+    prefix: &str,
+    expected: Option<Outcome>,
+) -> f64 {
+    rate(count, |i| async move {
+        let r = producer
+            .submit(&intent("bench", &format!("{prefix}-{i}"), "x"))
+            .await;
+        let outcome = r.as_ref().map(|receipt| receipt.outcome);
+        assert!(
+            outcome.is_ok() && expected.is_none_or(|e| outcome.as_ref().ok() == Some(&e)),
+            "{prefix}-{i}: {r:?}"
+        );
+    })
+    .await
+}
+
 fn line(what: &str, per_second: f64, unit: &str, ratio: Option<(f64, &str)>) {
     let ratio = ratio.map_or("(baseline)".to_owned(), |(base, of)| {
         format!("{:.2}× {of}", per_second / base)
@@ -110,16 +131,7 @@ async fn main() {
             .await
         });
         let producer = producer(&env.amqp_url).await;
-        let per_second = rate(count, |i| {
-            let producer = &producer;
-            async move {
-                let r = producer
-                    .submit(&intent("bench", &format!("echo-{i}"), "x"))
-                    .await;
-                assert!(r.is_ok(), "echo round trip: {r:?}");
-            }
-        })
-        .await;
+        let per_second = submit_all(&producer, count, "echo", None).await;
         shutdown.trigger();
         let _ = echo.await;
         producer.close().await;
@@ -148,19 +160,7 @@ async fn main() {
                 Outcome::Duplicate,
             ),
         ] {
-            let per_second = rate(count, |i| {
-                let producer = &producer;
-                async move {
-                    let r = producer
-                        .submit(&intent("bench", &format!("in-{i}"), "x"))
-                        .await;
-                    assert!(
-                        matches!(&r, Ok(Receipt { outcome, .. }) if *outcome == expected),
-                        "{r:?}"
-                    );
-                }
-            })
-            .await;
+            let per_second = submit_all(&producer, count, "in", Some(expected)).await;
             line(
                 what,
                 per_second,
@@ -239,16 +239,7 @@ async fn main() {
         let fleet = env.fleet(config.clone(), vec![]).await;
         let producer = producer(&env.amqp_url).await;
         let start = Instant::now();
-        rate(count, |i| {
-            let producer = &producer;
-            async move {
-                let r = producer
-                    .submit(&intent("bench", &format!("e2e-{i}"), "x"))
-                    .await;
-                assert!(r.is_ok(), "{r:?}");
-            }
-        })
-        .await;
+        submit_all(&producer, count, "e2e", None).await;
         let want = i64::try_from(count).unwrap_or(i64::MAX);
         loop {
             let (done,): (i64,) = sqlx::query_as("SELECT count(*) FROM jobs WHERE status = $1")
