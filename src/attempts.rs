@@ -19,7 +19,7 @@ use tokio::sync::Semaphore;
 
 use crate::broker;
 use crate::config::Config;
-use crate::domain::{self, AttemptId, GiveUp, JobId};
+use crate::domain::{self, AttemptId, AttemptStatus, GiveUp, JobId, JobStatus};
 use crate::provider::{CallError, Client};
 use crate::qualify;
 use crate::shutdown::Shutdown;
@@ -44,7 +44,9 @@ pub async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> Result<(
         .get(&provider)
         .cloned()
         .ok_or_else(|| worker::WorkerError::UnknownProvider(provider.clone()))?;
-    let client = Arc::new(Client::new(settings.clone()));
+    let client = Arc::new(Client::new(settings.clone()).map_err(|e| {
+        worker::WorkerError::RoleStopped(format!("attempts({provider})"), e.to_string())
+    })?);
     let queue = broker::attempts_queue(&provider);
     // Prefetch and the semaphore both cap in-flight calls, whatever the backlog.
     let concurrency = u16::try_from(settings.concurrency).unwrap_or(u16::MAX);
@@ -89,13 +91,23 @@ async fn process(ctx: &Context, client: &Client, queue: &str, delivery: &Deliver
     })
     .await?;
     let Some(started) = started.into_iter().next() else {
-        let job = with_retries("looking up an attempt", || async {
-            Ok(ctx.store.attempt_job(message.attempt_id).await?)
+        let state = with_retries("looking up an attempt", || async {
+            Ok(ctx.store.attempt_state(message.attempt_id).await?)
         })
         .await?;
-        if job == Some(message.job_id) {
-            tracing::debug!(attempt_id = %message.attempt_id, "attempt is not queued any more: duplicate delivery dropped");
-            return worker::ack(delivery).await;
+        match state {
+            Some((job, AttemptStatus::Queued, JobStatus::Unknown)) if job == message.job_id => {
+                // Blocked behind an unknown attempt. The attempt stays `queued`, and
+                // the settlement that lifts the block publishes its message again, so
+                // this delivery can go without costing it a delivery count.
+                tracing::info!(attempt_id = %message.attempt_id, job_id = %job, "attempt blocked: its job waits for an unknown attempt to be resolved; it is published again when it is");
+                return worker::ack(delivery).await;
+            }
+            Some((job, _, _)) if job == message.job_id => {
+                tracing::debug!(attempt_id = %message.attempt_id, "attempt is not queued any more: duplicate delivery dropped");
+                return worker::ack(delivery).await;
+            }
+            _ => {}
         }
         // A message naming no such attempt (or the wrong job) is bad input: keep it
         // where an operator can see it, with the reason.

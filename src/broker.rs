@@ -28,6 +28,8 @@ pub const ERROR_HEADER: &str = "x-onejob-error";
 /// When onejob dead-lettered a message itself (the broker's own dead letters
 /// carry the time in `x-death`).
 pub const DEAD_LETTERED_AT_HEADER: &str = "x-onejob-dead-lettered-at";
+/// How long a publish waits for the broker's confirm.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 /// AMQP 0-9-1 caps short strings (routing keys, reply-to) at 255 bytes.
 const SHORT_STRING_MAX: usize = 255;
 
@@ -44,6 +46,19 @@ pub enum BrokerError {
         exchange: String,
         /// The routing key.
         routing_key: String,
+    },
+    /// The broker did not confirm (nor refuse) a publish in time: whether it took
+    /// the message is not known.
+    #[error(
+        "no publisher confirm from the broker within {timeout:?} for the publish to {exchange:?} with key {routing_key:?}"
+    )]
+    ConfirmTimeout {
+        /// The exchange.
+        exchange: String,
+        /// The routing key.
+        routing_key: String,
+        /// How long it waited.
+        timeout: Duration,
     },
     /// A mandatory message had no queue to go to.
     #[error("unroutable: no queue is bound to {exchange:?} with key {routing_key:?} ({reply})")]
@@ -260,11 +275,12 @@ impl Publisher {
                 properties,
             )
             .await?;
-        let confirmation = tokio::time::timeout(Duration::from_secs(30), confirm)
+        let confirmation = tokio::time::timeout(CONFIRM_TIMEOUT, confirm)
             .await
-            .map_err(|_| BrokerError::Nacked {
+            .map_err(|_| BrokerError::ConfirmTimeout {
                 exchange: exchange.to_owned(),
                 routing_key: routing_key.to_owned(),
+                timeout: CONFIRM_TIMEOUT,
             })??;
         let nacked = confirmation.is_nack();
         if let Some(returned) = confirmation.take_message() {

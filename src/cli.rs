@@ -568,6 +568,7 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                         "origin": config.origin,
                         "providers": config.provider_names(),
                         "operations": config.operations.keys().collect::<Vec<_>>(),
+                        "warnings": config.warnings,
                     })
                 )?;
             } else {
@@ -581,6 +582,9 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                         o.route.join(" → "),
                         o.max_attempts
                     )?;
+                }
+                for w in &config.warnings {
+                    writeln!(out, "warning: {w}")?;
                 }
             }
         }

@@ -95,6 +95,9 @@ struct RawProvider {
     timeout: Option<String>,
     concurrency: Option<u32>,
     context_window: Option<u32>,
+    max_retry_after: Option<String>,
+    unknown_statuses: Option<Vec<u16>>,
+    max_response_bytes: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -196,7 +199,29 @@ pub struct Provider {
     pub concurrency: u32,
     /// The model's context window in tokens, if known.
     pub context_window: Option<u32>,
+    /// The longest `Retry-After` honoured; a longer one is capped to this.
+    pub max_retry_after: Duration,
+    /// HTTP statuses by which a proxy says it forwarded the request and stopped
+    /// waiting: the call may have run, so the attempt is `unknown`.
+    pub unknown_statuses: Vec<u16>,
+    /// The largest answer read from the provider; a larger one fails the attempt.
+    pub max_response_bytes: usize,
 }
+
+/// The default `max_retry_after` of a provider.
+pub const DEFAULT_MAX_RETRY_AFTER: Duration = Duration::from_secs(600);
+/// The default `unknown_statuses` of a provider: gateway timeout, and
+/// Cloudflare's "a timeout occurred".
+pub const DEFAULT_UNKNOWN_STATUSES: [u16; 2] = [504, 524];
+/// The default `max_response_bytes` of a provider.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+/// The longest duration any setting accepts. Every time onejob computes from a
+/// setting (deadlines, not-before times, tick intervals) then stays far from the
+/// limits of the clock types, so no arithmetic on it can overflow.
+pub const MAX_DURATION: Duration = Duration::from_secs(366 * 24 * 3600);
+/// How much longer than the longest provider timeout the default shutdown grace
+/// is, so that a call in flight at SIGTERM can still be settled.
+const SHUTDOWN_MARGIN: Duration = Duration::from_secs(5);
 
 /// One configured operation: what to ask and what shape the answer must have.
 #[derive(Clone)]
@@ -241,6 +266,12 @@ pub enum ContractViolation {
     /// The JSON does not satisfy `output_schema`.
     #[error("contract_violation: {0}")]
     Schema(String),
+    /// The JSON holds NUL, which Postgres cannot store: the answer can never
+    /// become a result.
+    #[error(
+        "contract_violation: the answer holds a NUL character (\\u0000), which cannot be stored"
+    )]
+    Nul,
 }
 
 /// A prompt that could not be rendered from an input.
@@ -262,6 +293,9 @@ impl Operation {
     pub fn check_output(&self, content: &str) -> Result<Value, ContractViolation> {
         let value: Value = serde_json::from_str(content.trim())
             .map_err(|e| ContractViolation::NotJson(e.to_string()))?;
+        if crate::intent::has_nul(&value) {
+            return Err(ContractViolation::Nul);
+        }
         if let Some(error) = self.validator.iter_errors(&value).next() {
             let path = error.instance_path().to_string();
             let at = if path.is_empty() { "/" } else { &path };
@@ -282,6 +316,9 @@ pub struct Config {
     pub providers: BTreeMap<String, Provider>,
     /// `[operations.*]`, by name.
     pub operations: BTreeMap<String, Operation>,
+    /// Settings that work but are probably not what was meant, one line each;
+    /// the worker logs them at start.
+    pub warnings: Vec<String>,
     templates: Arc<minijinja::Environment<'static>>,
 }
 
@@ -321,6 +358,9 @@ fn duration(
             })?;
             if d.is_zero() {
                 return Err(invalid(origin, setting, "must be greater than zero"));
+            }
+            if d > MAX_DURATION {
+                return Err(invalid(origin, setting, "must be at most 366 days"));
             }
             Ok(d)
         }
@@ -514,6 +554,33 @@ impl Config {
                 Some(n) => n,
                 None => 16,
             };
+            let max_retry_after = duration(
+                origin,
+                &at("max_retry_after"),
+                &p.max_retry_after,
+                DEFAULT_MAX_RETRY_AFTER,
+            )?;
+            let unknown_statuses = p
+                .unknown_statuses
+                .unwrap_or_else(|| DEFAULT_UNKNOWN_STATUSES.to_vec());
+            if let Some(bad) = unknown_statuses.iter().find(|s| !(100..=599).contains(*s)) {
+                return Err(invalid(
+                    origin,
+                    at("unknown_statuses"),
+                    format!("{bad} is not an HTTP status"),
+                ));
+            }
+            let max_response_bytes = match p.max_response_bytes {
+                Some(n) if n < 1024 => {
+                    return Err(invalid(
+                        origin,
+                        at("max_response_bytes"),
+                        "must be at least 1024",
+                    ));
+                }
+                Some(n) => n,
+                None => DEFAULT_MAX_RESPONSE_BYTES,
+            };
             if let Some(env) = &p.api_key_env
                 && env.is_empty()
             {
@@ -534,6 +601,9 @@ impl Config {
                     timeout,
                     concurrency,
                     context_window: p.context_window,
+                    max_retry_after,
+                    unknown_statuses,
+                    max_response_bytes,
                 },
             );
         }
@@ -656,11 +726,32 @@ impl Config {
                 "at least one operation must be configured",
             ));
         }
+        let mut worker = worker;
+        let mut warnings = Vec::new();
+        if let Some((slowest, timeout)) = providers
+            .values()
+            .map(|p| (p.name.as_str(), p.timeout))
+            .max_by_key(|(_, t)| *t)
+        {
+            // A deploy must not turn every slow call into an unknown: by default the
+            // grace outlasts the longest call, and a shorter one set by hand is named.
+            if w.shutdown_grace.is_none() {
+                worker.shutdown_grace = worker.shutdown_grace.max(timeout + SHUTDOWN_MARGIN);
+            } else if worker.shutdown_grace < timeout {
+                warnings.push(format!(
+                    "config {origin}: worker.shutdown_grace ({}) is shorter than providers.{slowest}.timeout ({}): \
+                     a call still in flight when the worker stops becomes `unknown` and blocks its job",
+                    humantime::format_duration(worker.shutdown_grace),
+                    humantime::format_duration(timeout),
+                ));
+            }
+        }
         Ok(Config {
             origin: origin.to_owned(),
             worker,
             providers,
             operations,
+            warnings,
             templates: Arc::new(env),
         })
     }
@@ -794,6 +885,101 @@ mod tests {
             assert!(!err.contains("secret"), "{err}");
             assert_eq!(err.lines().count(), 1, "{err}");
         }
+    }
+
+    #[test]
+    fn provider_limits_have_defaults_and_bounds() {
+        let c = Config::parse(EMBEDDED_DEFAULT, "t").unwrap();
+        let p = &c.providers["primary"];
+        assert_eq!(p.max_retry_after, Duration::from_secs(600));
+        assert_eq!(p.unknown_statuses, vec![504, 524]);
+        assert_eq!(p.max_response_bytes, DEFAULT_MAX_RESPONSE_BYTES);
+        let text = EMBEDDED_DEFAULT.replace(
+            "concurrency = 16",
+            "concurrency = 16\nmax_retry_after = \"1m\"\nunknown_statuses = []",
+        );
+        let c = Config::parse(&text, "t").unwrap();
+        assert_eq!(
+            c.providers["primary"].max_retry_after,
+            Duration::from_secs(60)
+        );
+        assert!(c.providers["primary"].unknown_statuses.is_empty());
+        for (extra, setting) in [
+            (
+                "unknown_statuses = [5040]",
+                "providers.primary.unknown_statuses",
+            ),
+            (
+                "max_response_bytes = 10",
+                "providers.primary.max_response_bytes",
+            ),
+            (
+                "max_retry_after = \"0s\"",
+                "providers.primary.max_retry_after",
+            ),
+        ] {
+            let text =
+                EMBEDDED_DEFAULT.replace("concurrency = 16", &format!("concurrency = 16\n{extra}"));
+            let err = Config::parse(&text, "t").unwrap_err().to_string();
+            assert!(err.contains(setting), "{err}");
+        }
+    }
+
+    /// No duration from configuration can make later time arithmetic overflow.
+    #[test]
+    fn durations_are_bounded() {
+        for setting in [
+            "retry_backoff_max",
+            "relay_interval",
+            "shutdown_grace",
+            "stuck_after",
+        ] {
+            let err = Config::parse(&with(&format!("[worker]\n{setting} = \"9999y\"")), "t")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(&format!("worker.{setting}")) && err.contains("at most"),
+                "{err}"
+            );
+        }
+        let text = EMBEDDED_DEFAULT.replace("timeout = \"30s\"", "timeout = \"400days\"");
+        let err = Config::parse(&text, "t").unwrap_err().to_string();
+        assert!(err.contains("providers.primary.timeout"), "{err}");
+    }
+
+    /// Item 13 of issue 8: by default a stopping worker waits out the longest
+    /// provider call, so a deploy creates no unknowns; a shorter grace set by hand
+    /// is warned about.
+    #[test]
+    fn the_default_shutdown_grace_outlasts_the_longest_call() {
+        let slow = EMBEDDED_DEFAULT.replace("timeout = \"30s\"", "timeout = \"2m\"");
+        let c = Config::parse(&slow, "t").unwrap();
+        assert!(
+            c.worker.shutdown_grace > Duration::from_secs(120),
+            "{:?}",
+            c.worker.shutdown_grace
+        );
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        let c = Config::parse(
+            &EMBEDDED_DEFAULT.replace("timeout = \"30s\"", "timeout = \"5s\""),
+            "t",
+        )
+        .unwrap();
+        assert_eq!(
+            c.worker.shutdown_grace,
+            Duration::from_secs(30),
+            "never below 30s"
+        );
+        let short = format!("{slow}\n[worker]\nshutdown_grace = \"10s\"");
+        let c = Config::parse(&short, "t").unwrap();
+        assert_eq!(c.worker.shutdown_grace, Duration::from_secs(10));
+        assert_eq!(c.warnings.len(), 1);
+        assert!(
+            c.warnings[0].contains("worker.shutdown_grace")
+                && c.warnings[0].contains("providers.primary.timeout"),
+            "{}",
+            c.warnings[0]
+        );
     }
 
     #[test]

@@ -335,7 +335,7 @@ impl Intent {
 
 /// Whether a string anywhere in `value` (a key or a value) holds NUL. serde_json
 /// limits nesting to 128 levels, so the recursion is bounded.
-fn has_nul(value: &Value) -> bool {
+pub fn has_nul(value: &Value) -> bool {
     match value {
         Value::String(s) => s.contains('\0'),
         Value::Array(items) => items.iter().any(has_nul),

@@ -13,6 +13,8 @@
 //! | `mock:extra_key` | add a top-level key the schema does not allow |
 //! | `mock:wrong_type` | give the field a number instead of a string |
 //! | `mock:drop` | send the headers, then drop the connection mid-body |
+//! | `mock:nul` | put NUL characters in the answer, its id and usage (and a raw NUL byte in an error body) |
+//! | `mock:pad=BYTES` | pad the answer's text with that many bytes |
 //!
 //! Server-wide options add a fixed delay, random latency and a random error rate.
 //! `GET /_mock/stats` reports how many completions were requested, and with which
@@ -202,6 +204,8 @@ struct Directives {
     extra_key: bool,
     wrong_type: bool,
     drop: bool,
+    nul: bool,
+    pad: Option<usize>,
 }
 
 fn directives(text: &str) -> Directives {
@@ -219,6 +223,8 @@ fn directives(text: &str) -> Directives {
             "extra_key" => d.extra_key = true,
             "wrong_type" => d.wrong_type = true,
             "drop" => d.drop = true,
+            "nul" => d.nul = true,
+            "pad" => d.pad = value.parse().ok(),
             _ => {}
         }
     }
@@ -278,11 +284,15 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
     });
     if let Some(code) = d.status.or(if fail { Some(503) } else { None }) {
         let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let mut response = (
-            status,
-            Json(json!({"error": {"message": format!("mock: asked to fail with {code}"), "type": "mock_error"}})),
-        )
-            .into_response();
+        let mut response = if d.nul {
+            (status, b"mock: a raw \0 byte in an error body".to_vec()).into_response()
+        } else {
+            (
+                status,
+                Json(json!({"error": {"message": format!("mock: asked to fail with {code}"), "type": "mock_error"}})),
+            )
+                .into_response()
+        };
         if let Some(secs) = d.retry_after
             && let Ok(v) = secs.to_string().parse()
         {
@@ -305,7 +315,13 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
         .last()
         .map(|m| m.content.as_str())
         .unwrap_or_default();
-    let gist: String = user.chars().take(80).collect();
+    let mut gist: String = user.chars().take(80).collect();
+    if d.nul {
+        gist.push('\0');
+    }
+    if let Some(pad) = d.pad {
+        gist.push_str(&"x".repeat(pad));
+    }
     let gist = match &options.tag {
         Some(tag) => format!("from {tag}: {gist}"),
         None => gist,
@@ -331,8 +347,15 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
         }
         Value::Object(answer).to_string()
     };
+    let (id, usage) = if d.nul {
+        let mut usage = usage;
+        usage["note"] = json!("spent\0");
+        (format!("chatcmpl-mock-{n}\0"), usage)
+    } else {
+        (format!("chatcmpl-mock-{n}"), usage)
+    };
     Json(json!({
-        "id": format!("chatcmpl-mock-{n}"),
+        "id": id,
         "object": "chat.completion",
         "model": "mock-model",
         "choices": [{

@@ -71,15 +71,23 @@ pub struct Client {
 }
 
 impl Client {
-    /// A client for `provider`, with its timeout as the whole call's limit.
-    pub fn new(provider: Provider) -> Client {
+    /// A client for `provider`, with its timeout as the whole call's limit. Fails
+    /// (rather than fall back to a client without that timeout) when the HTTP
+    /// stack cannot be set up.
+    pub fn new(provider: Provider) -> Result<Client, CallError> {
         let http = reqwest::Client::builder()
             .timeout(provider.timeout)
             .connect_timeout(provider.timeout.min(Duration::from_secs(10)))
             .pool_max_idle_per_host(provider.concurrency as usize)
             .build()
-            .unwrap_or_default();
-        Client { http, provider }
+            .map_err(|e| {
+                CallError::Refused(format!(
+                    "cannot set up the HTTP client of provider {}: {}",
+                    provider.name,
+                    without_url(&e)
+                ))
+            })?;
+        Ok(Client { http, provider })
     }
 
     /// The provider.
@@ -125,47 +133,105 @@ impl Client {
                 }
             }
         }
-        let response = request.send().await.map_err(classify)?;
+        let mut response = request.send().await.map_err(classify)?;
         let status = response.status();
         let retry_after = response
             .headers()
             .get(reqwest::header::RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse::<u64>().ok())
-            .map(Duration::from_secs);
-        // Losing the connection while reading the body is after sending: unknown.
-        let bytes = response.bytes().await.map_err(classify)?;
-        if !status.is_success() {
-            let usage = serde_json::from_slice::<Completion>(&bytes)
-                .ok()
-                .and_then(|c| c.usage);
-            return Err(CallError::Rejected {
-                message: format!("HTTP {}: {}", status.as_u16(), excerpt(&bytes)),
-                retry_after,
-                usage,
-            });
+            .map(|secs| Duration::from_secs(secs).min(self.provider.max_retry_after));
+        // Read at most `max_response_bytes`: a provider cannot make a worker hold
+        // more. Losing the connection while reading the body is after sending:
+        // unknown.
+        let limit = self.provider.max_response_bytes;
+        let mut bytes = Vec::new();
+        while let Some(chunk) = response.chunk().await.map_err(classify)? {
+            if bytes.len() + chunk.len() > limit {
+                return Err(CallError::Rejected {
+                    message: format!(
+                        "answer_too_large: HTTP {} with a body over max_response_bytes ({limit} bytes)",
+                        status.as_u16()
+                    ),
+                    retry_after: None,
+                    usage: None,
+                });
+            }
+            bytes.extend_from_slice(&chunk);
         }
-        let completion: Completion =
-            serde_json::from_slice(&bytes).map_err(|e| CallError::Rejected {
-                message: format!("malformed completion ({e}): {}", excerpt(&bytes)),
-                retry_after: None,
-                usage: None,
-            })?;
-        let content = completion
-            .choices
-            .into_iter()
-            .next()
-            .and_then(|c| c.message.content)
-            .ok_or_else(|| CallError::Rejected {
-                message: "completion has no message content".into(),
-                retry_after: None,
-                usage: completion.usage.clone(),
-            })?;
-        Ok(Answer {
-            content,
-            request_id: completion.id,
-            usage: completion.usage,
-        })
+        judge(&self.provider, status.as_u16(), retry_after, &bytes)
+    }
+}
+
+/// Judges an HTTP answer. Everything taken from it is made storable first:
+/// Postgres refuses NUL in text and in `jsonb`, and a refused write would leave
+/// the attempt's outcome unknown. Text kept for people (error excerpts, request
+/// ids, usage) has NUL replaced; a result holding NUL breaks the output contract.
+fn judge(
+    provider: &Provider,
+    status: u16,
+    retry_after: Option<Duration>,
+    bytes: &[u8],
+) -> Result<Answer, CallError> {
+    if provider.unknown_statuses.contains(&status) {
+        return Err(CallError::Unknown(format!(
+            "HTTP {status}: a proxy forwarded the request and stopped waiting for it: {}",
+            excerpt(bytes)
+        )));
+    }
+    if !(200..300).contains(&status) {
+        let usage = serde_json::from_slice::<Completion>(bytes)
+            .ok()
+            .and_then(|c| c.usage)
+            .map(storable_json);
+        return Err(CallError::Rejected {
+            message: format!("HTTP {status}: {}", excerpt(bytes)),
+            retry_after,
+            usage,
+        });
+    }
+    let completion: Completion =
+        serde_json::from_slice(bytes).map_err(|e| CallError::Rejected {
+            message: format!("malformed completion ({e}): {}", excerpt(bytes)),
+            retry_after: None,
+            usage: None,
+        })?;
+    let usage = completion.usage.map(storable_json);
+    let content = completion
+        .choices
+        .into_iter()
+        .next()
+        .and_then(|c| c.message.content)
+        .ok_or_else(|| CallError::Rejected {
+            message: "completion has no message content".into(),
+            retry_after: None,
+            usage: usage.clone(),
+        })?;
+    Ok(Answer {
+        content,
+        request_id: completion.id.map(|id| storable(&id)),
+        usage,
+    })
+}
+
+/// Text as Postgres can store it: NUL, which `text` and `jsonb` refuse, becomes
+/// U+FFFD.
+pub fn storable(text: &str) -> String {
+    text.replace('\0', "\u{FFFD}")
+}
+
+/// A JSON value as Postgres can store it in `jsonb`: NUL in any string or key
+/// becomes U+FFFD.
+pub fn storable_json(value: Value) -> Value {
+    match value {
+        Value::String(s) if s.contains('\0') => Value::String(storable(&s)),
+        Value::Array(items) => Value::Array(items.into_iter().map(storable_json).collect()),
+        Value::Object(map) => Value::Object(
+            map.into_iter()
+                .map(|(k, v)| (storable(&k), storable_json(v)))
+                .collect(),
+        ),
+        other => other,
     }
 }
 
@@ -200,14 +266,68 @@ fn without_url(e: &reqwest::Error) -> String {
         text.push_str(&s.to_string());
         source = s.source();
     }
-    text
+    storable(&text)
 }
 
 fn excerpt(bytes: &[u8]) -> String {
-    let text = String::from_utf8_lossy(bytes);
+    let text = storable(&String::from_utf8_lossy(bytes));
     let mut out: String = text.chars().take(200).collect();
     if text.chars().count() > 200 {
         out.push('…');
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::intent::has_nul;
+
+    fn provider() -> Provider {
+        crate::config::Config::parse(crate::config::EMBEDDED_DEFAULT, "t")
+            .unwrap()
+            .providers["primary"]
+            .clone()
+    }
+
+    #[test]
+    fn proxy_timeouts_are_unknown_and_settable() {
+        let mut p = provider();
+        for status in [504, 524] {
+            let e = judge(&p, status, None, b"gateway timeout").unwrap_err();
+            assert!(matches!(e, CallError::Unknown(_)), "{status}: {e}");
+        }
+        assert!(matches!(
+            judge(&p, 502, None, b"bad gateway"),
+            Err(CallError::Rejected { .. })
+        ));
+        p.unknown_statuses = vec![502];
+        assert!(matches!(
+            judge(&p, 502, None, b""),
+            Err(CallError::Unknown(_))
+        ));
+        assert!(matches!(
+            judge(&p, 504, None, b""),
+            Err(CallError::Rejected { .. })
+        ));
+    }
+
+    #[test]
+    fn nothing_unstorable_leaves_the_judge() {
+        let p = provider();
+        let e = judge(&p, 500, None, b"bad\0byte").unwrap_err().to_string();
+        assert!(!e.contains('\0') && e.contains("bad\u{FFFD}byte"), "{e}");
+        let body = json!({
+            "id": "req\u{0}1",
+            "choices": [{"message": {"content": "{}"}}],
+            "usage": {"k\u{0}": ["v\u{0}"]},
+        });
+        let answer = judge(&p, 200, None, body.to_string().as_bytes()).unwrap();
+        assert_eq!(answer.request_id.as_deref(), Some("req\u{FFFD}1"));
+        let usage = answer.usage.unwrap();
+        assert!(!has_nul(&usage), "{usage}");
+        assert_eq!(usage, json!({"k\u{FFFD}": ["v\u{FFFD}"]}));
+        assert!(has_nul(&json!({"a": [1, {"b\u{0}": 2}]})));
+        assert!(!has_nul(&json!({"a": "\\u0000 spelled out"})));
+    }
 }

@@ -94,8 +94,27 @@ pub fn count_tokens(model: &str, rendered: &Rendered) -> (usize, bool) {
 /// the prompt renders with no undefined variables, fits the context window, the
 /// answer is JSON that satisfies the schema, and the round trip ends in time.
 pub async fn qualify(config: &Config, provider: &Provider, operation: &Operation) -> Qualification {
-    let client = Client::new(provider.clone());
     let mut cases = Vec::new();
+    let client = match Client::new(provider.clone()) {
+        Ok(c) => c,
+        Err(e) => {
+            cases.push(CaseResult {
+                index: 0,
+                passed: false,
+                detail: e.to_string(),
+                prompt_tokens: None,
+                tokens_estimated: false,
+                latency_ms: None,
+            });
+            return Qualification {
+                provider: provider.name.clone(),
+                operation: operation.name.clone(),
+                contract_hash: contract_hash(operation, provider),
+                passed: false,
+                cases,
+            };
+        }
+    };
     for (index, input) in operation.cases.iter().enumerate() {
         cases.push(run_case(config, &client, provider, operation, index, input).await);
     }

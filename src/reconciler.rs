@@ -36,7 +36,8 @@ const RELAY_BATCH: i64 = 256;
 pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
     let mut tick = tokio::time::interval(ctx.config.worker.relay_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let sweep_every = Duration::from_secs(1).min(ctx.config.worker.relay_interval * 4);
+    let sweep_every =
+        Duration::from_secs(1).min(ctx.config.worker.relay_interval.saturating_mul(4));
     let mut last_sweep = tokio::time::Instant::now();
     let mut last_scan = tokio::time::Instant::now();
     loop {
@@ -118,11 +119,7 @@ pub async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
     let mut dead = Vec::new();
     for provider in ctx.config.providers.keys() {
         let queue = crate::broker::dead_letter_queue(&crate::broker::attempts_queue(provider));
-        let letters = crate::dlq::browse(&ctx.connection, &queue, 256)
-            .await
-            .map_err(|e| {
-                crate::worker::WorkerError::RoleStopped("dead-letter scan".into(), e.to_string())
-            })?;
+        let letters = crate::dlq::browse(&ctx.connection, &queue, 256).await?;
         for letter in letters {
             if let Ok(message) =
                 serde_json::from_slice::<crate::attempts::AttemptMessage>(&letter.body)

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
 use chrono::{DateTime, Utc};
+use futures_util::TryFutureExt;
 use serde::Serialize;
 use serde_json::Value;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -748,7 +749,12 @@ impl Store {
 
     /// Moves queued attempts to `started` with one guarded statement and marks their
     /// jobs `running`. An id missing from the result was a duplicate delivery (the
-    /// attempt had already left `queued`) or belongs to a job that has ended.
+    /// attempt had already left `queued`), belongs to a job that has ended, or to a
+    /// job blocked by an `unknown` attempt ([`Store::attempt_state`] tells which).
+    ///
+    /// The jobs are locked first and their status checked under the lock, so a
+    /// timeout that commits meanwhile is seen: a job that just became `unknown` is
+    /// never written back to `running`, and no attempt of it starts.
     pub async fn start(
         &self,
         provider: &str,
@@ -758,28 +764,41 @@ impl Store {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = sqlx::query(
-            "WITH started AS (
-                 UPDATE attempts a
-                 SET status = 'started', started_at = now(), deadline_at = now() + make_interval(secs => $3)
-                 FROM jobs j
-                 WHERE a.id = ANY($1) AND a.status = 'queued' AND a.provider = $2
-                   AND j.id = a.job_id AND j.status IN ('queued', 'running')
-                 RETURNING a.id, a.job_id, a.number
-             ), running AS (
-                 UPDATE jobs j SET status = 'running', updated_at = now()
-                 FROM (SELECT DISTINCT job_id FROM started) s
-                 WHERE j.id = s.job_id
-                 RETURNING j.id, j.version, j.operation, j.input
-             )
-             SELECT s.id, s.job_id, s.number, r.version, r.operation, r.input
-             FROM started s JOIN running r ON r.id = s.job_id",
-        )
-        .bind(ids.iter().map(|a| a.0).collect::<Vec<_>>())
-        .bind(provider)
-        .bind(timeout.as_secs_f64())
-        .fetch_all(&self.pool)
-        .await?;
+        let ids: Vec<Uuid> = ids.iter().map(|a| a.0).collect();
+        let rows = self
+            .retrying(|| {
+                sqlx::query(
+                    "WITH claimed AS (
+                         SELECT j.id FROM jobs j
+                         WHERE j.id IN (SELECT job_id FROM attempts
+                                        WHERE id = ANY($1) AND status = 'queued' AND provider = $2)
+                           AND j.status IN ('queued', 'running')
+                         ORDER BY j.id
+                         FOR UPDATE
+                     ), started AS (
+                         UPDATE attempts a
+                         SET status = 'started', started_at = now(),
+                             deadline_at = now() + make_interval(secs => $3)
+                         FROM claimed c
+                         WHERE a.id = ANY($1) AND a.job_id = c.id AND a.status = 'queued'
+                           AND a.provider = $2
+                         RETURNING a.id, a.job_id, a.number
+                     ), running AS (
+                         UPDATE jobs j SET status = 'running', updated_at = now()
+                         FROM (SELECT DISTINCT job_id FROM started) s
+                         WHERE j.id = s.job_id
+                         RETURNING j.id, j.version, j.operation, j.input
+                     )
+                     SELECT s.id, s.job_id, s.number, r.version, r.operation, r.input
+                     FROM started s JOIN running r ON r.id = s.job_id",
+                )
+                .bind(&ids)
+                .bind(provider)
+                .bind(timeout.as_secs_f64())
+                .fetch_all(&self.pool)
+                .map_err(StoreError::from)
+            })
+            .await?;
         rows.iter()
             .map(|r| {
                 let input = match r.try_get::<Value, _>("input")? {
@@ -840,14 +859,9 @@ impl Store {
             })
             .collect();
         if !unknowns.is_empty() {
-            let marked = mark_unknown(&mut tx, &unknowns).await?;
+            let mut marked = mark_unknown(&mut tx, &unknowns).await?;
             for (id, _) in &unknowns {
-                let outcome = if marked.contains(id) {
-                    Settled::Unknown
-                } else {
-                    Settled::Stale
-                };
-                settled.insert(*id, outcome);
+                settled.insert(*id, marked.remove(id).unwrap_or(Settled::Stale));
             }
         }
 
@@ -922,6 +936,21 @@ impl Store {
                       LEFT JOIN won w ON w.completed_by = i.attempt_id
                  WHERE a.id = i.attempt_id
                  RETURNING a.id, a.status
+             ), unblocked AS (
+                 -- An attempt of a won job whose outcome was unknown blocks
+                 -- nothing any more: it is discarded, and never left `unknown`.
+                 -- One still queued will never be needed: it is cancelled.
+                 UPDATE attempts a
+                 SET status = CASE WHEN a.status = 'unknown' THEN 'discarded' ELSE 'cancelled' END,
+                     finished_at = now(),
+                     error = CASE WHEN a.status = 'unknown'
+                                  THEN 'discarded: its outcome was still unknown when attempt '
+                                       || w.completed_by || ' won'
+                                  ELSE 'cancelled: attempt ' || w.completed_by || ' won before it started'
+                             END
+                 FROM won w
+                 WHERE a.job_id = w.id AND a.status IN ('unknown', 'queued')
+                   AND a.id NOT IN (SELECT attempt_id FROM input)
              ), late AS (
                  UPDATE attempts a
                  SET usage = COALESCE(a.usage, i.usage),
@@ -1052,16 +1081,20 @@ impl Store {
         .into_iter()
         .map(|(id, status, op)| (id, (status, op)))
         .collect();
-        let counts: HashMap<Uuid, (i64, i32, bool)> = sqlx::query_as::<_, (Uuid, i64, i32, bool)>(
-            "SELECT job_id, count(*), max(number),
-                    bool_or(status IN ('queued', 'started', 'unknown'))
+        let counts: HashMap<Uuid, AttemptCounts> = sqlx::query_as::<_, AttemptCounts>(
+            "SELECT job_id, count(*) AS made, max(number) AS max_number,
+                    bool_or(status IN ('queued', 'started', 'unknown')) AS open,
+                    bool_or(status = 'unknown') AS unknown,
+                    COALESCE(array_agg(id) FILTER (WHERE status = 'queued'), '{}') AS queued,
+                    COALESCE(array_agg(provider) FILTER (WHERE status = 'queued'), '{}')
+                        AS queued_providers
              FROM attempts WHERE job_id = ANY($1) GROUP BY job_id",
         )
         .bind(&job_ids)
         .fetch_all(&mut *tx)
         .await?
         .into_iter()
-        .map(|(id, n, max, open)| (id, (n, max, open)))
+        .map(|c| (c.job_id, c))
         .collect();
 
         let by_attempt: HashMap<Uuid, &Failure> =
@@ -1070,6 +1103,8 @@ impl Store {
         let mut next_attempts: Vec<NextAttempt> = Vec::new();
         let mut give_up: Vec<(Uuid, String)> = Vec::new();
         let mut planned: HashMap<Uuid, Option<AttemptId>> = HashMap::new();
+        let mut unblocked: Vec<Uuid> = Vec::new();
+        let mut lifted: Vec<OutboxDraft> = Vec::new();
         // The failed attempt whose settlement created each next attempt.
         let mut triggered: HashMap<Uuid, AttemptId> = HashMap::new();
         for (attempt, job, provider, error) in &failed {
@@ -1077,11 +1112,32 @@ impl Store {
                 return Err(corrupt(format!("attempt {attempt} has no job {job}")));
             };
             let status: JobStatus = status.parse().map_err(corrupt)?;
-            let (made, max_number, open) = counts.get(job).copied().unwrap_or((0, 0, false));
-            // A terminal job stays as it is; another open attempt (a hedge) carries on;
-            // a job already planned in this batch gets one plan only.
-            if status.is_terminal() || open || planned.contains_key(job) {
+            let Some(c) = counts.get(job) else {
+                return Err(corrupt(format!("job {job} has no attempts")));
+            };
+            let (made, max_number) = (c.made, c.max_number);
+            // A terminal job stays as it is; a job already planned in this batch
+            // gets one plan only.
+            if status.is_terminal() || planned.contains_key(job) {
                 planned.entry(*job).or_insert(None);
+                continue;
+            }
+            // Another open attempt (a hedge) carries on. If this failure lifted the
+            // job's last unknown, the job runs again, and an attempt whose delivery
+            // was turned away while it was blocked is published once more.
+            if c.open {
+                if status == JobStatus::Unknown && !c.unknown {
+                    unblocked.push(*job);
+                    for (id, provider) in c.queued.iter().zip(&c.queued_providers) {
+                        lifted.push(self.routes.attempt_draft(
+                            AttemptId(*id),
+                            JobId(*job),
+                            provider,
+                            None,
+                        ));
+                    }
+                }
+                planned.insert(*job, None);
                 continue;
             }
             let step = plan(&FailedJob {
@@ -1097,8 +1153,7 @@ impl Store {
                 NextStep::Retry { provider, delay } => {
                     let id = AttemptId::new();
                     let delay = if immediate { Duration::ZERO } else { delay };
-                    let not_before = (!delay.is_zero())
-                        .then(|| now + chrono::Duration::from_std(delay).unwrap_or_default());
+                    let not_before = (!delay.is_zero()).then(|| later(now, delay));
                     next_attempts.push(NextAttempt {
                         id,
                         job: JobId(*job),
@@ -1116,7 +1171,16 @@ impl Store {
             }
         }
 
-        let mut drafts = Vec::new();
+        let mut drafts = lifted;
+        if !unblocked.is_empty() {
+            sqlx::query(
+                "UPDATE jobs SET status = 'running', updated_at = now()
+                 WHERE id = ANY($1) AND status = 'unknown'",
+            )
+            .bind(&unblocked)
+            .execute(&mut *tx)
+            .await?;
+        }
         if !next_attempts.is_empty() {
             sqlx::query(
                 "WITH new AS (
@@ -1293,19 +1357,9 @@ impl Store {
         reason: &str,
     ) -> Result<Option<Vec<OutboxMessage>>> {
         let mut tx = self.pool.begin().await?;
-        sqlx::query(
-            "UPDATE attempts SET status = 'cancelled', finished_at = now(),
-                    error = CASE WHEN id = $2 THEN 'cancelled: resolved as cancelled by an operator'
-                                 ELSE 'cancelled: its job was cancelled' END
-             WHERE id IN (SELECT id FROM attempts
-                          WHERE job_id = $1
-                            AND (status IN ('queued', 'unknown') OR (id = $2 AND status = 'started'))
-                          ORDER BY id FOR UPDATE)",
-        )
-        .bind(job.0)
-        .bind(target.map(|a| a.0))
-        .execute(&mut *tx)
-        .await?;
+        // The job first: once it is locked and cancelled, no retry or hedge can add
+        // an attempt to it (they lock the job before they insert one), and the
+        // statement below, with its fresh snapshot, sees every attempt it has.
         let rows = sqlx::query(
             "UPDATE jobs j
              SET status = 'cancelled', version = j.version + 1, updated_at = now(), error = $2
@@ -1320,6 +1374,17 @@ impl Store {
         let Some(row) = rows.first() else {
             return Ok(None);
         };
+        sqlx::query(
+            "UPDATE attempts SET status = 'cancelled', finished_at = now(),
+                    error = CASE WHEN id = $2 THEN 'cancelled: resolved as cancelled by an operator'
+                                 ELSE 'cancelled: its job was cancelled' END
+             WHERE job_id = $1
+               AND (status IN ('queued', 'unknown') OR (id = $2 AND status = 'started'))",
+        )
+        .bind(job.0)
+        .bind(target.map(|a| a.0))
+        .execute(&mut *tx)
+        .await?;
         let draft = Ended::from_row(row)?.draft(&self.routes);
         let publish = self.insert_outbox(&mut tx, &[draft]).await?;
         tx.commit().await?;
@@ -1372,7 +1437,9 @@ impl Store {
         let mut tx = self.pool.begin().await?;
         let stuck: Vec<(Uuid, Uuid, String, i32)> = sqlx::query_as(
             "SELECT a.id, a.job_id, a.provider, a.republished FROM attempts a
+             JOIN jobs j ON j.id = a.job_id
              WHERE a.status = 'queued' AND a.not_before < now() - make_interval(secs => $1)
+               AND j.status <> 'unknown'
                AND NOT EXISTS (SELECT 1 FROM outbox o
                                WHERE o.message_id = a.id::text AND o.published_at IS NULL)
              ORDER BY a.id
@@ -1482,7 +1549,8 @@ impl Store {
 
     /// Started attempts silent past their deadline plus `grace` lost their worker:
     /// they and their jobs become `unknown` (never `failed`: the provider may still
-    /// be working). One whose job has already ended is simply `cancelled`.
+    /// be working). One whose job has already ended blocks nothing: it is
+    /// `discarded`, with the reason.
     pub async fn expire_vanished(&self, grace: Duration) -> Result<Vec<AttemptId>> {
         let ids: Vec<(Uuid,)> = sqlx::query_as(
             "WITH vanished AS (
@@ -1493,9 +1561,9 @@ impl Store {
                  FOR UPDATE OF a SKIP LOCKED
              ), marked AS (
                  UPDATE attempts a
-                 SET status = CASE WHEN v.ended THEN 'cancelled' ELSE 'unknown' END,
+                 SET status = CASE WHEN v.ended THEN 'discarded' ELSE 'unknown' END,
                      finished_at = CASE WHEN v.ended THEN now() END,
-                     error = CASE WHEN v.ended THEN 'cancelled: its worker vanished after the job had ended'
+                     error = CASE WHEN v.ended THEN 'discarded: worker_vanished after its job had ended'
                                   ELSE 'worker_vanished: no outcome by the deadline plus the grace period' END
                  FROM vanished v WHERE a.id = v.id
                  RETURNING a.id, a.job_id, a.status
@@ -1678,6 +1746,28 @@ impl Store {
             .collect())
     }
 
+    /// Where an attempt stands: its job, its status, and its job's status.
+    pub async fn attempt_state(
+        &self,
+        attempt: AttemptId,
+    ) -> Result<Option<(JobId, AttemptStatus, JobStatus)>> {
+        let row: Option<(Uuid, String, String)> = sqlx::query_as(
+            "SELECT a.job_id, a.status, j.status FROM attempts a JOIN jobs j ON j.id = a.job_id
+             WHERE a.id = $1",
+        )
+        .bind(attempt.0)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(|(job, a, j)| {
+            Ok((
+                JobId(job),
+                a.parse().map_err(corrupt)?,
+                j.parse().map_err(corrupt)?,
+            ))
+        })
+        .transpose()
+    }
+
     /// The job an attempt belongs to.
     pub async fn attempt_job(&self, attempt: AttemptId) -> Result<Option<JobId>> {
         let row: Option<(Uuid,)> = sqlx::query_as("SELECT job_id FROM attempts WHERE id = $1")
@@ -1835,6 +1925,21 @@ struct NextAttempt {
     not_before: Option<DateTime<Utc>>,
 }
 
+/// What `settle_failures` needs to know of a job's attempts.
+#[derive(sqlx::FromRow)]
+struct AttemptCounts {
+    job_id: Uuid,
+    made: i64,
+    max_number: i32,
+    /// Some attempt is `queued`, `started` or `unknown`.
+    open: bool,
+    /// Some attempt is `unknown`.
+    unknown: bool,
+    /// The `queued` attempts, and their providers.
+    queued: Vec<Uuid>,
+    queued_providers: Vec<String>,
+}
+
 /// One definite failure to settle.
 struct Failure {
     attempt_id: AttemptId,
@@ -1845,28 +1950,96 @@ struct Failure {
     request_id: Option<String>,
 }
 
+/// Timeouts: each still-`started` attempt becomes `unknown` and blocks its job,
+/// unless the job has already ended (another attempt won, or it was cancelled):
+/// then nothing is blocked any more, and the attempt is `discarded` with the
+/// reason. Attempts are locked first, then their jobs, as everywhere.
 async fn mark_unknown(
     tx: &mut PgConnection,
     unknowns: &[(AttemptId, String)],
-) -> Result<BTreeSet<AttemptId>> {
-    let ids: Vec<(Uuid,)> = sqlx::query_as(
-        "WITH marked AS (
-             UPDATE attempts a SET status = 'unknown', error = i.error
-             FROM unnest($1::uuid[], $2::text[]) AS i(attempt_id, error)
-             WHERE a.id = i.attempt_id AND a.status = 'started'
-             RETURNING a.id, a.job_id
-         ), jobs_unknown AS (
-             UPDATE jobs j SET status = 'unknown', updated_at = now()
-             FROM (SELECT DISTINCT job_id FROM marked) m
-             WHERE j.id = m.job_id AND j.status = 'running'
-         )
-         SELECT id FROM marked",
+) -> Result<HashMap<AttemptId, Settled>> {
+    let locked: Vec<(Uuid, Uuid)> = sqlx::query_as(
+        "SELECT id, job_id FROM attempts WHERE id = ANY($1) AND status = 'started'
+         ORDER BY id FOR UPDATE",
     )
     .bind(unknowns.iter().map(|u| u.0.0).collect::<Vec<_>>())
-    .bind(unknowns.iter().map(|u| u.1.clone()).collect::<Vec<_>>())
     .fetch_all(&mut *tx)
     .await?;
-    Ok(ids.into_iter().map(|(id,)| AttemptId(id)).collect())
+    if locked.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let job_ids: Vec<Uuid> = locked
+        .iter()
+        .map(|l| l.1)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    // Locked, then read by a new statement: a job that ended meanwhile is seen ended.
+    let jobs: HashMap<Uuid, (String, Option<Uuid>)> =
+        sqlx::query_as::<_, (Uuid, String, Option<Uuid>)>(
+            "SELECT id, status, completed_by FROM jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+        )
+        .bind(&job_ids)
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(|(id, status, winner)| (id, (status, winner)))
+        .collect();
+    let errors: HashMap<AttemptId, &str> =
+        unknowns.iter().map(|(id, e)| (*id, e.as_str())).collect();
+    let mut outcomes = HashMap::new();
+    let (mut ids, mut statuses, mut texts) = (Vec::new(), Vec::new(), Vec::new());
+    for (attempt, job) in &locked {
+        let attempt = AttemptId(*attempt);
+        let error = errors.get(&attempt).copied().unwrap_or_default();
+        let (status, winner) = jobs
+            .get(job)
+            .ok_or_else(|| corrupt(format!("attempt {attempt} has no job {job}")))?;
+        let ended = status.parse::<JobStatus>().map_err(corrupt)?.is_terminal();
+        ids.push(attempt.0);
+        if ended {
+            statuses.push(AttemptStatus::Discarded.as_str());
+            texts.push(format!("discarded: {error} (after its job had ended)"));
+            outcomes.insert(
+                attempt,
+                Settled::Discarded {
+                    winner: winner.map(AttemptId),
+                },
+            );
+        } else {
+            statuses.push(AttemptStatus::Unknown.as_str());
+            texts.push(error.to_owned());
+            outcomes.insert(attempt, Settled::Unknown);
+        }
+    }
+    sqlx::query(
+        "WITH marked AS (
+             UPDATE attempts a
+             SET status = i.status, error = i.error,
+                 finished_at = CASE WHEN i.status = 'discarded' THEN now() END
+             FROM unnest($1::uuid[], $2::text[], $3::text[]) AS i(attempt_id, status, error)
+             WHERE a.id = i.attempt_id
+             RETURNING a.job_id, a.status
+         )
+         UPDATE jobs j SET status = 'unknown', updated_at = now()
+         FROM (SELECT DISTINCT job_id FROM marked WHERE status = 'unknown') m
+         WHERE j.id = m.job_id AND j.status = 'running'",
+    )
+    .bind(&ids)
+    .bind(&statuses)
+    .bind(&texts)
+    .execute(&mut *tx)
+    .await?;
+    Ok(outcomes)
+}
+
+/// `now + delay`, saturating instead of panicking: a delay comes from outside
+/// (a provider's `Retry-After`, configuration) and must never crash a worker.
+fn later(now: DateTime<Utc>, delay: Duration) -> DateTime<Utc> {
+    chrono::TimeDelta::from_std(delay)
+        .ok()
+        .and_then(|d| now.checked_add_signed(d))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
 fn token_view(row: &sqlx::postgres::PgRow) -> Result<TokenView> {

@@ -136,7 +136,9 @@ impl Context {
     }
 
     /// Copies a delivery to its queue's dead-letter queue with a reason, and waits
-    /// for the confirm. The caller acks the original afterwards, never before.
+    /// for the confirm. The caller acks the original afterwards, never before. The
+    /// copy keeps the body, `message_id`, `correlation_id`, `reply_to`, `timestamp`
+    /// and headers (contract section 2).
     pub async fn publish_dead_letter(
         &self,
         queue: &str,
@@ -160,11 +162,23 @@ impl Context {
             broker::DEAD_LETTERED_AT_HEADER.into(),
             AMQPValue::Timestamp(chrono::Utc::now().timestamp().max(0).unsigned_abs()),
         );
-        let props = delivery
-            .properties
-            .clone()
-            .with_headers(headers)
-            .with_delivery_mode(2);
+        // The contract's list of what a copy keeps, and nothing else: another
+        // user's `user_id` would make the broker refuse the copy, an `expiration`
+        // would drop it from the dead-letter queue.
+        let original = &delivery.properties;
+        let mut props = broker::json_properties().with_headers(headers);
+        if let Some(v) = original.message_id() {
+            props = props.with_message_id(v.clone());
+        }
+        if let Some(v) = original.correlation_id() {
+            props = props.with_correlation_id(v.clone());
+        }
+        if let Some(v) = original.reply_to() {
+            props = props.with_reply_to(v.clone());
+        }
+        if let Some(v) = original.timestamp() {
+            props = props.with_timestamp(*v);
+        }
         self.publisher
             .publish(broker::DLX, queue, &delivery.data, props, true)
             .await?;

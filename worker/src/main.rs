@@ -83,6 +83,9 @@ async fn main() -> ExitCode {
         }
     };
     tracing::info!(config = %config.origin, "configuration loaded");
+    for warning in &config.warnings {
+        tracing::warn!("{warning}");
+    }
     let ctx = match Context::connect(
         config,
         &args.connections.database_url,

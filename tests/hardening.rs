@@ -1,0 +1,551 @@
+//! Faults found in review (issue 8), each pinned by a test that failed before its
+//! fix: providers that send hostile headers or bytes, attempts that time out after
+//! their job ended, a start racing a timeout, dead-letter copies the broker would
+//! refuse or expire.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{
+    P, TestEnv, config, config_for, config_text, mock, submit, wait_for, wait_for_messages,
+    wait_for_status,
+};
+use lapin::options::BasicPublishOptions;
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use onejob::domain::{AttemptStatus, JobId, JobStatus};
+use onejob::mock::MockOptions;
+use onejob::store::{Admission, FailedJob, Finished, NextStep, Settled, Started, Store, Verdict};
+use onejob_producer::Producer;
+use serde_json::json;
+
+fn give_up(f: &FailedJob) -> NextStep {
+    NextStep::GiveUp {
+        error: f.error.clone(),
+    }
+}
+
+/// A database (and vhost) for store-level tests; no provider is ever called.
+async fn store_env() -> TestEnv {
+    let (config, _file) = config(&config_text(
+        "http://127.0.0.1:9/v1",
+        Some("http://127.0.0.1:9/v1"),
+        "",
+    ));
+    TestEnv::new(&config).await
+}
+
+/// Admits a job for the primary and starts its first attempt.
+async fn started(store: &Store, key: &str) -> (JobId, Started) {
+    let new = common::new_job("acct_h", key, key);
+    let (job_id, first) = (new.job_id, new.attempt_id);
+    let admitted = store.admit(&[new]).await.unwrap();
+    assert!(matches!(admitted[0], Admission::Created { .. }));
+    let s = store
+        .start("primary", &[first], Duration::from_secs(30))
+        .await
+        .unwrap()
+        .remove(0);
+    (job_id, s)
+}
+
+fn finished(s: &Started, verdict: Verdict) -> Finished {
+    Finished {
+        attempt_id: s.attempt_id,
+        job_id: s.job_id,
+        version: s.version,
+        provider_request_id: None,
+        usage: None,
+        verdict,
+    }
+}
+
+fn timed_out(s: &Started) -> Finished {
+    finished(
+        s,
+        Verdict::Unknown {
+            error: "outcome_unknown: timed out after the request was sent".into(),
+        },
+    )
+}
+
+/// Item 1: a `Retry-After` far in the future (chrono panicked on it, stopping the
+/// attempts role) is capped at the provider's `max_retry_after`, default 10m.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_huge_retry_after_is_capped_and_never_crashes_the_worker() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, _file) = config(
+        &config_for(&[P("primary", &primary.base_url(), "")], "")
+            .replace("max_attempts = 3", "max_attempts = 2"),
+    );
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let job_id = submit(
+        &producer,
+        "acct_ra",
+        "k",
+        "mock:status=429 mock:retry_after=99999999999999",
+    )
+    .await;
+    let job = wait_for(
+        "the second attempt to be planned",
+        Duration::from_secs(20),
+        || async {
+            env.store
+                .job(job_id)
+                .await
+                .unwrap()
+                .filter(|j| j.attempts.len() == 2)
+        },
+    )
+    .await;
+    let wait = job.attempts[1].not_before - job.attempts[0].finished_at.unwrap();
+    let cap = chrono::Duration::minutes(10);
+    assert!(
+        wait >= cap - chrono::Duration::seconds(1) && wait <= cap + chrono::Duration::seconds(1),
+        "the wait is capped at max_retry_after (10m): waited {wait}"
+    );
+    // The same header from a second job: the role is still there to take it.
+    let second = submit(
+        &producer,
+        "acct_ra",
+        "k2",
+        "mock:status=429 mock:retry_after=99999999999999",
+    )
+    .await;
+    wait_for(
+        "the second job's retry",
+        Duration::from_secs(20),
+        || async {
+            env.store
+                .job(second)
+                .await
+                .unwrap()
+                .filter(|j| j.attempts.len() == 2)
+        },
+    )
+    .await;
+    producer.close().await;
+    fleet.stop().await;
+}
+
+/// Item 10: a proxy's 504 or 524 says it forwarded the request and stopped
+/// waiting: the provider may have run it, so the attempt is `unknown`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn proxy_timeouts_are_unknown() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, _file) = config(&config_for(&[P("primary", &primary.base_url(), "")], ""));
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    for status in [504, 524] {
+        let job_id = submit(
+            &producer,
+            "acct_504",
+            &status.to_string(),
+            &format!("mock:status={status}"),
+        )
+        .await;
+        let job = wait_for_status(&env, job_id, JobStatus::Unknown).await;
+        assert_eq!(job.attempts.len(), 1);
+        assert_eq!(job.attempts[0].status, AttemptStatus::Unknown);
+        let error = job.attempts[0].error.clone().unwrap_or_default();
+        assert!(
+            error.starts_with("outcome_unknown") && error.contains(&status.to_string()),
+            "{error}"
+        );
+    }
+    assert_eq!(primary.stats.requests(), 2, "no retry beside an unknown");
+    producer.close().await;
+    fleet.stop().await;
+}
+
+/// Item 8: an attempt that times out after another attempt won is `discarded`
+/// with the reason, never `unknown` on an ended job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_timeout_after_the_job_ended_is_discarded() {
+    let env = store_env().await;
+    let store = &env.store;
+
+    // The hedge wins, then the primary times out.
+    let (job_id, primary) = started(store, "hedge-won").await;
+    let (hedge, _) = store.hedge(job_id, "fallback").await.unwrap().unwrap();
+    let hedge = store
+        .start("fallback", &[hedge], Duration::from_secs(30))
+        .await
+        .unwrap()
+        .remove(0);
+    let (settled, _) = store
+        .finalize(
+            &[finished(
+                &hedge,
+                Verdict::Succeeded(json!({"summary": "s"})),
+            )],
+            &give_up,
+        )
+        .await
+        .unwrap();
+    assert_eq!(settled, vec![Settled::Won]);
+    let (settled, publish) = store
+        .finalize(&[timed_out(&primary)], &give_up)
+        .await
+        .unwrap();
+    assert_eq!(
+        settled,
+        vec![Settled::Discarded {
+            winner: Some(hedge.attempt_id)
+        }]
+    );
+    assert!(publish.is_empty());
+    let job = store.job(job_id).await.unwrap().unwrap();
+    assert_eq!(job.status, JobStatus::Succeeded);
+    let late = job
+        .attempts
+        .iter()
+        .find(|a| a.id == primary.attempt_id)
+        .unwrap();
+    assert_eq!(late.status, AttemptStatus::Discarded);
+    let error = late.error.clone().unwrap_or_default();
+    assert!(error.contains("timed out"), "the reason is kept: {error}");
+
+    // A job cancelled with a call in flight, whose call then times out.
+    let (job_id, in_flight) = started(store, "cancelled").await;
+    store.cancel_job(job_id).await.unwrap().unwrap();
+    let (settled, _) = store
+        .finalize(&[timed_out(&in_flight)], &give_up)
+        .await
+        .unwrap();
+    assert_eq!(settled, vec![Settled::Discarded { winner: None }]);
+    let job = store.job(job_id).await.unwrap().unwrap();
+    assert_eq!(job.status, JobStatus::Cancelled);
+    assert_eq!(job.attempts[0].status, AttemptStatus::Discarded);
+
+    // A worker that vanished mid-call on a job that has since ended.
+    let (job_id, vanished) = started(store, "vanished").await;
+    store.cancel_job(job_id).await.unwrap().unwrap();
+    sqlx::query("UPDATE attempts SET deadline_at = now() - interval '1 hour' WHERE id = $1")
+        .bind(vanished.attempt_id.0)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    assert!(
+        store
+            .expire_vanished(Duration::ZERO)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let job = store.job(job_id).await.unwrap().unwrap();
+    assert_eq!(job.attempts[0].status, AttemptStatus::Discarded);
+
+    // Nothing is left unknown: the gauge an operator alerts on stays clear.
+    let gauges = store.gauges().await.unwrap();
+    assert!(
+        gauges.contains("onejob_oldest_unknown_attempt_seconds 0\n"),
+        "{gauges}"
+    );
+    assert!(gauges.contains("onejob_attempts{status=\"unknown\"} 0\n"));
+}
+
+/// Item 7: `start` used to write `running` over a job that a concurrent timeout
+/// had just made `unknown`, so a hedge could call its provider while the job was
+/// blocked. Many jobs race a hedge's start against the primary's timeout behind
+/// a barrier; afterwards a job with an unknown attempt is always `unknown`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_start_never_overwrites_unknown() {
+    let env = store_env().await;
+    let store = Arc::new(env.store.clone());
+    let mut overwritten = 0;
+    let mut hedges_started = 0;
+    for round in 0..15 {
+        let mut pairs = Vec::new();
+        for i in 0..16 {
+            let (job_id, primary) = started(&store, &format!("race-{round}-{i}")).await;
+            let (hedge, _) = store.hedge(job_id, "fallback").await.unwrap().unwrap();
+            pairs.push((job_id, primary, hedge));
+        }
+        let barrier = Arc::new(tokio::sync::Barrier::new(pairs.len() * 2));
+        let mut tasks = Vec::new();
+        for (_, primary, hedge) in &pairs {
+            let (s, b, h) = (store.clone(), barrier.clone(), *hedge);
+            tasks.push(tokio::spawn(async move {
+                b.wait().await;
+                s.start("fallback", &[h], Duration::from_secs(30))
+                    .await
+                    .unwrap()
+                    .len()
+            }));
+            let (s, b, p) = (store.clone(), barrier.clone(), timed_out(primary));
+            tasks.push(tokio::spawn(async move {
+                b.wait().await;
+                s.finalize(&[p], &give_up).await.unwrap();
+                0
+            }));
+        }
+        for t in tasks {
+            hedges_started += t.await.unwrap();
+        }
+        for (job_id, primary, _) in &pairs {
+            let job = store.job(*job_id).await.unwrap().unwrap();
+            let primary = job
+                .attempts
+                .iter()
+                .find(|a| a.id == primary.attempt_id)
+                .unwrap();
+            assert_eq!(primary.status, AttemptStatus::Unknown);
+            if job.status != JobStatus::Unknown {
+                overwritten += 1;
+            }
+        }
+    }
+    assert_eq!(
+        overwritten, 0,
+        "jobs left `running` beside an unknown attempt ({hedges_started} hedges started first)"
+    );
+}
+
+/// Item 9: NUL in what a provider sends cannot be stored by Postgres. An answer
+/// holding one is a definite `contract_violation`, never `unknown`; an error body
+/// holding one is kept readable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nul_from_a_provider_is_a_definite_outcome() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, _file) = config(
+        &config_for(&[P("primary", &primary.base_url(), "")], "")
+            .replace("max_attempts = 3", "max_attempts = 1"),
+    );
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+
+    let answer = submit(&producer, "acct_nul", "answer", "mock:nul").await;
+    let job = wait_for_status(&env, answer, JobStatus::Failed).await;
+    let error = job.attempts[0].error.clone().unwrap_or_default();
+    assert_eq!(job.attempts[0].status, AttemptStatus::Failed);
+    assert!(
+        error.starts_with("contract_violation") && error.contains("NUL"),
+        "{error}"
+    );
+    // The usage and request id it reported are kept, made storable.
+    assert!(job.attempts[0].usage.is_some());
+    assert!(job.attempts[0].provider_request_id.is_some());
+
+    let refused = submit(&producer, "acct_nul", "error", "mock:nul mock:status=500").await;
+    let job = wait_for_status(&env, refused, JobStatus::Failed).await;
+    let error = job.attempts[0].error.clone().unwrap_or_default();
+    assert!(
+        error.starts_with("provider_error: HTTP 500") && !error.contains('\0'),
+        "{error:?}"
+    );
+    producer.close().await;
+    fleet.stop().await;
+}
+
+/// Item 3: onejob's own dead letters keep what the contract lists and drop what
+/// would make the broker refuse (`user_id`) or expire (`expiration`) the copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_copy_keeps_the_listed_properties_only() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, _file) = config(&config_for(&[P("primary", &primary.base_url(), "")], ""));
+    let env = TestEnv::new(&config).await;
+    let fleet = env
+        .fleet(config.clone(), vec![onejob::worker::Role::Intake])
+        .await;
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "x-trace".into(),
+        AMQPValue::LongString(LongString::from("t-1")),
+    );
+    let props = onejob::broker::json_properties()
+        .with_message_id("m-1".into())
+        .with_correlation_id("c-1".into())
+        .with_reply_to("nowhere".into())
+        .with_timestamp(1_700_000_000)
+        .with_expiration("600000".into())
+        .with_user_id("guest".into())
+        .with_headers(headers);
+    ch.basic_publish(
+        onejob::broker::EXCHANGE.into(),
+        onejob::broker::INTENTS_KEY.into(),
+        BasicPublishOptions::default(),
+        b"not json",
+        props,
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let dlq = onejob::broker::dead_letter_queue(onejob::broker::INTENTS_QUEUE);
+    let copy = wait_for_messages(&env, &ch, &dlq).await.remove(0);
+    let p = &copy.properties;
+    assert_eq!(copy.data, b"not json");
+    assert_eq!(p.expiration(), &None, "a copy must not expire");
+    assert_eq!(
+        p.user_id(),
+        &None,
+        "a copy must not claim the publisher's user"
+    );
+    assert_eq!(p.message_id().as_ref().map(|m| m.as_str()), Some("m-1"));
+    assert_eq!(p.correlation_id().as_ref().map(|m| m.as_str()), Some("c-1"));
+    assert_eq!(p.reply_to().as_ref().map(|m| m.as_str()), Some("nowhere"));
+    assert_eq!(p.timestamp(), &Some(1_700_000_000));
+    assert_eq!(p.delivery_mode(), &Some(2));
+    let h = p.headers().clone().unwrap_or_default();
+    assert_eq!(
+        onejob::worker::header_str(&h, "x-trace").as_deref(),
+        Some("t-1")
+    );
+    assert!(onejob::worker::header_str(&h, onejob::broker::ERROR_HEADER).is_some());
+    let _ = conn.close(200, "done".into()).await;
+    fleet.stop().await;
+}
+
+/// Messages in `queue`, ready or delivered but not yet acked (rabbitmqctl sees
+/// both; a passive declare sees only the ready ones).
+fn queue_total(vhost: &str, queue: &str) -> Option<u64> {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(["list_queues", "-q", "-p", vhost, "name", "messages"])
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
+        let mut cols = l.split_whitespace();
+        (cols.next() == Some(queue)).then(|| cols.next()?.parse().ok())?
+    })
+}
+
+/// Item 6: a hedge queued behind a primary that went `unknown` used to have its
+/// delivery acked as a "duplicate", and once the operator resolved the primary the
+/// job stayed blocked with nothing left to resolve. Now the settlement that lifts
+/// the block publishes the hedge again, and the job proceeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hedge_turned_away_by_an_unknown_runs_once_the_unknown_is_resolved() {
+    let fallback = mock(MockOptions {
+        tag: Some("fallback".into()),
+        ..MockOptions::default()
+    })
+    .await;
+    let (config, file) = config(&config_text(
+        "http://127.0.0.1:9/v1",
+        Some(&fallback.base_url()),
+        "",
+    ));
+    let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
+    let (job_id, _) = env.admit(&ctx, "acct_z", "zombie", "zombie").await;
+    let first = env.store.job(job_id).await.unwrap().unwrap().attempts[0].id;
+    let primary = env
+        .store
+        .start("primary", &[first], Duration::from_secs(30))
+        .await
+        .unwrap()
+        .remove(0);
+    let (hedge, publish) = env.store.hedge(job_id, "fallback").await.unwrap().unwrap();
+    ctx.publish_outbox(&publish).await.unwrap();
+    let (settled, _) = env
+        .store
+        .finalize(&[timed_out(&primary)], &give_up)
+        .await
+        .unwrap();
+    assert_eq!(settled, vec![Settled::Unknown]);
+
+    // The hedge's delivery arrives while the job is blocked, and is settled.
+    let fleet = env
+        .fleet(
+            config.clone(),
+            vec![onejob::worker::Role::Attempts("fallback".into())],
+        )
+        .await;
+    let queue = onejob::broker::attempts_queue("fallback");
+    wait_for(
+        "the hedge's delivery to be settled",
+        Duration::from_secs(20),
+        || async { (queue_total(&env.name, &queue) == Some(0)).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        fallback.stats.requests(),
+        0,
+        "nothing runs beside an unknown"
+    );
+    let job = env.store.job(job_id).await.unwrap().unwrap();
+    assert_eq!(job.status, JobStatus::Unknown);
+
+    // The operator resolves the primary as failed: the hedge runs and wins.
+    env.cli_ok(
+        &file.path,
+        &[
+            "attempts",
+            "resolve",
+            &primary.attempt_id.to_string(),
+            "--as",
+            "failed",
+        ],
+    );
+    let job = wait_for_status(&env, job_id, JobStatus::Succeeded).await;
+    assert_eq!(job.completed_by, Some(hedge));
+    assert_eq!(fallback.stats.requests(), 1);
+    fleet.stop().await;
+    let _ = ctx.connection.close(200, "done".into()).await;
+}
+
+/// Item 15: `cancel` used to update the attempts before it locked the job, so a
+/// retry planned at the same moment could leave a `queued` attempt on a cancelled
+/// job. Many cancellations race a failure whose retry is due at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cancel_never_leaves_a_queued_attempt_behind() {
+    let env = store_env().await;
+    let store = Arc::new(env.store.clone());
+    let retry = |_: &FailedJob| NextStep::Retry {
+        provider: "primary".into(),
+        delay: Duration::ZERO,
+    };
+    let mut stranded = 0;
+    for round in 0..15 {
+        let mut jobs = Vec::new();
+        for i in 0..16 {
+            jobs.push(started(&store, &format!("cancel-{round}-{i}")).await);
+        }
+        let barrier = Arc::new(tokio::sync::Barrier::new(jobs.len() * 2));
+        let mut tasks = Vec::new();
+        for (job_id, s) in &jobs {
+            let (st, b, job_id) = (store.clone(), barrier.clone(), *job_id);
+            tasks.push(tokio::spawn(async move {
+                b.wait().await;
+                let _ = st.cancel_job(job_id).await.unwrap();
+            }));
+            let (st, b) = (store.clone(), barrier.clone());
+            let failed = finished(
+                s,
+                Verdict::Failed {
+                    error: "provider_error: HTTP 500".into(),
+                    retryable: true,
+                    retry_after: None,
+                },
+            );
+            tasks.push(tokio::spawn(async move {
+                b.wait().await;
+                st.finalize(&[failed], &retry).await.unwrap();
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        for (job_id, _) in &jobs {
+            let job = store.job(*job_id).await.unwrap().unwrap();
+            assert_eq!(job.status, JobStatus::Cancelled);
+            if job
+                .attempts
+                .iter()
+                .any(|a| a.status == AttemptStatus::Queued)
+            {
+                stranded += 1;
+            }
+        }
+    }
+    assert_eq!(stranded, 0, "cancelled jobs left with a queued attempt");
+}
