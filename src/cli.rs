@@ -749,15 +749,29 @@ async fn dlq_command(
                 Some(id) => dlq::Selection::Id(id),
                 None => dlq::Selection::All,
             };
-            let mut replayed = Vec::new();
+            let mut reports = Vec::new();
+            let (mut replayed, mut skipped) = (0usize, 0usize);
             for q in dlq::select_queues(config, queue.as_deref())? {
-                replayed.extend(dlq::replay(conn, &q, &selection).await?);
-                if matches!(selection, dlq::Selection::Id(_)) && !replayed.is_empty() {
+                let mut written = Ok(());
+                dlq::replay(conn, &q, &selection, |r| {
+                    match &r.outcome {
+                        dlq::ReplayOutcome::Replayed => replayed += 1,
+                        dlq::ReplayOutcome::Skipped { .. } => skipped += 1,
+                    }
+                    if as_json {
+                        reports.push(r);
+                    } else if written.is_ok() {
+                        written = report_replay(out, &r);
+                    }
+                })
+                .await?;
+                written?;
+                if matches!(selection, dlq::Selection::Id(_)) && replayed + skipped > 0 {
                     break;
                 }
             }
             if let dlq::Selection::Id(id) = &selection
-                && replayed.is_empty()
+                && replayed + skipped == 0
             {
                 return Err(Failure(format!("no dead letter with message id {id:?}")));
             }
@@ -765,19 +779,15 @@ async fn dlq_command(
                 writeln!(
                     out,
                     "{}",
-                    json!({ "replayed": replayed.len(), "dead_letters": replayed })
+                    json!({ "replayed": replayed, "skipped": skipped, "dead_letters": reports })
                 )?;
             } else {
-                for d in &replayed {
-                    writeln!(
-                        out,
-                        "replayed {} to {}/{}",
-                        d.message_id.as_deref().unwrap_or("-"),
-                        d.original_exchange.as_deref().unwrap_or("?"),
-                        d.original_routing_key.as_deref().unwrap_or("?")
-                    )?;
-                }
-                writeln!(out, "{} dead letter(s) replayed", replayed.len())?;
+                writeln!(out, "{replayed} dead letter(s) replayed, {skipped} skipped")?;
+            }
+            if skipped > 0 {
+                return Err(Failure(format!(
+                    "{skipped} dead letter(s) could not be replayed and were left in place (see above)"
+                )));
             }
         }
         DlqCommand::Purge { queue, yes } => {
@@ -806,6 +816,27 @@ async fn dlq_command(
 
 /// A connection for one command, with the topology declared (as every program
 /// does at start); fails at once, with the reason, if the broker is unreachable.
+/// One line per dead letter a replay looked at, as it happens.
+fn report_replay(out: &mut impl Write, r: &crate::dlq::ReplayReport) -> std::io::Result<()> {
+    let d = &r.letter;
+    let id = d.message_id.as_deref().unwrap_or("-");
+    match &r.outcome {
+        crate::dlq::ReplayOutcome::Replayed => writeln!(
+            out,
+            "replayed {id} to {}/{}",
+            d.original_exchange.as_deref().unwrap_or("?"),
+            d.original_routing_key.as_deref().unwrap_or("?")
+        ),
+        crate::dlq::ReplayOutcome::Skipped { reason } => {
+            writeln!(
+                out,
+                "skipped  {id} (#{} in {}): {reason}",
+                d.position, d.queue
+            )
+        }
+    }
+}
+
 async fn broker_connection(c: &Connections, config: &Config) -> Result<lapin::Connection, String> {
     let conn = broker::connect(&c.amqp_url, broker::Recovery::None)
         .await

@@ -78,9 +78,6 @@ pub enum DlqError {
     /// The queue is not one of onejob's dead-letter queues.
     #[error("{0:?} is not a dead-letter queue of this configuration (see `onejob dlq list`)")]
     UnknownQueue(String),
-    /// A dead letter with no original routing cannot be replayed.
-    #[error("dead letter {0} has no original exchange and routing key to replay to")]
-    NoOrigin(String),
 }
 
 /// Result alias for dead letters.
@@ -269,26 +266,61 @@ pub enum Selection {
     Id(String),
 }
 
-/// Replays dead letters of `queue` to where they were first published, each with
-/// a confirm before its dead letter is acked. Returns the dead letters replayed.
+/// What became of one dead letter a replay looked at.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum ReplayOutcome {
+    /// Republished (confirmed) and removed from the dead-letter queue.
+    Replayed,
+    /// Left where it was, for this reason.
+    Skipped {
+        /// Why it could not be replayed.
+        reason: String,
+    },
+}
+
+/// One dead letter a replay looked at: what it was (without its body) and what
+/// became of it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ReplayReport {
+    /// The dead letter, its body left out.
+    #[serde(flatten)]
+    pub letter: DeadLetter,
+    /// Replayed or skipped.
+    #[serde(flatten)]
+    pub outcome: ReplayOutcome,
+}
+
+/// Replays the dead letters of `queue` that match `selection` to where they were
+/// first published, each with a confirm before its dead letter is acked, and
+/// hands `report` what became of each as it goes: nothing is kept in memory but
+/// the letter in hand.
+///
+/// Only the letters present when it starts are looked at, so a letter that dies
+/// again on replay (and comes back to the tail of the queue) is not replayed a
+/// second time. A letter that cannot be replayed (no origin, a refused publish)
+/// is skipped with its reason and left in the queue; the rest go on.
 pub async fn replay(
     conn: &Connection,
     queue: &str,
     selection: &Selection,
-) -> Result<Vec<DeadLetter>> {
+    mut report: impl FnMut(ReplayReport),
+) -> Result<()> {
     let before = depth(conn, queue).await?;
-    let publisher = Publisher::open(conn).await?;
+    let mut publisher = Publisher::open(conn).await?;
     let ch = conn.create_channel().await?;
-    let mut replayed = Vec::new();
-    let mut position = 0;
+    let mut replayed = 0u32;
     let result = async {
-        while let Some(got) = ch
-            .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
-            .await?
-        {
+        for position in 0..usize::try_from(before).unwrap_or(usize::MAX) {
+            let Some(got) = ch
+                .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
+                .await?
+            else {
+                break;
+            };
             let d = got.delivery;
-            let letter = describe(queue, position, &d.properties, &d.data);
-            position += 1;
+            let mut letter = describe(queue, position, &d.properties, &d.data);
+            letter.body = Vec::new();
             let wanted = match selection {
                 Selection::All => true,
                 Selection::Id(id) => letter.message_id.as_deref() == Some(id.as_str()),
@@ -296,48 +328,34 @@ pub async fn replay(
             if !wanted {
                 continue;
             }
-            let (Some(exchange), Some(key)) =
-                (&letter.original_exchange, &letter.original_routing_key)
-            else {
-                return Err(DlqError::NoOrigin(
-                    letter
-                        .message_id
-                        .clone()
-                        .unwrap_or_else(|| format!("#{}", letter.position)),
-                ));
-            };
-            // The copy goes out clean: without the death records and onejob's notes.
-            let mut headers = d.properties.headers().clone().unwrap_or_default();
-            let kept: FieldTable = {
-                let mut t = FieldTable::default();
-                for (k, v) in headers.inner() {
-                    if !k.as_str().starts_with("x-death")
-                        && !k.as_str().starts_with("x-first-death")
-                        && !k.as_str().starts_with("x-last-death")
-                        && !k.as_str().starts_with("x-onejob-")
-                        && k.as_str() != "x-delivery-count"
-                    {
-                        t.insert(k.clone(), v.clone());
+            let outcome = match (&letter.original_exchange, &letter.original_routing_key) {
+                (Some(exchange), Some(key)) => {
+                    if !publisher.channel().status().connected() {
+                        publisher = Publisher::open(conn).await?;
+                    }
+                    let props = d.properties.clone().with_headers(clean_headers(&d.properties)).with_delivery_mode(2);
+                    match publisher.publish(exchange, key, &d.data, props, true).await {
+                        Ok(()) => {
+                            if !d.acker.ack(BasicAckOptions::default()).await? {
+                                tracing::warn!(
+                                    "dead letter republished but its ack was not sent: it stays, as a duplicate"
+                                );
+                            }
+                            replayed += 1;
+                            ReplayOutcome::Replayed
+                        }
+                        Err(e) => ReplayOutcome::Skipped {
+                            reason: format!("republishing failed: {e}"),
+                        },
                     }
                 }
-                t
+                _ => ReplayOutcome::Skipped {
+                    reason: "no original exchange and routing key to replay to".into(),
+                },
             };
-            headers = kept;
-            let props = d
-                .properties
-                .clone()
-                .with_headers(headers)
-                .with_delivery_mode(2);
-            publisher
-                .publish(exchange, key, &d.data, props, true)
-                .await?;
-            if !d.acker.ack(BasicAckOptions::default()).await? {
-                tracing::warn!(
-                    "dead letter republished but its ack was not sent: it stays, as a duplicate"
-                );
-            }
-            replayed.push(letter);
-            if matches!(selection, Selection::Id(_)) {
+            let done = matches!(selection, Selection::Id(_));
+            report(ReplayReport { letter, outcome });
+            if done {
                 break;
             }
         }
@@ -347,9 +365,27 @@ pub async fn replay(
     // Everything taken but not replayed goes back to the queue.
     let _ = ch.close(200, "replayed".into()).await;
     let _ = publisher.channel().close(200, "replayed".into()).await;
-    let kept = before.saturating_sub(u32::try_from(replayed.len()).unwrap_or(u32::MAX));
-    settle(conn, queue, kept).await?;
-    result.map(|()| replayed)
+    settle(conn, queue, before.saturating_sub(replayed)).await?;
+    result
+}
+
+/// A replayed copy goes out clean: without the death records and onejob's notes.
+fn clean_headers(properties: &BasicProperties) -> FieldTable {
+    let mut kept = FieldTable::default();
+    if let Some(headers) = properties.headers() {
+        for (k, v) in headers.inner() {
+            let k_str = k.as_str();
+            if !k_str.starts_with("x-death")
+                && !k_str.starts_with("x-first-death")
+                && !k_str.starts_with("x-last-death")
+                && !k_str.starts_with("x-onejob-")
+                && k_str != "x-delivery-count"
+            {
+                kept.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    kept
 }
 
 /// Removes every message of a dead-letter queue; returns how many.

@@ -549,3 +549,152 @@ async fn a_cancel_never_leaves_a_queued_attempt_behind() {
     }
     assert_eq!(stranded, 0, "cancelled jobs left with a queued attempt");
 }
+
+/// Runs the operator CLI against `env`, killed if it runs past a minute (a
+/// replay that never ends must fail the test, not hang it).
+fn cli_bounded(
+    env: &TestEnv,
+    config_path: &std::path::Path,
+    args: &[&str],
+) -> std::process::Output {
+    std::process::Command::new("timeout")
+        .arg("60")
+        .arg(env!("CARGO_BIN_EXE_onejob"))
+        .args(args)
+        .env("DATABASE_URL", &env.database_url)
+        .env("AMQP_URL", &env.amqp_url)
+        .env("ONEJOB_CONFIG", config_path)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run the onejob CLI")
+}
+
+/// Item 11: `dlq replay --all` looks only at the letters present when it starts
+/// (a letter that dies again is not replayed again and again), reports each one,
+/// and skips a letter it cannot replay instead of stopping there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dlq_replay_all_is_bounded_and_reports_each_letter() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, file) = config(&config_for(&[P("primary", &primary.base_url(), "")], ""));
+    let env = TestEnv::new(&config).await;
+    let fleet = env
+        .fleet(config.clone(), vec![onejob::worker::Role::Intake])
+        .await;
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let dlq = onejob::broker::dead_letter_queue(onejob::broker::INTENTS_QUEUE);
+    let publish = |exchange: &'static str,
+                   key: &'static str,
+                   id: &'static str,
+                   body: Vec<u8>,
+                   headers: FieldTable| {
+        let ch = ch.clone();
+        async move {
+            ch.basic_publish(
+                exchange.into(),
+                key.into(),
+                BasicPublishOptions::default(),
+                &body,
+                onejob::broker::json_properties()
+                    .with_message_id(id.into())
+                    .with_headers(headers),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        }
+    };
+    // A bad intent, dead-lettered by intake: replaying it makes it die again.
+    publish(
+        onejob::broker::EXCHANGE,
+        onejob::broker::INTENTS_KEY,
+        "bad-1",
+        b"not json".to_vec(),
+        FieldTable::default(),
+    )
+    .await;
+    wait_for(
+        "the bad intent's dead letter",
+        Duration::from_secs(20),
+        || async { (common::depth(&ch, &dlq).await == 1).then_some(()) },
+    )
+    .await;
+    // A good intent with its origin, and a letter that names no origin.
+    let mut origin = FieldTable::default();
+    for (k, v) in [
+        ("x-onejob-original-exchange", onejob::broker::EXCHANGE),
+        ("x-onejob-original-routing-key", onejob::broker::INTENTS_KEY),
+    ] {
+        origin.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
+    }
+    let good = serde_json::to_vec(&common::intent("acct_r", "good", "replayed")).unwrap();
+    publish(
+        onejob::broker::DLX,
+        onejob::broker::INTENTS_QUEUE,
+        "good-1",
+        good,
+        origin,
+    )
+    .await;
+    publish(
+        onejob::broker::DLX,
+        onejob::broker::INTENTS_QUEUE,
+        "orphan-1",
+        b"{}".to_vec(),
+        FieldTable::default(),
+    )
+    .await;
+    assert_eq!(common::depth(&ch, &dlq).await, 3);
+
+    let out = cli_bounded(
+        &env,
+        &file.path,
+        &["dlq", "replay", &dlq, "--all", "--json"],
+    );
+    assert_ne!(out.status.code(), Some(124), "replay did not end");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a skipped letter is reported: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+    assert_eq!(report["replayed"], 2, "{report}");
+    assert_eq!(report["skipped"], 1, "{report}");
+    let letters = report["dead_letters"].as_array().unwrap();
+    assert_eq!(letters.len(), 3);
+    let orphan = letters
+        .iter()
+        .find(|l| l["message_id"] == "orphan-1")
+        .unwrap();
+    assert_eq!(orphan["outcome"], "skipped");
+    assert!(
+        orphan["reason"]
+            .as_str()
+            .unwrap()
+            .contains("no original exchange"),
+        "{orphan}"
+    );
+    assert!(letters.iter().all(|l| l.get("body").is_none()));
+
+    // The good intent became a job; the bad one died once more, and it and the
+    // orphan are what the queue holds.
+    let job = wait_for(
+        "the replayed intent's job",
+        Duration::from_secs(20),
+        || async { env.store.find_job("acct_r", "good").await.unwrap() },
+    )
+    .await;
+    assert_eq!(job.idempotency_key, "good");
+    wait_for(
+        "the bad intent to die again",
+        Duration::from_secs(20),
+        || async { (common::depth(&ch, &dlq).await == 2).then_some(()) },
+    )
+    .await;
+    let _ = conn.close(200, "done".into()).await;
+    fleet.stop().await;
+}
