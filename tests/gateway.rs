@@ -716,3 +716,45 @@ async fn an_abandoned_submit_leaves_no_waiter_behind() {
     }
     assert_eq!(producer.waiting(), 0);
 }
+
+/// Item 14 of issue 8: the owner's view of a failed job says what went wrong in
+/// onejob's words, as a stable code and a short message, never the provider's
+/// own error text (which the operator CLI still shows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn owners_see_a_stable_error_code_not_provider_internals() {
+    let s = Served::start().await;
+    let alice = s.token("alice");
+    let body = r#"{"operation":"summarize","input":{"text":"mock:status=401"}}"#;
+    let created = s.post(Some(&alice), Some("refused"), body).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{created:?}");
+    let job_id = created.job_id();
+    common::wait_for_status(&s.env, job_id, onejob::domain::JobStatus::Failed).await;
+
+    let seen = s.get(&alice, &job_id.to_string()).await;
+    assert_eq!(seen.status, StatusCode::OK);
+    seen.conforms("/v1/jobs/{id}", "get");
+    assert_eq!(
+        seen.body["error"]["code"], "provider_error",
+        "{}",
+        seen.body
+    );
+    assert!(
+        seen.body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty())
+    );
+    let text = seen.body.to_string();
+    for internal in ["HTTP 401", "asked to fail", "mock_error"] {
+        assert!(
+            !text.contains(internal),
+            "{internal:?} shown to the owner: {text}"
+        );
+    }
+    // The operator still sees the provider's own words.
+    let operator = s.env.cli_ok(
+        &s.file.path,
+        &["jobs", "show", &job_id.to_string(), "--json"],
+    );
+    assert!(String::from_utf8_lossy(&operator.stdout).contains("HTTP 401"));
+    s.stop().await;
+}

@@ -485,10 +485,59 @@ struct PublicJob {
     status: onejob::domain::JobStatus,
     version: i64,
     result: Option<serde_json::Value>,
-    error: Option<String>,
+    error: Option<PublicError>,
     created_at: chrono::DateTime<chrono::Utc>,
     updated_at: chrono::DateTime<chrono::Utc>,
     attempts: Vec<PublicAttempt>,
+}
+
+/// Why a job failed or was cancelled, as its owner sees it: a stable code and a
+/// message written by onejob. The provider's own error text (status lines, body
+/// excerpts) is for operators only (`onejob jobs show`).
+#[derive(Debug, PartialEq, Serialize)]
+struct PublicError {
+    code: &'static str,
+    message: &'static str,
+}
+
+impl PublicError {
+    /// The owner's view of a stored error. Stored errors start with their code
+    /// (`provider_error: HTTP 401: …`); an unknown code is shown as `failed`.
+    fn of(stored: &str) -> PublicError {
+        let code = stored.split(':').next().unwrap_or_default().trim();
+        let (code, message) = match code {
+            "provider_error" => ("provider_error", "the provider refused the request"),
+            "provider_unreachable" => ("provider_unreachable", "the provider could not be reached"),
+            "contract_violation" => (
+                "contract_violation",
+                "the provider's answer did not match the operation's output schema",
+            ),
+            "outcome_unknown" => (
+                "outcome_unknown",
+                "a provider call ended without a known outcome",
+            ),
+            "template_error" => (
+                "template_error",
+                "the input does not fit the operation's prompt",
+            ),
+            "no_qualified_provider" => (
+                "no_qualified_provider",
+                "no provider qualified for this operation was left to try",
+            ),
+            "attempt_lost" | "dead_lettered" => (
+                "attempt_lost",
+                "an attempt could not be delivered to its provider",
+            ),
+            "unknown_operation" => ("unknown_operation", "the operation is no longer configured"),
+            "resolved_failed" => (
+                "resolved_failed",
+                "an operator ended the job's last attempt as failed",
+            ),
+            "cancelled" => ("cancelled", "the job was cancelled"),
+            _ => ("failed", "the job failed"),
+        };
+        PublicError { code, message }
+    }
 }
 
 /// An attempt as the job's owner sees it: when and where, and how it ended.
@@ -514,7 +563,7 @@ impl From<onejob::store::JobView> for PublicJob {
             status: job.status,
             version: job.version,
             result: job.result,
-            error: job.error,
+            error: job.error.as_deref().map(PublicError::of),
             created_at: job.created_at,
             updated_at: job.updated_at,
             attempts: job
@@ -530,5 +579,33 @@ impl From<onejob::store::JobView> for PublicJob {
                 })
                 .collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PublicError;
+
+    #[test]
+    fn stored_errors_become_stable_codes() {
+        let e = PublicError::of(r#"provider_error: HTTP 401: {"error":"bad key sk-123"}"#);
+        assert_eq!(e.code, "provider_error");
+        assert!(!e.message.contains("401"));
+        assert_eq!(
+            PublicError::of(
+                "no_qualified_provider: no provider …; last error: provider_error: HTTP 500"
+            )
+            .code,
+            "no_qualified_provider"
+        );
+        assert_eq!(
+            PublicError::of("dead_lettered: delivery_limit (see q)").code,
+            "attempt_lost"
+        );
+        assert_eq!(
+            PublicError::of("cancelled: by an operator").code,
+            "cancelled"
+        );
+        assert_eq!(PublicError::of("something new").code, "failed");
     }
 }
