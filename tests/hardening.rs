@@ -698,3 +698,35 @@ async fn dlq_replay_all_is_bounded_and_reports_each_letter() {
     let _ = conn.close(200, "done".into()).await;
     fleet.stop().await;
 }
+
+/// Item 12: a provider answer is read up to the provider's `max_response_bytes`
+/// and no further; a larger one fails the attempt definitely, so a provider
+/// cannot make a worker hold more than that per call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_answer_over_max_response_bytes_fails_the_attempt() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, _file) = config(
+        &config_for(
+            &[P("primary", &primary.base_url(), "max_response_bytes = 65536")],
+            "",
+        )
+        .replace("max_attempts = 3", "max_attempts = 1"),
+    );
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+
+    let large = submit(&producer, "acct_big", "large", "mock:pad=200000").await;
+    let job = wait_for_status(&env, large, JobStatus::Failed).await;
+    let error = job.attempts[0].error.clone().unwrap_or_default();
+    assert!(
+        error.starts_with("provider_error: answer_too_large") && error.contains("65536"),
+        "{error}"
+    );
+    // Within the limit, a large answer is a result like any other.
+    let fits = submit(&producer, "acct_big", "fits", "mock:pad=40000").await;
+    let job = wait_for_status(&env, fits, JobStatus::Succeeded).await;
+    assert!(job.result.unwrap()["summary"].as_str().unwrap().len() > 40_000);
+    producer.close().await;
+    fleet.stop().await;
+}
