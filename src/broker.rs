@@ -218,6 +218,24 @@ pub async fn declare_topology(
     Ok(())
 }
 
+/// The number of ready messages in `queue` (a passive declare, on a channel of
+/// its own: nothing is taken, and a missing queue closes only that channel).
+pub async fn depth(conn: &Connection, queue: &str) -> Result<u32> {
+    let ch = conn.create_channel().await?;
+    let q = ch
+        .queue_declare(
+            short(queue)?,
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let _ = ch.close(200, "counted".into()).await;
+    Ok(q.message_count())
+}
+
 /// Persistent JSON message properties, as the contract requires of every publish.
 pub fn json_properties() -> BasicProperties {
     BasicProperties::default()

@@ -83,6 +83,7 @@ struct RawWorker {
     stuck_after: Option<String>,
     max_republish: Option<u32>,
     dead_letter_scan: Option<String>,
+    outbox_retention: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -151,6 +152,9 @@ pub struct WorkerSettings {
     /// How often the reconciler reads the attempts' dead-letter queues to mark
     /// the attempts whose messages died there.
     pub dead_letter_scan: Duration,
+    /// How long a published outbox row is kept (a redelivered intent finds the
+    /// first attempt's row within it) before the reconciler deletes it.
+    pub outbox_retention: Duration,
 }
 
 impl Default for WorkerSettings {
@@ -168,6 +172,7 @@ impl Default for WorkerSettings {
             stuck_after: Duration::from_secs(600),
             max_republish: 3,
             dead_letter_scan: Duration::from_secs(30),
+            outbox_retention: Duration::from_secs(3600),
         }
     }
 }
@@ -494,6 +499,12 @@ impl Config {
                 "worker.dead_letter_scan",
                 &w.dead_letter_scan,
                 defaults.dead_letter_scan,
+            )?,
+            outbox_retention: duration(
+                origin,
+                "worker.outbox_retention",
+                &w.outbox_retention,
+                defaults.outbox_retention,
             )?,
         };
         if worker.retry_backoff_max < worker.retry_backoff {

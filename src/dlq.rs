@@ -9,7 +9,7 @@
 //! transitions drop), never a loss.
 
 use chrono::{DateTime, Utc};
-use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions, QueuePurgeOptions};
+use lapin::options::{BasicAckOptions, BasicGetOptions, QueuePurgeOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 use serde::Serialize;
@@ -208,29 +208,12 @@ fn describe(queue: &str, position: usize, properties: &BasicProperties, body: &[
     }
 }
 
-/// The number of ready messages in `queue`.
-async fn depth(conn: &Connection, queue: &str) -> Result<u32> {
-    let ch = conn.create_channel().await?;
-    let q = ch
-        .queue_declare(
-            short(queue)?,
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-    let _ = ch.close(200, "counted".into()).await;
-    Ok(q.message_count())
-}
-
 /// After a channel holding unacked messages closes, the broker returns them
 /// asynchronously: wait (briefly) until the queue holds `expected` again, so the
 /// next look at it sees every message.
 async fn settle(conn: &Connection, queue: &str, expected: u32) -> Result<()> {
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-    while depth(conn, queue).await? < expected && tokio::time::Instant::now() < deadline {
+    while broker::depth(conn, queue).await? < expected && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     Ok(())
@@ -238,7 +221,7 @@ async fn settle(conn: &Connection, queue: &str, expected: u32) -> Result<()> {
 
 /// Lists up to `limit` dead letters of `queue` without consuming them.
 pub async fn browse(conn: &Connection, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
-    let before = depth(conn, queue).await?;
+    let before = broker::depth(conn, queue).await?;
     let ch = conn.create_channel().await?;
     let mut out = Vec::new();
     while out.len() < limit {
@@ -306,7 +289,7 @@ pub async fn replay(
     selection: &Selection,
     mut report: impl FnMut(ReplayReport),
 ) -> Result<()> {
-    let before = depth(conn, queue).await?;
+    let before = broker::depth(conn, queue).await?;
     let mut publisher = Publisher::open(conn).await?;
     let ch = conn.create_channel().await?;
     let mut replayed = 0u32;

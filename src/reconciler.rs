@@ -13,6 +13,7 @@
 //!   dead-letter queue (the delivery limit, say) while the attempt was still
 //!   `queued` is marked `failed` with the dead letter's reason, and the route rule
 //!   plans what follows. The dead letter itself stays for an operator.
+//! - **Pruning**: published outbox rows past `outbox_retention` are deleted.
 //! - **Hedging**: for operations with `hedge_after`, a job whose attempt has been
 //!   silent that long gets one parallel attempt on the next qualified provider.
 //!
@@ -53,6 +54,11 @@ pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
             if let Err(e) = sweep_once(&ctx).await {
                 tracing::warn!(error = %e, "reconciler sweep failed; will retry");
             }
+            match prune_outbox(&ctx).await {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(rows = n, "pruned published outbox rows"),
+                Err(e) => tracing::warn!(error = %e, "outbox pruning failed; will retry"),
+            }
         }
         if last_scan.elapsed() >= ctx.config.worker.dead_letter_scan {
             last_scan = tokio::time::Instant::now();
@@ -89,7 +95,11 @@ pub async fn sweep_once(ctx: &Context) -> Result<()> {
     }
 
     let max = i32::try_from(w.max_republish).unwrap_or(i32::MAX);
-    let (republish, lost) = ctx.store.stuck_queued(w.stuck_after, max).await?;
+    let backlogged = backlogged(ctx).await?;
+    let (republish, lost) = ctx
+        .store
+        .stuck_queued(w.stuck_after, max, &backlogged)
+        .await?;
     ctx.publish_outbox(&republish).await?;
     if !lost.is_empty() {
         let eligible = eligibility(ctx).await?;
@@ -110,6 +120,37 @@ pub async fn sweep_once(ctx: &Context) -> Result<()> {
     }
 
     hedge_once(ctx).await
+}
+
+/// The providers whose attempts queue holds messages now. An attempt of theirs
+/// that has not started may simply be waiting in that backlog, so the stuck
+/// sweep leaves it alone until the queue has drained.
+async fn backlogged(ctx: &Context) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for provider in ctx.config.providers.keys() {
+        let queue = crate::broker::attempts_queue(provider);
+        if crate::broker::depth(&ctx.connection, &queue).await? > 0 {
+            out.push(provider.clone());
+        }
+    }
+    Ok(out)
+}
+
+/// Deletes published outbox rows past `outbox_retention`, a bounded batch at a
+/// time, until none is left.
+pub async fn prune_outbox(ctx: &Context) -> Result<u64> {
+    const BATCH: i64 = 1000;
+    let mut total = 0;
+    loop {
+        let n = ctx
+            .store
+            .prune_outbox(ctx.config.worker.outbox_retention, BATCH)
+            .await?;
+        total += n;
+        if n < BATCH as u64 {
+            return Ok(total);
+        }
+    }
 }
 
 /// Marks attempts whose messages died in their dead-letter queue while they were

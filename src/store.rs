@@ -1429,17 +1429,21 @@ impl Store {
     /// (a duplicate is harmless: `queued → started` is guarded) and counts it.
     /// Returns the messages to publish now, and the attempts already republished
     /// `max_republish` times, for the caller to fail.
+    ///
+    /// Attempts of the providers in `backlogged` are left alone: their queue still
+    /// holds messages, so theirs is most likely waiting there behind the others.
     pub async fn stuck_queued(
         &self,
         stuck_after: Duration,
         max_republish: i32,
+        backlogged: &[String],
     ) -> Result<(Vec<OutboxMessage>, Vec<AttemptId>)> {
         let mut tx = self.pool.begin().await?;
         let stuck: Vec<(Uuid, Uuid, String, i32)> = sqlx::query_as(
             "SELECT a.id, a.job_id, a.provider, a.republished FROM attempts a
              JOIN jobs j ON j.id = a.job_id
              WHERE a.status = 'queued' AND a.not_before < now() - make_interval(secs => $1)
-               AND j.status <> 'unknown'
+               AND j.status <> 'unknown' AND a.provider <> ALL($2)
                AND NOT EXISTS (SELECT 1 FROM outbox o
                                WHERE o.message_id = a.id::text AND o.published_at IS NULL)
              ORDER BY a.id
@@ -1447,6 +1451,7 @@ impl Store {
              FOR UPDATE OF a SKIP LOCKED",
         )
         .bind(stuck_after.as_secs_f64())
+        .bind(backlogged)
         .fetch_all(&mut *tx)
         .await?;
         let (exhausted, again): (Vec<_>, Vec<_>) =
@@ -1531,6 +1536,24 @@ impl Store {
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(outbox_message).collect()
+    }
+
+    /// Deletes up to `limit` outbox rows published more than `retention` ago;
+    /// returns how many. Rows not yet published are never touched.
+    pub async fn prune_outbox(&self, retention: Duration, limit: i64) -> Result<u64> {
+        let done = sqlx::query(
+            "DELETE FROM outbox WHERE id IN (
+                 SELECT id FROM outbox
+                 WHERE published_at < now() - make_interval(secs => $1)
+                 ORDER BY published_at
+                 LIMIT $2
+                 FOR UPDATE SKIP LOCKED)",
+        )
+        .bind(retention.as_secs_f64())
+        .bind(limit)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
     }
 
     /// Marks outbox rows as published (after the broker confirmed them).

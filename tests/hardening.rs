@@ -707,7 +707,11 @@ async fn an_answer_over_max_response_bytes_fails_the_attempt() {
     let primary = mock(MockOptions::default()).await;
     let (config, _file) = config(
         &config_for(
-            &[P("primary", &primary.base_url(), "max_response_bytes = 65536")],
+            &[P(
+                "primary",
+                &primary.base_url(),
+                "max_response_bytes = 65536",
+            )],
             "",
         )
         .replace("max_attempts = 3", "max_attempts = 1"),
@@ -729,4 +733,83 @@ async fn an_answer_over_max_response_bytes_fails_the_attempt() {
     assert!(job.result.unwrap()["summary"].as_str().unwrap().len() > 40_000);
     producer.close().await;
     fleet.stop().await;
+}
+
+/// Item 15: published outbox rows are pruned after `outbox_retention`; rows not
+/// yet published, and recent ones, stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn published_outbox_rows_are_pruned() {
+    let text = config_text("http://127.0.0.1:9/v1", None, "")
+        .replace("[worker]\n", "[worker]\noutbox_retention = \"1m\"\n");
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let pool = env.store.pool();
+    let ids: Vec<(i64,)> = sqlx::query_as(
+        "INSERT INTO outbox (exchange, routing_key, message_id, body, published_at, not_before)
+         VALUES ('onejob.events', 'job.succeeded', 'old', '{}', now() - interval '2 hours', now() + interval '1 day'),
+                ('onejob.events', 'job.succeeded', 'recent', '{}', now() - interval '10 seconds', now() + interval '1 day'),
+                ('onejob.events', 'job.succeeded', 'pending', '{}', NULL, now() + interval '1 day')
+         RETURNING id",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(ids.len(), 3);
+    let fleet = env
+        .fleet(config.clone(), vec![onejob::worker::Role::Reconciler])
+        .await;
+    let left: Vec<String> = wait_for(
+        "the old row to be pruned",
+        Duration::from_secs(20),
+        || async {
+            let left: Vec<(String,)> = sqlx::query_as("SELECT message_id FROM outbox ORDER BY id")
+                .fetch_all(pool)
+                .await
+                .unwrap();
+            let left: Vec<String> = left.into_iter().map(|(m,)| m).collect();
+            (!left.contains(&"old".to_owned())).then_some(left)
+        },
+    )
+    .await;
+    assert_eq!(left, vec!["recent".to_owned(), "pending".to_owned()]);
+    fleet.stop().await;
+}
+
+/// Item 15: an attempt that has not started because its message waits behind a
+/// backlog is not republished, nor failed as lost, while its queue holds messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_stuck_sweep_leaves_attempts_waiting_in_a_backlog() {
+    let text = config_text("http://127.0.0.1:9/v1", None, "").replace(
+        "[worker]\n",
+        "[worker]\nstuck_after = \"200ms\"\nmax_republish = 1\n",
+    );
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
+    let (job_id, publish) = env.admit(&ctx, "acct_b", "backlog", "backlog").await;
+    // Its message is in the queue, behind nothing, with no consumer: a backlog.
+    ctx.publish_outbox(std::slice::from_ref(&publish))
+        .await
+        .unwrap();
+    let fleet = env
+        .fleet(config.clone(), vec![onejob::worker::Role::Reconciler])
+        .await;
+    let ch = ctx.connection.create_channel().await.unwrap();
+    let queue = onejob::broker::attempts_queue("primary");
+    // Ten times stuck_after, with a sweep every relay_interval: the sweep would
+    // have republished and then failed it long before.
+    let window = Duration::from_secs(2);
+    let start = std::time::Instant::now();
+    while start.elapsed() < window {
+        let job = env.store.job(job_id).await.unwrap().unwrap();
+        assert_eq!(job.attempts[0].status, AttemptStatus::Queued, "{job:?}");
+        assert_eq!(
+            common::depth(&ch, &queue).await,
+            1,
+            "republished into the backlog"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    fleet.stop().await;
+    let _ = ctx.connection.close(200, "done".into()).await;
 }
