@@ -70,6 +70,19 @@ pub enum BrokerError {
         /// The broker's reply text.
         reply: String,
     },
+    /// A work queue exists with other arguments than this version declares (one
+    /// declared before at-least-once dead-lettering, or with another delivery
+    /// limit): the broker refuses the declaration.
+    #[error(
+        "queue {queue:?} exists with other arguments than this version declares ({expected}); \
+         stop the fleet and run `onejob queues upgrade`, which redeclares empty queues and never deletes one that holds messages"
+    )]
+    OutdatedQueue {
+        /// The queue.
+        queue: String,
+        /// The arguments this version declares.
+        expected: String,
+    },
     /// A name is too long for AMQP.
     #[error("{0:?} is longer than AMQP's 255-byte limit")]
     NameTooLong(String),
@@ -129,25 +142,47 @@ pub async fn connect(url: &str, recovery: Recovery) -> Result<Connection> {
     Ok(Connection::connect(url, props).await?)
 }
 
+/// The arguments of every work queue. Dead-lettering is at-least-once: with
+/// `x-dead-letter-strategy=at-least-once` (which needs `x-overflow=reject-publish`)
+/// the broker keeps a message until its dead-letter queue has confirmed the copy,
+/// where the default strategy may drop it on the way (contract section 2).
 fn work_queue_args(queue: &str, delivery_limit: u32) -> FieldTable {
     let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString(LongString::from("quorum")),
-    );
-    args.insert(
-        "x-dead-letter-exchange".into(),
-        AMQPValue::LongString(LongString::from(DLX)),
-    );
-    args.insert(
-        "x-dead-letter-routing-key".into(),
-        AMQPValue::LongString(LongString::from(queue)),
-    );
+    let text = |v: &str| AMQPValue::LongString(LongString::from(v));
+    args.insert("x-queue-type".into(), text("quorum"));
+    args.insert("x-dead-letter-exchange".into(), text(DLX));
+    args.insert("x-dead-letter-routing-key".into(), text(queue));
     args.insert(
         "x-delivery-limit".into(),
         AMQPValue::LongLongInt(i64::from(delivery_limit)),
     );
+    args.insert("x-dead-letter-strategy".into(), text("at-least-once"));
+    args.insert("x-overflow".into(), text("reject-publish"));
     args
+}
+
+/// The work queue arguments, as one line for people.
+fn describe_work_args(delivery_limit: u32) -> String {
+    format!(
+        "quorum, x-dead-letter-exchange={DLX}, x-delivery-limit={delivery_limit}, \
+         x-dead-letter-strategy=at-least-once, x-overflow=reject-publish"
+    )
+}
+
+/// Whether an AMQP error is the broker's 406 PRECONDITION_FAILED (a queue
+/// redeclared with other arguments, a delete refused because the queue is not
+/// empty or in use).
+fn precondition_failed(e: &lapin::Error) -> bool {
+    matches!(e.kind(), lapin::ErrorKind::ProtocolError(p) if p.get_id() == 406)
+}
+
+/// The work queues of a configuration and their routing keys.
+fn work_queues(providers: &[String]) -> Vec<(String, String)> {
+    let mut work = vec![(INTENTS_QUEUE.to_owned(), INTENTS_KEY.to_owned())];
+    for p in providers {
+        work.push((attempts_queue(p), attempts_routing_key(p)));
+    }
+    work
 }
 
 fn quorum_args() -> FieldTable {
@@ -179,21 +214,29 @@ pub async fn declare_topology(
         ch.exchange_declare(name.into(), kind, durable, FieldTable::default())
             .await?;
     }
-    let mut work = vec![(INTENTS_QUEUE.to_owned(), INTENTS_KEY.to_owned())];
-    for p in providers {
-        work.push((attempts_queue(p), attempts_routing_key(p)));
-    }
+    let work = work_queues(providers);
     let queue_opts = QueueDeclareOptions {
         durable: true,
         ..QueueDeclareOptions::default()
     };
     for (queue, key) in &work {
-        ch.queue_declare(
-            short(queue)?,
-            queue_opts,
-            work_queue_args(queue, delivery_limit),
-        )
-        .await?;
+        if let Err(e) = ch
+            .queue_declare(
+                short(queue)?,
+                queue_opts,
+                work_queue_args(queue, delivery_limit),
+            )
+            .await
+        {
+            return Err(if precondition_failed(&e) {
+                BrokerError::OutdatedQueue {
+                    queue: queue.clone(),
+                    expected: describe_work_args(delivery_limit),
+                }
+            } else {
+                e.into()
+            });
+        }
         ch.queue_bind(
             short(queue)?,
             EXCHANGE.into(),
@@ -236,6 +279,129 @@ pub async fn depth(conn: &Connection, queue: &str) -> Result<u32> {
     Ok(q.message_count())
 }
 
+/// What `onejob queues upgrade` did with one work queue.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum QueueUpgrade {
+    /// It already had this version's arguments (or did not exist, and now does).
+    Current,
+    /// It was empty and unused: deleted and declared again with this version's
+    /// arguments.
+    Redeclared,
+    /// It holds messages or has consumers: left as it is.
+    Refused {
+        /// Ready messages in it.
+        messages: u32,
+        /// Consumers on it.
+        consumers: u32,
+    },
+}
+
+/// Brings every work queue to this version's arguments, then declares the rest of
+/// the topology. A queue declared otherwise is deleted and declared again only if
+/// it is empty and has no consumer, checked once more after it has been unbound
+/// from the work exchange, so a queue that holds messages is never deleted.
+pub async fn upgrade_queues(
+    conn: &Connection,
+    providers: &[String],
+    delivery_limit: u32,
+) -> Result<Vec<(String, QueueUpgrade)>> {
+    use lapin::options::QueueDeleteOptions;
+    let queue_opts = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    let mut out = Vec::new();
+    for (queue, key) in work_queues(providers) {
+        let args = || work_queue_args(&queue, delivery_limit);
+        // Each step on a channel of its own: a 406 closes the channel it hit.
+        let ch = conn.create_channel().await?;
+        match ch.queue_declare(short(&queue)?, queue_opts, args()).await {
+            Ok(_) => {
+                let _ = ch.close(200, "checked".into()).await;
+                out.push((queue, QueueUpgrade::Current));
+                continue;
+            }
+            Err(e) if precondition_failed(&e) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let ch = conn.create_channel().await?;
+        let existing = ch
+            .queue_declare(
+                short(&queue)?,
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        if existing.message_count() > 0 || existing.consumer_count() > 0 {
+            let _ = ch.close(200, "checked".into()).await;
+            out.push((
+                queue,
+                QueueUpgrade::Refused {
+                    messages: existing.message_count(),
+                    consumers: existing.consumer_count(),
+                },
+            ));
+            continue;
+        }
+        // Unbind it first, so that nothing new is routed to it, then look again:
+        // quorum queues do not support the `if-empty` delete, so emptiness is
+        // checked here, after the last way in is closed. A mandatory publish meanwhile
+        // comes back unroutable to its publisher, which retries; nothing is lost.
+        ch.queue_unbind(
+            short(&queue)?,
+            EXCHANGE.into(),
+            short(&key)?,
+            FieldTable::default(),
+        )
+        .await?;
+        let again = ch
+            .queue_declare(
+                short(&queue)?,
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        if again.message_count() > 0 || again.consumer_count() > 0 {
+            ch.queue_bind(
+                short(&queue)?,
+                EXCHANGE.into(),
+                short(&key)?,
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+            let _ = ch.close(200, "checked".into()).await;
+            out.push((
+                queue,
+                QueueUpgrade::Refused {
+                    messages: again.message_count(),
+                    consumers: again.consumer_count(),
+                },
+            ));
+            continue;
+        }
+        ch.queue_delete(short(&queue)?, QueueDeleteOptions::default())
+            .await?;
+        ch.queue_declare(short(&queue)?, queue_opts, args()).await?;
+        let _ = ch.close(200, "redeclared".into()).await;
+        out.push((queue, QueueUpgrade::Redeclared));
+    }
+    if out
+        .iter()
+        .all(|(_, u)| !matches!(u, QueueUpgrade::Refused { .. }))
+    {
+        declare_topology(conn, providers, delivery_limit).await?;
+    }
+    Ok(out)
+}
+
 /// Persistent JSON message properties, as the contract requires of every publish.
 pub fn json_properties() -> BasicProperties {
     BasicProperties::default()
@@ -245,29 +411,64 @@ pub fn json_properties() -> BasicProperties {
 
 /// A channel in confirm mode. Every publish returns only once the broker has
 /// confirmed it (or refused it: then it is an error, never silently dropped).
+///
+/// The broker closes a channel on some errors (a publish to an exchange that was
+/// deleted, say), and every later publish on it would fail. [`Publisher::heal`]
+/// opens a fresh confirm channel in its place; the worker's supervisor calls it,
+/// and readiness follows [`Publisher::is_open`].
 #[derive(Clone, Debug)]
 pub struct Publisher {
-    channel: Channel,
+    channel: std::sync::Arc<std::sync::Mutex<Channel>>,
+}
+
+async fn confirm_channel(conn: &Connection) -> Result<Channel> {
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
 }
 
 impl Publisher {
     /// Opens a confirm-mode channel on `conn`.
     pub async fn open(conn: &Connection) -> Result<Publisher> {
-        let channel = conn.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
-        Ok(Publisher { channel })
+        Ok(Self::from_channel(confirm_channel(conn).await?))
     }
 
     /// Wraps a channel already in confirm mode.
     pub fn from_channel(channel: Channel) -> Publisher {
-        Publisher { channel }
+        Publisher {
+            channel: std::sync::Arc::new(std::sync::Mutex::new(channel)),
+        }
     }
 
-    /// The channel.
-    pub fn channel(&self) -> &Channel {
-        &self.channel
+    /// The channel publishes go to now.
+    pub fn channel(&self) -> Channel {
+        self.channel
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Whether the channel is open (or being recovered with its connection).
+    pub fn is_open(&self) -> bool {
+        let channel = self.channel();
+        channel.status().connected() || channel.status().reconnecting()
+    }
+
+    /// Opens a new confirm channel on `conn` in place of one the broker closed.
+    /// Returns whether it did; a channel that is open, or that recovers with its
+    /// connection, is left alone. One caller at a time (the supervisor).
+    pub async fn heal(&self, conn: &Connection) -> Result<bool> {
+        if self.is_open() || !conn.status().connected() {
+            return Ok(false);
+        }
+        let fresh = confirm_channel(conn).await?;
+        *self
+            .channel
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
+        Ok(true)
     }
 
     /// Publishes and waits for the confirm. With `mandatory`, a message no queue
@@ -281,7 +482,7 @@ impl Publisher {
         mandatory: bool,
     ) -> Result<()> {
         let confirm = self
-            .channel
+            .channel()
             .basic_publish(
                 short(exchange)?,
                 short(routing_key)?,

@@ -79,9 +79,22 @@ enum Command {
     /// Manage the HTTP gateway's bearer tokens.
     #[command(subcommand)]
     Tokens(TokensCommand),
+    /// Bring the AMQP queues to this version's arguments.
+    #[command(subcommand)]
+    Queues(QueuesCommand),
     /// Check the configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum QueuesCommand {
+    /// Redeclare work queues declared by an older version (or with another
+    /// delivery limit) with this version's arguments. Run it with the fleet
+    /// stopped. A queue is deleted and declared again only when it is empty and
+    /// has no consumer (the broker checks both); one that holds messages is left
+    /// as it is and named, with exit 1: drain it with the old version first.
+    Upgrade,
 }
 
 #[derive(Subcommand, Debug)]
@@ -556,6 +569,57 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                     TokenFailure::Store(e) => Failure(e.to_string()),
                     TokenFailure::Refused(f) => f,
                 })?;
+        }
+        Command::Queues(QueuesCommand::Upgrade) => {
+            let config = c.load_config()?;
+            let conn = broker::connect(&c.amqp_url, broker::Recovery::None)
+                .await
+                .map_err(|e| {
+                    Failure(format!(
+                        "cannot reach RabbitMQ at {}: {e}",
+                        broker::redact_url(&c.amqp_url)
+                    ))
+                })?;
+            let upgrades = broker::upgrade_queues(
+                &conn,
+                &config.provider_names(),
+                config.worker.delivery_limit,
+            )
+            .await;
+            let _ = conn.close(200, "upgraded".into()).await;
+            let upgrades = upgrades.map_err(|e| Failure(e.to_string()))?;
+            let refused = upgrades
+                .iter()
+                .filter(|(_, u)| matches!(u, broker::QueueUpgrade::Refused { .. }))
+                .count();
+            if cli.json {
+                let queues: serde_json::Map<String, serde_json::Value> = upgrades
+                    .iter()
+                    .map(|(q, u)| Ok((q.clone(), serde_json::to_value(u)?)))
+                    .collect::<Result<_, serde_json::Error>>()?;
+                writeln!(out, "{}", json!({ "queues": queues, "refused": refused }))?;
+            } else {
+                for (queue, upgrade) in &upgrades {
+                    match upgrade {
+                        broker::QueueUpgrade::Current => writeln!(out, "{queue}: up to date")?,
+                        broker::QueueUpgrade::Redeclared => {
+                            writeln!(out, "{queue}: redeclared with this version's arguments")?
+                        }
+                        broker::QueueUpgrade::Refused {
+                            messages,
+                            consumers,
+                        } => writeln!(
+                            out,
+                            "{queue}: left as it is: it holds {messages} message(s) and has {consumers} consumer(s)"
+                        )?,
+                    }
+                }
+            }
+            if refused > 0 {
+                return Err(Failure(format!(
+                    "{refused} queue(s) not upgraded: stop every consumer and let the previous version drain them, then run this again"
+                )));
+            }
         }
         Command::Config(ConfigCommand::Check) => {
             let config = c.load_config()?;

@@ -429,6 +429,13 @@ pub async fn run(ctx: Context, roles: Vec<Role>, shutdown: Shutdown) -> Result<(
         }
     }
     let mut tasks = tokio::task::JoinSet::new();
+    {
+        let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            let result = supervise_connection(ctx, shutdown).await;
+            ("amqp supervisor".to_owned(), result)
+        });
+    }
     for role in roles {
         let ctx = ctx.clone();
         let shutdown = shutdown.clone();
@@ -480,22 +487,31 @@ pub fn header_str(headers: &FieldTable, name: &str) -> Option<String> {
     }
 }
 
-/// Watches the AMQP connection. Automatic recovery handles short outages; once it
-/// gives up (the connection is closed or errored for good), this returns, and the
-/// worker must exit non-zero so that its orchestrator restarts it.
-pub async fn supervise_connection(connection: Arc<Connection>, shutdown: Shutdown) -> Result<()> {
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
+/// Watches the AMQP connection and the publishing channel. Automatic recovery
+/// handles short outages; once it gives up (the connection is closed or errored
+/// for good), this returns an error, [`run`] stops every role, and the worker
+/// exits non-zero so that its orchestrator restarts it. A publishing channel the
+/// broker closed is replaced with a fresh one.
+pub async fn supervise_connection(ctx: Context, shutdown: Shutdown) -> Result<()> {
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         tokio::select! {
             () = shutdown.wait() => return Ok(()),
             _ = tick.tick() => {}
         }
-        let status = connection.status();
+        let status = ctx.connection.status();
         if status.errored() || status.closed() {
             return Err(WorkerError::RoleStopped(
                 "amqp connection".into(),
                 "RabbitMQ connection lost and automatic recovery gave up".into(),
             ));
+        }
+        match ctx.publisher.heal(&ctx.connection).await {
+            Ok(true) => {
+                tracing::warn!("the broker had closed the publishing channel; opened a new one")
+            }
+            Ok(false) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot reopen the publishing channel yet"),
         }
     }
 }
@@ -525,7 +541,10 @@ pub fn health_router(ctx: Context) -> axum::Router {
     async fn ready(
         axum::extract::State(ctx): axum::extract::State<Context>,
     ) -> (StatusCode, String) {
-        readiness(ctx.store.ping().await, ctx.connection.status().connected())
+        readiness(
+            ctx.store.ping().await,
+            ctx.connection.status().connected() && ctx.publisher.is_open(),
+        )
     }
 
     async fn metrics(

@@ -123,15 +123,10 @@ async fn main() -> ExitCode {
         tracing::info!("signal received: stopping intake of new work, finishing what is in flight");
         signals.trigger();
     });
-    let supervisor = tokio::spawn(worker::supervise_connection(
-        ctx.connection.clone(),
-        shutdown.clone(),
-    ));
     let result = worker::run(ctx.clone(), roles, shutdown.clone()).await;
     shutdown.trigger();
-    let supervised = supervisor.await.unwrap_or(Ok(()));
     let _ = ctx.connection.close(200, "worker stopped".into()).await;
-    match result.and(supervised) {
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("onejob-worker: {e}");
