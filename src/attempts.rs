@@ -56,11 +56,12 @@ pub async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> Result<(
         let client = client.clone();
         let queue = queue.clone();
         let calls = calls.clone();
+        let shutdown = shutdown.clone();
         async move {
             let Ok(_permit) = calls.acquire_owned().await else {
                 return;
             };
-            if let Err(e) = process(&ctx, &client, &queue, &delivery).await {
+            if let Err(e) = process(&ctx, &shutdown, &client, &queue, &delivery).await {
                 tracing::error!(error = %e, "attempt not settled; returning it to the queue");
                 worker::requeue(&delivery).await;
             }
@@ -69,21 +70,29 @@ pub async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> Result<(
     .await
 }
 
-async fn process(ctx: &Context, client: &Client, queue: &str, delivery: &Delivery) -> Result<()> {
+async fn process(
+    ctx: &Context,
+    shutdown: &Shutdown,
+    client: &Client,
+    queue: &str,
+    delivery: &Delivery,
+) -> Result<()> {
     let message: AttemptMessage = match serde_json::from_slice(&delivery.data) {
         Ok(m) => m,
         Err(e) => {
             let reason = format!("malformed_attempt_message: {e}");
             tracing::warn!(%reason, "attempt message dead-lettered");
-            with_retries("dead-lettering a malformed attempt message", || {
-                ctx.publish_dead_letter(queue, delivery, &reason)
-            })
+            with_retries(
+                shutdown,
+                "dead-lettering a malformed attempt message",
+                || ctx.publish_dead_letter(queue, delivery, &reason),
+            )
             .await?;
             return worker::ack(delivery).await;
         }
     };
     let provider = client.provider();
-    let started = with_retries("starting an attempt", || async {
+    let started = with_retries(shutdown, "starting an attempt", || async {
         Ok(ctx
             .store
             .start(&provider.name, &[message.attempt_id], provider.timeout)
@@ -91,7 +100,7 @@ async fn process(ctx: &Context, client: &Client, queue: &str, delivery: &Deliver
     })
     .await?;
     let Some(started) = started.into_iter().next() else {
-        let state = with_retries("looking up an attempt", || async {
+        let state = with_retries(shutdown, "looking up an attempt", || async {
             Ok(ctx.store.attempt_state(message.attempt_id).await?)
         })
         .await?;
@@ -116,9 +125,11 @@ async fn process(ctx: &Context, client: &Client, queue: &str, delivery: &Deliver
             message.attempt_id, message.job_id
         );
         tracing::warn!(%reason, "attempt message dead-lettered");
-        with_retries("dead-lettering an unknown attempt message", || {
-            ctx.publish_dead_letter(queue, delivery, &reason)
-        })
+        with_retries(
+            shutdown,
+            "dead-lettering an unknown attempt message",
+            || ctx.publish_dead_letter(queue, delivery, &reason),
+        )
         .await?;
         return worker::ack(delivery).await;
     };
@@ -126,7 +137,7 @@ async fn process(ctx: &Context, client: &Client, queue: &str, delivery: &Deliver
     // Only a definite failure needs to know who may take the next attempt.
     let eligible = match finished.verdict {
         Verdict::Failed { .. } => {
-            with_retries("reading qualifications", || async {
+            with_retries(shutdown, "reading qualifications", || async {
                 Ok(qualify::eligible(&ctx.config, &ctx.store, &started.operation).await?)
             })
             .await?
@@ -134,7 +145,7 @@ async fn process(ctx: &Context, client: &Client, queue: &str, delivery: &Deliver
         _ => HashSet::new(),
     };
     let plan = |failed: &FailedJob| plan_next(&ctx.config, &eligible, failed);
-    let (settled, publish) = with_retries("settling an attempt", || async {
+    let (settled, publish) = with_retries(shutdown, "settling an attempt", || async {
         Ok(ctx
             .store
             .finalize(std::slice::from_ref(&finished), &plan)

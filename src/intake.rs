@@ -41,7 +41,8 @@ pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
         &shutdown,
         |batch| {
             let ctx = ctx.clone();
-            async move { handle(&ctx, batch).await }
+            let shutdown = shutdown.clone();
+            async move { handle(&ctx, &shutdown, batch).await }
         },
     )
     .await
@@ -65,7 +66,7 @@ pub fn validate(ctx: &Context, body: &[u8]) -> Result<NewJob, RejectReason> {
 /// new jobs published together; then each delivery gets its receipt and its ack.
 /// Whatever fails returns its deliveries to the queue, and their redelivery comes
 /// out as a `duplicate` of the same job.
-async fn handle(ctx: &Context, batch: Vec<Delivery>) {
+async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
     crate::metrics::intake_batch(batch.len());
     let mut valid = Vec::with_capacity(batch.len());
     let mut rejected = Vec::new();
@@ -78,9 +79,9 @@ async fn handle(ctx: &Context, batch: Vec<Delivery>) {
     let rejections = join_all(
         rejected
             .into_iter()
-            .map(|(delivery, reason)| reject(ctx, delivery, reason)),
+            .map(|(delivery, reason)| reject(ctx, shutdown, delivery, reason)),
     );
-    let admissions = admit(ctx, valid);
+    let admissions = admit(ctx, shutdown, valid);
     let (rejections, admissions) = tokio::join!(rejections, admissions);
     let answered = rejections.into_iter().chain(admissions);
     join_all(answered.map(|(delivery, receipt)| async move {
@@ -89,7 +90,7 @@ async fn handle(ctx: &Context, batch: Vec<Delivery>) {
             return;
         };
         let answered = async {
-            send_receipt(ctx, &delivery, &receipt).await?;
+            send_receipt(ctx, shutdown, &delivery, &receipt).await?;
             worker::ack(&delivery).await
         };
         match answered.await {
@@ -107,13 +108,14 @@ async fn handle(ctx: &Context, batch: Vec<Delivery>) {
 /// receipt, or `None` if the copy could not be made.
 async fn reject(
     ctx: &Context,
+    shutdown: &Shutdown,
     delivery: Delivery,
     reason: RejectReason,
 ) -> (Delivery, Option<Receipt>) {
     let receipt = Receipt::rejected(&reason);
     let why = receipt.error.clone().unwrap_or_default();
     tracing::warn!(reason = %why, message_id = ?delivery.properties.message_id(), "intent rejected");
-    let copied = with_retries("dead-lettering a rejected intent", || {
+    let copied = with_retries(shutdown, "dead-lettering a rejected intent", || {
         ctx.publish_dead_letter(INTENTS_QUEUE, &delivery, &why)
     })
     .await;
@@ -129,12 +131,16 @@ async fn reject(
 /// Admits the valid intents of a batch in one statement and publishes the new
 /// jobs' first attempts; each delivery's receipt, or `None` when it goes back to
 /// the queue (the database could not be reached).
-async fn admit(ctx: &Context, valid: Vec<(Delivery, NewJob)>) -> Vec<(Delivery, Option<Receipt>)> {
+async fn admit(
+    ctx: &Context,
+    shutdown: &Shutdown,
+    valid: Vec<(Delivery, NewJob)>,
+) -> Vec<(Delivery, Option<Receipt>)> {
     if valid.is_empty() {
         return Vec::new();
     }
     let (deliveries, batch): (Vec<Delivery>, Vec<NewJob>) = valid.into_iter().unzip();
-    let rows = admit_rows(ctx, &batch).await;
+    let rows = admit_rows(ctx, shutdown, &batch).await;
     // Intents Postgres refused to store are rejected, like any invalid intent.
     let mut answered = Vec::with_capacity(batch.len());
     let mut admissions = Vec::with_capacity(batch.len());
@@ -145,7 +151,7 @@ async fn admit(ctx: &Context, valid: Vec<(Delivery, NewJob)>) -> Vec<(Delivery, 
                 admissions.push(admission);
                 kept.push((delivery, new_job));
             }
-            Some(Err(reason)) => answered.push(reject(ctx, delivery, reason).await),
+            Some(Err(reason)) => answered.push(reject(ctx, shutdown, delivery, reason).await),
             None => answered.push((delivery, None)),
         }
     }
@@ -187,13 +193,14 @@ async fn admit(ctx: &Context, valid: Vec<(Delivery, NewJob)>) -> Vec<(Delivery, 
 /// its admission, the reason it can never be stored, or `None` to requeue it.
 pub async fn admit_rows(
     ctx: &Context,
+    shutdown: &Shutdown,
     batch: &[NewJob],
 ) -> Vec<Option<Result<Admission, RejectReason>>> {
     let requeue = |e: &dyn std::fmt::Display, n: usize| {
         tracing::error!(error = %e, intents = n, "intents not admitted; returning them to the queue");
         (0..n).map(|_| None).collect()
     };
-    match admit_now(ctx, batch).await {
+    match admit_now(ctx, shutdown, batch).await {
         Ok(admissions) if admissions.len() == batch.len() => {
             admissions.into_iter().map(|a| Some(Ok(a))).collect()
         }
@@ -205,7 +212,7 @@ pub async fn admit_rows(
             tracing::warn!(error = %e, "the database refused a batch; admitting its intents one by one");
             let mut rows = Vec::with_capacity(batch.len());
             for one in batch.chunks(1) {
-                rows.push(match admit_now(ctx, one).await {
+                rows.push(match admit_now(ctx, shutdown, one).await {
                     Ok(mut a) if a.len() == 1 => Some(Ok(a.remove(0))),
                     Err(WorkerError::Store(e)) if e.is_data_error() => {
                         Some(Err(RejectReason::Unstorable(e.to_string())))
@@ -224,7 +231,12 @@ pub async fn admit_rows(
 }
 
 /// Publishes the receipt to the intent's `reply_to`, if it asked for one.
-async fn send_receipt(ctx: &Context, delivery: &Delivery, receipt: &Receipt) -> Result<()> {
+async fn send_receipt(
+    ctx: &Context,
+    shutdown: &Shutdown,
+    delivery: &Delivery,
+    receipt: &Receipt,
+) -> Result<()> {
     let Some(reply_to) = delivery.properties.reply_to() else {
         return Ok(());
     };
@@ -233,7 +245,7 @@ async fn send_receipt(ctx: &Context, delivery: &Delivery, receipt: &Receipt) -> 
     if let Some(id) = delivery.properties.correlation_id() {
         props = props.with_correlation_id(id.clone());
     }
-    with_retries("sending a receipt", || async {
+    with_retries(shutdown, "sending a receipt", || async {
         Ok(ctx
             .publisher
             .publish("", reply_to.as_str(), &body, props.clone(), false)
@@ -242,8 +254,8 @@ async fn send_receipt(ctx: &Context, delivery: &Delivery, receipt: &Receipt) -> 
     .await
 }
 
-async fn admit_now(ctx: &Context, rows: &[NewJob]) -> Result<Vec<Admission>> {
-    with_retries("admitting intents", || async {
+async fn admit_now(ctx: &Context, shutdown: &Shutdown, rows: &[NewJob]) -> Result<Vec<Admission>> {
+    with_retries(shutdown, "admitting intents", || async {
         Ok(ctx.store.admit(rows).await?)
     })
     .await

@@ -57,6 +57,24 @@ impl StoreError {
         matches!(self, StoreError::Db(sqlx::Error::Database(db)) if db.code().is_some_and(|c| c.starts_with("22")))
     }
 
+    /// Postgres cannot be reached (or is starting, stopping, out of connections):
+    /// the failure is the dependency's, not the data's. Work waiting on it is held,
+    /// never handed back against its delivery limit.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            StoreError::Db(
+                sqlx::Error::Io(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::Tls(_),
+            ) => true,
+            StoreError::Db(sqlx::Error::Database(db)) => db
+                .code()
+                .is_some_and(|c| c.starts_with("08") || c.starts_with("57P") || c == "53300"),
+            _ => false,
+        }
+    }
+
     /// Deadlocks and serialization failures: the transaction can simply run again.
     fn is_transient(&self) -> bool {
         match self {

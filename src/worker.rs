@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use backon::{ExponentialBuilder, Retryable};
+use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
 use futures_util::future::join_all;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
@@ -251,24 +251,74 @@ pub async fn requeue(delivery: &Delivery) {
     }
 }
 
-/// Retries `f` with backoff for up to about a minute (a database or broker
-/// restart), so transient outages do not burn a message's delivery count.
-pub async fn with_retries<T, F, Fut>(what: &str, f: F) -> Result<T>
+impl WorkerError {
+    /// A dependency (Postgres or RabbitMQ) cannot be reached: nothing is wrong
+    /// with the work itself.
+    pub fn is_unavailable(&self) -> bool {
+        let amqp = |e: &lapin::Error| {
+            matches!(
+                e.kind(),
+                lapin::ErrorKind::IOError(_)
+                    | lapin::ErrorKind::InvalidConnectionState(_)
+                    | lapin::ErrorKind::InvalidChannelState(..)
+                    | lapin::ErrorKind::MissingHeartbeatError
+            )
+        };
+        match self {
+            WorkerError::Store(e) => e.is_unavailable(),
+            WorkerError::Amqp(e) | WorkerError::Broker(BrokerError::Amqp(e)) => amqp(e),
+            WorkerError::Broker(BrokerError::ConfirmTimeout { .. }) => true,
+            _ => false,
+        }
+    }
+}
+
+/// Retries `f` with backoff. While a dependency is unreachable it waits for as
+/// long as the outage lasts: the delivery being worked on stays with this worker,
+/// unacked, so an outage never counts against its delivery limit (contract
+/// section 2), and `/readyz` says the worker is not ready meanwhile. When
+/// `shutdown` is given it stops waiting at once, so the caller can hand the
+/// delivery back without delay. Other failures are retried about fifteen times
+/// (a minute or so); data Postgres refuses is not retried at all.
+pub async fn with_retries<T, F, Fut>(shutdown: &Shutdown, what: &str, mut f: F) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
 {
-    f.retry(
-        ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(100))
-            .with_max_delay(Duration::from_secs(5))
-            .with_max_times(15)
-            .with_jitter(),
-    )
-    // Data Postgres refuses stays refused.
-    .when(|e| !matches!(e, WorkerError::Store(s) if s.is_data_error()))
-    .notify(|e, d| tracing::warn!(error = %e, retry_in = ?d, "{what} failed; retrying"))
-    .await
+    const OTHER_FAILURES: u32 = 15;
+    let mut delays = ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(5))
+        .with_jitter()
+        .without_max_times()
+        .build();
+    let mut failures = 0;
+    loop {
+        let error = match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) => e,
+        };
+        let unavailable = error.is_unavailable();
+        if !unavailable {
+            failures += 1;
+        }
+        if shutdown.is_triggered()
+            || failures > OTHER_FAILURES
+            || matches!(&error, WorkerError::Store(s) if s.is_data_error())
+        {
+            return Err(error);
+        }
+        let delay = delays.next().unwrap_or(Duration::from_secs(5));
+        if unavailable {
+            tracing::warn!(error = %error, retry_in = ?delay, "{what}: a dependency is unreachable; holding the work and waiting");
+        } else {
+            tracing::warn!(error = %error, retry_in = ?delay, "{what} failed; retrying");
+        }
+        tokio::select! {
+            () = shutdown.wait() => return Err(error),
+            () = tokio::time::sleep(delay) => {}
+        }
+    }
 }
 
 /// Consumes `queue` with at most `prefetch` unacked deliveries, running `handle`
@@ -564,4 +614,59 @@ pub fn health_router(ctx: Context) -> axum::Router {
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
         .with_state(ctx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unreachable() -> Result<()> {
+        Err(WorkerError::Store(StoreError::Db(
+            sqlx::Error::PoolTimedOut,
+        )))
+    }
+
+    /// Item 4 of issue 8: an outage longer than any retry window (here ten
+    /// minutes, on tokio's paused clock) never makes `with_retries` give the work
+    /// back; shutdown does, at once.
+    #[tokio::test(start_paused = true)]
+    async fn an_outage_is_waited_out_until_shutdown() {
+        let shutdown = Shutdown::new();
+        let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let task = {
+            let (shutdown, calls) = (shutdown.clone(), calls.clone());
+            tokio::spawn(async move {
+                with_retries(&shutdown, "test", || {
+                    calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    async { unreachable() }
+                })
+                .await
+            })
+        };
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        assert!(!task.is_finished(), "gave up during the outage");
+        assert!(
+            calls.load(std::sync::atomic::Ordering::SeqCst) > 60,
+            "kept trying"
+        );
+        shutdown.trigger();
+        let result = tokio::time::timeout(Duration::from_millis(10), task)
+            .await
+            .expect("returns at once on shutdown")
+            .unwrap();
+        assert!(result.is_err());
+    }
+
+    /// Other failures are still bounded: a poison message does not spin forever.
+    #[tokio::test(start_paused = true)]
+    async fn other_failures_are_retried_a_bounded_number_of_times() {
+        let calls = std::sync::atomic::AtomicU32::new(0);
+        let result: Result<()> = with_retries(&Shutdown::new(), "test", || {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async { Err(WorkerError::RoleStopped("x".into(), "y".into())) }
+        })
+        .await;
+        assert!(result.is_err());
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 16);
+    }
 }

@@ -987,3 +987,77 @@ async fn losing_the_broker_for_good_stops_every_role() {
     let error = result.expect_err("and says why").to_string();
     assert!(error.contains("RabbitMQ connection lost"), "{error}");
 }
+
+/// Item 4: a Postgres outage longer than the delivery limit would allow if
+/// deliveries were handed back. With a delivery limit of 1, intents published
+/// during the outage are held, unacked, while the worker reports itself unready;
+/// once Postgres is back every one becomes a job and nothing is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_outage_costs_no_delivery_and_loses_nothing() {
+    let primary = mock(MockOptions::default()).await;
+    let text = config_for(&[P("primary", &primary.base_url(), "")], "")
+        .replace("[worker]\n", "[worker]\ndelivery_limit = 1\n");
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let path = common::Cuttable::to("127.0.0.1:5432").await;
+    let proxied = env
+        .database_url
+        .replace("127.0.0.1:5432", &path.addr.to_string());
+    let ctx = onejob::worker::Context::connect(config.clone(), &proxied, &env.amqp_url)
+        .await
+        .unwrap();
+    let shutdown = onejob::shutdown::Shutdown::new();
+    let run = tokio::spawn(onejob::worker::run(ctx.clone(), vec![], shutdown.clone()));
+    let producer = Producer::connect_with(
+        &env.amqp_url,
+        onejob_producer::ProducerOptions {
+            delivery_limit: 1,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let warm = submit(&producer, "acct_o", "warm", "before").await;
+    wait_for_status(&env, warm, JobStatus::Succeeded).await;
+
+    path.cut();
+    let keys: Vec<String> = (0..20).map(|i| format!("during-{i}")).collect();
+    for key in &keys {
+        producer
+            .publish_only(&common::intent("acct_o", key, "during the outage"))
+            .await
+            .unwrap();
+    }
+    assert!(
+        !ctx.store.ping().await,
+        "the worker sees the outage (/readyz: postgres down)"
+    );
+    // Held long enough for several rounds of retries and returns, had there been any.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let ch = env.amqp().await.create_channel().await.unwrap();
+    let dlq = onejob::broker::dead_letter_queue(onejob::broker::INTENTS_QUEUE);
+    assert_eq!(
+        common::depth(&ch, &dlq).await,
+        0,
+        "nothing dead-lettered during the outage"
+    );
+    path.restore();
+
+    for key in &keys {
+        let job = wait_for(
+            &format!("a job for {key}"),
+            Duration::from_secs(60),
+            || async { env.store.find_job("acct_o", key).await.unwrap() },
+        )
+        .await;
+        wait_for_status(&env, job.id, JobStatus::Succeeded).await;
+    }
+    assert_eq!(common::depth(&ch, &dlq).await, 0, "nothing dead-lettered");
+    producer.close().await;
+    shutdown.trigger();
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}

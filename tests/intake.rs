@@ -324,7 +324,7 @@ async fn a_batch_the_database_refuses_fails_only_the_refused_intent() {
         refused,
         new_job("acct_n", "good-2", "x"),
     ];
-    let rows = onejob::intake::admit_rows(&ctx, &batch).await;
+    let rows = onejob::intake::admit_rows(&ctx, &onejob::shutdown::Shutdown::new(), &batch).await;
     let got: Vec<&str> = rows
         .iter()
         .map(|r| match r {

@@ -432,3 +432,72 @@ pub fn intent(owner: &str, key: &str, text: &str) -> onejob::intent::Intent {
         provider: None,
     }
 }
+
+/// A TCP path to a real service (Postgres, RabbitMQ) that a test can cut and
+/// restore: cut, it drops every open connection and refuses new ones, as an
+/// outage or a network partition would. The service itself is untouched, so
+/// other tests running beside this one see no outage.
+pub struct Cuttable {
+    pub addr: std::net::SocketAddr,
+    cut: Arc<std::sync::atomic::AtomicBool>,
+    links: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Cuttable {
+    /// Starts forwarding a free local port to `target` (`host:port`).
+    pub async fn to(target: &str) -> Cuttable {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let links: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+        let target = target.to_owned();
+        let accept = {
+            let (cut, links) = (cut.clone(), links.clone());
+            tokio::spawn(async move {
+                while let Ok((mut inbound, _)) = listener.accept().await {
+                    if cut.load(std::sync::atomic::Ordering::SeqCst) {
+                        drop(inbound);
+                        continue;
+                    }
+                    let target = target.clone();
+                    let link = tokio::spawn(async move {
+                        if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await {
+                            let _ =
+                                tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                        }
+                    });
+                    links.lock().unwrap().push(link.abort_handle());
+                }
+            })
+        };
+        Cuttable {
+            addr,
+            cut,
+            links,
+            accept,
+        }
+    }
+
+    /// Drops every connection through it and refuses new ones.
+    pub fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        for link in self.links.lock().unwrap().drain(..) {
+            link.abort();
+        }
+    }
+
+    /// Lets connections through again.
+    pub fn restore(&self) {
+        self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Cuttable {
+    fn drop(&mut self) {
+        self.cut();
+        self.accept.abort();
+    }
+}
