@@ -2,12 +2,16 @@
 //! them duplicates) flow through a mock provider with random latency and errors
 //! while a random worker is killed with SIGKILL every couple of seconds (and
 //! restarted, as an orchestrator would), RabbitMQ is restarted once and Postgres
-//! once. Then an invariant checker asserts contract section 5 and prints the counts.
+//! once, and Postgres is also down once for longer than the delivery limit (1
+//! here) times the minute a worker used to retry before it handed deliveries
+//! back. Then an invariant checker asserts contract section 5 and prints the
+//! counts.
 //!
 //! It restarts the machine's shared RabbitMQ and Postgres, so it runs alone:
 //! nextest's default filter leaves it out, and `scripts/test` runs it before the
 //! rest. `ONEJOB_CHAOS_INTENTS` and `ONEJOB_CHAOS_SECONDS` size it (CI: 1500 over
-//! 30 s; the README gives a full run's figures).
+//! 30 s), and `ONEJOB_CHAOS_PG_OUTAGE` is the long outage in seconds (CI: 70); the
+//! README gives a full run's figures.
 
 mod common;
 
@@ -96,21 +100,26 @@ fn restart_rabbitmq() {
     run("rabbitmqctl", &["await_startup"]);
 }
 
-fn restart_postgres() {
+fn postgres(action: &str) {
     let versions = std::fs::read_dir("/etc/postgresql").expect("/etc/postgresql");
     for v in versions.flatten() {
         let v = v.file_name().to_string_lossy().into_owned();
         run(
             "pg_ctlcluster",
-            &["--skip-systemctl-redirect", &v, "main", "restart"],
+            &["--skip-systemctl-redirect", &v, "main", action],
         );
     }
+}
+
+fn restart_postgres() {
+    postgres("restart");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn chaos_loses_nothing_and_duplicates_nothing() {
     let intents = env_or("ONEJOB_CHAOS_INTENTS", 1500);
     let seconds = env_or("ONEJOB_CHAOS_SECONDS", 30) as u64;
+    let outage = Duration::from_secs(env_or("ONEJOB_CHAOS_PG_OUTAGE", 70) as u64);
     // The provider's concurrency in the test configuration: calls one worker has
     // in flight at most.
     let concurrency = 8;
@@ -123,7 +132,7 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
     let url = primary.base_url();
     let text = config_for(&[P("primary", &url, "timeout = \"2s\"")], "").replace(
         "[worker]\n",
-        "[worker]\nstuck_after = \"5s\"\nmax_republish = 5\nintake_prefetch = 64\n",
+        "[worker]\nstuck_after = \"5s\"\nmax_republish = 5\nintake_prefetch = 64\ndelivery_limit = 1\n",
     );
     let (config, file) = config(&text);
     let env = TestEnv::new(&config).await;
@@ -185,7 +194,11 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
                 let intent = common::intent("acct_chaos", &key, &format!("input of {key}"));
                 loop {
                     if producer.is_none() {
-                        producer = Producer::connect(&amqp).await.ok();
+                        let options = onejob_producer::ProducerOptions {
+                            delivery_limit: 1,
+                            ..Default::default()
+                        };
+                        producer = Producer::connect_with(&amqp, options).await.ok();
                     }
                     match &producer {
                         Some(pr) => match pr.publish_only(&intent).await {
@@ -206,10 +219,12 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
     }
 
     // The fire: kill a random worker every 1-3 s; restart RabbitMQ at 30% of the
-    // run and Postgres at 60%.
+    // run and Postgres at 60%; stop Postgres for `outage` at 45%, with no kill
+    // meanwhile (a killed worker hands its deliveries back, which counts against
+    // their limit whatever the worker does: this fault is the outage alone).
     let start = Instant::now();
     let run_for = Duration::from_secs(seconds);
-    let (mut rabbit_done, mut pg_done) = (false, false);
+    let (mut rabbit_done, mut pg_done, mut outage_done) = (false, false, false);
     while start.elapsed() < run_for {
         let pause = rand::rng().random_range(1000..3000);
         tokio::time::sleep(Duration::from_millis(pause)).await;
@@ -218,6 +233,16 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
         if !rabbit_done && start.elapsed() > run_for * 3 / 10 {
             rabbit_done = true;
             tokio::task::spawn_blocking(restart_rabbitmq).await.unwrap();
+        }
+        if !outage_done && start.elapsed() > run_for * 45 / 100 {
+            outage_done = true;
+            tokio::task::spawn_blocking(|| postgres("stop"))
+                .await
+                .unwrap();
+            tokio::time::sleep(outage).await;
+            tokio::task::spawn_blocking(|| postgres("start"))
+                .await
+                .unwrap();
         }
         if !pg_done && start.elapsed() > run_for * 6 / 10 {
             pg_done = true;
@@ -336,9 +361,11 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
 
     println!(
         "chaos: {} intents sent ({} distinct keys confirmed) by 2 producers to 3 workers over {seconds}s; \
-         {kills_and_crashes} worker deaths (SIGKILL or exit), RabbitMQ and Postgres restarted once each; settled in {:.1}s",
+         {kills_and_crashes} worker deaths (SIGKILL or exit), RabbitMQ and Postgres restarted once each, \
+         Postgres down once for {}s (delivery limit 1); settled in {:.1}s",
         sent.load(Ordering::Relaxed),
         confirmed.len(),
+        outage.as_secs(),
         settle_time.as_secs_f64()
     );
     println!(
