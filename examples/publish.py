@@ -3,10 +3,16 @@ and wait for its receipt through RabbitMQ's direct reply-to.
 
     pip install pika
     python3 examples/publish.py acct_42 order-1234 "Text to summarize"
+
+It follows the README's advice to publishers: every intent carries a
+`message_id` (so `onejob dlq replay --id` can pick it out of a dead-letter queue)
+and a `timestamp`, and the exit status says what happened, as the CLI's does:
+0 for created or duplicate, 1 for conflict or rejected, 2 when no receipt came.
 """
 import json
 import os
 import sys
+import time
 import uuid
 
 import pika
@@ -42,6 +48,8 @@ def submit(owner_id, idempotency_key, text, timeout=30):
             delivery_mode=2,
             reply_to="amq.rabbitmq.reply-to",
             correlation_id=correlation_id,
+            message_id=str(uuid.uuid4()),
+            timestamp=int(time.time()),
         ),
         mandatory=True,  # an intent no queue takes raises instead of vanishing
     )
@@ -58,5 +66,9 @@ if __name__ == "__main__":
     owner, key, text = sys.argv[1], sys.argv[2], sys.argv[3]
     result = submit(owner, key, text)
     if result is None:
-        sys.exit("no receipt in time; the intent may still be processed: resend it with the same key")
+        print("no receipt in time; the intent may still be processed: resend it with the same key",
+              file=sys.stderr)
+        sys.exit(2)
     print(json.dumps(result))
+    if result.get("outcome") not in ("created", "duplicate"):
+        sys.exit(1)

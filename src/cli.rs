@@ -255,12 +255,7 @@ async fn store(c: &Connections, config: &Config) -> Result<Store, Failure> {
         std::time::Duration::ZERO,
     )
     .await
-    .map_err(|e| {
-        Failure(format!(
-            "cannot reach Postgres at {}: {e}",
-            broker::redact_url(&c.database_url)
-        ))
-    })
+    .map_err(|e| Failure(e.describe(&c.database_url)))
 }
 
 async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
@@ -268,12 +263,9 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
     match cli.command {
         Command::Migrate => {
             let config = c.load_config()?;
-            Store::ensure_database(&c.database_url).await.map_err(|e| {
-                Failure(format!(
-                    "cannot reach Postgres at {}: {e}",
-                    broker::redact_url(&c.database_url)
-                ))
-            })?;
+            Store::ensure_database(&c.database_url)
+                .await
+                .map_err(|e| Failure(e.describe(&c.database_url)))?;
             let store = store(c, &config).await?;
             store.migrate().await?;
             let applied = crate::store::MIGRATOR.iter().count();

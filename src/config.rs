@@ -412,7 +412,7 @@ impl Config {
             origin: origin.to_owned(),
             message: e.message().to_owned()
                 + &e.span()
-                    .map(|s| format!(" (at line {})", text[..s.start].lines().count().max(1)))
+                    .map(|s| format!(" (at line {})", line_of(text, s.start)))
                     .unwrap_or_default(),
         })?;
         let defaults = WorkerSettings::default();
@@ -767,8 +767,11 @@ impl Config {
         })
     }
 
-    /// Checks an intent's operation and pinned provider against configuration, and
-    /// returns the operation and the first attempt's provider.
+    /// Checks an intent's operation, pinned provider and input against
+    /// configuration, and returns the operation and the first attempt's provider.
+    /// The input must render the operation's prompt (every variable it uses is
+    /// there): an intent no provider could be asked about is rejected at once, as
+    /// `bad_input`, rather than becoming a job that fails.
     pub fn admit(&self, intent: &Intent) -> Result<(&Operation, String), RejectReason> {
         let op = self
             .operations
@@ -784,6 +787,12 @@ impl Config {
                 });
             }
         };
+        if let Err(TemplateError(detail)) = self.render(op, &intent.input) {
+            return Err(RejectReason::BadInput {
+                operation: op.name.clone(),
+                detail,
+            });
+        }
         Ok((op, provider))
     }
 
@@ -810,6 +819,16 @@ impl Config {
     pub fn provider_names(&self) -> Vec<String> {
         self.providers.keys().cloned().collect()
     }
+}
+
+/// The 1-based line that byte `offset` of `text` is on.
+fn line_of(text: &str, offset: usize) -> usize {
+    let offset = offset.min(text.len());
+    text.as_bytes()[..offset]
+        .iter()
+        .filter(|b| **b == b'\n')
+        .count()
+        + 1
 }
 
 /// Provider and operation names become queue names and routing keys: keep them to
@@ -896,6 +915,32 @@ mod tests {
             assert!(!err.contains("secret"), "{err}");
             assert_eq!(err.lines().count(), 1, "{err}");
         }
+    }
+
+    /// Issue 9: a parse error names the line it is on, first, middle or last.
+    #[test]
+    fn parse_errors_name_their_own_line() {
+        let lines: Vec<&str> = EMBEDDED_DEFAULT.lines().collect();
+        let tail = format!("{EMBEDDED_DEFAULT}\nbogus =");
+        let last = tail.lines().count();
+        for (at, text) in [
+            (1, format!("bogus = \n{EMBEDDED_DEFAULT}")),
+            (5, {
+                let mut l = lines.clone();
+                l[4] = "[providers.primary";
+                l.join("\n")
+            }),
+            (last, tail.clone()),
+        ] {
+            let err = Config::parse(&text, "t").unwrap_err().to_string();
+            assert!(
+                err.ends_with(&format!("(at line {at})")),
+                "line {at}: {err}"
+            );
+        }
+        assert_eq!(line_of("a\nb\nc", 0), 1);
+        assert_eq!(line_of("a\nb\nc", 2), 2);
+        assert_eq!(line_of("a\nb\nc", 99), 3);
     }
 
     #[test]
@@ -1000,10 +1045,21 @@ mod tests {
             owner_id: "o".into(),
             idempotency_key: "k".into(),
             operation: "summarize".into(),
-            input: Default::default(),
+            input: serde_json::from_str(r#"{"text":"fox"}"#).unwrap(),
             provider: None,
         };
         assert_eq!(c.admit(&i).unwrap().1, "primary");
+        // An input the prompt cannot render from is refused at once.
+        let bad = Intent {
+            input: serde_json::from_str(r#"{"txt":"fox"}"#).unwrap(),
+            ..i.clone()
+        };
+        let refused = c.admit(&bad).unwrap_err().to_string();
+        assert!(
+            refused.starts_with("bad_input: the input does not fit operation \"summarize\"")
+                && refused.contains("text"),
+            "{refused}"
+        );
         i.provider = Some("elsewhere".into());
         assert!(matches!(
             c.admit(&i),

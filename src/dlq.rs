@@ -167,7 +167,13 @@ fn deaths(headers: &FieldTable) -> Vec<Death> {
         .collect()
 }
 
-fn describe(queue: &str, position: usize, properties: &BasicProperties, body: &[u8]) -> DeadLetter {
+/// A dead letter as operators see it, from a message taken off `queue`.
+pub fn describe(
+    queue: &str,
+    position: usize,
+    properties: &BasicProperties,
+    body: &[u8],
+) -> DeadLetter {
     let headers = properties.headers().clone().unwrap_or_default();
     let deaths = deaths(&headers);
     let first = deaths.first();

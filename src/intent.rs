@@ -65,6 +65,9 @@ pub enum RejectReason {
     /// A field the contract does not define.
     #[error("unknown_field: {0:?} is not an intent field")]
     UnknownField(String),
+    /// A gateway request's body names a field the gateway sets itself.
+    #[error("unknown_field: {field:?} is not a body field over HTTP: {how}", field = .0, how = set_by(.0))]
+    SetByGateway(&'static str),
     /// A field given twice.
     #[error("duplicate_field: {0:?} appears more than once")]
     DuplicateField(String),
@@ -106,6 +109,15 @@ pub enum RejectReason {
     /// `operation` is not configured.
     #[error("unknown_operation: {0:?} is not a configured operation")]
     UnknownOperation(String),
+    /// The input does not fit the operation's prompt (a variable it uses is
+    /// missing): no provider could be asked.
+    #[error("bad_input: the input does not fit operation {operation:?}: {detail}")]
+    BadInput {
+        /// The operation.
+        operation: String,
+        /// What is missing, as the template engine says it.
+        detail: String,
+    },
     /// `provider` is not in the operation's route.
     #[error("provider_not_in_route: {provider:?} is not in the route of operation {operation:?}")]
     ProviderNotInRoute {
@@ -114,6 +126,14 @@ pub enum RejectReason {
         /// The operation.
         operation: String,
     },
+}
+
+/// Where the gateway takes a field from instead of the body.
+fn set_by(field: &str) -> &'static str {
+    match field {
+        "owner_id" => "the owner is the bearer token's",
+        _ => "the key is the Idempotency-Key header",
+    }
 }
 
 const FIELDS: [&str; 5] = [
@@ -256,6 +276,9 @@ impl Intent {
         let mut fields: BTreeMap<&'static str, Value> = BTreeMap::new();
         for (key, value) in sent {
             let Some(&name) = allowed.iter().find(|f| **f == key) else {
+                if let Some((field, _)) = given.iter().find(|(f, _)| *f == key) {
+                    return Err(RejectReason::SetByGateway(field));
+                }
                 return Err(RejectReason::UnknownField(key));
             };
             if fields.insert(name, value).is_some() {
@@ -603,9 +626,16 @@ mod tests {
                 "idempotency_key",
             ),
         ] {
-            assert_eq!(
-                request(body, "acct_42", "k"),
-                Err(RejectReason::UnknownField(field.into()))
+            let refused = request(body, "acct_42", "k");
+            assert!(
+                matches!(refused, Err(RejectReason::SetByGateway(f)) if f == field),
+                "{refused:?}"
+            );
+            let text = refused.unwrap_err().to_string();
+            assert!(
+                text.starts_with("unknown_field")
+                    && (text.contains("bearer token") || text.contains("Idempotency-Key header")),
+                "{text}"
             );
         }
     }

@@ -57,6 +57,30 @@ impl StoreError {
         matches!(self, StoreError::Db(sqlx::Error::Database(db)) if db.code().is_some_and(|c| c.starts_with("22")))
     }
 
+    /// One line saying what went wrong, naming the URL (its password masked):
+    /// unreachable, a refused login and a missing database are told apart, since
+    /// each has its own remedy.
+    pub fn describe(&self, url: &str) -> String {
+        let at = crate::broker::redact_url(url);
+        match self {
+            StoreError::Db(sqlx::Error::Database(db)) => match db.code().as_deref() {
+                Some("28P01" | "28000") => {
+                    format!("Postgres at {at} refused the login: {}", db.message())
+                }
+                Some("3D000") => format!(
+                    "Postgres at {at} has no such database ({}); `onejob migrate` creates it",
+                    db.message()
+                ),
+                _ => format!("Postgres at {at}: {}", db.message()),
+            },
+            StoreError::Db(sqlx::Error::Io(io)) => format!("cannot reach Postgres at {at}: {io}"),
+            StoreError::Db(sqlx::Error::PoolTimedOut) => {
+                format!("cannot reach Postgres at {at}: no connection within the timeout")
+            }
+            other => format!("Postgres at {at}: {other}"),
+        }
+    }
+
     /// Postgres cannot be reached (or is starting, stopping, out of connections):
     /// the failure is the dependency's, not the data's. Work waiting on it is held,
     /// never handed back against its delivery limit.

@@ -4,12 +4,23 @@
 
 use tracing_subscriber::EnvFilter;
 
-/// Installs the global subscriber, writing to stderr. Safe to call twice.
+/// Installs the global subscriber for a long-running program, writing to stderr.
+/// Safe to call twice.
 pub fn init() {
     // sqlx logs Postgres notices (such as "relation already exists, skipping"
     // at every migration check) at info: keep them out of the default.
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn"));
+    init_with("info,sqlx=warn");
+}
+
+/// For a one-shot command, which prints its own one-line error: only warnings
+/// by default, and nothing from lapin, whose recovery logs would wrap that line
+/// in noise. `RUST_LOG` still overrides it.
+pub fn init_quiet() {
+    init_with("warn,lapin=off,sqlx=warn");
+}
+
+fn init_with(default: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let json = std::env::var("ONEJOB_LOG_FORMAT").is_ok_and(|f| f == "json");
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -105,7 +105,14 @@ impl Context {
                     .without_max_times(),
             )
             .when(|e| matches!(e, StoreError::Db(sqlx::Error::Io(_))))
-            .notify(|e, d| tracing::warn!(error = %e, retry_in = ?d, "database not reachable yet"))
+            .notify(|e, d| {
+                tracing::warn!(
+                    url = %broker::redact_url(database_url),
+                    error = %e.describe(database_url),
+                    retry_in = ?d,
+                    "database not reachable yet"
+                )
+            })
             .await?;
         crate::metrics::install();
         let store =

@@ -346,9 +346,14 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
             .collect();
     let amqp = env.amqp().await;
     let ch = amqp.create_channel().await.unwrap();
-    let dead: Vec<String> = env
-        .drain(&ch, "onejob.intents.dlq")
-        .await
+    let letters = env.drain(&ch, "onejob.intents.dlq").await;
+    // Why each died: onejob's own reason, else the broker's (x-death).
+    let mut dead_reasons: BTreeMap<String, usize> = BTreeMap::new();
+    for d in &letters {
+        let letter = onejob::dlq::describe("onejob.intents.dlq", 0, &d.properties, &d.data);
+        *dead_reasons.entry(letter.reason).or_default() += 1;
+    }
+    let dead: Vec<String> = letters
         .iter()
         .filter_map(|d| serde_json::from_slice::<serde_json::Value>(&d.data).ok())
         .filter_map(|v| v["idempotency_key"].as_str().map(str::to_owned))
@@ -370,7 +375,7 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
     );
     println!(
         "chaos: jobs by status {by_status:?}; {attempts} attempts ({discarded} discarded); {} provider calls; \
-         {} intents dead-lettered",
+         {} intents dead-lettered {dead_reasons:?}",
         primary.stats.requests(),
         dead.len()
     );

@@ -47,6 +47,7 @@ async fn every_bad_intent_is_rejected_with_its_reason_and_dead_lettered() {
         (r#"{"owner_id":"a b","idempotency_key":"k","operation":"summarize","input":{}}"#.into(), "bad_characters"),
         (r#"{"owner_id":"a","idempotency_key":"k","operation":"translate","input":{}}"#.into(), "unknown_operation"),
         (r#"{"owner_id":"a","idempotency_key":"k","operation":"summarize","input":{},"provider":"nope"}"#.into(), "provider_not_in_route"),
+        (r#"{"owner_id":"a","idempotency_key":"k","operation":"summarize","input":{"txt":"x"}}"#.into(), "bad_input"),
         (format!(r#"{{"owner_id":"a","idempotency_key":"k","operation":"summarize","input":{{"text":"{huge_text}"}}}}"#), "too_large"),
     ];
     for (body, code) in &cases {

@@ -80,8 +80,11 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    onejob::telemetry::init();
     let args = Args::parse();
+    match args.command {
+        Command::Serve { .. } => onejob::telemetry::init(),
+        _ => onejob::telemetry::init_quiet(),
+    }
     // The fleet's configuration: the producer's queue declarations must carry the
     // same delivery limit, and the gateway checks operations and sizes with it.
     let config = match onejob::config::Config::load(args.config.as_deref()) {

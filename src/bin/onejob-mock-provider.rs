@@ -2,6 +2,7 @@
 //! steer it with `mock:` directives in their text (see the `onejob::mock` docs).
 
 use std::net::SocketAddr;
+use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
@@ -9,7 +10,7 @@ use clap::Parser;
 /// An OpenAI-compatible mock provider for tests, the quick start and compose.
 /// Requests steer it with directives in their text: mock:delay=MS,
 /// mock:status=CODE, mock:retry_after=S, mock:prose, mock:extra_key,
-/// mock:wrong_type, mock:drop.
+/// mock:wrong_type, mock:drop, mock:nul, mock:pad=BYTES.
 #[derive(Parser, Debug)]
 #[command(name = "onejob-mock-provider", version, about)]
 struct Args {
@@ -37,11 +38,12 @@ struct Args {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> ExitCode {
     onejob::telemetry::init();
     let args = Args::parse();
     if !(0.0..=1.0).contains(&args.error_rate) {
-        anyhow::bail!("--error-rate must be between 0.0 and 1.0");
+        eprintln!("onejob-mock-provider: --error-rate must be between 0.0 and 1.0");
+        return ExitCode::from(2);
     }
     let options = onejob::mock::MockOptions {
         field: args.field,
@@ -51,10 +53,22 @@ async fn main() -> anyhow::Result<()> {
         misbehave: args.misbehave,
         tag: args.tag,
     };
-    let handle = onejob::mock::start(args.listen, options)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
+    let handle = match onejob::mock::start(args.listen, options).await {
+        Ok(h) => h,
+        Err(e) => {
+            let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
+                " (is a fleet already running? scripts/fleet starts one on this port)"
+            } else {
+                ""
+            };
+            eprintln!(
+                "onejob-mock-provider: cannot listen on {}: {e}{hint}",
+                args.listen
+            );
+            return ExitCode::from(1);
+        }
+    };
     tracing::info!(addr = %handle.addr, "mock provider listening; POST {}/chat/completions", handle.base_url());
-    tokio::signal::ctrl_c().await?;
-    Ok(())
+    let _ = tokio::signal::ctrl_c().await;
+    ExitCode::SUCCESS
 }

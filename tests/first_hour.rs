@@ -1,0 +1,152 @@
+//! What a new user trips over in the first hour (issue 9): errors that say one
+//! thing, in one line, and name the right place.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// A binary of another package of the workspace, built beside this one.
+fn sibling(name: &str) -> std::path::PathBuf {
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_onejob"))
+        .parent()
+        .unwrap()
+        .join(name);
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first (`cargo build --workspace --bins`, as scripts/test does)",
+        bin.display()
+    );
+    bin
+}
+
+fn stderr_lines(out: &std::process::Output) -> Vec<String> {
+    String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A bad AMQP password gets one line from the producer CLI and the operator CLI,
+/// naming the broker with the password masked: no lapin recovery logs around it.
+#[test]
+fn a_bad_broker_password_is_one_line() {
+    let url = "amqp://guest:not-the-password@127.0.0.1:5672/%2f";
+    let producer = Command::new(sibling("onejob-producer"))
+        .args([
+            "publish",
+            "--owner",
+            "a",
+            "--key",
+            "k",
+            "--operation",
+            "summarize",
+        ])
+        .args(["--input", r#"{"text":"x"}"#])
+        .env("AMQP_URL", url)
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let cli = Command::new(env!("CARGO_BIN_EXE_onejob"))
+        .args(["dlq", "list"])
+        .env("AMQP_URL", url)
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    for out in [producer, cli] {
+        assert_eq!(out.status.code(), Some(1));
+        let lines = stderr_lines(&out);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(lines[0].contains("127.0.0.1:5672"), "{lines:?}");
+        assert!(!lines[0].contains("not-the-password"), "{lines:?}");
+    }
+}
+
+/// Unreachable, a refused login and a missing database are told apart, each
+/// with the masked URL, in one line without Postgres's source positions.
+#[test]
+fn postgres_failures_say_which() {
+    let base = common::pg_base();
+    let cases = [
+        (
+            "postgres://postgres:secret@127.0.0.1:1/onejob".to_owned(),
+            "cannot reach Postgres at",
+        ),
+        (
+            base.replace("postgres@", "no_such_role@") + "/onejob",
+            "refused the login",
+        ),
+        (format!("{base}/onejob_no_such_db"), "has no such database"),
+    ];
+    for (url, says) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_onejob"))
+            .args(["jobs", "find", "--owner", "a", "--key", "k"])
+            .env("DATABASE_URL", &url)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{url}");
+        let lines = stderr_lines(&out);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(lines[0].contains(says), "{url}: {lines:?}");
+        assert!(!lines[0].contains("secret"), "{lines:?}");
+        assert!(!lines[0].contains(" at line "), "{lines:?}");
+        let host = if url.contains(":1/") {
+            "127.0.0.1:1"
+        } else {
+            "127.0.0.1:5432"
+        };
+        assert!(lines[0].contains(host), "{lines:?}");
+    }
+}
+
+/// While it waits for Postgres, the worker says which one it waits for.
+#[test]
+fn the_worker_names_the_database_it_waits_for() {
+    let mut worker = Command::new(sibling("onejob-worker"))
+        .env(
+            "DATABASE_URL",
+            "postgres://postgres:secret@127.0.0.1:1/onejob",
+        )
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = worker.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .find(|l| l.contains("database not reachable yet"))
+    });
+    let start = std::time::Instant::now();
+    while !reader.is_finished() && start.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = worker.kill();
+    let _ = worker.wait();
+    let line = reader.join().unwrap().expect("a line about the database");
+    assert!(line.contains("127.0.0.1:1"), "{line}");
+    assert!(!line.contains("secret"), "{line}");
+}
+
+/// A second mock provider on a taken port says so in one line, with a hint,
+/// even with backtraces asked for.
+#[test]
+fn a_taken_port_is_one_line_for_the_mock() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_onejob-mock-provider"))
+        .args(["--listen", &addr])
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let lines = stderr_lines(&out);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].contains(&addr) && lines[0].contains("already running"),
+        "{lines:?}"
+    );
+}
