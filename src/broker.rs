@@ -28,8 +28,8 @@ pub const ERROR_HEADER: &str = "x-onejob-error";
 /// When onejob dead-lettered a message itself (the broker's own dead letters
 /// carry the time in `x-death`).
 pub const DEAD_LETTERED_AT_HEADER: &str = "x-onejob-dead-lettered-at";
-/// How long a publish waits for the broker's confirm.
-const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a publish waits for the broker's confirm, by default.
+pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 /// AMQP 0-9-1 caps short strings (routing keys, reply-to) at 255 bytes.
 const SHORT_STRING_MAX: usize = 255;
 
@@ -419,6 +419,7 @@ pub fn json_properties() -> BasicProperties {
 #[derive(Clone, Debug)]
 pub struct Publisher {
     channel: std::sync::Arc<std::sync::Mutex<Channel>>,
+    confirm_timeout: Duration,
 }
 
 async fn confirm_channel(conn: &Connection) -> Result<Channel> {
@@ -439,7 +440,14 @@ impl Publisher {
     pub fn from_channel(channel: Channel) -> Publisher {
         Publisher {
             channel: std::sync::Arc::new(std::sync::Mutex::new(channel)),
+            confirm_timeout: CONFIRM_TIMEOUT,
         }
+    }
+
+    /// The same publisher, waiting at most `timeout` for each confirm.
+    pub fn with_confirm_timeout(mut self, timeout: Duration) -> Publisher {
+        self.confirm_timeout = timeout;
+        self
     }
 
     /// The channel publishes go to now.
@@ -494,12 +502,12 @@ impl Publisher {
                 properties,
             )
             .await?;
-        let confirmation = tokio::time::timeout(CONFIRM_TIMEOUT, confirm)
+        let confirmation = tokio::time::timeout(self.confirm_timeout, confirm)
             .await
             .map_err(|_| BrokerError::ConfirmTimeout {
                 exchange: exchange.to_owned(),
                 routing_key: routing_key.to_owned(),
-                timeout: CONFIRM_TIMEOUT,
+                timeout: self.confirm_timeout,
             })??;
         let nacked = confirmation.is_nack();
         if let Some(returned) = confirmation.take_message() {

@@ -1061,3 +1061,39 @@ async fn a_database_outage_costs_no_delivery_and_loses_nothing() {
         .unwrap()
         .unwrap();
 }
+
+/// Item 15: a confirm that never comes (a hung broker: the connection stays
+/// open, nothing moves) is reported as what it is, not as a refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_missing_confirm_is_a_timeout_not_a_nack() {
+    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
+    let env = TestEnv::new(&config).await;
+    let path = common::Cuttable::to("127.0.0.1:5672").await;
+    let url = env
+        .amqp_url
+        .replace("127.0.0.1:5672", &path.addr.to_string());
+    let conn = onejob::broker::connect(&url, onejob::broker::Recovery::None)
+        .await
+        .unwrap();
+    let publisher = onejob::broker::Publisher::open(&conn)
+        .await
+        .unwrap()
+        .with_confirm_timeout(Duration::from_millis(500));
+    path.stall();
+    let error = publisher
+        .publish(
+            "",
+            "nowhere",
+            b"{}",
+            onejob::broker::json_properties(),
+            false,
+        )
+        .await
+        .expect_err("no confirm can come")
+        .to_string();
+    assert!(
+        error.starts_with("no publisher confirm") && !error.contains("nacked"),
+        "{error}"
+    );
+    path.restore();
+}

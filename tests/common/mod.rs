@@ -435,13 +435,37 @@ pub fn intent(owner: &str, key: &str, text: &str) -> onejob::intent::Intent {
 
 /// A TCP path to a real service (Postgres, RabbitMQ) that a test can cut and
 /// restore: cut, it drops every open connection and refuses new ones, as an
-/// outage or a network partition would. The service itself is untouched, so
-/// other tests running beside this one see no outage.
+/// outage or a network partition would; stalled, it keeps the connections open
+/// but carries no byte, as a hung peer would. The service itself is untouched,
+/// so other tests running beside this one see no outage.
 pub struct Cuttable {
     pub addr: std::net::SocketAddr,
     cut: Arc<std::sync::atomic::AtomicBool>,
+    stalled: Arc<std::sync::atomic::AtomicBool>,
     links: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
     accept: tokio::task::JoinHandle<()>,
+}
+
+/// Copies `from` to `to` until either closes, holding each chunk while `stalled`.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    stalled: Arc<std::sync::atomic::AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        while stalled.load(std::sync::atomic::Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
 }
 
 impl Cuttable {
@@ -452,30 +476,36 @@ impl Cuttable {
             .expect("bind");
         let addr = listener.local_addr().expect("addr");
         let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let links: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
         let target = target.to_owned();
         let accept = {
-            let (cut, links) = (cut.clone(), links.clone());
+            let (cut, stalled, links) = (cut.clone(), stalled.clone(), links.clone());
             tokio::spawn(async move {
-                while let Ok((mut inbound, _)) = listener.accept().await {
+                while let Ok((inbound, _)) = listener.accept().await {
                     if cut.load(std::sync::atomic::Ordering::SeqCst) {
                         drop(inbound);
                         continue;
                     }
-                    let target = target.clone();
-                    let link = tokio::spawn(async move {
-                        if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await {
-                            let _ =
-                                tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                        }
-                    });
-                    links.lock().unwrap().push(link.abort_handle());
+                    let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
+                        continue;
+                    };
+                    let (in_read, in_write) = inbound.into_split();
+                    let (out_read, out_write) = outbound.into_split();
+                    let mut held = links.lock().unwrap();
+                    held.push(
+                        tokio::spawn(pump(in_read, out_write, stalled.clone())).abort_handle(),
+                    );
+                    held.push(
+                        tokio::spawn(pump(out_read, in_write, stalled.clone())).abort_handle(),
+                    );
                 }
             })
         };
         Cuttable {
             addr,
             cut,
+            stalled,
             links,
             accept,
         }
@@ -489,8 +519,16 @@ impl Cuttable {
         }
     }
 
+    /// Keeps the connections open but carries nothing, until restored.
+    pub fn stall(&self) {
+        self.stalled
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Lets connections through again.
     pub fn restore(&self) {
+        self.stalled
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
     }
 }
