@@ -21,11 +21,12 @@ use std::time::{Duration, Instant};
 use common::{TestEnv, config, config_text, intent, mock};
 use futures_util::StreamExt;
 use onejob::domain::{JobId, JobStatus};
+use onejob::fleet::Role;
 use onejob::intent::{Outcome, Receipt};
 use onejob::mock::MockOptions;
+use onejob::runtime;
 use onejob::shutdown::Shutdown;
 use onejob::store::NewJob;
-use onejob::worker::{self, Role};
 use onejob_producer::{Producer, ProducerOptions};
 
 /// Requests kept in flight by the client side of every phase.
@@ -104,7 +105,7 @@ async fn main() {
         let echo = tokio::spawn(async move {
             let prefetch = echo_ctx.config.worker.intake_prefetch;
             let inner = echo_ctx.clone();
-            worker::consume(
+            runtime::consume(
                 &echo_ctx,
                 onejob::broker::INTENTS_QUEUE,
                 prefetch,
@@ -124,7 +125,7 @@ async fn main() {
                                 .publish("", reply_to.as_str(), &body, props, false)
                                 .await;
                         }
-                        let _ = worker::ack(&d).await;
+                        let _ = runtime::ack(&d).await;
                     }
                 },
             )

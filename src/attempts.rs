@@ -8,33 +8,21 @@
 //! after sending, the route rule for a definite failure. The delivery is acked
 //! after the commit.
 
-use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
 
-use backon::{BackoffBuilder, ExponentialBuilder};
 use lapin::message::Delivery;
-use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
 use crate::broker;
 use crate::config::Config;
-use crate::domain::{self, AttemptId, AttemptStatus, GiveUp, JobId, JobStatus};
+use crate::domain::{AttemptStatus, JobStatus};
+use crate::policy::Planner;
 use crate::provider::{CallError, Client};
-use crate::qualify;
+use crate::runtime::{self, Context, Result, with_retries};
 use crate::shutdown::Shutdown;
-use crate::store::{FailedJob, Finished, NextStep, Settled, Started, Verdict};
-use crate::worker::{self, Context, Result, with_retries};
+use crate::store::{FailedJob, Finished, Settled, Started, Verdict};
 
-/// The body of a message on `onejob.attempts.<provider>`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AttemptMessage {
-    /// The attempt to run.
-    pub attempt_id: AttemptId,
-    /// Its job.
-    pub job_id: JobId,
-}
+pub use crate::domain::AttemptMessage;
 
 /// Runs the consumer for `provider` until shutdown.
 pub async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> Result<()> {
@@ -43,15 +31,15 @@ pub async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> Result<(
         .providers
         .get(&provider)
         .cloned()
-        .ok_or_else(|| worker::WorkerError::UnknownProvider(provider.clone()))?;
+        .ok_or_else(|| runtime::WorkerError::UnknownProvider(provider.clone()))?;
     let client = Arc::new(Client::new(settings.clone()).map_err(|e| {
-        worker::WorkerError::RoleStopped(format!("attempts({provider})"), e.to_string())
+        runtime::WorkerError::RoleStopped(format!("attempts({provider})"), e.to_string())
     })?);
     let queue = broker::attempts_queue(&provider);
     // Prefetch and the semaphore both cap in-flight calls, whatever the backlog.
     let concurrency = u16::try_from(settings.concurrency).unwrap_or(u16::MAX);
     let calls = Arc::new(Semaphore::new(usize::from(concurrency)));
-    worker::consume(&ctx, &queue, concurrency, &shutdown, |delivery| {
+    runtime::consume(&ctx, &queue, concurrency, &shutdown, |delivery| {
         let ctx = ctx.clone();
         let client = client.clone();
         let queue = queue.clone();
@@ -63,7 +51,7 @@ pub async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> Result<(
             };
             if let Err(e) = process(&ctx, &shutdown, &client, &queue, &delivery).await {
                 tracing::error!(error = %e, "attempt not settled; returning it to the queue");
-                worker::requeue(&delivery).await;
+                runtime::requeue(&delivery).await;
             }
         }
     })
@@ -88,7 +76,7 @@ async fn process(
                 || ctx.publish_dead_letter(queue, delivery, &reason),
             )
             .await?;
-            return worker::ack(delivery).await;
+            return runtime::ack(delivery).await;
         }
     };
     let provider = client.provider();
@@ -110,11 +98,11 @@ async fn process(
                 // the settlement that lifts the block publishes its message again, so
                 // this delivery can go without costing it a delivery count.
                 tracing::info!(attempt_id = %message.attempt_id, job_id = %job, "attempt blocked: its job waits for an unknown attempt to be resolved; it is published again when it is");
-                return worker::ack(delivery).await;
+                return runtime::ack(delivery).await;
             }
             Some((job, _, _)) if job == message.job_id => {
                 tracing::debug!(attempt_id = %message.attempt_id, "attempt is not queued any more: duplicate delivery dropped");
-                return worker::ack(delivery).await;
+                return runtime::ack(delivery).await;
             }
             _ => {}
         }
@@ -131,20 +119,20 @@ async fn process(
             || ctx.publish_dead_letter(queue, delivery, &reason),
         )
         .await?;
-        return worker::ack(delivery).await;
+        return runtime::ack(delivery).await;
     };
     let finished = call(&ctx.config, client, &started).await;
     // Only a definite failure needs to know who may take the next attempt.
-    let eligible = match finished.verdict {
+    let planner = match finished.verdict {
         Verdict::Failed { .. } => {
             with_retries(shutdown, "reading qualifications", || async {
-                Ok(qualify::eligible(&ctx.config, &ctx.store, &started.operation).await?)
+                Ok(Planner::load(&ctx.config, &ctx.store, [started.operation.as_str()]).await?)
             })
             .await?
         }
-        _ => HashSet::new(),
+        _ => Planner::unqualified(&ctx.config),
     };
-    let plan = |failed: &FailedJob| plan_next(&ctx.config, &eligible, failed);
+    let plan = |failed: &FailedJob| planner.plan(failed);
     let (settled, publish) = with_retries(shutdown, "settling an attempt", || async {
         Ok(ctx
             .store
@@ -166,7 +154,7 @@ async fn process(
     if let Err(e) = ctx.publish_outbox(&publish).await {
         tracing::warn!(error = %e, "publish after settling failed; the relay will retry");
     }
-    worker::ack(delivery).await
+    runtime::ack(delivery).await
 }
 
 /// Calls the provider for a started attempt and judges the answer.
@@ -256,66 +244,6 @@ pub async fn call(config: &Config, client: &Client, started: &Started) -> Finish
         }
     };
     finished
-}
-
-/// The contract's route rule with this configuration: the next provider after
-/// the one that failed, among the `eligible` ones (the route's first provider and
-/// those qualified for the operation's current contract). Failing over to another
-/// provider happens at once; trying the same provider again waits for the backoff,
-/// or for its `Retry-After` if that is longer.
-pub fn plan_next(config: &Config, eligible: &HashSet<String>, failed: &FailedJob) -> NextStep {
-    if !failed.retryable {
-        return NextStep::GiveUp {
-            error: failed.error.clone(),
-        };
-    }
-    let Some(operation) = config.operations.get(&failed.operation) else {
-        return NextStep::GiveUp {
-            error: format!(
-                "unknown_operation: {:?} is no longer configured; last error: {}",
-                failed.operation, failed.error
-            ),
-        };
-    };
-    match domain::next_provider(
-        &operation.route,
-        |p| eligible.contains(p),
-        &failed.failed_provider,
-        failed.attempts_made,
-        operation.max_attempts,
-    ) {
-        Ok(provider) if provider != failed.failed_provider => NextStep::Retry {
-            provider: provider.to_owned(),
-            delay: Duration::ZERO,
-        },
-        Ok(provider) => NextStep::Retry {
-            provider: provider.to_owned(),
-            delay: backoff(config, failed.attempts_made)
-                .max(failed.retry_after.unwrap_or_default()),
-        },
-        Err(GiveUp::AttemptsSpent { .. }) => NextStep::GiveUp {
-            error: failed.error.clone(),
-        },
-        Err(give_up @ GiveUp::NoEligibleProvider) => NextStep::GiveUp {
-            error: format!("{give_up}; last error: {}", failed.error),
-        },
-    }
-}
-
-/// The delay before the attempt after `attempts_made` attempts: exponential from
-/// `retry_backoff`, capped at `retry_backoff_max`, with jitter.
-pub fn backoff(config: &Config, attempts_made: u32) -> Duration {
-    let w = &config.worker;
-    ExponentialBuilder::default()
-        .with_min_delay(w.retry_backoff)
-        .with_max_delay(w.retry_backoff_max)
-        .with_factor(2.0)
-        .with_jitter()
-        .without_max_times()
-        .build()
-        .nth(attempts_made.saturating_sub(1) as usize)
-        .unwrap_or(w.retry_backoff_max)
-        .min(w.retry_backoff_max)
 }
 
 fn log_settled(started: &Started, finished: &Finished, settled: Option<&Settled>) {

@@ -527,6 +527,15 @@ impl Publisher {
     }
 }
 
+/// A header's value as text, if it is a string.
+pub fn header_str(headers: &FieldTable, name: &str) -> Option<String> {
+    match headers.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
+    }
+}
+
 /// Replaces the password in a URL with `***`, for logs and errors.
 pub fn redact_url(url: &str) -> String {
     match reqwest::Url::parse(url) {

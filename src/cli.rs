@@ -12,12 +12,12 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::attempts::plan_next;
 use crate::broker::{self, Publisher};
 use crate::config::Config;
 use crate::domain::{AttemptId, AttemptStatus, JobId};
+use crate::policy::Planner;
+use crate::runtime;
 use crate::store::{JobView, Refusal, Resolution, Settled, Store};
-use crate::worker;
 
 /// The default database URL.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/onejob";
@@ -251,7 +251,7 @@ async fn store(c: &Connections, config: &Config) -> Result<Store, Failure> {
     Store::connect(
         &c.database_url,
         2,
-        worker::routes(config),
+        runtime::routes(config),
         std::time::Duration::ZERO,
     )
     .await
@@ -338,8 +338,8 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                     .unwrap_or_default(),
                 None => return Err(Failure(format!("attempt {attempt_id} not found"))),
             };
-            let eligible = crate::qualify::eligible(&config, &store, &operation).await?;
-            let plan = |f: &crate::store::FailedJob| plan_next(&config, &eligible, f);
+            let planner = Planner::load(&config, &store, [operation.as_str()]).await?;
+            let plan = |f: &crate::store::FailedJob| planner.plan(f);
             let (settled, publish) = match store
                 .resolve(AttemptId(attempt_id), resolution, &plan)
                 .await?
@@ -923,7 +923,7 @@ async fn publish_now(
     }
     let conn = broker_connection(c, config).await?;
     let publisher = Publisher::open(&conn).await.map_err(|e| e.to_string())?;
-    let result = worker::publish_outbox(&publisher, store, messages)
+    let result = runtime::publish_outbox(&publisher, store, messages)
         .await
         .map_err(|e| e.to_string());
     let _ = conn.close(200, "done".into()).await;

@@ -14,9 +14,9 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 use serde::Serialize;
 
+use crate::broker::header_str;
 use crate::broker::{self, BrokerError, Publisher, short};
 use crate::config::Config;
-use crate::worker::header_str;
 
 /// How many dead letters one browse takes at most by default.
 pub const DEFAULT_LIMIT: usize = 100;

@@ -273,6 +273,48 @@ pub fn next_provider<'r>(
         .ok_or(GiveUp::NoEligibleProvider)
 }
 
+/// One golden case's outcome.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CaseResult {
+    /// Its position in `cases`.
+    pub index: usize,
+    /// Whether every check passed.
+    pub passed: bool,
+    /// What passed, or what failed.
+    pub detail: String,
+    /// The rendered prompt's token count (system and user messages with framing).
+    pub prompt_tokens: Option<usize>,
+    /// Whether that count is an estimate (the model's own encoding is not known).
+    pub tokens_estimated: bool,
+    /// The round trip, if the provider answered.
+    pub latency_ms: Option<u64>,
+}
+
+/// A qualification run of one provider for one operation.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Qualification {
+    /// The provider.
+    pub provider: String,
+    /// The operation.
+    pub operation: String,
+    /// The contract the run was made against.
+    pub contract_hash: String,
+    /// Whether every case passed (and there was at least one).
+    pub passed: bool,
+    /// The cases.
+    pub cases: Vec<CaseResult>,
+}
+
+/// The body of a message on `onejob.attempts.<provider>`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttemptMessage {
+    /// The attempt to run.
+    pub attempt_id: AttemptId,
+    /// Its job.
+    pub job_id: JobId,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

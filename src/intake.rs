@@ -17,9 +17,9 @@ use lapin::message::Delivery;
 use crate::broker::{self, INTENTS_QUEUE};
 use crate::domain::{AttemptId, JobId};
 use crate::intent::{Intent, Outcome, Receipt, RejectReason};
+use crate::runtime::{self, Context, Result, WorkerError, with_retries};
 use crate::shutdown::Shutdown;
 use crate::store::{Admission, NewJob};
-use crate::worker::{self, Context, Result, WorkerError, with_retries};
 
 /// The most intents admitted by one statement.
 const MAX_BATCH: usize = 64;
@@ -29,11 +29,11 @@ const BATCHES_IN_FLIGHT: usize = 4;
 /// Runs intake until shutdown.
 pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
     let prefetch = ctx.config.worker.intake_prefetch;
-    let batching = worker::Batching {
+    let batching = runtime::Batching {
         max_batch: MAX_BATCH,
         max_in_flight: BATCHES_IN_FLIGHT,
     };
-    worker::consume_batches(
+    runtime::consume_batches(
         &ctx,
         INTENTS_QUEUE,
         prefetch,
@@ -86,18 +86,18 @@ async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
     let answered = rejections.into_iter().chain(admissions);
     join_all(answered.map(|(delivery, receipt)| async move {
         let Some(receipt) = receipt else {
-            worker::requeue(&delivery).await;
+            runtime::requeue(&delivery).await;
             return;
         };
         let answered = async {
             send_receipt(ctx, shutdown, &delivery, &receipt).await?;
-            worker::ack(&delivery).await
+            runtime::ack(&delivery).await
         };
         match answered.await {
             Ok(()) => crate::metrics::intent(receipt.outcome),
             Err(e) => {
                 tracing::error!(error = %e, "intent not settled; returning it to the queue");
-                worker::requeue(&delivery).await;
+                runtime::requeue(&delivery).await;
             }
         }
     }))

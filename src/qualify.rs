@@ -14,6 +14,7 @@ use serde::Serialize;
 
 use crate::config::{Config, Operation, Provider, Rendered};
 use crate::domain::AttemptId;
+pub use crate::domain::{CaseResult, Qualification};
 use crate::provider::Client;
 use crate::store::{Store, StoreError};
 
@@ -41,38 +42,6 @@ pub fn contract_hash(operation: &Operation, provider: &Provider) -> String {
         "temperature": operation.temperature,
     });
     crate::domain::canonical_sha256(&contract)
-}
-
-/// One golden case's outcome.
-#[derive(Clone, Debug, Serialize)]
-pub struct CaseResult {
-    /// Its position in `cases`.
-    pub index: usize,
-    /// Whether every check passed.
-    pub passed: bool,
-    /// What passed, or what failed.
-    pub detail: String,
-    /// The rendered prompt's token count (system and user messages with framing).
-    pub prompt_tokens: Option<usize>,
-    /// Whether that count is an estimate (the model's own encoding is not known).
-    pub tokens_estimated: bool,
-    /// The round trip, if the provider answered.
-    pub latency_ms: Option<u64>,
-}
-
-/// A qualification run of one provider for one operation.
-#[derive(Clone, Debug, Serialize)]
-pub struct Qualification {
-    /// The provider.
-    pub provider: String,
-    /// The operation.
-    pub operation: String,
-    /// The contract the run was made against.
-    pub contract_hash: String,
-    /// Whether every case passed (and there was at least one).
-    pub passed: bool,
-    /// The cases.
-    pub cases: Vec<CaseResult>,
 }
 
 /// Counts a rendered prompt's tokens: exactly with the model's encoding when

@@ -20,15 +20,13 @@
 //! Several reconcilers may run at once: every pass claims rows with
 //! `FOR UPDATE SKIP LOCKED` or goes through a guarded statement.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::attempts::plan_next;
 use crate::domain::{self, GiveUp};
-use crate::qualify;
+use crate::policy::Planner;
+use crate::runtime::{Context, Result};
 use crate::shutdown::Shutdown;
 use crate::store::FailedJob;
-use crate::worker::{Context, Result};
 
 /// Outbox rows one relay pass takes at most.
 const RELAY_BATCH: i64 = 256;
@@ -102,14 +100,8 @@ pub async fn sweep_once(ctx: &Context) -> Result<()> {
         .await?;
     ctx.publish_outbox(&republish).await?;
     if !lost.is_empty() {
-        let eligible = eligibility(ctx).await?;
-        let plan = |f: &FailedJob| {
-            plan_next(
-                &ctx.config,
-                eligible.get(&f.operation).unwrap_or(&Default::default()),
-                f,
-            )
-        };
+        let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
+        let plan = |f: &FailedJob| planner.plan(f);
         let error = format!(
             "attempt_lost: its message was republished {} times and the attempt never started",
             w.max_republish
@@ -163,7 +155,7 @@ pub async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
         let letters = crate::dlq::browse(&ctx.connection, &queue, 256).await?;
         for letter in letters {
             if let Ok(message) =
-                serde_json::from_slice::<crate::attempts::AttemptMessage>(&letter.body)
+                serde_json::from_slice::<crate::domain::AttemptMessage>(&letter.body)
             {
                 dead.push((
                     message.attempt_id,
@@ -175,32 +167,14 @@ pub async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
     if dead.is_empty() {
         return Ok(());
     }
-    let eligible = eligibility(ctx).await?;
-    let plan = |f: &FailedJob| {
-        plan_next(
-            &ctx.config,
-            eligible.get(&f.operation).unwrap_or(&Default::default()),
-            f,
-        )
-    };
+    let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
+    let plan = |f: &FailedJob| planner.plan(f);
     let (settled, publish) = ctx.store.fail_queued(&dead, &plan).await?;
     for (attempt, _) in &settled {
         tracing::warn!(attempt_id = %attempt, "attempt's message was dead-lettered: attempt marked failed");
     }
     ctx.publish_outbox(&publish).await?;
     Ok(())
-}
-
-/// The eligible providers of every configured operation.
-async fn eligibility(ctx: &Context) -> Result<HashMap<String, std::collections::HashSet<String>>> {
-    let mut out = HashMap::new();
-    for op in ctx.config.operations.keys() {
-        out.insert(
-            op.clone(),
-            qualify::eligible(&ctx.config, &ctx.store, op).await?,
-        );
-    }
-    Ok(out)
 }
 
 /// Starts at most one hedge per job whose attempt has been silent for its
@@ -216,15 +190,14 @@ pub async fn hedge_once(ctx: &Context) -> Result<()> {
     if candidates.is_empty() {
         return Ok(());
     }
-    let eligible = eligibility(ctx).await?;
+    let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
     for (job, current, operation, made) in candidates {
         let Some(op) = ctx.config.operations.get(&operation) else {
             continue;
         };
-        let allowed = eligible.get(&operation);
         let target = domain::next_provider(
             &op.route,
-            |p| p != current && allowed.is_some_and(|e| e.contains(p)),
+            |p| p != current && planner.is_eligible(&operation, p),
             &current,
             made,
             op.max_attempts,

@@ -99,6 +99,17 @@ impl StoreError {
         }
     }
 
+    /// The SQLSTATE of a retried failure, or `io`, for the retry counter.
+    fn retry_code(&self) -> String {
+        match self {
+            StoreError::Db(sqlx::Error::Database(db)) => {
+                db.code().map_or("other".to_owned(), |c| c.into_owned())
+            }
+            StoreError::Db(sqlx::Error::Io(_)) => "io".to_owned(),
+            _ => "other".to_owned(),
+        }
+    }
+
     /// Deadlocks and serialization failures: the transaction can simply run again.
     fn is_transient(&self) -> bool {
         match self {
@@ -596,7 +607,7 @@ impl Store {
         )
         .when(StoreError::is_transient)
         .notify(|e, d| {
-            crate::metrics::db_retry(e);
+            crate::metrics::db_retry(&e.retry_code());
             tracing::debug!(error = %e, retry_in = ?d, "transient database error; retrying")
         })
         .await
@@ -1732,11 +1743,11 @@ impl Store {
     }
 
     /// Records a qualification run, one row per case.
-    pub async fn record_qualification(&self, q: &crate::qualify::Qualification) -> Result<Uuid> {
+    pub async fn record_qualification(&self, q: &crate::domain::Qualification) -> Result<Uuid> {
         let run = Uuid::now_v7();
         // A run with no case still records that it failed.
-        let cases: Vec<crate::qualify::CaseResult> = if q.cases.is_empty() {
-            vec![crate::qualify::CaseResult {
+        let cases: Vec<crate::domain::CaseResult> = if q.cases.is_empty() {
+            vec![crate::domain::CaseResult {
                 index: 0,
                 passed: false,
                 detail: "no_cases: the operation has no golden cases to qualify with".into(),

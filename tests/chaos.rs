@@ -261,7 +261,7 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
     let store = onejob::store::Store::connect(
         &env.database_url,
         4,
-        onejob::worker::routes(&config),
+        onejob::runtime::routes(&config),
         Duration::from_secs(30),
     )
     .await

@@ -8,9 +8,9 @@ use common::{TestEnv, config, config_text, depth, mock, wait_for, wait_for_statu
 use lapin::options::{BasicGetOptions, BasicNackOptions, BasicPublishOptions};
 use onejob::broker;
 use onejob::domain::JobStatus;
+use onejob::fleet::Role;
 use onejob::intent::Outcome;
 use onejob::mock::MockOptions;
-use onejob::worker::Role;
 use onejob_producer::Producer;
 
 fn json(out: &std::process::Output) -> serde_json::Value {

@@ -11,9 +11,9 @@ use common::{
     wait_for_status,
 };
 use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
+use onejob::fleet::Role;
 use onejob::mock::{Misbehaviour, MockOptions};
 use onejob::store::NewJob;
-use onejob::worker::Role;
 use onejob_producer::Producer;
 
 fn closed_port_url() -> String {

@@ -641,7 +641,7 @@ async fn a_request_in_flight_at_shutdown_gets_its_answer() {
     s.shutdown.trigger();
     s.fleet = Some(
         s.env
-            .fleet(s.config.clone(), vec![onejob::worker::Role::Intake])
+            .fleet(s.config.clone(), vec![onejob::fleet::Role::Intake])
             .await,
     );
     let response = request

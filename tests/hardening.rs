@@ -351,7 +351,7 @@ async fn a_dead_letter_copy_keeps_the_listed_properties_only() {
     let (config, _file) = config(&config_for(&[P("primary", &primary.base_url(), "")], ""));
     let env = TestEnv::new(&config).await;
     let fleet = env
-        .fleet(config.clone(), vec![onejob::worker::Role::Intake])
+        .fleet(config.clone(), vec![onejob::fleet::Role::Intake])
         .await;
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.unwrap();
@@ -397,10 +397,10 @@ async fn a_dead_letter_copy_keeps_the_listed_properties_only() {
     assert_eq!(p.delivery_mode(), &Some(2));
     let h = p.headers().clone().unwrap_or_default();
     assert_eq!(
-        onejob::worker::header_str(&h, "x-trace").as_deref(),
+        onejob::broker::header_str(&h, "x-trace").as_deref(),
         Some("t-1")
     );
-    assert!(onejob::worker::header_str(&h, onejob::broker::ERROR_HEADER).is_some());
+    assert!(onejob::broker::header_str(&h, onejob::broker::ERROR_HEADER).is_some());
     let _ = conn.close(200, "done".into()).await;
     fleet.stop().await;
 }
@@ -457,7 +457,7 @@ async fn a_hedge_turned_away_by_an_unknown_runs_once_the_unknown_is_resolved() {
     let fleet = env
         .fleet(
             config.clone(),
-            vec![onejob::worker::Role::Attempts("fallback".into())],
+            vec![onejob::fleet::Role::Attempts("fallback".into())],
         )
         .await;
     let queue = onejob::broker::attempts_queue("fallback");
@@ -578,7 +578,7 @@ async fn dlq_replay_all_is_bounded_and_reports_each_letter() {
     let (config, file) = config(&config_for(&[P("primary", &primary.base_url(), "")], ""));
     let env = TestEnv::new(&config).await;
     let fleet = env
-        .fleet(config.clone(), vec![onejob::worker::Role::Intake])
+        .fleet(config.clone(), vec![onejob::fleet::Role::Intake])
         .await;
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.unwrap();
@@ -756,7 +756,7 @@ async fn published_outbox_rows_are_pruned() {
     .unwrap();
     assert_eq!(ids.len(), 3);
     let fleet = env
-        .fleet(config.clone(), vec![onejob::worker::Role::Reconciler])
+        .fleet(config.clone(), vec![onejob::fleet::Role::Reconciler])
         .await;
     let left: Vec<String> = wait_for(
         "the old row to be pruned",
@@ -792,7 +792,7 @@ async fn the_stuck_sweep_leaves_attempts_waiting_in_a_backlog() {
         .await
         .unwrap();
     let fleet = env
-        .fleet(config.clone(), vec![onejob::worker::Role::Reconciler])
+        .fleet(config.clone(), vec![onejob::fleet::Role::Reconciler])
         .await;
     let ch = ctx.connection.create_channel().await.unwrap();
     let queue = onejob::broker::attempts_queue("primary");
@@ -854,7 +854,7 @@ async fn old_queues_are_named_and_upgraded_only_when_empty() {
     .unwrap();
 
     let refused =
-        onejob::worker::Context::connect(config.clone(), &env.database_url, &env.amqp_url)
+        onejob::runtime::Context::connect(config.clone(), &env.database_url, &env.amqp_url)
             .await
             .expect_err("a fleet must not start on an outdated queue")
             .to_string();
@@ -971,9 +971,9 @@ async fn losing_the_broker_for_good_stops_every_role() {
     let env = TestEnv::new(&config).await;
     let ctx = env.context(config.clone()).await;
     let shutdown = onejob::shutdown::Shutdown::new();
-    let run = tokio::spawn(onejob::worker::run(
+    let run = tokio::spawn(onejob::fleet::run(
         ctx.clone(),
-        vec![onejob::worker::Role::Reconciler],
+        vec![onejob::fleet::Role::Reconciler],
         shutdown.clone(),
     ));
     ctx.connection
@@ -1003,11 +1003,11 @@ async fn a_database_outage_costs_no_delivery_and_loses_nothing() {
     let proxied = env
         .database_url
         .replace("127.0.0.1:5432", &path.addr.to_string());
-    let ctx = onejob::worker::Context::connect(config.clone(), &proxied, &env.amqp_url)
+    let ctx = onejob::runtime::Context::connect(config.clone(), &proxied, &env.amqp_url)
         .await
         .unwrap();
     let shutdown = onejob::shutdown::Shutdown::new();
-    let run = tokio::spawn(onejob::worker::run(ctx.clone(), vec![], shutdown.clone()));
+    let run = tokio::spawn(onejob::fleet::run(ctx.clone(), vec![], shutdown.clone()));
     let producer = Producer::connect_with(
         &env.amqp_url,
         onejob_producer::ProducerOptions {

@@ -51,7 +51,7 @@ async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let server = tokio::spawn(
-        axum::serve(listener, onejob::worker::health_router(ctx.clone())).into_future(),
+        axum::serve(listener, onejob::runtime::health_router(ctx.clone())).into_future(),
     );
     let http = reqwest::Client::new();
     let get = |path: &'static str| {

@@ -167,11 +167,11 @@ async fn secrets_never_reach_logs_errors_or_json_output() {
     assert!(String::from_utf8_lossy(&down.stderr).contains("***"));
 
     // The worker, in this process, at debug level, through a whole job.
-    let ctx = onejob::worker::Context::connect(config.clone(), &database_url, &amqp_url)
+    let ctx = onejob::runtime::Context::connect(config.clone(), &database_url, &amqp_url)
         .await
         .unwrap();
     let shutdown = onejob::shutdown::Shutdown::new();
-    let task = tokio::spawn(onejob::worker::run(ctx.clone(), vec![], shutdown.clone()));
+    let task = tokio::spawn(onejob::fleet::run(ctx.clone(), vec![], shutdown.clone()));
     let producer = Producer::connect(&amqp_url).await.unwrap();
     let job_id = submit(&producer, "acct_s", "k", "secret-free").await;
     // The key is not in this process's environment: the call fails definitely,

@@ -12,11 +12,12 @@ use common::{
 };
 use lapin::options::{BasicGetOptions, BasicPublishOptions};
 use onejob::broker;
+use onejob::broker::header_str;
 use onejob::domain::JobStatus;
+use onejob::fleet::Role;
 use onejob::intent::Outcome;
 use onejob::mock::MockOptions;
 use onejob::store::Admission;
-use onejob::worker::{Role, header_str};
 use onejob_producer::Producer;
 
 const SETTLE: Duration = Duration::from_secs(20);

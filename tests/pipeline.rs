@@ -166,7 +166,7 @@ async fn same_key_different_input_is_a_conflict() {
     let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
     let env = TestEnv::new(&config).await;
     let fleet = env
-        .fleet(config.clone(), vec![onejob::worker::Role::Intake])
+        .fleet(config.clone(), vec![onejob::fleet::Role::Intake])
         .await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 

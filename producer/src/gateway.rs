@@ -122,7 +122,7 @@ impl Gateway {
         let store = Store::connect(
             database_url,
             8,
-            onejob::worker::routes(&config),
+            onejob::runtime::routes(&config),
             Duration::from_secs(60),
         )
         .await?;
@@ -470,7 +470,7 @@ async fn show_job(
 }
 
 async fn ready(State(gateway): State<Arc<Gateway>>) -> (StatusCode, String) {
-    onejob::worker::readiness(gateway.store.ping().await, gateway.producer.is_connected())
+    onejob::runtime::readiness(gateway.store.ping().await, gateway.producer.is_connected())
 }
 
 /// A job as its owner sees it through the gateway.

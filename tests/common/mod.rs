@@ -13,10 +13,11 @@ use std::time::{Duration, Instant};
 use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use onejob::config::Config;
+use onejob::fleet::{self, Role};
 use onejob::mock::{MockHandle, MockOptions};
+use onejob::runtime::{self, Context};
 use onejob::shutdown::Shutdown;
 use onejob::store::Store;
-use onejob::worker::{self, Context, Role};
 use sqlx::{Connection, Executor, PgConnection};
 
 /// The Postgres server, without a database name.
@@ -68,7 +69,7 @@ impl TestEnv {
         let store = Store::connect(
             &database_url,
             16,
-            worker::routes(config),
+            runtime::routes(config),
             Duration::from_secs(10),
         )
         .await
@@ -93,7 +94,7 @@ impl TestEnv {
     pub async fn fleet(&self, config: Arc<Config>, roles: Vec<Role>) -> Fleet {
         let ctx = self.context(config).await;
         let shutdown = Shutdown::new();
-        let task = tokio::spawn(worker::run(ctx.clone(), roles, shutdown.clone()));
+        let task = tokio::spawn(fleet::run(ctx.clone(), roles, shutdown.clone()));
         Fleet {
             ctx,
             shutdown,
@@ -210,7 +211,7 @@ impl Drop for TestEnv {
 pub struct Fleet {
     pub ctx: Context,
     pub shutdown: Shutdown,
-    task: tokio::task::JoinHandle<worker::Result<()>>,
+    task: tokio::task::JoinHandle<runtime::Result<()>>,
 }
 
 impl Fleet {

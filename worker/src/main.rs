@@ -7,8 +7,9 @@ use std::sync::Arc;
 
 use clap::{Parser, ValueEnum};
 use onejob::cli::Connections;
+use onejob::fleet::{self, Role};
+use onejob::runtime::{self, Context};
 use onejob::shutdown::Shutdown;
-use onejob::worker::{self, Context, Role};
 
 /// The onejob worker pod. Runs intake, attempt consumers and the reconciler; with
 /// no --role, all of them. Applies pending migrations and declares the AMQP
@@ -108,7 +109,7 @@ async fn main() -> ExitCode {
                 return ExitCode::from(1);
             }
         };
-        let app = worker::health_router(ctx.clone());
+        let app = runtime::health_router(ctx.clone());
         let stop = shutdown.clone();
         tokio::spawn(async move {
             let _ = axum::serve(listener, app)
@@ -123,7 +124,7 @@ async fn main() -> ExitCode {
         tracing::info!("signal received: stopping intake of new work, finishing what is in flight");
         signals.trigger();
     });
-    let result = worker::run(ctx.clone(), roles, shutdown.clone()).await;
+    let result = fleet::run(ctx.clone(), roles, shutdown.clone()).await;
     shutdown.trigger();
     let _ = ctx.connection.close(200, "worker stopped".into()).await;
     match result {

@@ -1,5 +1,7 @@
-//! The worker pod: connects to Postgres and RabbitMQ, applies migrations, declares
-//! the topology, and runs the requested roles until shutdown.
+//! What every role shares: the [`Context`] (configuration, store, broker
+//! connection and publisher), consuming with bounded prefetch, acking and
+//! requeueing, retries that wait out a dependency outage, connection supervision
+//! and the health endpoints.
 //!
 //! Every role follows one rule: ack a delivery only after what it caused is
 //! committed and, for publishes, confirmed. A crash at any instant then means a
@@ -18,27 +20,6 @@ use crate::broker::{self, BrokerError, Publisher};
 use crate::config::Config;
 use crate::shutdown::Shutdown;
 use crate::store::{OutboxMessage, Routes, Store, StoreError};
-
-/// A role the worker can run.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Role {
-    /// Consume intents and turn them into jobs.
-    Intake,
-    /// Consume one provider's attempts and call it.
-    Attempts(String),
-    /// Relay the outbox and declare vanished workers' attempts unknown.
-    Reconciler,
-}
-
-impl std::fmt::Display for Role {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Role::Intake => f.write_str("intake"),
-            Role::Attempts(p) => write!(f, "attempts({p})"),
-            Role::Reconciler => f.write_str("reconciler"),
-        }
-    }
-}
 
 /// A worker failure.
 #[derive(Debug, thiserror::Error)]
@@ -457,91 +438,6 @@ where
     }
     let _ = channel.close(200, "worker stopping".into()).await;
     outcome
-}
-
-/// Runs the roles until `shutdown` is triggered or one of them fails. With no
-/// roles, runs all of them.
-pub async fn run(ctx: Context, roles: Vec<Role>, shutdown: Shutdown) -> Result<()> {
-    let roles = if roles.is_empty() {
-        let mut all = vec![Role::Intake];
-        all.extend(
-            ctx.config
-                .providers
-                .keys()
-                .map(|p| Role::Attempts(p.clone())),
-        );
-        all.push(Role::Reconciler);
-        all
-    } else {
-        roles
-    };
-    if let Err(e) = crate::qualify::warn_stale(&ctx.config, &ctx.store).await {
-        tracing::warn!(error = %e, "could not read provider qualifications");
-    }
-    for role in &roles {
-        if let Role::Attempts(p) = role
-            && !ctx.config.providers.contains_key(p)
-        {
-            return Err(WorkerError::UnknownProvider(p.clone()));
-        }
-    }
-    let mut tasks = tokio::task::JoinSet::new();
-    {
-        let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
-        tasks.spawn(async move {
-            let result = supervise_connection(ctx, shutdown).await;
-            ("amqp supervisor".to_owned(), result)
-        });
-    }
-    for role in roles {
-        let ctx = ctx.clone();
-        let shutdown = shutdown.clone();
-        tracing::info!(%role, "starting role");
-        tasks.spawn(async move {
-            let name = role.to_string();
-            let result = match role {
-                Role::Intake => crate::intake::run(ctx, shutdown).await,
-                Role::Attempts(p) => crate::attempts::run(ctx, p, shutdown).await,
-                Role::Reconciler => crate::reconciler::run(ctx, shutdown).await,
-            };
-            (name, result)
-        });
-    }
-    let mut failure = None;
-    while let Some(joined) = tasks.join_next().await {
-        let (name, result) = match joined {
-            Ok(r) => r,
-            Err(e) => (
-                "unknown".to_owned(),
-                Err(WorkerError::RoleStopped("task".into(), e.to_string())),
-            ),
-        };
-        match result {
-            Ok(()) if shutdown.is_triggered() => tracing::info!(role = %name, "role stopped"),
-            Ok(()) => {
-                failure.get_or_insert(WorkerError::RoleStopped(name, "its consumer ended".into()));
-                shutdown.trigger();
-            }
-            Err(e) => {
-                tracing::error!(role = %name, error = %e, "role failed; stopping the worker");
-                failure.get_or_insert(e);
-                shutdown.trigger();
-            }
-        }
-    }
-    match failure {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
-}
-
-/// A header's value as text, if it is a string.
-pub fn header_str(headers: &FieldTable, name: &str) -> Option<String> {
-    match headers.inner().get(name)? {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.to_string()),
-        _ => None,
-    }
 }
 
 /// Watches the AMQP connection and the publishing channel. Automatic recovery
