@@ -442,7 +442,7 @@ where
 
 /// Watches the AMQP connection and the publishing channel. Automatic recovery
 /// handles short outages; once it gives up (the connection is closed or errored
-/// for good), this returns an error, [`run`] stops every role, and the worker
+/// for good), this returns an error, [`crate::fleet::run`] stops every role, and the worker
 /// exits non-zero so that its orchestrator restarts it. A publishing channel the
 /// broker closed is replaced with a fresh one.
 pub async fn supervise_connection(ctx: Context, shutdown: Shutdown) -> Result<()> {
