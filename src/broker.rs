@@ -261,20 +261,22 @@ pub async fn declare_topology(
     Ok(())
 }
 
-/// The number of ready messages in `queue` (a passive declare, on a channel of
-/// its own: nothing is taken, and a missing queue closes only that channel).
+/// A queue as the broker sees it now (a passive declare: nothing is created or
+/// taken; a missing queue closes `ch`).
+async fn inspect(ch: &Channel, queue: &str) -> Result<lapin::Queue> {
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    Ok(ch
+        .queue_declare(short(queue)?, options, FieldTable::default())
+        .await?)
+}
+
+/// The number of ready messages in `queue`, looked at on a channel of its own.
 pub async fn depth(conn: &Connection, queue: &str) -> Result<u32> {
     let ch = conn.create_channel().await?;
-    let q = ch
-        .queue_declare(
-            short(queue)?,
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
+    let q = inspect(&ch, queue).await?;
     let _ = ch.close(200, "counted".into()).await;
     Ok(q.message_count())
 }
@@ -326,16 +328,7 @@ pub async fn upgrade_queues(
             Err(e) => return Err(e.into()),
         }
         let ch = conn.create_channel().await?;
-        let existing = ch
-            .queue_declare(
-                short(&queue)?,
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
+        let existing = inspect(&ch, &queue).await?;
         if existing.message_count() > 0 || existing.consumer_count() > 0 {
             let _ = ch.close(200, "checked".into()).await;
             out.push((
@@ -358,16 +351,7 @@ pub async fn upgrade_queues(
             FieldTable::default(),
         )
         .await?;
-        let again = ch
-            .queue_declare(
-                short(&queue)?,
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
+        let again = inspect(&ch, &queue).await?;
         if again.message_count() > 0 || again.consumer_count() > 0 {
             ch.queue_bind(
                 short(&queue)?,

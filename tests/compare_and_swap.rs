@@ -7,30 +7,11 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{TestEnv, config, config_text};
 use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
-use onejob::store::{
-    Admission, FailedJob, Finished, NewJob, NextStep, Settled, Started, Store, Verdict,
-};
+use onejob::store::{Admission, Finished, NewJob, Settled, Started, Store, Verdict};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestRunner};
 use serde_json::json;
-
-fn give_up(f: &FailedJob) -> NextStep {
-    NextStep::GiveUp {
-        error: f.error.clone(),
-    }
-}
-
-/// A database (and vhost) for store-level tests; no provider is ever called.
-async fn store_env() -> TestEnv {
-    let (config, _file) = config(&config_text(
-        "http://127.0.0.1:9/v1",
-        Some("http://127.0.0.1:9/v1"),
-        "",
-    ));
-    TestEnv::new(&config).await
-}
 
 /// A validated intent for the primary provider, ready to admit.
 fn new_job(key: &str) -> NewJob {
@@ -82,18 +63,24 @@ fn success(s: &Started) -> Finished {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_later_of_two_reversed_attempts_is_discarded() {
-    let env = store_env().await;
+    let env = common::store_env().await;
     let store = &env.store;
     let (job_id, a, b) = two_started_attempts(store, "reverse").await;
 
     // B started second and returns first: it wins.
-    let (settled, publish) = store.finalize(&[success(&b)], &give_up).await.unwrap();
+    let (settled, publish) = store
+        .finalize(&[success(&b)], &common::give_up)
+        .await
+        .unwrap();
     assert_eq!(settled, vec![Settled::Won]);
     assert_eq!(publish.len(), 1, "one job.succeeded event");
     let won = store.job(job_id).await.unwrap().unwrap();
 
     // A started first and returns last: discarded, its result never merged.
-    let (settled, publish) = store.finalize(&[success(&a)], &give_up).await.unwrap();
+    let (settled, publish) = store
+        .finalize(&[success(&a)], &common::give_up)
+        .await
+        .unwrap();
     assert_eq!(
         settled,
         vec![Settled::Discarded {
@@ -124,7 +111,7 @@ async fn the_later_of_two_reversed_attempts_is_discarded() {
 
     // A redelivered success of either attempt changes nothing.
     let (settled, _) = store
-        .finalize(&[success(&a), success(&b)], &give_up)
+        .finalize(&[success(&a), success(&b)], &common::give_up)
         .await
         .unwrap();
     assert_eq!(settled, vec![Settled::Stale, Settled::Stale]);
@@ -147,7 +134,7 @@ async fn the_later_of_two_reversed_attempts_is_discarded() {
 /// exactly one wins each time, and the job carries the winner's result.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_finishers_have_exactly_one_winner() {
-    let env = store_env().await;
+    let env = common::store_env().await;
     let store = Arc::new(env.store.clone());
     for i in 0..200 {
         let (job_id, a, b) = two_started_attempts(&store, &format!("race-{i}")).await;
@@ -158,7 +145,7 @@ async fn concurrent_finishers_have_exactly_one_winner() {
             tokio::spawn(async move {
                 barrier.wait().await;
                 store
-                    .finalize(&[success(&s)], &give_up)
+                    .finalize(&[success(&s)], &common::give_up)
                     .await
                     .unwrap()
                     .0
@@ -224,7 +211,7 @@ fn random_interleavings_never_have_two_winners() {
         .enable_all()
         .build()
         .unwrap();
-    let env = rt.block_on(store_env());
+    let env = rt.block_on(common::store_env());
     let store = Arc::new(env.store.clone());
     let cases: u32 = std::env::var("ONEJOB_CAS_CASES")
         .ok()
@@ -267,7 +254,7 @@ fn random_interleavings_never_have_two_winners() {
                         let store = store.clone();
                         tokio::spawn(async move {
                             tokio::time::sleep(Duration::from_micros(delay)).await;
-                            let (settled, _) = store.finalize(&batch, &give_up).await.unwrap();
+                            let (settled, _) = store.finalize(&batch, &common::give_up).await.unwrap();
                             batch.iter().map(|f| f.attempt_id).zip(settled).collect::<Vec<_>>()
                         })
                     })
@@ -325,7 +312,7 @@ fn random_interleavings_never_have_two_winners() {
 /// the grace period pass, never `failed`; and then no hedge or retry may start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_vanished_worker_leaves_an_unknown_attempt() {
-    let env = store_env().await;
+    let env = common::store_env().await;
     let store = &env.store;
     let new = new_job("vanish");
     let (job_id, attempt) = (new.job_id, new.attempt_id);

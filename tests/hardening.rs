@@ -20,22 +20,6 @@ use onejob::store::{Admission, FailedJob, Finished, NextStep, Settled, Started, 
 use onejob_producer::Producer;
 use serde_json::json;
 
-fn give_up(f: &FailedJob) -> NextStep {
-    NextStep::GiveUp {
-        error: f.error.clone(),
-    }
-}
-
-/// A database (and vhost) for store-level tests; no provider is ever called.
-async fn store_env() -> TestEnv {
-    let (config, _file) = config(&config_text(
-        "http://127.0.0.1:9/v1",
-        Some("http://127.0.0.1:9/v1"),
-        "",
-    ));
-    TestEnv::new(&config).await
-}
-
 /// Admits a job for the primary and starts its first attempt.
 async fn started(store: &Store, key: &str) -> (JobId, Started) {
     let new = common::new_job("acct_h", key, key);
@@ -70,6 +54,22 @@ fn timed_out(s: &Started) -> Finished {
     )
 }
 
+/// Waits until the job has `n` attempts, and returns it.
+async fn with_attempts(env: &TestEnv, job_id: JobId, n: usize) -> onejob::store::JobView {
+    wait_for(
+        &format!("job {job_id} to have {n} attempts"),
+        Duration::from_secs(20),
+        || async {
+            env.store
+                .job(job_id)
+                .await
+                .unwrap()
+                .filter(|j| j.attempts.len() == n)
+        },
+    )
+    .await
+}
+
 /// Item 1: a `Retry-After` far in the future (chrono panicked on it, stopping the
 /// attempts role) is capped at the provider's `max_retry_after`, default 10m.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -89,18 +89,7 @@ async fn a_huge_retry_after_is_capped_and_never_crashes_the_worker() {
         "mock:status=429 mock:retry_after=99999999999999",
     )
     .await;
-    let job = wait_for(
-        "the second attempt to be planned",
-        Duration::from_secs(20),
-        || async {
-            env.store
-                .job(job_id)
-                .await
-                .unwrap()
-                .filter(|j| j.attempts.len() == 2)
-        },
-    )
-    .await;
+    let job = with_attempts(&env, job_id, 2).await;
     let wait = job.attempts[1].not_before - job.attempts[0].finished_at.unwrap();
     let cap = chrono::Duration::minutes(10);
     assert!(
@@ -115,18 +104,7 @@ async fn a_huge_retry_after_is_capped_and_never_crashes_the_worker() {
         "mock:status=429 mock:retry_after=99999999999999",
     )
     .await;
-    wait_for(
-        "the second job's retry",
-        Duration::from_secs(20),
-        || async {
-            env.store
-                .job(second)
-                .await
-                .unwrap()
-                .filter(|j| j.attempts.len() == 2)
-        },
-    )
-    .await;
+    with_attempts(&env, second, 2).await;
     producer.close().await;
     fleet.stop().await;
 }
@@ -166,7 +144,7 @@ async fn proxy_timeouts_are_unknown() {
 /// with the reason, never `unknown` on an ended job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_timeout_after_the_job_ended_is_discarded() {
-    let env = store_env().await;
+    let env = common::store_env().await;
     let store = &env.store;
 
     // The hedge wins, then the primary times out.
@@ -183,13 +161,13 @@ async fn a_timeout_after_the_job_ended_is_discarded() {
                 &hedge,
                 Verdict::Succeeded(json!({"summary": "s"})),
             )],
-            &give_up,
+            &common::give_up,
         )
         .await
         .unwrap();
     assert_eq!(settled, vec![Settled::Won]);
     let (settled, publish) = store
-        .finalize(&[timed_out(&primary)], &give_up)
+        .finalize(&[timed_out(&primary)], &common::give_up)
         .await
         .unwrap();
     assert_eq!(
@@ -214,7 +192,7 @@ async fn a_timeout_after_the_job_ended_is_discarded() {
     let (job_id, in_flight) = started(store, "cancelled").await;
     store.cancel_job(job_id).await.unwrap().unwrap();
     let (settled, _) = store
-        .finalize(&[timed_out(&in_flight)], &give_up)
+        .finalize(&[timed_out(&in_flight)], &common::give_up)
         .await
         .unwrap();
     assert_eq!(settled, vec![Settled::Discarded { winner: None }]);
@@ -255,7 +233,7 @@ async fn a_timeout_after_the_job_ended_is_discarded() {
 /// a barrier; afterwards a job with an unknown attempt is always `unknown`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_start_never_overwrites_unknown() {
-    let env = store_env().await;
+    let env = common::store_env().await;
     let store = Arc::new(env.store.clone());
     let mut overwritten = 0;
     let mut hedges_started = 0;
@@ -280,7 +258,7 @@ async fn a_start_never_overwrites_unknown() {
             let (s, b, p) = (store.clone(), barrier.clone(), timed_out(primary));
             tasks.push(tokio::spawn(async move {
                 b.wait().await;
-                s.finalize(&[p], &give_up).await.unwrap();
+                s.finalize(&[p], &common::give_up).await.unwrap();
                 0
             }));
         }
@@ -448,7 +426,7 @@ async fn a_hedge_turned_away_by_an_unknown_runs_once_the_unknown_is_resolved() {
     ctx.publish_outbox(&publish).await.unwrap();
     let (settled, _) = env
         .store
-        .finalize(&[timed_out(&primary)], &give_up)
+        .finalize(&[timed_out(&primary)], &common::give_up)
         .await
         .unwrap();
     assert_eq!(settled, vec![Settled::Unknown]);
@@ -498,7 +476,7 @@ async fn a_hedge_turned_away_by_an_unknown_runs_once_the_unknown_is_resolved() {
 /// job. Many cancellations race a failure whose retry is due at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cancel_never_leaves_a_queued_attempt_behind() {
-    let env = store_env().await;
+    let env = common::store_env().await;
     let store = Arc::new(env.store.clone());
     let retry = |_: &FailedJob| NextStep::Retry {
         provider: "primary".into(),

@@ -540,3 +540,20 @@ impl Drop for Cuttable {
         self.accept.abort();
     }
 }
+
+/// A database (and vhost) for store-level tests; no provider is ever called.
+pub async fn store_env() -> TestEnv {
+    let (config, _file) = config(&config_text(
+        "http://127.0.0.1:9/v1",
+        Some("http://127.0.0.1:9/v1"),
+        "",
+    ));
+    TestEnv::new(&config).await
+}
+
+/// A plan that never retries: the job fails with the attempt's error.
+pub fn give_up(f: &onejob::store::FailedJob) -> onejob::store::NextStep {
+    onejob::store::NextStep::GiveUp {
+        error: f.error.clone(),
+    }
+}
