@@ -54,6 +54,38 @@ fn timed_out(s: &Started) -> Finished {
     )
 }
 
+/// A fleet with every role behind one mock provider (`provider_extra` adds
+/// settings to it), at most `max_attempts` attempts a job, and a producer.
+struct Running {
+    primary: onejob::mock::MockHandle,
+    env: TestEnv,
+    fleet: common::Fleet,
+    producer: Producer,
+    _file: common::tempfile_path::TempConfig,
+}
+
+impl Running {
+    async fn start(provider_extra: &str, max_attempts: u32) -> Running {
+        let primary = mock(MockOptions::default()).await;
+        let (config, file) = config(
+            &config_for(&[P("primary", &primary.base_url(), provider_extra)], "").replace(
+                "max_attempts = 3",
+                &format!("max_attempts = {max_attempts}"),
+            ),
+        );
+        let env = TestEnv::new(&config).await;
+        let fleet = env.fleet(config.clone(), vec![]).await;
+        let producer = Producer::connect(&env.amqp_url).await.unwrap();
+        Running {
+            primary,
+            env,
+            fleet,
+            producer,
+            _file: file,
+        }
+    }
+}
+
 /// Waits until the job has `n` attempts, and returns it.
 async fn with_attempts(env: &TestEnv, job_id: JobId, n: usize) -> onejob::store::JobView {
     wait_for(
@@ -74,14 +106,13 @@ async fn with_attempts(env: &TestEnv, job_id: JobId, n: usize) -> onejob::store:
 /// attempts role) is capped at the provider's `max_retry_after`, default 10m.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_huge_retry_after_is_capped_and_never_crashes_the_worker() {
-    let primary = mock(MockOptions::default()).await;
-    let (config, _file) = config(
-        &config_for(&[P("primary", &primary.base_url(), "")], "")
-            .replace("max_attempts = 3", "max_attempts = 2"),
-    );
-    let env = TestEnv::new(&config).await;
-    let fleet = env.fleet(config.clone(), vec![]).await;
-    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let Running {
+        primary: _primary,
+        env,
+        fleet,
+        producer,
+        _file,
+    } = Running::start("", 2).await;
     let job_id = submit(
         &producer,
         "acct_ra",
@@ -113,11 +144,13 @@ async fn a_huge_retry_after_is_capped_and_never_crashes_the_worker() {
 /// waiting: the provider may have run it, so the attempt is `unknown`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn proxy_timeouts_are_unknown() {
-    let primary = mock(MockOptions::default()).await;
-    let (config, _file) = config(&config_for(&[P("primary", &primary.base_url(), "")], ""));
-    let env = TestEnv::new(&config).await;
-    let fleet = env.fleet(config.clone(), vec![]).await;
-    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let Running {
+        primary,
+        env,
+        fleet,
+        producer,
+        _file,
+    } = Running::start("", 3).await;
     for status in [504, 524] {
         let job_id = submit(
             &producer,
@@ -289,14 +322,13 @@ async fn a_start_never_overwrites_unknown() {
 /// holding one is kept readable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn nul_from_a_provider_is_a_definite_outcome() {
-    let primary = mock(MockOptions::default()).await;
-    let (config, _file) = config(
-        &config_for(&[P("primary", &primary.base_url(), "")], "")
-            .replace("max_attempts = 3", "max_attempts = 1"),
-    );
-    let env = TestEnv::new(&config).await;
-    let fleet = env.fleet(config.clone(), vec![]).await;
-    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let Running {
+        primary: _primary,
+        env,
+        fleet,
+        producer,
+        _file,
+    } = Running::start("", 1).await;
 
     let answer = submit(&producer, "acct_nul", "answer", "mock:nul").await;
     let job = wait_for_status(&env, answer, JobStatus::Failed).await;
@@ -682,21 +714,13 @@ async fn dlq_replay_all_is_bounded_and_reports_each_letter() {
 /// cannot make a worker hold more than that per call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_answer_over_max_response_bytes_fails_the_attempt() {
-    let primary = mock(MockOptions::default()).await;
-    let (config, _file) = config(
-        &config_for(
-            &[P(
-                "primary",
-                &primary.base_url(),
-                "max_response_bytes = 65536",
-            )],
-            "",
-        )
-        .replace("max_attempts = 3", "max_attempts = 1"),
-    );
-    let env = TestEnv::new(&config).await;
-    let fleet = env.fleet(config.clone(), vec![]).await;
-    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let Running {
+        primary: _primary,
+        env,
+        fleet,
+        producer,
+        _file,
+    } = Running::start("max_response_bytes = 65536", 1).await;
 
     let large = submit(&producer, "acct_big", "large", "mock:pad=200000").await;
     let job = wait_for_status(&env, large, JobStatus::Failed).await;
@@ -900,12 +924,14 @@ async fn old_queues_are_named_and_upgraded_only_when_empty() {
 /// failed while `/readyz` said ready.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_closed_publishing_channel_is_reopened() {
-    let primary = mock(MockOptions::default()).await;
-    let (config, _file) = config(&config_for(&[P("primary", &primary.base_url(), "")], ""));
-    let env = TestEnv::new(&config).await;
-    let fleet = env.fleet(config.clone(), vec![]).await;
+    let Running {
+        primary: _primary,
+        env,
+        fleet,
+        producer,
+        _file,
+    } = Running::start("", 3).await;
     let ctx = fleet.ctx.clone();
-    let producer = Producer::connect(&env.amqp_url).await.unwrap();
     for round in 0..3 {
         let before = ctx.publisher.channel();
         let refused = ctx
