@@ -260,32 +260,404 @@ async fn store(c: &Connections, config: &Config) -> Result<Store, Failure> {
 
 async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
     let c = &cli.connections;
+    let json = cli.json;
     match cli.command {
-        Command::Migrate => {
+        Command::Migrate => migrate(c, json, out).await,
+        Command::Jobs(command) => jobs(c, command, json, out).await,
+        Command::Attempts(AttemptsCommand::Resolve {
+            attempt_id,
+            resolution,
+        }) => resolve(c, attempt_id, resolution, json, out).await,
+        Command::Providers(ProvidersCommand::List) => providers_list(c, json, out).await,
+        Command::Providers(ProvidersCommand::Qualify {
+            provider,
+            operation,
+        }) => providers_qualify(c, provider, operation, json, out).await,
+        Command::Dlq(command) => {
             let config = c.load_config()?;
-            Store::ensure_database(&c.database_url)
-                .await
-                .map_err(|e| Failure(e.describe(&c.database_url)))?;
+            let conn = broker_connection(c, &config).await.map_err(Failure)?;
+            let result = dlq_command(&config, &conn, command, json, out).await;
+            let _ = conn.close(200, "done".into()).await;
+            result?;
+            Ok(())
+        }
+        Command::Tokens(command) => {
+            let config = c.load_config()?;
             let store = store(c, &config).await?;
-            store.migrate().await?;
-            let applied = crate::store::MIGRATOR.iter().count();
-            if cli.json {
+            tokens_command(&store, command, json, out)
+                .await
+                .map_err(|e| match e {
+                    TokenFailure::Store(e) if e.is_undefined_table() => Failure(
+                        "the database has no onejob tables yet: run `onejob migrate` (or start a worker) first"
+                            .into(),
+                    ),
+                    TokenFailure::Store(e) => Failure(e.to_string()),
+                    TokenFailure::Refused(f) => f,
+                })?;
+            Ok(())
+        }
+        Command::Queues(QueuesCommand::Upgrade) => queues_upgrade(c, json, out).await,
+        Command::Config(ConfigCommand::Check) => config_check(c, json, out).await,
+    }
+}
+
+/// `onejob migrate`.
+async fn migrate(c: &Connections, json: bool, out: &mut impl Write) -> Outcome {
+    let config = c.load_config()?;
+    Store::ensure_database(&c.database_url)
+        .await
+        .map_err(|e| Failure(e.describe(&c.database_url)))?;
+    let store = store(c, &config).await?;
+    store.migrate().await?;
+    let applied = crate::store::MIGRATOR.iter().count();
+    if json {
+        writeln!(
+            out,
+            "{}",
+            json!({ "migrations": applied, "status": "up to date" })
+        )?;
+    } else {
+        writeln!(out, "migrations up to date ({applied} known)")?;
+    }
+    Ok(())
+}
+
+/// `onejob attempts resolve`.
+async fn resolve(
+    c: &Connections,
+    attempt_id: Uuid,
+    resolution: ResolveAs,
+    json: bool,
+    out: &mut impl Write,
+) -> Outcome {
+    let config = Arc::new(c.load_config()?);
+    let store = store(c, &config).await?;
+    let resolution = match resolution {
+        ResolveAs::Failed => Resolution::Failed,
+        ResolveAs::Cancelled => Resolution::Cancelled,
+    };
+    let operation = match store.attempt_job(AttemptId(attempt_id)).await? {
+        Some(job) => store
+            .job(job)
+            .await?
+            .map(|j| j.operation)
+            .unwrap_or_default(),
+        None => return Err(Failure(format!("attempt {attempt_id} not found"))),
+    };
+    let planner = Planner::load(&config, &store, [operation.as_str()]).await?;
+    let plan = |f: &crate::store::FailedJob| planner.plan(f);
+    let (settled, publish) = match store
+        .resolve(AttemptId(attempt_id), resolution, &plan)
+        .await?
+    {
+        Ok(r) => r,
+        Err(refusal @ (Refusal::NotFound(_) | Refusal::Terminal(_))) => {
+            return Err(Failure(refusal.to_string()));
+        }
+    };
+    // Publish what the resolution caused now; if the broker is down, the
+    // reconciler's relay publishes it once the lease is over.
+    let published = match publish_now(c, &config, &store, &publish).await {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("onejob: warning: {e}; the reconciler will publish it");
+            false
+        }
+    };
+    let next = match settled {
+        Settled::Failed { next, .. } => next,
+        _ => None,
+    };
+    let job = store
+        .job(match store.attempt_job(AttemptId(attempt_id)).await? {
+            Some(j) => j,
+            None => return Err(Failure(format!("attempt {attempt_id} not found"))),
+        })
+        .await?;
+    if json {
+        writeln!(
+            out,
+            "{}",
+            json!({
+                "attempt_id": attempt_id,
+                "resolved_as": match resolution { Resolution::Failed => "failed", Resolution::Cancelled => "cancelled" },
+                "next_attempt": next,
+                "published": published,
+                "job": job,
+            })
+        )?;
+    } else {
+        let verb = match resolution {
+            Resolution::Failed => "failed",
+            Resolution::Cancelled => "cancelled",
+        };
+        writeln!(out, "attempt {attempt_id} resolved as {verb}")?;
+        if let Some(n) = next {
+            writeln!(out, "next attempt {n} queued")?;
+        }
+        if let Some(job) = job {
+            writeln!(out, "job {} is now {}", job.id, job.status)?;
+        }
+    }
+    Ok(())
+}
+
+/// `onejob providers list`.
+async fn providers_list(c: &Connections, json: bool, out: &mut impl Write) -> Outcome {
+    let config = c.load_config()?;
+    let store = store(c, &config).await?;
+    let states = crate::qualify::states(&config, &store).await?;
+    let rows: Vec<_> = config
+        .providers
+        .values()
+        .map(|p| {
+            let routes: Vec<_> = config
+                .operations
+                .values()
+                .filter_map(|o| {
+                    o.route.iter().position(|r| *r == p.name).map(|i| {
+                        let state = states
+                            .get(&(p.name.clone(), o.name.clone()))
+                            .copied()
+                            .unwrap_or(crate::qualify::State::NeverQualified);
+                        json!({
+                            "operation": o.name,
+                            "position": i,
+                            "role": if i == 0 { "primary" } else { "failover" },
+                            "qualification": state,
+                            "eligible": i == 0 || state == crate::qualify::State::Qualified,
+                        })
+                    })
+                })
+                .collect();
+            json!({
+                "provider": p.name,
+                "kind": "openai",
+                "base_url": p.base_url.as_str(),
+                "model": p.model,
+                "timeout": humantime::format_duration(p.timeout).to_string(),
+                "concurrency": p.concurrency,
+                "operations": routes,
+            })
+        })
+        .collect();
+    if json {
+        writeln!(out, "{}", serde_json::Value::Array(rows))?;
+    } else {
+        for r in &rows {
+            let s = |v: &serde_json::Value| v.as_str().unwrap_or("").to_owned();
+            writeln!(
+                out,
+                "{}  {}  model {}  timeout {}",
+                s(&r["provider"]),
+                s(&r["base_url"]),
+                s(&r["model"]),
+                s(&r["timeout"])
+            )?;
+            for o in r["operations"].as_array().into_iter().flatten() {
+                let state = o["qualification"].as_str().unwrap_or("").replace('_', " ");
+                let eligible = if o["eligible"] == true {
+                    "eligible"
+                } else {
+                    "not eligible"
+                };
                 writeln!(
                     out,
-                    "{}",
-                    json!({ "migrations": applied, "status": "up to date" })
+                    "  {:<20} {:<9} {:<16} {}",
+                    s(&o["operation"]),
+                    s(&o["role"]),
+                    state,
+                    eligible
                 )?;
-            } else {
-                writeln!(out, "migrations up to date ({applied} known)")?;
             }
         }
-        Command::Jobs(JobsCommand::Show { job_id }) => {
+    }
+    Ok(())
+}
+
+/// `onejob providers qualify`.
+async fn providers_qualify(
+    c: &Connections,
+    provider: String,
+    operation: Option<String>,
+    json: bool,
+    out: &mut impl Write,
+) -> Outcome {
+    let config = c.load_config()?;
+    let p = config
+        .providers
+        .get(&provider)
+        .ok_or_else(|| Failure(format!("{provider:?} is not a configured provider")))?;
+    let operations: Vec<_> = match &operation {
+        Some(name) => vec![
+            config
+                .operations
+                .get(name)
+                .ok_or_else(|| Failure(format!("{name:?} is not a configured operation")))?,
+        ],
+        None => config
+            .operations
+            .values()
+            .filter(|o| o.route.contains(&provider))
+            .collect(),
+    };
+    if operations.is_empty() {
+        return Err(Failure(format!(
+            "no operation routes to {provider:?}; name one with --operation"
+        )));
+    }
+    let store = store(c, &config).await?;
+    let mut reports = Vec::new();
+    for op in operations {
+        let report = crate::qualify::qualify(&config, p, op).await;
+        store.record_qualification(&report).await?;
+        reports.push(report);
+    }
+    let all_passed = reports.iter().all(|r| r.passed);
+    if json {
+        writeln!(out, "{}", serde_json::to_value(&reports)?)?;
+    } else {
+        for r in &reports {
+            let verdict = if r.passed {
+                "QUALIFIED"
+            } else {
+                "NOT QUALIFIED"
+            };
+            writeln!(
+                out,
+                "{} for {}: {verdict} (contract {})",
+                r.provider,
+                r.operation,
+                &r.contract_hash[..12]
+            )?;
+            if r.cases.is_empty() {
+                writeln!(
+                    out,
+                    "  no golden cases: add [[operations.{}.cases]] to qualify",
+                    r.operation
+                )?;
+            }
+            for case in &r.cases {
+                let mark = if case.passed { "pass" } else { "FAIL" };
+                let tokens = match (case.prompt_tokens, case.tokens_estimated) {
+                    (Some(n), true) => format!("~{n} tokens (estimate)"),
+                    (Some(n), false) => format!("{n} tokens"),
+                    (None, _) => "-".into(),
+                };
+                writeln!(
+                    out,
+                    "  case {} {mark}  {tokens}  {}",
+                    case.index, case.detail
+                )?;
+            }
+        }
+    }
+    if !all_passed {
+        return Err(Failure(format!(
+            "{provider} did not qualify for every operation"
+        )));
+    }
+    Ok(())
+}
+
+/// `onejob queues upgrade`.
+async fn queues_upgrade(c: &Connections, json: bool, out: &mut impl Write) -> Outcome {
+    let config = c.load_config()?;
+    let conn = broker::connect(&c.amqp_url, broker::Recovery::None)
+        .await
+        .map_err(|e| {
+            Failure(format!(
+                "cannot reach RabbitMQ at {}: {e}",
+                broker::redact_url(&c.amqp_url)
+            ))
+        })?;
+    let upgrades = broker::upgrade_queues(
+        &conn,
+        &config.provider_names(),
+        config.worker.delivery_limit,
+    )
+    .await;
+    let _ = conn.close(200, "upgraded".into()).await;
+    let upgrades = upgrades.map_err(|e| Failure(e.to_string()))?;
+    let refused = upgrades
+        .iter()
+        .filter(|(_, u)| matches!(u, broker::QueueUpgrade::Refused { .. }))
+        .count();
+    if json {
+        let queues: serde_json::Map<String, serde_json::Value> = upgrades
+            .iter()
+            .map(|(q, u)| Ok((q.clone(), serde_json::to_value(u)?)))
+            .collect::<Result<_, serde_json::Error>>()?;
+        writeln!(out, "{}", json!({ "queues": queues, "refused": refused }))?;
+    } else {
+        for (queue, upgrade) in &upgrades {
+            match upgrade {
+                broker::QueueUpgrade::Current => writeln!(out, "{queue}: up to date")?,
+                broker::QueueUpgrade::Redeclared => {
+                    writeln!(out, "{queue}: redeclared with this version's arguments")?
+                }
+                broker::QueueUpgrade::Refused {
+                    messages,
+                    consumers,
+                } => writeln!(
+                    out,
+                    "{queue}: left as it is: it holds {messages} message(s) and has {consumers} consumer(s)"
+                )?,
+            }
+        }
+    }
+    if refused > 0 {
+        return Err(Failure(format!(
+            "{refused} queue(s) not upgraded: stop every consumer and let the previous version drain them, then run this again"
+        )));
+    }
+    Ok(())
+}
+
+/// `onejob config check`.
+async fn config_check(c: &Connections, json: bool, out: &mut impl Write) -> Outcome {
+    let config = c.load_config()?;
+    if json {
+        writeln!(
+            out,
+            "{}",
+            json!({
+                "ok": true,
+                "origin": config.origin,
+                "providers": config.provider_names(),
+                "operations": config.operations.keys().collect::<Vec<_>>(),
+                "warnings": config.warnings,
+            })
+        )?;
+    } else {
+        writeln!(out, "configuration OK ({})", config.origin)?;
+        writeln!(out, "providers: {}", config.provider_names().join(", "))?;
+        for o in config.operations.values() {
+            writeln!(
+                out,
+                "operation {}: route {} · max_attempts {}",
+                o.name,
+                o.route.join(" → "),
+                o.max_attempts
+            )?;
+        }
+        for w in &config.warnings {
+            writeln!(out, "warning: {w}")?;
+        }
+    }
+    Ok(())
+}
+
+/// `onejob jobs …`.
+async fn jobs(c: &Connections, command: JobsCommand, json: bool, out: &mut impl Write) -> Outcome {
+    match command {
+        JobsCommand::Show { job_id } => {
             let config = c.load_config()?;
             let job = store(c, &config).await?.job(JobId(job_id)).await?;
             let job = job.ok_or_else(|| Failure(format!("job {job_id} not found")))?;
-            print_job(out, &job, cli.json)?;
+            print_job(out, &job, json)?;
         }
-        Command::Jobs(JobsCommand::Cancel { job_id }) => {
+        JobsCommand::Cancel { job_id } => {
             let config = c.load_config()?;
             let store = store(c, &config).await?;
             let publish = match store.cancel_job(JobId(job_id)).await? {
@@ -300,7 +672,7 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                 }
             };
             let job = store.job(JobId(job_id)).await?;
-            if cli.json {
+            if json {
                 writeln!(
                     out,
                     "{}",
@@ -313,336 +685,12 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
                 )?;
             }
         }
-        Command::Jobs(JobsCommand::Find { owner, key }) => {
+        JobsCommand::Find { owner, key } => {
             let config = c.load_config()?;
             let job = store(c, &config).await?.find_job(&owner, &key).await?;
             let job =
                 job.ok_or_else(|| Failure(format!("no job for owner {owner:?} and key {key:?}")))?;
-            print_job(out, &job, cli.json)?;
-        }
-        Command::Attempts(AttemptsCommand::Resolve {
-            attempt_id,
-            resolution,
-        }) => {
-            let config = Arc::new(c.load_config()?);
-            let store = store(c, &config).await?;
-            let resolution = match resolution {
-                ResolveAs::Failed => Resolution::Failed,
-                ResolveAs::Cancelled => Resolution::Cancelled,
-            };
-            let operation = match store.attempt_job(AttemptId(attempt_id)).await? {
-                Some(job) => store
-                    .job(job)
-                    .await?
-                    .map(|j| j.operation)
-                    .unwrap_or_default(),
-                None => return Err(Failure(format!("attempt {attempt_id} not found"))),
-            };
-            let planner = Planner::load(&config, &store, [operation.as_str()]).await?;
-            let plan = |f: &crate::store::FailedJob| planner.plan(f);
-            let (settled, publish) = match store
-                .resolve(AttemptId(attempt_id), resolution, &plan)
-                .await?
-            {
-                Ok(r) => r,
-                Err(refusal @ (Refusal::NotFound(_) | Refusal::Terminal(_))) => {
-                    return Err(Failure(refusal.to_string()));
-                }
-            };
-            // Publish what the resolution caused now; if the broker is down, the
-            // reconciler's relay publishes it once the lease is over.
-            let published = match publish_now(c, &config, &store, &publish).await {
-                Ok(()) => true,
-                Err(e) => {
-                    eprintln!("onejob: warning: {e}; the reconciler will publish it");
-                    false
-                }
-            };
-            let next = match settled {
-                Settled::Failed { next, .. } => next,
-                _ => None,
-            };
-            let job = store
-                .job(match store.attempt_job(AttemptId(attempt_id)).await? {
-                    Some(j) => j,
-                    None => return Err(Failure(format!("attempt {attempt_id} not found"))),
-                })
-                .await?;
-            if cli.json {
-                writeln!(
-                    out,
-                    "{}",
-                    json!({
-                        "attempt_id": attempt_id,
-                        "resolved_as": match resolution { Resolution::Failed => "failed", Resolution::Cancelled => "cancelled" },
-                        "next_attempt": next,
-                        "published": published,
-                        "job": job,
-                    })
-                )?;
-            } else {
-                let verb = match resolution {
-                    Resolution::Failed => "failed",
-                    Resolution::Cancelled => "cancelled",
-                };
-                writeln!(out, "attempt {attempt_id} resolved as {verb}")?;
-                if let Some(n) = next {
-                    writeln!(out, "next attempt {n} queued")?;
-                }
-                if let Some(job) = job {
-                    writeln!(out, "job {} is now {}", job.id, job.status)?;
-                }
-            }
-        }
-        Command::Providers(ProvidersCommand::List) => {
-            let config = c.load_config()?;
-            let store = store(c, &config).await?;
-            let states = crate::qualify::states(&config, &store).await?;
-            let rows: Vec<_> = config
-                .providers
-                .values()
-                .map(|p| {
-                    let routes: Vec<_> = config
-                        .operations
-                        .values()
-                        .filter_map(|o| {
-                            o.route.iter().position(|r| *r == p.name).map(|i| {
-                                let state = states
-                                    .get(&(p.name.clone(), o.name.clone()))
-                                    .copied()
-                                    .unwrap_or(crate::qualify::State::NeverQualified);
-                                json!({
-                                    "operation": o.name,
-                                    "position": i,
-                                    "role": if i == 0 { "primary" } else { "failover" },
-                                    "qualification": state,
-                                    "eligible": i == 0 || state == crate::qualify::State::Qualified,
-                                })
-                            })
-                        })
-                        .collect();
-                    json!({
-                        "provider": p.name,
-                        "kind": "openai",
-                        "base_url": p.base_url.as_str(),
-                        "model": p.model,
-                        "timeout": humantime::format_duration(p.timeout).to_string(),
-                        "concurrency": p.concurrency,
-                        "operations": routes,
-                    })
-                })
-                .collect();
-            if cli.json {
-                writeln!(out, "{}", serde_json::Value::Array(rows))?;
-            } else {
-                for r in &rows {
-                    let s = |v: &serde_json::Value| v.as_str().unwrap_or("").to_owned();
-                    writeln!(
-                        out,
-                        "{}  {}  model {}  timeout {}",
-                        s(&r["provider"]),
-                        s(&r["base_url"]),
-                        s(&r["model"]),
-                        s(&r["timeout"])
-                    )?;
-                    for o in r["operations"].as_array().into_iter().flatten() {
-                        let state = o["qualification"].as_str().unwrap_or("").replace('_', " ");
-                        let eligible = if o["eligible"] == true {
-                            "eligible"
-                        } else {
-                            "not eligible"
-                        };
-                        writeln!(
-                            out,
-                            "  {:<20} {:<9} {:<16} {}",
-                            s(&o["operation"]),
-                            s(&o["role"]),
-                            state,
-                            eligible
-                        )?;
-                    }
-                }
-            }
-        }
-        Command::Providers(ProvidersCommand::Qualify {
-            provider,
-            operation,
-        }) => {
-            let config = c.load_config()?;
-            let p = config
-                .providers
-                .get(&provider)
-                .ok_or_else(|| Failure(format!("{provider:?} is not a configured provider")))?;
-            let operations: Vec<_> =
-                match &operation {
-                    Some(name) => vec![config.operations.get(name).ok_or_else(|| {
-                        Failure(format!("{name:?} is not a configured operation"))
-                    })?],
-                    None => config
-                        .operations
-                        .values()
-                        .filter(|o| o.route.contains(&provider))
-                        .collect(),
-                };
-            if operations.is_empty() {
-                return Err(Failure(format!(
-                    "no operation routes to {provider:?}; name one with --operation"
-                )));
-            }
-            let store = store(c, &config).await?;
-            let mut reports = Vec::new();
-            for op in operations {
-                let report = crate::qualify::qualify(&config, p, op).await;
-                store.record_qualification(&report).await?;
-                reports.push(report);
-            }
-            let all_passed = reports.iter().all(|r| r.passed);
-            if cli.json {
-                writeln!(out, "{}", serde_json::to_value(&reports)?)?;
-            } else {
-                for r in &reports {
-                    let verdict = if r.passed {
-                        "QUALIFIED"
-                    } else {
-                        "NOT QUALIFIED"
-                    };
-                    writeln!(
-                        out,
-                        "{} for {}: {verdict} (contract {})",
-                        r.provider,
-                        r.operation,
-                        &r.contract_hash[..12]
-                    )?;
-                    if r.cases.is_empty() {
-                        writeln!(
-                            out,
-                            "  no golden cases: add [[operations.{}.cases]] to qualify",
-                            r.operation
-                        )?;
-                    }
-                    for case in &r.cases {
-                        let mark = if case.passed { "pass" } else { "FAIL" };
-                        let tokens = match (case.prompt_tokens, case.tokens_estimated) {
-                            (Some(n), true) => format!("~{n} tokens (estimate)"),
-                            (Some(n), false) => format!("{n} tokens"),
-                            (None, _) => "-".into(),
-                        };
-                        writeln!(
-                            out,
-                            "  case {} {mark}  {tokens}  {}",
-                            case.index, case.detail
-                        )?;
-                    }
-                }
-            }
-            if !all_passed {
-                return Err(Failure(format!(
-                    "{provider} did not qualify for every operation"
-                )));
-            }
-        }
-        Command::Dlq(command) => {
-            let config = c.load_config()?;
-            let conn = broker_connection(c, &config).await.map_err(Failure)?;
-            let result = dlq_command(&config, &conn, command, cli.json, out).await;
-            let _ = conn.close(200, "done".into()).await;
-            result?;
-        }
-        Command::Tokens(command) => {
-            let config = c.load_config()?;
-            let store = store(c, &config).await?;
-            tokens_command(&store, command, cli.json, out)
-                .await
-                .map_err(|e| match e {
-                    TokenFailure::Store(e) if e.is_undefined_table() => Failure(
-                        "the database has no onejob tables yet: run `onejob migrate` (or start a worker) first"
-                            .into(),
-                    ),
-                    TokenFailure::Store(e) => Failure(e.to_string()),
-                    TokenFailure::Refused(f) => f,
-                })?;
-        }
-        Command::Queues(QueuesCommand::Upgrade) => {
-            let config = c.load_config()?;
-            let conn = broker::connect(&c.amqp_url, broker::Recovery::None)
-                .await
-                .map_err(|e| {
-                    Failure(format!(
-                        "cannot reach RabbitMQ at {}: {e}",
-                        broker::redact_url(&c.amqp_url)
-                    ))
-                })?;
-            let upgrades = broker::upgrade_queues(
-                &conn,
-                &config.provider_names(),
-                config.worker.delivery_limit,
-            )
-            .await;
-            let _ = conn.close(200, "upgraded".into()).await;
-            let upgrades = upgrades.map_err(|e| Failure(e.to_string()))?;
-            let refused = upgrades
-                .iter()
-                .filter(|(_, u)| matches!(u, broker::QueueUpgrade::Refused { .. }))
-                .count();
-            if cli.json {
-                let queues: serde_json::Map<String, serde_json::Value> = upgrades
-                    .iter()
-                    .map(|(q, u)| Ok((q.clone(), serde_json::to_value(u)?)))
-                    .collect::<Result<_, serde_json::Error>>()?;
-                writeln!(out, "{}", json!({ "queues": queues, "refused": refused }))?;
-            } else {
-                for (queue, upgrade) in &upgrades {
-                    match upgrade {
-                        broker::QueueUpgrade::Current => writeln!(out, "{queue}: up to date")?,
-                        broker::QueueUpgrade::Redeclared => {
-                            writeln!(out, "{queue}: redeclared with this version's arguments")?
-                        }
-                        broker::QueueUpgrade::Refused {
-                            messages,
-                            consumers,
-                        } => writeln!(
-                            out,
-                            "{queue}: left as it is: it holds {messages} message(s) and has {consumers} consumer(s)"
-                        )?,
-                    }
-                }
-            }
-            if refused > 0 {
-                return Err(Failure(format!(
-                    "{refused} queue(s) not upgraded: stop every consumer and let the previous version drain them, then run this again"
-                )));
-            }
-        }
-        Command::Config(ConfigCommand::Check) => {
-            let config = c.load_config()?;
-            if cli.json {
-                writeln!(
-                    out,
-                    "{}",
-                    json!({
-                        "ok": true,
-                        "origin": config.origin,
-                        "providers": config.provider_names(),
-                        "operations": config.operations.keys().collect::<Vec<_>>(),
-                        "warnings": config.warnings,
-                    })
-                )?;
-            } else {
-                writeln!(out, "configuration OK ({})", config.origin)?;
-                writeln!(out, "providers: {}", config.provider_names().join(", "))?;
-                for o in config.operations.values() {
-                    writeln!(
-                        out,
-                        "operation {}: route {} · max_attempts {}",
-                        o.name,
-                        o.route.join(" → "),
-                        o.max_attempts
-                    )?;
-                }
-                for w in &config.warnings {
-                    writeln!(out, "warning: {w}")?;
-                }
-            }
+            print_job(out, &job, json)?;
         }
     }
     Ok(())

@@ -406,17 +406,9 @@ impl Config {
         Self::parse(&text, &path.display().to_string())
     }
 
-    /// Parses and validates configuration text.
-    pub fn parse(text: &str, origin: &str) -> Result<Config> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            origin: origin.to_owned(),
-            message: e.message().to_owned()
-                + &e.span()
-                    .map(|s| format!(" (at line {})", line_of(text, s.start)))
-                    .unwrap_or_default(),
-        })?;
+    /// `[worker]`: each setting checked, defaults for the rest.
+    fn parse_worker(origin: &str, w: &RawWorker) -> Result<WorkerSettings> {
         let defaults = WorkerSettings::default();
-        let w = &raw.worker;
         let worker = WorkerSettings {
             delivery_limit: match w.delivery_limit {
                 Some(0) => {
@@ -514,7 +506,227 @@ impl Config {
                 "must not be shorter than worker.retry_backoff",
             ));
         }
+        Ok(worker)
+    }
 
+    /// One `[providers.NAME]` table.
+    fn parse_provider(origin: &str, name: String, p: RawProvider) -> Result<Provider> {
+        let at = |field: &str| format!("providers.{name}.{field}");
+        check_name(origin, &format!("providers.{name}"), &name)?;
+        let kind = match p.kind.as_str() {
+            "openai" => ProviderKind::OpenAi,
+            other => {
+                return Err(invalid(
+                    origin,
+                    at("kind"),
+                    format!("{other:?} is not a known kind (expected \"openai\")"),
+                ));
+            }
+        };
+        let mut base_url = reqwest::Url::parse(&p.base_url)
+            .map_err(|e| invalid(origin, at("base_url"), format!("not a URL: {e}")))?;
+        if !matches!(base_url.scheme(), "http" | "https") {
+            return Err(invalid(
+                origin,
+                at("base_url"),
+                "must be an http or https URL",
+            ));
+        }
+        if !base_url.username().is_empty() || base_url.password().is_some() {
+            return Err(invalid(
+                origin,
+                at("base_url"),
+                "must not carry credentials; use api_key_env",
+            ));
+        }
+        if !base_url.path().ends_with('/') {
+            let path = format!("{}/", base_url.path());
+            base_url.set_path(&path);
+        }
+        if p.model.is_empty() {
+            return Err(invalid(origin, at("model"), "must not be empty"));
+        }
+        let timeout = duration(origin, &at("timeout"), &p.timeout, Duration::from_secs(30))?;
+        let concurrency = match p.concurrency {
+            Some(0) => return Err(invalid(origin, at("concurrency"), "must be at least 1")),
+            Some(n) => n,
+            None => 16,
+        };
+        let max_retry_after = duration(
+            origin,
+            &at("max_retry_after"),
+            &p.max_retry_after,
+            DEFAULT_MAX_RETRY_AFTER,
+        )?;
+        let unknown_statuses = p
+            .unknown_statuses
+            .unwrap_or_else(|| DEFAULT_UNKNOWN_STATUSES.to_vec());
+        if let Some(bad) = unknown_statuses.iter().find(|s| !(100..=599).contains(*s)) {
+            return Err(invalid(
+                origin,
+                at("unknown_statuses"),
+                format!("{bad} is not an HTTP status"),
+            ));
+        }
+        let max_response_bytes = match p.max_response_bytes {
+            Some(n) if n < 1024 => {
+                return Err(invalid(
+                    origin,
+                    at("max_response_bytes"),
+                    "must be at least 1024",
+                ));
+            }
+            Some(n) => n,
+            None => DEFAULT_MAX_RESPONSE_BYTES,
+        };
+        if let Some(env) = &p.api_key_env
+            && env.is_empty()
+        {
+            return Err(invalid(
+                origin,
+                at("api_key_env"),
+                "must name an environment variable",
+            ));
+        }
+        Ok(Provider {
+            name,
+            kind,
+            base_url,
+            model: p.model,
+            api_key_env: p.api_key_env,
+            timeout,
+            concurrency,
+            context_window: p.context_window,
+            max_retry_after,
+            unknown_statuses,
+            max_response_bytes,
+        })
+    }
+
+    /// One `[operations.NAME]` table; its templates are added to `env`.
+    fn parse_operation(
+        origin: &str,
+        name: String,
+        o: RawOperation,
+        providers: &BTreeMap<String, Provider>,
+        env: &mut minijinja::Environment<'static>,
+    ) -> Result<Operation> {
+        let at = |field: &str| format!("operations.{name}.{field}");
+        check_name(origin, &format!("operations.{name}"), &name)?;
+        env.add_template_owned(format!("{name}.system"), o.system.clone())
+            .map_err(|e| {
+                invalid(
+                    origin,
+                    at("system"),
+                    format!("template does not compile: {e}"),
+                )
+            })?;
+        env.add_template_owned(format!("{name}.prompt"), o.prompt.clone())
+            .map_err(|e| {
+                invalid(
+                    origin,
+                    at("prompt"),
+                    format!("template does not compile: {e}"),
+                )
+            })?;
+        let output_schema = toml_to_json(o.output_schema);
+        if !output_schema.is_object() {
+            return Err(invalid(
+                origin,
+                at("output_schema"),
+                "must be a table (a JSON Schema object)",
+            ));
+        }
+        let validator = jsonschema::validator_for(&output_schema).map_err(|e| {
+            invalid(
+                origin,
+                at("output_schema"),
+                format!("not a valid JSON Schema: {e}"),
+            )
+        })?;
+        if o.route.is_empty() {
+            return Err(invalid(
+                origin,
+                at("route"),
+                "must name at least one provider",
+            ));
+        }
+        for (i, p) in o.route.iter().enumerate() {
+            if !providers.contains_key(p) {
+                return Err(invalid(
+                    origin,
+                    format!("{}[{i}]", at("route")),
+                    format!("{p:?} is not a configured provider"),
+                ));
+            }
+            if o.route[..i].contains(p) {
+                return Err(invalid(
+                    origin,
+                    format!("{}[{i}]", at("route")),
+                    format!("{p:?} appears twice"),
+                ));
+            }
+        }
+        let max_attempts = match o.max_attempts {
+            Some(0) => return Err(invalid(origin, at("max_attempts"), "must be at least 1")),
+            Some(n) => n,
+            None => 3,
+        };
+        let temperature = o.temperature.unwrap_or(0.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(invalid(
+                origin,
+                at("temperature"),
+                "must be between 0.0 and 2.0",
+            ));
+        }
+        let hedge_after = match &o.hedge_after {
+            None => None,
+            Some(_) => Some(duration(
+                origin,
+                &at("hedge_after"),
+                &o.hedge_after,
+                Duration::ZERO,
+            )?),
+        };
+        let mut cases = Vec::new();
+        for (i, c) in o.cases.into_iter().enumerate() {
+            match toml_to_json(c.input) {
+                Value::Object(m) => cases.push(m),
+                _ => {
+                    return Err(invalid(
+                        origin,
+                        format!("{}[{i}].input", at("cases")),
+                        "must be a table",
+                    ));
+                }
+            }
+        }
+        Ok(Operation {
+            name,
+            system: o.system,
+            prompt: o.prompt,
+            output_schema,
+            route: o.route,
+            max_attempts,
+            temperature,
+            hedge_after,
+            cases,
+            validator: Arc::new(validator),
+        })
+    }
+
+    /// Parses and validates configuration text.
+    pub fn parse(text: &str, origin: &str) -> Result<Config> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            origin: origin.to_owned(),
+            message: e.message().to_owned()
+                + &e.span()
+                    .map(|s| format!(" (at line {})", line_of(text, s.start)))
+                    .unwrap_or_default(),
+        })?;
+        let w = &raw.worker;
+        let worker = Self::parse_worker(origin, w)?;
         if raw.providers.is_empty() {
             return Err(invalid(
                 origin,
@@ -524,211 +736,15 @@ impl Config {
         }
         let mut providers = BTreeMap::new();
         for (name, p) in raw.providers {
-            let at = |field: &str| format!("providers.{name}.{field}");
-            check_name(origin, &format!("providers.{name}"), &name)?;
-            let kind = match p.kind.as_str() {
-                "openai" => ProviderKind::OpenAi,
-                other => {
-                    return Err(invalid(
-                        origin,
-                        at("kind"),
-                        format!("{other:?} is not a known kind (expected \"openai\")"),
-                    ));
-                }
-            };
-            let mut base_url = reqwest::Url::parse(&p.base_url)
-                .map_err(|e| invalid(origin, at("base_url"), format!("not a URL: {e}")))?;
-            if !matches!(base_url.scheme(), "http" | "https") {
-                return Err(invalid(
-                    origin,
-                    at("base_url"),
-                    "must be an http or https URL",
-                ));
-            }
-            if !base_url.username().is_empty() || base_url.password().is_some() {
-                return Err(invalid(
-                    origin,
-                    at("base_url"),
-                    "must not carry credentials; use api_key_env",
-                ));
-            }
-            if !base_url.path().ends_with('/') {
-                let path = format!("{}/", base_url.path());
-                base_url.set_path(&path);
-            }
-            if p.model.is_empty() {
-                return Err(invalid(origin, at("model"), "must not be empty"));
-            }
-            let timeout = duration(origin, &at("timeout"), &p.timeout, Duration::from_secs(30))?;
-            let concurrency = match p.concurrency {
-                Some(0) => return Err(invalid(origin, at("concurrency"), "must be at least 1")),
-                Some(n) => n,
-                None => 16,
-            };
-            let max_retry_after = duration(
-                origin,
-                &at("max_retry_after"),
-                &p.max_retry_after,
-                DEFAULT_MAX_RETRY_AFTER,
-            )?;
-            let unknown_statuses = p
-                .unknown_statuses
-                .unwrap_or_else(|| DEFAULT_UNKNOWN_STATUSES.to_vec());
-            if let Some(bad) = unknown_statuses.iter().find(|s| !(100..=599).contains(*s)) {
-                return Err(invalid(
-                    origin,
-                    at("unknown_statuses"),
-                    format!("{bad} is not an HTTP status"),
-                ));
-            }
-            let max_response_bytes = match p.max_response_bytes {
-                Some(n) if n < 1024 => {
-                    return Err(invalid(
-                        origin,
-                        at("max_response_bytes"),
-                        "must be at least 1024",
-                    ));
-                }
-                Some(n) => n,
-                None => DEFAULT_MAX_RESPONSE_BYTES,
-            };
-            if let Some(env) = &p.api_key_env
-                && env.is_empty()
-            {
-                return Err(invalid(
-                    origin,
-                    at("api_key_env"),
-                    "must name an environment variable",
-                ));
-            }
-            providers.insert(
-                name.clone(),
-                Provider {
-                    name,
-                    kind,
-                    base_url,
-                    model: p.model,
-                    api_key_env: p.api_key_env,
-                    timeout,
-                    concurrency,
-                    context_window: p.context_window,
-                    max_retry_after,
-                    unknown_statuses,
-                    max_response_bytes,
-                },
-            );
+            providers.insert(name.clone(), Self::parse_provider(origin, name, p)?);
         }
 
         let mut env = minijinja::Environment::new();
         env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
         let mut operations = BTreeMap::new();
         for (name, o) in raw.operations {
-            let at = |field: &str| format!("operations.{name}.{field}");
-            check_name(origin, &format!("operations.{name}"), &name)?;
-            env.add_template_owned(format!("{name}.system"), o.system.clone())
-                .map_err(|e| {
-                    invalid(
-                        origin,
-                        at("system"),
-                        format!("template does not compile: {e}"),
-                    )
-                })?;
-            env.add_template_owned(format!("{name}.prompt"), o.prompt.clone())
-                .map_err(|e| {
-                    invalid(
-                        origin,
-                        at("prompt"),
-                        format!("template does not compile: {e}"),
-                    )
-                })?;
-            let output_schema = toml_to_json(o.output_schema);
-            if !output_schema.is_object() {
-                return Err(invalid(
-                    origin,
-                    at("output_schema"),
-                    "must be a table (a JSON Schema object)",
-                ));
-            }
-            let validator = jsonschema::validator_for(&output_schema).map_err(|e| {
-                invalid(
-                    origin,
-                    at("output_schema"),
-                    format!("not a valid JSON Schema: {e}"),
-                )
-            })?;
-            if o.route.is_empty() {
-                return Err(invalid(
-                    origin,
-                    at("route"),
-                    "must name at least one provider",
-                ));
-            }
-            for (i, p) in o.route.iter().enumerate() {
-                if !providers.contains_key(p) {
-                    return Err(invalid(
-                        origin,
-                        format!("{}[{i}]", at("route")),
-                        format!("{p:?} is not a configured provider"),
-                    ));
-                }
-                if o.route[..i].contains(p) {
-                    return Err(invalid(
-                        origin,
-                        format!("{}[{i}]", at("route")),
-                        format!("{p:?} appears twice"),
-                    ));
-                }
-            }
-            let max_attempts = match o.max_attempts {
-                Some(0) => return Err(invalid(origin, at("max_attempts"), "must be at least 1")),
-                Some(n) => n,
-                None => 3,
-            };
-            let temperature = o.temperature.unwrap_or(0.0);
-            if !(0.0..=2.0).contains(&temperature) {
-                return Err(invalid(
-                    origin,
-                    at("temperature"),
-                    "must be between 0.0 and 2.0",
-                ));
-            }
-            let hedge_after = match &o.hedge_after {
-                None => None,
-                Some(_) => Some(duration(
-                    origin,
-                    &at("hedge_after"),
-                    &o.hedge_after,
-                    Duration::ZERO,
-                )?),
-            };
-            let mut cases = Vec::new();
-            for (i, c) in o.cases.into_iter().enumerate() {
-                match toml_to_json(c.input) {
-                    Value::Object(m) => cases.push(m),
-                    _ => {
-                        return Err(invalid(
-                            origin,
-                            format!("{}[{i}].input", at("cases")),
-                            "must be a table",
-                        ));
-                    }
-                }
-            }
-            operations.insert(
-                name.clone(),
-                Operation {
-                    name,
-                    system: o.system,
-                    prompt: o.prompt,
-                    output_schema,
-                    route: o.route,
-                    max_attempts,
-                    temperature,
-                    hedge_after,
-                    cases,
-                    validator: Arc::new(validator),
-                },
-            );
+            let operation = Self::parse_operation(origin, name.clone(), o, &providers, &mut env)?;
+            operations.insert(name, operation);
         }
         if operations.is_empty() {
             return Err(invalid(
