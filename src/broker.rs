@@ -374,6 +374,16 @@ pub async fn upgrade_queues(
         ch.queue_delete(short(&queue)?, QueueDeleteOptions::default())
             .await?;
         ch.queue_declare(short(&queue)?, queue_opts, args()).await?;
+        // Bound again at once: other queues refused must not leave this one
+        // unroutable until the next declaration.
+        ch.queue_bind(
+            short(&queue)?,
+            EXCHANGE.into(),
+            short(&key)?,
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
         let _ = ch.close(200, "redeclared".into()).await;
         out.push((queue, QueueUpgrade::Redeclared));
     }

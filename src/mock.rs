@@ -14,7 +14,7 @@
 //! | `mock:wrong_type` | give the field a number instead of a string |
 //! | `mock:drop` | send the headers, then drop the connection mid-body |
 //! | `mock:nul` | put NUL characters in the answer, its id and usage (and a raw NUL byte in an error body) |
-//! | `mock:pad=BYTES` | pad the answer's text with that many bytes |
+//! | `mock:pad=BYTES` | pad the answer's text (or an error's message) with that many bytes |
 //!
 //! Server-wide options add a fixed delay, random latency and a random error rate.
 //! `GET /_mock/stats` reports how many completions were requested, and with which
@@ -289,7 +289,7 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
         } else {
             (
                 status,
-                Json(json!({"error": {"message": format!("mock: asked to fail with {code}"), "type": "mock_error"}})),
+                Json(json!({"error": {"message": format!("mock: asked to fail with {code}{}", "x".repeat(d.pad.unwrap_or(0))), "type": "mock_error"}})),
             )
                 .into_response()
         };

@@ -148,6 +148,11 @@ impl Client {
         let mut bytes = Vec::new();
         while let Some(chunk) = response.chunk().await.map_err(classify)? {
             if bytes.len() + chunk.len() > limit {
+                // A proxy's timeout page can be large: it is still `unknown`, judged
+                // on what was read.
+                if self.provider.unknown_statuses.contains(&status.as_u16()) {
+                    break;
+                }
                 return Err(CallError::Rejected {
                     message: format!(
                         "answer_too_large: HTTP {} with a body over max_response_bytes ({limit} bytes)",

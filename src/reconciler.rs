@@ -93,7 +93,7 @@ pub async fn sweep_once(ctx: &Context) -> Result<()> {
     }
 
     let max = i32::try_from(w.max_republish).unwrap_or(i32::MAX);
-    let backlogged = backlogged(ctx).await?;
+    let backlogged = backlogged(ctx).await;
     let (republish, lost) = ctx
         .store
         .stuck_queued(w.stuck_after, max, &backlogged)
@@ -117,32 +117,40 @@ pub async fn sweep_once(ctx: &Context) -> Result<()> {
 /// The providers whose attempts queue holds messages now. An attempt of theirs
 /// that has not started may simply be waiting in that backlog, so the stuck
 /// sweep leaves it alone until the queue has drained.
-async fn backlogged(ctx: &Context) -> Result<Vec<String>> {
+async fn backlogged(ctx: &Context) -> Vec<String> {
     let mut out = Vec::new();
     for provider in ctx.config.providers.keys() {
         let queue = crate::broker::attempts_queue(provider);
-        if crate::broker::depth(&ctx.connection, &queue).await? > 0 {
-            out.push(provider.clone());
+        match crate::broker::depth(&ctx.connection, &queue).await {
+            Ok(0) => {}
+            Ok(_) => out.push(provider.clone()),
+            // Not knowing, leave its attempts alone this pass; the rest goes on.
+            Err(e) => {
+                tracing::warn!(%queue, error = %e, "cannot read the queue's depth");
+                out.push(provider.clone());
+            }
         }
     }
-    Ok(out)
+    out
 }
 
 /// Deletes published outbox rows past `outbox_retention`, a bounded batch at a
-/// time, until none is left.
+/// time, at most ten batches a pass, so that a large first prune does not hold up
+/// the relay and the sweeps.
 pub async fn prune_outbox(ctx: &Context) -> Result<u64> {
     const BATCH: i64 = 1000;
     let mut total = 0;
-    loop {
+    for _ in 0..10 {
         let n = ctx
             .store
             .prune_outbox(ctx.config.worker.outbox_retention, BATCH)
             .await?;
         total += n;
         if n < BATCH as u64 {
-            return Ok(total);
+            break;
         }
     }
+    Ok(total)
 }
 
 /// Marks attempts whose messages died in their dead-letter queue while they were

@@ -5,9 +5,12 @@
 //! that both believe they own a row cannot both act: the one that changes zero rows
 //! backs off. Every entry point takes a slice and settles all of it with constant
 //! SQL text over `UNNEST` arrays, so batching is a caller's choice, not a rewrite.
-//! Locks are always taken attempts first, then jobs, to keep concurrent batches
-//! from deadlocking; a deadlock or serialization failure that still happens is
-//! retried whole.
+//! Settlements take locks attempts first, then jobs, so that concurrent batches do
+//! not deadlock one another. A few statements must decide under the job's lock
+//! before they touch its attempts (`start`, `cancel`, and the clean-up after a
+//! win), so they take the job first; against a settlement of the same job that
+//! can deadlock, which Postgres detects, and the loser's transaction is retried
+//! whole, as is any deadlock or serialization failure.
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
@@ -989,21 +992,6 @@ impl Store {
                       LEFT JOIN won w ON w.completed_by = i.attempt_id
                  WHERE a.id = i.attempt_id
                  RETURNING a.id, a.status
-             ), unblocked AS (
-                 -- An attempt of a won job whose outcome was unknown blocks
-                 -- nothing any more: it is discarded, and never left `unknown`.
-                 -- One still queued will never be needed: it is cancelled.
-                 UPDATE attempts a
-                 SET status = CASE WHEN a.status = 'unknown' THEN 'discarded' ELSE 'cancelled' END,
-                     finished_at = now(),
-                     error = CASE WHEN a.status = 'unknown'
-                                  THEN 'discarded: its outcome was still unknown when attempt '
-                                       || w.completed_by || ' won'
-                                  ELSE 'cancelled: attempt ' || w.completed_by || ' won before it started'
-                             END
-                 FROM won w
-                 WHERE a.job_id = w.id AND a.status IN ('unknown', 'queued')
-                   AND a.id NOT IN (SELECT attempt_id FROM input)
              ), late AS (
                  UPDATE attempts a
                  SET usage = COALESCE(a.usage, i.usage),
@@ -1054,6 +1042,37 @@ impl Store {
                     outcomes.push((AttemptId(winner), Settled::Won));
                 }
             }
+        }
+        let won: Vec<(Uuid, Uuid)> = outcomes
+            .iter()
+            .filter_map(|(winner, _)| {
+                wins.iter()
+                    .find(|f| f.attempt_id == *winner)
+                    .map(|f| (f.job_id.0, winner.0))
+            })
+            .collect();
+        if !won.is_empty() {
+            // The won jobs' other attempts, in a statement of their own: its fresh
+            // snapshot sees a timeout that committed while the compare-and-swap
+            // waited for the job (which this transaction now holds). An unknown
+            // blocks nothing any more: discarded. A queued one will never be needed:
+            // cancelled.
+            sqlx::query(
+                "UPDATE attempts a
+                 SET status = CASE WHEN a.status = 'unknown' THEN 'discarded' ELSE 'cancelled' END,
+                     finished_at = now(),
+                     error = CASE WHEN a.status = 'unknown'
+                                  THEN 'discarded: its outcome was still unknown when attempt '
+                                       || w.winner || ' won'
+                                  ELSE 'cancelled: attempt ' || w.winner || ' won before it started'
+                             END
+                 FROM unnest($1::uuid[], $2::uuid[]) AS w(job_id, winner)
+                 WHERE a.job_id = w.job_id AND a.status IN ('unknown', 'queued')",
+            )
+            .bind(won.iter().map(|w| w.0).collect::<Vec<_>>())
+            .bind(won.iter().map(|w| w.1).collect::<Vec<_>>())
+            .execute(&mut *tx)
+            .await?;
         }
         if !discarded.is_empty() {
             // A fresh snapshot sees the winner that made our compare-and-swap fail.
@@ -1628,31 +1647,33 @@ impl Store {
     /// be working). One whose job has already ended blocks nothing: it is
     /// `discarded`, with the reason.
     pub async fn expire_vanished(&self, grace: Duration) -> Result<Vec<AttemptId>> {
-        let ids: Vec<(Uuid,)> = sqlx::query_as(
-            "WITH vanished AS (
-                 SELECT a.id, a.job_id, j.status IN ('succeeded', 'failed', 'cancelled') AS ended
-                 FROM attempts a JOIN jobs j ON j.id = a.job_id
-                 WHERE a.status = 'started' AND a.deadline_at + make_interval(secs => $1) < now()
-                 ORDER BY a.id
-                 FOR UPDATE OF a SKIP LOCKED
-             ), marked AS (
-                 UPDATE attempts a
-                 SET status = CASE WHEN v.ended THEN 'discarded' ELSE 'unknown' END,
-                     finished_at = CASE WHEN v.ended THEN now() END,
-                     error = CASE WHEN v.ended THEN 'discarded: worker_vanished after its job had ended'
-                                  ELSE 'worker_vanished: no outcome by the deadline plus the grace period' END
-                 FROM vanished v WHERE a.id = v.id
-                 RETURNING a.id, a.job_id, a.status
-             ), jobs_unknown AS (
-                 UPDATE jobs j SET status = 'unknown', updated_at = now()
-                 FROM marked m WHERE j.id = m.job_id AND m.status = 'unknown' AND j.status = 'running'
-             )
-             SELECT id FROM marked WHERE status = 'unknown'",
+        let mut tx = self.pool.begin().await?;
+        let vanished: Vec<(Uuid,)> = sqlx::query_as(
+            "SELECT id FROM attempts
+             WHERE status = 'started' AND deadline_at + make_interval(secs => $1) < now()
+             ORDER BY id
+             LIMIT 500",
         )
         .bind(grace.as_secs_f64())
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *tx)
         .await?;
-        Ok(ids.into_iter().map(|(id,)| AttemptId(id)).collect())
+        if vanished.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Decided as for any timeout: under the attempts' and jobs' locks, so a
+        // job that ended meanwhile gets a discarded attempt, never an unknown one.
+        let error = "worker_vanished: no outcome by the deadline plus the grace period";
+        let unknowns: Vec<(AttemptId, String)> = vanished
+            .iter()
+            .map(|(id,)| (AttemptId(*id), error.to_owned()))
+            .collect();
+        let marked = mark_unknown(&mut tx, &unknowns).await?;
+        tx.commit().await?;
+        Ok(marked
+            .into_iter()
+            .filter(|(_, s)| *s == Settled::Unknown)
+            .map(|(id, _)| id)
+            .collect())
     }
 
     /// Prometheus gauges read from the tables: jobs and attempts by status, the

@@ -169,6 +169,19 @@ async fn proxy_timeouts_are_unknown() {
         );
     }
     assert_eq!(primary.stats.requests(), 2, "no retry beside an unknown");
+    // A proxy's timeout page larger than max_response_bytes is still unknown.
+    let run = Running::start("max_response_bytes = 1024", 3).await;
+    let job_id = submit(
+        &run.producer,
+        "acct_504",
+        "big",
+        "mock:status=504 mock:pad=5000",
+    )
+    .await;
+    let job = wait_for_status(&run.env, job_id, JobStatus::Unknown).await;
+    assert_eq!(job.attempts[0].status, AttemptStatus::Unknown, "{job:?}");
+    run.producer.close().await;
+    run.fleet.stop().await;
     producer.close().await;
     fleet.stop().await;
 }
@@ -855,6 +868,26 @@ async fn old_queues_are_named_and_upgraded_only_when_empty() {
     .await
     .unwrap();
 
+    // onejob.attempts.primary declared the old way too, but empty.
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), text("quorum"));
+    args.insert("x-dead-letter-exchange".into(), text("onejob.dlx"));
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        text("onejob.attempts.primary"),
+    );
+    args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(5));
+    ch.queue_declare(
+        "onejob.attempts.primary".into(),
+        lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+
     let refused =
         onejob::runtime::Context::connect(config.clone(), &env.database_url, &env.amqp_url)
             .await
@@ -884,6 +917,23 @@ async fn old_queues_are_named_and_upgraded_only_when_empty() {
         1,
         "never deleted with a message in it"
     );
+    // The empty one was redeclared, and bound again although the other was refused.
+    assert_eq!(
+        report["queues"]["onejob.attempts.primary"]["outcome"], "redeclared",
+        "{report}"
+    );
+    let publisher = onejob::broker::Publisher::open(&conn).await.unwrap();
+    publisher
+        .publish(
+            onejob::broker::EXCHANGE,
+            &onejob::broker::attempts_routing_key("primary"),
+            b"{}",
+            onejob::broker::json_properties(),
+            true,
+        )
+        .await
+        .expect("routable again at once");
+    assert_eq!(env.drain(&ch, "onejob.attempts.primary").await.len(), 1);
 
     // Drained, it is redeclared, and the fleet starts.
     assert_eq!(env.drain(&ch, "onejob.intents").await.len(), 1);
@@ -1100,4 +1150,112 @@ async fn a_missing_confirm_is_a_timeout_not_a_nack() {
         "{error}"
     );
     path.restore();
+}
+
+/// Review of item 8: a hedge's win racing its primary's timeout. Whichever
+/// commits first, no attempt is left `unknown` on the ended job (the win's
+/// clean-up must see a timeout that committed while it waited for the job).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_win_racing_a_timeout_leaves_no_unknown_behind() {
+    let env = common::store_env().await;
+    let store = Arc::new(env.store.clone());
+    let mut stranded = 0;
+    for round in 0..15 {
+        let mut pairs = Vec::new();
+        for i in 0..16 {
+            let (job_id, primary) = started(&store, &format!("win-{round}-{i}")).await;
+            let (hedge, _) = store.hedge(job_id, "fallback").await.unwrap().unwrap();
+            let hedge = store
+                .start("fallback", &[hedge], Duration::from_secs(30))
+                .await
+                .unwrap()
+                .remove(0);
+            pairs.push((job_id, primary, hedge));
+        }
+        let barrier = Arc::new(tokio::sync::Barrier::new(pairs.len() * 2));
+        let mut tasks = Vec::new();
+        for (_, primary, hedge) in &pairs {
+            let (s, b, f) = (store.clone(), barrier.clone(), timed_out(primary));
+            tasks.push(tokio::spawn(async move {
+                b.wait().await;
+                s.finalize(&[f], &common::give_up).await.unwrap();
+            }));
+            let (s, b) = (store.clone(), barrier.clone());
+            let f = finished(hedge, Verdict::Succeeded(json!({"summary": "s"})));
+            tasks.push(tokio::spawn(async move {
+                b.wait().await;
+                s.finalize(&[f], &common::give_up).await.unwrap();
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        for (job_id, _, _) in &pairs {
+            let job = store.job(*job_id).await.unwrap().unwrap();
+            assert_eq!(job.status, JobStatus::Succeeded);
+            if job
+                .attempts
+                .iter()
+                .any(|a| a.status == AttemptStatus::Unknown)
+            {
+                stranded += 1;
+            }
+        }
+    }
+    assert_eq!(stranded, 0, "succeeded jobs left with an unknown attempt");
+}
+
+/// Review of item 8: the vanished-worker sweep racing a cancellation. The sweep
+/// must judge the job under its lock: no attempt is left `unknown` on the
+/// cancelled job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_vanished_sweep_racing_a_cancel_leaves_no_unknown_behind() {
+    let env = common::store_env().await;
+    let store = Arc::new(env.store.clone());
+    let mut stranded = 0;
+    for round in 0..15 {
+        let mut jobs = Vec::new();
+        for i in 0..16 {
+            let (job_id, s) = started(&store, &format!("vanish-{round}-{i}")).await;
+            sqlx::query(
+                "UPDATE attempts SET deadline_at = now() - interval '1 hour' WHERE id = $1",
+            )
+            .bind(s.attempt_id.0)
+            .execute(store.pool())
+            .await
+            .unwrap();
+            jobs.push(job_id);
+        }
+        let barrier = Arc::new(tokio::sync::Barrier::new(jobs.len() + 1));
+        let mut tasks = Vec::new();
+        for job_id in &jobs {
+            let (s, b, job_id) = (store.clone(), barrier.clone(), *job_id);
+            tasks.push(tokio::spawn(async move {
+                b.wait().await;
+                let _ = s.cancel_job(job_id).await.unwrap();
+            }));
+        }
+        let (s, b) = (store.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            b.wait().await;
+            // A deadlock with a cancellation is possible and harmless: the sweep
+            // runs again on the reconciler's next pass, as here.
+            while s.expire_vanished(Duration::ZERO).await.is_err() {}
+        }));
+        for t in tasks {
+            t.await.unwrap();
+        }
+        for job_id in &jobs {
+            let job = store.job(*job_id).await.unwrap().unwrap();
+            assert_eq!(job.status, JobStatus::Cancelled);
+            if job
+                .attempts
+                .iter()
+                .any(|a| a.status == AttemptStatus::Unknown)
+            {
+                stranded += 1;
+            }
+        }
+    }
+    assert_eq!(stranded, 0, "cancelled jobs left with an unknown attempt");
 }
