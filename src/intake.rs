@@ -1,7 +1,7 @@
 //! The intake role: intents in, jobs out.
 //!
 //! Deliveries are taken in batches: all that are ready at once, up to
-//! [`MAX_BATCH`], so a busy intake admits many intents with one statement while a
+//! `MAX_BATCH` (64), so a busy intake admits many intents with one statement while a
 //! lone intent never waits for company. Each intent is validated strictly,
 //! fingerprinted, and admitted through the store's `INSERT … ON CONFLICT DO
 //! NOTHING` (two intents with one identity in the same batch come out as

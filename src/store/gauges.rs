@@ -1,0 +1,51 @@
+//! Prometheus gauges read from the tables.
+
+use super::*;
+
+impl Store {
+    /// Prometheus gauges read from the tables: jobs and attempts by status, the
+    /// oldest `unknown` attempt's age (alert on it: only a person or late evidence
+    /// resolves an unknown), and the outbox backlog.
+    pub async fn gauges(&self) -> Result<String> {
+        let jobs: Vec<(String, i64)> =
+            sqlx::query_as("SELECT status, count(*) FROM jobs GROUP BY status")
+                .fetch_all(&self.pool)
+                .await?;
+        let attempts: Vec<(String, i64)> =
+            sqlx::query_as("SELECT status, count(*) FROM attempts GROUP BY status")
+                .fetch_all(&self.pool)
+                .await?;
+        let (oldest_unknown, backlog): (Option<f64>, i64) = sqlx::query_as(
+            "SELECT (SELECT extract(epoch FROM now() - min(COALESCE(started_at, created_at)))::float8
+                     FROM attempts WHERE status = 'unknown'),
+                    (SELECT count(*) FROM outbox WHERE published_at IS NULL)",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        let mut out = String::new();
+        out.push_str("# TYPE onejob_jobs gauge\n");
+        for s in JobStatus::ALL {
+            let n = jobs
+                .iter()
+                .find(|(k, _)| k == s.as_str())
+                .map_or(0, |(_, n)| *n);
+            out.push_str(&format!("onejob_jobs{{status=\"{s}\"}} {n}\n"));
+        }
+        out.push_str("# TYPE onejob_attempts gauge\n");
+        for s in AttemptStatus::ALL {
+            let n = attempts
+                .iter()
+                .find(|(k, _)| k == s.as_str())
+                .map_or(0, |(_, n)| *n);
+            out.push_str(&format!("onejob_attempts{{status=\"{s}\"}} {n}\n"));
+        }
+        out.push_str("# TYPE onejob_oldest_unknown_attempt_seconds gauge\n");
+        out.push_str(&format!(
+            "onejob_oldest_unknown_attempt_seconds {}\n",
+            oldest_unknown.unwrap_or(0.0)
+        ));
+        out.push_str("# TYPE onejob_outbox_unpublished gauge\n");
+        out.push_str(&format!("onejob_outbox_unpublished {backlog}\n"));
+        Ok(out)
+    }
+}

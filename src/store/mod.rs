@@ -1,0 +1,638 @@
+//! All SQL lives here, one file per aggregate: `jobs` (admission, views,
+//! cancellation), `settle` (starting and settling attempts), `outbox`, `sweeps`
+//! (what the reconciler asks), `tokens`, `qualifications` and `gauges`; this file
+//! holds the types they share, the connection and the retry of transient errors.
+//!
+//! Every state change is one guarded statement (`UPDATE … WHERE status = …`, the
+//! compare-and-swap `WHERE version = $v AND completed_by IS NULL`), so two workers
+//! that both believe they own a row cannot both act: the one that changes zero rows
+//! backs off. Every entry point takes a slice and settles all of it with constant
+//! SQL text over `UNNEST` arrays, so batching is a caller's choice, not a rewrite.
+//! Settlements take locks attempts first, then jobs, so that concurrent batches do
+//! not deadlock one another. A few statements must decide under the job's lock
+//! before they touch its attempts (`start`, `cancel`, and the clean-up after a
+//! win), so they take the job first; against a settlement of the same job that
+//! can deadlock, which Postgres detects, and the loser's transaction is retried
+//! whole, as is any deadlock or serialization failure.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+use chrono::{DateTime, Utc};
+use futures_util::TryFutureExt;
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgConnection, PgPool, Row};
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
+use crate::intent::{Fingerprint, Intent};
+use crate::token::Token;
+
+/// The migrations, embedded in every binary.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+mod gauges;
+mod jobs;
+mod outbox;
+mod qualifications;
+mod settle;
+mod sweeps;
+mod tokens;
+
+/// A storage failure.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database refused or failed a statement.
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+    /// A migration failed.
+    #[error("migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A row holds something the code does not understand.
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
+}
+
+/// Result alias for the store.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+impl StoreError {
+    /// A table is missing: the database was never migrated.
+    pub fn is_undefined_table(&self) -> bool {
+        matches!(self, StoreError::Db(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01"))
+    }
+
+    /// Data the database refuses (SQLSTATE class 22: a string it cannot store, a
+    /// number out of range): running the statement again cannot help.
+    pub fn is_data_error(&self) -> bool {
+        matches!(self, StoreError::Db(sqlx::Error::Database(db)) if db.code().is_some_and(|c| c.starts_with("22")))
+    }
+
+    /// One line saying what went wrong, naming the URL (its password masked):
+    /// unreachable, a refused login and a missing database are told apart, since
+    /// each has its own remedy.
+    pub fn describe(&self, url: &str) -> String {
+        let at = crate::broker::redact_url(url);
+        match self {
+            StoreError::Db(sqlx::Error::Database(db)) => match db.code().as_deref() {
+                Some("28P01" | "28000") => {
+                    format!("Postgres at {at} refused the login: {}", db.message())
+                }
+                Some("3D000") => format!(
+                    "Postgres at {at} has no such database ({}); `onejob migrate` creates it",
+                    db.message()
+                ),
+                _ => format!("Postgres at {at}: {}", db.message()),
+            },
+            StoreError::Db(sqlx::Error::Io(io)) => format!("cannot reach Postgres at {at}: {io}"),
+            StoreError::Db(sqlx::Error::PoolTimedOut) => {
+                format!("cannot reach Postgres at {at}: no connection within the timeout")
+            }
+            other => format!("Postgres at {at}: {other}"),
+        }
+    }
+
+    /// Postgres cannot be reached (or is starting, stopping, out of connections):
+    /// the failure is the dependency's, not the data's. Work waiting on it is held,
+    /// never handed back against its delivery limit.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            StoreError::Db(
+                sqlx::Error::Io(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::Tls(_),
+            ) => true,
+            StoreError::Db(sqlx::Error::Database(db)) => db
+                .code()
+                .is_some_and(|c| c.starts_with("08") || c.starts_with("57P") || c == "53300"),
+            _ => false,
+        }
+    }
+
+    /// The SQLSTATE of a retried failure, or `io`, for the retry counter.
+    fn retry_code(&self) -> String {
+        match self {
+            StoreError::Db(sqlx::Error::Database(db)) => {
+                db.code().map_or("other".to_owned(), |c| c.into_owned())
+            }
+            StoreError::Db(sqlx::Error::Io(_)) => "io".to_owned(),
+            _ => "other".to_owned(),
+        }
+    }
+
+    /// Deadlocks and serialization failures: the transaction can simply run again.
+    fn is_transient(&self) -> bool {
+        match self {
+            StoreError::Db(sqlx::Error::Database(db)) => {
+                matches!(db.code().as_deref(), Some("40001" | "40P01"))
+            }
+            StoreError::Db(sqlx::Error::PoolTimedOut | sqlx::Error::Io(_)) => true,
+            _ => false,
+        }
+    }
+}
+
+fn corrupt(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(e.to_string())
+}
+
+/// A message to publish because of a commit, written in that commit's transaction.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutboxDraft {
+    /// The exchange.
+    pub exchange: String,
+    /// The routing key.
+    pub routing_key: String,
+    /// The AMQP `message_id`; consumers deduplicate on it.
+    pub message_id: String,
+    /// The JSON body.
+    pub body: Value,
+    /// Not published before this time; `None` publishes at once, by the writer.
+    pub not_before: Option<DateTime<Utc>>,
+}
+
+/// An outbox row this process holds the lease on and should publish now.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutboxMessage {
+    /// The row id.
+    pub id: i64,
+    /// The exchange.
+    pub exchange: String,
+    /// The routing key.
+    pub routing_key: String,
+    /// The AMQP `message_id`.
+    pub message_id: String,
+    /// The JSON body.
+    pub body: Value,
+}
+
+/// One intent ready to become a job.
+#[derive(Clone, Debug)]
+pub struct NewJob {
+    /// The id the job gets if it is created.
+    pub job_id: JobId,
+    /// The id its first attempt gets.
+    pub attempt_id: AttemptId,
+    /// The validated intent.
+    pub intent: Intent,
+    /// Its fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The first attempt's provider.
+    pub provider: String,
+}
+
+/// What became of one intent.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Admission {
+    /// A new job and its first attempt.
+    Created {
+        /// The job.
+        job_id: JobId,
+        /// The attempt message to publish.
+        publish: OutboxMessage,
+    },
+    /// The identity exists with the same fingerprint.
+    Duplicate {
+        /// The existing job.
+        job_id: JobId,
+    },
+    /// The identity exists with another fingerprint.
+    Conflict,
+}
+
+/// An attempt this worker has just moved `queued → started`.
+#[derive(Clone, Debug)]
+pub struct Started {
+    /// The attempt.
+    pub attempt_id: AttemptId,
+    /// Its job.
+    pub job_id: JobId,
+    /// Its number within the job.
+    pub number: i32,
+    /// The job's version when the attempt started: the compare-and-swap's guard.
+    pub version: i64,
+    /// The job's operation.
+    pub operation: String,
+    /// The job's input.
+    pub input: serde_json::Map<String, Value>,
+}
+
+/// How an attempt ended, as its worker saw it.
+#[derive(Clone, Debug)]
+pub enum Verdict {
+    /// A valid answer.
+    Succeeded(Value),
+    /// A definite failure. `retryable` is false when no provider could do better
+    /// (the input does not render, say).
+    Failed {
+        /// Why.
+        error: String,
+        /// Whether another attempt may follow.
+        retryable: bool,
+        /// How long the provider asked to be left alone (HTTP 429 `Retry-After`).
+        retry_after: Option<Duration>,
+    },
+    /// The outcome is not known: a timeout, or a connection lost after sending.
+    Unknown {
+        /// Why.
+        error: String,
+    },
+}
+
+/// One finished call, to be settled.
+#[derive(Clone, Debug)]
+pub struct Finished {
+    /// The attempt.
+    pub attempt_id: AttemptId,
+    /// Its job.
+    pub job_id: JobId,
+    /// The job version read when the attempt started.
+    pub version: i64,
+    /// The provider's response id, if it answered.
+    pub provider_request_id: Option<String>,
+    /// What the provider reported it spent, if it answered.
+    pub usage: Option<Value>,
+    /// The outcome.
+    pub verdict: Verdict,
+}
+
+/// What settling one finished attempt did.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Settled {
+    /// Its result won the compare-and-swap and is the job's result.
+    Won,
+    /// Another attempt had already won, or the job had ended: dropped.
+    Discarded {
+        /// The attempt whose result is the job's, if any.
+        winner: Option<AttemptId>,
+    },
+    /// A definite failure; a next attempt may have been scheduled.
+    Failed {
+        /// The next attempt, if one was created.
+        next: Option<AttemptId>,
+        /// Whether the job failed for good.
+        job_failed: bool,
+    },
+    /// The attempt and its job are now `unknown`.
+    Unknown,
+    /// The attempt was no longer open (resolved out-of-band): nothing changed.
+    Stale,
+}
+
+/// A job whose attempt just failed definitely, for the caller to plan what follows.
+#[derive(Clone, Debug)]
+pub struct FailedJob {
+    /// The job.
+    pub job_id: JobId,
+    /// Its operation.
+    pub operation: String,
+    /// The provider that failed.
+    pub failed_provider: String,
+    /// Attempts made so far, the failed one included.
+    pub attempts_made: u32,
+    /// The failure.
+    pub error: String,
+    /// Whether another attempt may follow at all.
+    pub retryable: bool,
+    /// The failed provider's `Retry-After`, if it sent one.
+    pub retry_after: Option<Duration>,
+}
+
+/// What follows a definite failure.
+#[derive(Clone, Debug, PartialEq)]
+pub enum NextStep {
+    /// Another attempt on `provider`, after `delay`.
+    Retry {
+        /// The provider.
+        provider: String,
+        /// The backoff before it is published.
+        delay: Duration,
+    },
+    /// No more attempts: the job fails with `error`.
+    GiveUp {
+        /// The job's error.
+        error: String,
+    },
+}
+
+/// How an operator resolves an open attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resolution {
+    /// A definite failure: the route rule picks the next attempt.
+    Failed,
+    /// Ended out-of-band: the job is cancelled with it.
+    Cancelled,
+}
+
+/// Why an operator action was refused.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// No such row.
+    #[error("{0} not found")]
+    NotFound(String),
+    /// The row is terminal.
+    #[error("{0}")]
+    Terminal(String),
+}
+
+impl Refusal {
+    fn terminal_job(job: impl std::fmt::Display, status: JobStatus) -> Refusal {
+        Refusal::Terminal(format!(
+            "job {job} is already {status}: a terminal job never changes"
+        ))
+    }
+}
+
+/// A job as operators see it.
+#[derive(Clone, Debug, Serialize)]
+pub struct JobView {
+    /// The job id.
+    pub id: JobId,
+    /// Owner.
+    pub owner_id: String,
+    /// Idempotency key.
+    pub idempotency_key: String,
+    /// Fingerprint of the intent.
+    pub request_fingerprint: String,
+    /// Operation.
+    pub operation: String,
+    /// Input.
+    pub input: Value,
+    /// The pinned provider, if any.
+    pub provider: Option<String>,
+    /// Status.
+    pub status: JobStatus,
+    /// Version.
+    pub version: i64,
+    /// The winning attempt.
+    pub completed_by: Option<AttemptId>,
+    /// Result.
+    pub result: Option<Value>,
+    /// Error.
+    pub error: Option<String>,
+    /// Created.
+    pub created_at: DateTime<Utc>,
+    /// Last changed.
+    pub updated_at: DateTime<Utc>,
+    /// Its attempts, by number.
+    pub attempts: Vec<AttemptView>,
+}
+
+/// A gateway token as operators see it: never the secret.
+#[derive(Clone, Debug, Serialize)]
+pub struct TokenView {
+    /// The token's id.
+    pub id: Uuid,
+    /// Whose jobs it reaches.
+    pub owner_id: String,
+    /// When it was made.
+    pub created_at: DateTime<Utc>,
+    /// When it was revoked, if it was.
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
+/// An attempt as operators see it.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttemptView {
+    /// The attempt id.
+    pub id: AttemptId,
+    /// Its job.
+    pub job_id: JobId,
+    /// Its number within the job.
+    pub number: i32,
+    /// Provider.
+    pub provider: String,
+    /// Status.
+    pub status: AttemptStatus,
+    /// Error.
+    pub error: Option<String>,
+    /// Created.
+    pub created_at: DateTime<Utc>,
+    /// Not published before.
+    pub not_before: DateTime<Utc>,
+    /// Started.
+    pub started_at: Option<DateTime<Utc>>,
+    /// Finished.
+    pub finished_at: Option<DateTime<Utc>>,
+    /// The provider's response id.
+    pub provider_request_id: Option<String>,
+    /// What the provider reported it spent.
+    pub usage: Option<Value>,
+}
+
+/// The event published when a job reaches a terminal state.
+#[derive(Clone, Debug, Serialize)]
+struct JobEvent<'a> {
+    event_id: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    job_id: JobId,
+    version: i64,
+    owner_id: &'a str,
+    idempotency_key: &'a str,
+    operation: &'a str,
+    status: &'static str,
+    completed_by: Option<AttemptId>,
+    result: Option<&'a Value>,
+    error: Option<&'a str>,
+    occurred_at: DateTime<Utc>,
+}
+
+/// Exchange and routing names the store writes into outbox rows.
+#[derive(Clone, Debug)]
+pub struct Routes {
+    /// Where attempt messages go (`onejob`).
+    pub work_exchange: String,
+    /// Where job events go (`onejob.events`).
+    pub events_exchange: String,
+    /// How long a publisher owns a row it just wrote.
+    pub lease: Duration,
+}
+
+impl Routes {
+    fn attempt_draft(
+        &self,
+        attempt: AttemptId,
+        job: JobId,
+        provider: &str,
+        not_before: Option<DateTime<Utc>>,
+    ) -> OutboxDraft {
+        OutboxDraft {
+            exchange: self.work_exchange.clone(),
+            routing_key: crate::broker::attempts_routing_key(provider),
+            message_id: attempt.to_string(),
+            body: serde_json::json!({ "attempt_id": attempt, "job_id": job }),
+            not_before,
+        }
+    }
+
+    fn event_draft(&self, event: &JobEvent<'_>) -> OutboxDraft {
+        OutboxDraft {
+            exchange: self.events_exchange.clone(),
+            routing_key: event.kind.to_owned(),
+            message_id: event.event_id.clone(),
+            body: serde_json::to_value(event).unwrap_or(Value::Null),
+            not_before: None,
+        }
+    }
+}
+
+/// The job columns an event needs, as returned by the statements that end a job.
+struct Ended {
+    job_id: Uuid,
+    version: i64,
+    owner_id: String,
+    idempotency_key: String,
+    operation: String,
+    status: String,
+    completed_by: Option<Uuid>,
+    result: Option<Value>,
+    error: Option<String>,
+}
+
+impl Ended {
+    fn from_row(row: &sqlx::postgres::PgRow) -> Result<Self> {
+        Ok(Ended {
+            job_id: row.try_get("id")?,
+            version: row.try_get("version")?,
+            owner_id: row.try_get("owner_id")?,
+            idempotency_key: row.try_get("idempotency_key")?,
+            operation: row.try_get("operation")?,
+            status: row.try_get("status")?,
+            completed_by: row.try_get("completed_by")?,
+            result: row.try_get("result")?,
+            error: row.try_get("error")?,
+        })
+    }
+
+    fn draft(&self, routes: &Routes) -> OutboxDraft {
+        let (kind, status) = match self.status.as_str() {
+            "succeeded" => ("job.succeeded", "succeeded"),
+            "failed" => ("job.failed", "failed"),
+            _ => ("job.cancelled", "cancelled"),
+        };
+        routes.event_draft(&JobEvent {
+            event_id: format!("{}:{}", self.job_id, self.version),
+            kind,
+            job_id: JobId(self.job_id),
+            version: self.version,
+            owner_id: &self.owner_id,
+            idempotency_key: &self.idempotency_key,
+            operation: &self.operation,
+            status,
+            completed_by: self.completed_by.map(AttemptId),
+            result: self.result.as_ref(),
+            error: self.error.as_deref(),
+            occurred_at: Utc::now(),
+        })
+    }
+}
+
+/// The Postgres side of onejob.
+#[derive(Clone, Debug)]
+pub struct Store {
+    pool: PgPool,
+    routes: Routes,
+}
+
+impl Store {
+    /// Connects a small pool. While the database is unreachable it retries with
+    /// backoff for up to `patience` (zero: one try), so a worker started before
+    /// Postgres waits for it and a CLI fails at once with the reason.
+    pub async fn connect(
+        url: &str,
+        max_connections: u32,
+        routes: Routes,
+        patience: Duration,
+    ) -> Result<Store> {
+        let options: PgConnectOptions = url.parse()?;
+        let deadline = std::time::Instant::now() + patience;
+        // One plain connection first: it fails fast, where a pool would keep
+        // retrying until its acquire timeout.
+        let probe = || async { <PgConnection as sqlx::Connection>::connect_with(&options).await };
+        let conn = probe
+            .retry(
+                ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(100))
+                    .with_max_delay(Duration::from_secs(2))
+                    .without_max_times(),
+            )
+            .when(|e| matches!(e, sqlx::Error::Io(_)) && std::time::Instant::now() < deadline)
+            .notify(|e, d| tracing::warn!(error = %e, retry_in = ?d, "database not reachable yet"))
+            .await?;
+        let _ = sqlx::Connection::close(conn).await;
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(options)
+            .await?;
+        Ok(Store { pool, routes })
+    }
+
+    /// Creates the database `url` names if it does not exist yet, so a fresh
+    /// machine needs no manual `CREATE DATABASE`. Two pods racing here is harmless:
+    /// the loser's "already exists" is ignored.
+    pub async fn ensure_database(url: &str) -> Result<()> {
+        use sqlx::migrate::MigrateDatabase;
+        if !sqlx::Postgres::database_exists(url).await? {
+            if let Err(e) = sqlx::Postgres::create_database(url).await
+                && !sqlx::Postgres::database_exists(url).await.unwrap_or(false)
+            {
+                return Err(e.into());
+            }
+            tracing::info!("created the database");
+        }
+        Ok(())
+    }
+
+    /// Whether Postgres answers.
+    pub async fn ping(&self) -> bool {
+        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
+    }
+
+    /// The pool, for health checks.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Applies pending migrations. sqlx holds an advisory lock meanwhile, so
+    /// concurrent pods starting together are safe.
+    pub async fn migrate(&self) -> Result<()> {
+        MIGRATOR.run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Runs `f` again when it fails with a deadlock or serialization failure.
+    async fn retrying<T, F, Fut>(&self, f: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        f.retry(
+            ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(5))
+                .with_max_delay(Duration::from_millis(500))
+                .with_max_times(10)
+                .with_jitter(),
+        )
+        .when(StoreError::is_transient)
+        .notify(|e, d| {
+            crate::metrics::db_retry(&e.retry_code());
+            tracing::debug!(error = %e, retry_in = ?d, "transient database error; retrying")
+        })
+        .await
+    }
+}
+
+/// `now + delay`, saturating instead of panicking: a delay comes from outside
+/// (a provider's `Retry-After`, configuration) and must never crash a worker.
+fn later(now: DateTime<Utc>, delay: Duration) -> DateTime<Utc> {
+    chrono::TimeDelta::from_std(delay)
+        .ok()
+        .and_then(|d| now.checked_add_signed(d))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+}

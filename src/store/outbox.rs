@@ -1,0 +1,102 @@
+//! The transactional outbox: rows written in the transaction of the change that
+//! causes them, claimed by publishers with leases, marked once confirmed, and
+//! pruned after `outbox_retention`.
+
+use super::*;
+
+impl Store {
+    pub(super) async fn insert_outbox(
+        &self,
+        conn: &mut PgConnection,
+        drafts: &[OutboxDraft],
+    ) -> Result<Vec<OutboxMessage>> {
+        if drafts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(
+            "INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, lease_until)
+             SELECT d.exchange, d.routing_key, d.message_id, d.body, COALESCE(d.not_before, now()),
+                    CASE WHEN d.not_before IS NULL THEN now() + make_interval(secs => $6) END
+             FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[])
+                  AS d(exchange, routing_key, message_id, body, not_before)
+             RETURNING id, exchange, routing_key, message_id, body, lease_until IS NOT NULL AS leased",
+        )
+        .bind(drafts.iter().map(|d| d.exchange.clone()).collect::<Vec<_>>())
+        .bind(drafts.iter().map(|d| d.routing_key.clone()).collect::<Vec<_>>())
+        .bind(drafts.iter().map(|d| d.message_id.clone()).collect::<Vec<_>>())
+        .bind(drafts.iter().map(|d| d.body.clone()).collect::<Vec<_>>())
+        .bind(drafts.iter().map(|d| d.not_before).collect::<Vec<_>>())
+        .bind(self.routes.lease.as_secs_f64())
+        .fetch_all(&mut *conn)
+        .await?;
+        // Rows without a not-before time are leased to this writer and handed back
+        // for immediate publishing; the relay publishes the others when due.
+        rows.iter()
+            .filter(|r| r.get::<bool, _>("leased"))
+            .map(outbox_message)
+            .collect()
+    }
+
+    /// Takes due outbox rows whose lease is free (or over) for this publisher.
+    /// `SKIP LOCKED` lets several relays share the table without waiting.
+    pub async fn claim_outbox(&self, limit: i64) -> Result<Vec<OutboxMessage>> {
+        let rows = sqlx::query(
+            "UPDATE outbox SET lease_until = now() + make_interval(secs => $2)
+             WHERE id IN (
+                 SELECT id FROM outbox
+                 WHERE published_at IS NULL AND not_before <= now()
+                   AND (lease_until IS NULL OR lease_until < now())
+                 ORDER BY id
+                 LIMIT $1
+                 FOR UPDATE SKIP LOCKED)
+             RETURNING id, exchange, routing_key, message_id, body",
+        )
+        .bind(limit)
+        .bind(self.routes.lease.as_secs_f64())
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(outbox_message).collect()
+    }
+
+    /// Deletes up to `limit` outbox rows published more than `retention` ago;
+    /// returns how many. Rows not yet published are never touched.
+    pub async fn prune_outbox(&self, retention: Duration, limit: i64) -> Result<u64> {
+        let done = sqlx::query(
+            "DELETE FROM outbox WHERE id IN (
+                 SELECT id FROM outbox
+                 WHERE published_at < now() - make_interval(secs => $1)
+                 ORDER BY published_at
+                 LIMIT $2
+                 FOR UPDATE SKIP LOCKED)",
+        )
+        .bind(retention.as_secs_f64())
+        .bind(limit)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
+    }
+
+    /// Marks outbox rows as published (after the broker confirmed them).
+    pub async fn mark_published(&self, ids: &[i64]) -> Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(
+            "UPDATE outbox SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL",
+        )
+        .bind(ids)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+}
+
+pub(super) fn outbox_message(row: &sqlx::postgres::PgRow) -> Result<OutboxMessage> {
+    Ok(OutboxMessage {
+        id: row.try_get("id")?,
+        exchange: row.try_get("exchange")?,
+        routing_key: row.try_get("routing_key")?,
+        message_id: row.try_get("message_id")?,
+        body: row.try_get("body")?,
+    })
+}

@@ -1,0 +1,85 @@
+//! Provider qualification runs.
+
+use super::*;
+
+impl Store {
+    /// Records a qualification run, one row per case.
+    pub async fn record_qualification(&self, q: &crate::domain::Qualification) -> Result<Uuid> {
+        let run = Uuid::now_v7();
+        // A run with no case still records that it failed.
+        let cases: Vec<crate::domain::CaseResult> = if q.cases.is_empty() {
+            vec![crate::domain::CaseResult {
+                index: 0,
+                passed: false,
+                detail: "no_cases: the operation has no golden cases to qualify with".into(),
+                prompt_tokens: None,
+                tokens_estimated: false,
+                latency_ms: None,
+            }]
+        } else {
+            q.cases.clone()
+        };
+        sqlx::query(
+            "INSERT INTO provider_qualifications
+                 (run_id, provider, operation, contract_hash, case_index, passed, detail,
+                  prompt_tokens, tokens_estimated, latency_ms)
+             SELECT $1, $2, $3, $4, c.case_index, c.passed, c.detail, c.prompt_tokens, c.estimated, c.latency_ms
+             FROM unnest($5::int[], $6::bool[], $7::text[], $8::int[], $9::bool[], $10::bigint[])
+                  AS c(case_index, passed, detail, prompt_tokens, estimated, latency_ms)",
+        )
+        .bind(run)
+        .bind(&q.provider)
+        .bind(&q.operation)
+        .bind(&q.contract_hash)
+        .bind(cases.iter().map(|c| i32::try_from(c.index).unwrap_or(i32::MAX)).collect::<Vec<_>>())
+        .bind(cases.iter().map(|c| c.passed).collect::<Vec<_>>())
+        .bind(cases.iter().map(|c| c.detail.clone()).collect::<Vec<_>>())
+        .bind(
+            cases
+                .iter()
+                .map(|c| c.prompt_tokens.map(|t| i32::try_from(t).unwrap_or(i32::MAX)))
+                .collect::<Vec<_>>(),
+        )
+        .bind(cases.iter().map(|c| c.tokens_estimated).collect::<Vec<_>>())
+        .bind(
+            cases
+                .iter()
+                .map(|c| c.latency_ms.map(|l| i64::try_from(l).unwrap_or(i64::MAX)))
+                .collect::<Vec<_>>(),
+        )
+        .execute(&self.pool)
+        .await?;
+        Ok(run)
+    }
+
+    /// For each `(provider, operation)`, the contract hash of its latest
+    /// qualification run and whether every case of that run passed.
+    pub async fn latest_qualifications(
+        &self,
+        pairs: &[(String, String, String)],
+    ) -> Result<HashMap<(String, String), (String, bool)>> {
+        if pairs.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let rows: Vec<(String, String, String, bool)> = sqlx::query_as(
+            "WITH latest AS (
+                 SELECT DISTINCT ON (q.provider, q.operation) q.provider, q.operation, q.run_id, q.contract_hash
+                 FROM provider_qualifications q
+                 JOIN unnest($1::text[], $2::text[]) AS k(provider, operation)
+                   ON q.provider = k.provider AND q.operation = k.operation
+                 ORDER BY q.provider, q.operation, q.created_at DESC, q.id DESC
+             )
+             SELECT l.provider, l.operation, l.contract_hash, bool_and(q.passed)
+             FROM latest l JOIN provider_qualifications q ON q.run_id = l.run_id
+             GROUP BY l.provider, l.operation, l.contract_hash",
+        )
+        .bind(pairs.iter().map(|p| p.0.clone()).collect::<Vec<_>>())
+        .bind(pairs.iter().map(|p| p.1.clone()).collect::<Vec<_>>())
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(p, o, h, ok)| ((p, o), (h, ok)))
+            .collect())
+    }
+}

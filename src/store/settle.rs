@@ -1,0 +1,749 @@
+//! Attempts: the guarded start, and settling finished attempts (the
+//! compare-and-swap, unknowns, definite failures and what follows them),
+//! operators' resolutions and lost attempts.
+
+use super::*;
+
+impl Store {
+    /// Moves queued attempts to `started` with one guarded statement and marks their
+    /// jobs `running`. An id missing from the result was a duplicate delivery (the
+    /// attempt had already left `queued`), belongs to a job that has ended, or to a
+    /// job blocked by an `unknown` attempt ([`Store::attempt_state`] tells which).
+    ///
+    /// The jobs are locked first and their status checked under the lock, so a
+    /// timeout that commits meanwhile is seen: a job that just became `unknown` is
+    /// never written back to `running`, and no attempt of it starts.
+    pub async fn start(
+        &self,
+        provider: &str,
+        ids: &[AttemptId],
+        timeout: Duration,
+    ) -> Result<Vec<Started>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<Uuid> = ids.iter().map(|a| a.0).collect();
+        let rows = self
+            .retrying(|| {
+                sqlx::query(
+                    "WITH claimed AS (
+                         SELECT j.id FROM jobs j
+                         WHERE j.id IN (SELECT job_id FROM attempts
+                                        WHERE id = ANY($1) AND status = 'queued' AND provider = $2)
+                           AND j.status IN ('queued', 'running')
+                         ORDER BY j.id
+                         FOR UPDATE
+                     ), started AS (
+                         UPDATE attempts a
+                         SET status = 'started', started_at = now(),
+                             deadline_at = now() + make_interval(secs => $3)
+                         FROM claimed c
+                         WHERE a.id = ANY($1) AND a.job_id = c.id AND a.status = 'queued'
+                           AND a.provider = $2
+                         RETURNING a.id, a.job_id, a.number
+                     ), running AS (
+                         UPDATE jobs j SET status = 'running', updated_at = now()
+                         FROM (SELECT DISTINCT job_id FROM started) s
+                         WHERE j.id = s.job_id
+                         RETURNING j.id, j.version, j.operation, j.input
+                     )
+                     SELECT s.id, s.job_id, s.number, r.version, r.operation, r.input
+                     FROM started s JOIN running r ON r.id = s.job_id",
+                )
+                .bind(&ids)
+                .bind(provider)
+                .bind(timeout.as_secs_f64())
+                .fetch_all(&self.pool)
+                .map_err(StoreError::from)
+            })
+            .await?;
+        rows.iter()
+            .map(|r| {
+                let input = match r.try_get::<Value, _>("input")? {
+                    Value::Object(m) => m,
+                    other => return Err(corrupt(format!("job input is not an object: {other}"))),
+                };
+                Ok(Started {
+                    attempt_id: AttemptId(r.try_get("id")?),
+                    job_id: JobId(r.try_get("job_id")?),
+                    number: r.try_get("number")?,
+                    version: r.try_get("version")?,
+                    operation: r.try_get("operation")?,
+                    input,
+                })
+            })
+            .collect()
+    }
+
+    /// Settles finished attempts in one transaction: successes race through the
+    /// compare-and-swap, unknowns block their job, failures plan the next attempt
+    /// with `plan`. Returns what happened to each, in input order, and the outbox
+    /// rows to publish now.
+    pub async fn finalize(
+        &self,
+        finished: &[Finished],
+        plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
+    ) -> Result<(Vec<Settled>, Vec<OutboxMessage>)> {
+        if finished.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        self.retrying(|| self.finalize_once(finished, plan)).await
+    }
+
+    async fn finalize_once(
+        &self,
+        finished: &[Finished],
+        plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
+    ) -> Result<(Vec<Settled>, Vec<OutboxMessage>)> {
+        let mut tx = self.pool.begin().await?;
+        let mut settled: HashMap<AttemptId, Settled> = HashMap::new();
+        let mut drafts = Vec::new();
+
+        let wins: Vec<&Finished> = finished
+            .iter()
+            .filter(|f| matches!(f.verdict, Verdict::Succeeded(_)))
+            .collect();
+        if !wins.is_empty() {
+            let (outcomes, events) = self.settle_successes(&mut tx, &wins).await?;
+            settled.extend(outcomes);
+            drafts.extend(events);
+        }
+
+        let unknowns: Vec<(AttemptId, String)> = finished
+            .iter()
+            .filter_map(|f| match &f.verdict {
+                Verdict::Unknown { error } => Some((f.attempt_id, error.clone())),
+                _ => None,
+            })
+            .collect();
+        if !unknowns.is_empty() {
+            let mut marked = mark_unknown(&mut tx, &unknowns).await?;
+            for (id, _) in &unknowns {
+                settled.insert(*id, marked.remove(id).unwrap_or(Settled::Stale));
+            }
+        }
+
+        let failures: Vec<Failure> = finished
+            .iter()
+            .filter_map(|f| match &f.verdict {
+                Verdict::Failed {
+                    error,
+                    retryable,
+                    retry_after,
+                } => Some(Failure {
+                    attempt_id: f.attempt_id,
+                    error: error.clone(),
+                    retryable: *retryable,
+                    retry_after: *retry_after,
+                    usage: f.usage.clone(),
+                    request_id: f.provider_request_id.clone(),
+                }),
+                _ => None,
+            })
+            .collect();
+        if !failures.is_empty() {
+            let (outcomes, more) = self
+                .settle_failures(&mut tx, &failures, &["started", "unknown"], plan, false)
+                .await?;
+            settled.extend(outcomes);
+            drafts.extend(more);
+        }
+
+        let publish = self.insert_outbox(&mut tx, &drafts).await?;
+        tx.commit().await?;
+        let outcomes = finished
+            .iter()
+            .map(|f| settled.remove(&f.attempt_id).unwrap_or(Settled::Stale))
+            .collect();
+        Ok((outcomes, publish))
+    }
+
+    /// The compare-and-swap. Exactly one attempt per job can move `completed_by`
+    /// from NULL; every other open attempt that finishes is `discarded`, its usage
+    /// kept, its result dropped whole.
+    async fn settle_successes(
+        &self,
+        tx: &mut PgConnection,
+        wins: &[&Finished],
+    ) -> Result<(Vec<(AttemptId, Settled)>, Vec<OutboxDraft>)> {
+        let rows = sqlx::query(
+            "WITH input AS (
+                 SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::bigint[], $4::jsonb[], $5::jsonb[], $6::text[])
+                     AS t(attempt_id, job_id, version, result, usage, request_id)
+             ), open AS (
+                 SELECT a.id FROM attempts a JOIN input i ON a.id = i.attempt_id AND a.job_id = i.job_id
+                 WHERE a.status IN ('started', 'unknown')
+                 ORDER BY a.id
+                 FOR UPDATE OF a
+             ), won AS (
+                 UPDATE jobs j
+                 SET status = 'succeeded', result = i.result, completed_by = i.attempt_id,
+                     version = j.version + 1, error = NULL, updated_at = now()
+                 FROM input i JOIN open o ON o.id = i.attempt_id
+                 WHERE j.id = i.job_id AND j.version = i.version AND j.completed_by IS NULL
+                   AND j.status IN ('queued', 'running', 'unknown')
+                 RETURNING j.id, j.version, j.owner_id, j.idempotency_key, j.operation, j.status,
+                           j.completed_by, j.result, j.error
+             ), settled AS (
+                 UPDATE attempts a
+                 SET status = CASE WHEN w.id IS NOT NULL THEN 'succeeded' ELSE 'discarded' END,
+                     error = CASE WHEN w.id IS NULL
+                                  THEN 'discarded: another attempt had already won, or the job had ended' END,
+                     finished_at = now(), usage = i.usage, provider_request_id = i.request_id
+                 FROM input i JOIN open o ON o.id = i.attempt_id
+                      LEFT JOIN won w ON w.completed_by = i.attempt_id
+                 WHERE a.id = i.attempt_id
+                 RETURNING a.id, a.status
+             ), late AS (
+                 UPDATE attempts a
+                 SET usage = COALESCE(a.usage, i.usage),
+                     provider_request_id = COALESCE(a.provider_request_id, i.request_id)
+                 FROM input i
+                 WHERE a.id = i.attempt_id AND a.id NOT IN (SELECT id FROM open)
+                 RETURNING a.id
+             )
+             SELECT w.id, w.version, w.owner_id, w.idempotency_key, w.operation, w.status,
+                    w.completed_by, w.result, w.error, NULL::uuid AS discarded_job
+             FROM won w
+             UNION ALL
+             SELECT NULL, NULL, NULL, NULL, NULL, NULL, s.id, NULL, NULL, i.job_id
+             FROM settled s JOIN input i ON i.attempt_id = s.id
+             WHERE s.status = 'discarded'",
+        )
+        .bind(wins.iter().map(|f| f.attempt_id.0).collect::<Vec<_>>())
+        .bind(wins.iter().map(|f| f.job_id.0).collect::<Vec<_>>())
+        .bind(wins.iter().map(|f| f.version).collect::<Vec<_>>())
+        .bind(
+            wins.iter()
+                .map(|f| match &f.verdict {
+                    Verdict::Succeeded(v) => v.clone(),
+                    _ => Value::Null,
+                })
+                .collect::<Vec<_>>(),
+        )
+        .bind(wins.iter().map(|f| f.usage.clone()).collect::<Vec<_>>())
+        .bind(wins.iter().map(|f| f.provider_request_id.clone()).collect::<Vec<_>>())
+        .fetch_all(&mut *tx)
+        .await?;
+
+        let mut outcomes = Vec::new();
+        let mut events = Vec::new();
+        let mut discarded: Vec<(AttemptId, Uuid)> = Vec::new();
+        for row in &rows {
+            match row.try_get::<Option<Uuid>, _>("discarded_job")? {
+                Some(job) => {
+                    let attempt: Uuid = row.try_get("completed_by")?;
+                    discarded.push((AttemptId(attempt), job));
+                }
+                None => {
+                    let ended = Ended::from_row(row)?;
+                    let winner = ended
+                        .completed_by
+                        .ok_or_else(|| corrupt("won job without completed_by"))?;
+                    events.push(ended.draft(&self.routes));
+                    outcomes.push((AttemptId(winner), Settled::Won));
+                }
+            }
+        }
+        let won: Vec<(Uuid, Uuid)> = outcomes
+            .iter()
+            .filter_map(|(winner, _)| {
+                wins.iter()
+                    .find(|f| f.attempt_id == *winner)
+                    .map(|f| (f.job_id.0, winner.0))
+            })
+            .collect();
+        if !won.is_empty() {
+            // The won jobs' other attempts, in a statement of their own: its fresh
+            // snapshot sees a timeout that committed while the compare-and-swap
+            // waited for the job (which this transaction now holds). An unknown
+            // blocks nothing any more: discarded. A queued one will never be needed:
+            // cancelled.
+            sqlx::query(
+                "UPDATE attempts a
+                 SET status = CASE WHEN a.status = 'unknown' THEN 'discarded' ELSE 'cancelled' END,
+                     finished_at = now(),
+                     error = CASE WHEN a.status = 'unknown'
+                                  THEN 'discarded: its outcome was still unknown when attempt '
+                                       || w.winner || ' won'
+                                  ELSE 'cancelled: attempt ' || w.winner || ' won before it started'
+                             END
+                 FROM unnest($1::uuid[], $2::uuid[]) AS w(job_id, winner)
+                 WHERE a.job_id = w.job_id AND a.status IN ('unknown', 'queued')",
+            )
+            .bind(won.iter().map(|w| w.0).collect::<Vec<_>>())
+            .bind(won.iter().map(|w| w.1).collect::<Vec<_>>())
+            .execute(&mut *tx)
+            .await?;
+        }
+        if !discarded.is_empty() {
+            // A fresh snapshot sees the winner that made our compare-and-swap fail.
+            let winners: HashMap<Uuid, Option<Uuid>> = sqlx::query_as::<_, (Uuid, Option<Uuid>)>(
+                "SELECT id, completed_by FROM jobs WHERE id = ANY($1)",
+            )
+            .bind(discarded.iter().map(|(_, j)| *j).collect::<Vec<_>>())
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .collect();
+            for (attempt, job) in discarded {
+                let winner = winners.get(&job).copied().flatten().map(AttemptId);
+                tracing::info!(
+                    job_id = %job,
+                    discarded_attempt = %attempt,
+                    winning_attempt = ?winner.map(|w| w.to_string()),
+                    "late result discarded: the job already has its outcome"
+                );
+                outcomes.push((attempt, Settled::Discarded { winner }));
+            }
+        }
+        Ok((outcomes, events))
+    }
+
+    /// Definite failures: mark the attempts `failed`, then, per job, either create
+    /// the next attempt (with its not-before time persisted) or fail the job.
+    async fn settle_failures(
+        &self,
+        tx: &mut PgConnection,
+        failures: &[Failure],
+        from: &[&str],
+        plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
+        immediate: bool,
+    ) -> Result<(Vec<(AttemptId, Settled)>, Vec<OutboxDraft>)> {
+        let failed: Vec<(Uuid, Uuid, String, String)> = sqlx::query_as(
+            "UPDATE attempts a
+             SET status = 'failed', error = i.error, finished_at = now(),
+                 usage = COALESCE(i.usage, a.usage),
+                 provider_request_id = COALESCE(i.request_id, a.provider_request_id)
+             FROM unnest($1::uuid[], $2::text[], $3::jsonb[], $4::text[])
+                  AS i(attempt_id, error, usage, request_id)
+             WHERE a.id = i.attempt_id AND a.status = ANY($5)
+             RETURNING a.id, a.job_id, a.provider, a.error",
+        )
+        .bind(failures.iter().map(|f| f.attempt_id.0).collect::<Vec<_>>())
+        .bind(failures.iter().map(|f| f.error.clone()).collect::<Vec<_>>())
+        .bind(failures.iter().map(|f| f.usage.clone()).collect::<Vec<_>>())
+        .bind(
+            failures
+                .iter()
+                .map(|f| f.request_id.clone())
+                .collect::<Vec<_>>(),
+        )
+        .bind(from.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut outcomes: Vec<(AttemptId, Settled)> = Vec::new();
+        if failed.is_empty() {
+            return Ok((outcomes, Vec::new()));
+        }
+        let job_ids: Vec<Uuid> = failed
+            .iter()
+            .map(|f| f.1)
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+
+        // Lock the jobs (in id order), then read their attempts in a new statement:
+        // its fresh snapshot sees any attempt another transaction committed while we
+        // waited for the lock.
+        let jobs: HashMap<Uuid, (String, String)> = sqlx::query_as::<_, (Uuid, String, String)>(
+            "SELECT id, status, operation FROM jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+        )
+        .bind(&job_ids)
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(|(id, status, op)| (id, (status, op)))
+        .collect();
+        let counts: HashMap<Uuid, AttemptCounts> = sqlx::query_as::<_, AttemptCounts>(
+            "SELECT job_id, count(*) AS made, max(number) AS max_number,
+                    bool_or(status IN ('queued', 'started', 'unknown')) AS open,
+                    bool_or(status = 'unknown') AS unknown,
+                    COALESCE(array_agg(id) FILTER (WHERE status = 'queued'), '{}') AS queued,
+                    COALESCE(array_agg(provider) FILTER (WHERE status = 'queued'), '{}')
+                        AS queued_providers
+             FROM attempts WHERE job_id = ANY($1) GROUP BY job_id",
+        )
+        .bind(&job_ids)
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(|c| (c.job_id, c))
+        .collect();
+
+        let by_attempt: HashMap<Uuid, &Failure> =
+            failures.iter().map(|f| (f.attempt_id.0, f)).collect();
+        let now = Utc::now();
+        let mut next_attempts: Vec<NextAttempt> = Vec::new();
+        let mut give_up: Vec<(Uuid, String)> = Vec::new();
+        let mut planned: HashMap<Uuid, Option<AttemptId>> = HashMap::new();
+        let mut unblocked: Vec<Uuid> = Vec::new();
+        let mut lifted: Vec<OutboxDraft> = Vec::new();
+        // The failed attempt whose settlement created each next attempt.
+        let mut triggered: HashMap<Uuid, AttemptId> = HashMap::new();
+        for (attempt, job, provider, error) in &failed {
+            let Some((status, operation)) = jobs.get(job) else {
+                return Err(corrupt(format!("attempt {attempt} has no job {job}")));
+            };
+            let status: JobStatus = status.parse().map_err(corrupt)?;
+            let Some(c) = counts.get(job) else {
+                return Err(corrupt(format!("job {job} has no attempts")));
+            };
+            let (made, max_number) = (c.made, c.max_number);
+            // A terminal job stays as it is; a job already planned in this batch
+            // gets one plan only.
+            if status.is_terminal() || planned.contains_key(job) {
+                planned.entry(*job).or_insert(None);
+                continue;
+            }
+            // Another open attempt (a hedge) carries on. If this failure lifted the
+            // job's last unknown, the job runs again, and an attempt whose delivery
+            // was turned away while it was blocked is published once more.
+            if c.open {
+                if status == JobStatus::Unknown && !c.unknown {
+                    unblocked.push(*job);
+                    for (id, provider) in c.queued.iter().zip(&c.queued_providers) {
+                        lifted.push(self.routes.attempt_draft(
+                            AttemptId(*id),
+                            JobId(*job),
+                            provider,
+                            None,
+                        ));
+                    }
+                }
+                planned.insert(*job, None);
+                continue;
+            }
+            let step = plan(&FailedJob {
+                job_id: JobId(*job),
+                operation: operation.clone(),
+                failed_provider: provider.clone(),
+                attempts_made: u32::try_from(made).unwrap_or(u32::MAX),
+                error: error.clone(),
+                retryable: by_attempt.get(attempt).is_none_or(|f| f.retryable),
+                retry_after: by_attempt.get(attempt).and_then(|f| f.retry_after),
+            });
+            match step {
+                NextStep::Retry { provider, delay } => {
+                    let id = AttemptId::new();
+                    let delay = if immediate { Duration::ZERO } else { delay };
+                    let not_before = (!delay.is_zero()).then(|| later(now, delay));
+                    next_attempts.push(NextAttempt {
+                        id,
+                        job: JobId(*job),
+                        number: max_number + 1,
+                        provider,
+                        not_before,
+                    });
+                    planned.insert(*job, Some(id));
+                    triggered.insert(*attempt, id);
+                }
+                NextStep::GiveUp { error } => {
+                    give_up.push((*job, error));
+                    planned.insert(*job, None);
+                }
+            }
+        }
+
+        let mut drafts = lifted;
+        if !unblocked.is_empty() {
+            sqlx::query(
+                "UPDATE jobs SET status = 'running', updated_at = now()
+                 WHERE id = ANY($1) AND status = 'unknown'",
+            )
+            .bind(&unblocked)
+            .execute(&mut *tx)
+            .await?;
+        }
+        if !next_attempts.is_empty() {
+            sqlx::query(
+                "WITH new AS (
+                     INSERT INTO attempts (id, job_id, number, provider, not_before)
+                     SELECT n.id, n.job_id, n.number, n.provider, COALESCE(n.not_before, now())
+                     FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[], $5::timestamptz[])
+                          AS n(id, job_id, number, provider, not_before)
+                     RETURNING job_id
+                 )
+                 UPDATE jobs j SET status = 'running', updated_at = now()
+                 FROM new WHERE j.id = new.job_id AND j.status = 'unknown'",
+            )
+            .bind(next_attempts.iter().map(|n| n.id.0).collect::<Vec<_>>())
+            .bind(next_attempts.iter().map(|n| n.job.0).collect::<Vec<_>>())
+            .bind(next_attempts.iter().map(|n| n.number).collect::<Vec<_>>())
+            .bind(
+                next_attempts
+                    .iter()
+                    .map(|n| n.provider.clone())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                next_attempts
+                    .iter()
+                    .map(|n| n.not_before)
+                    .collect::<Vec<_>>(),
+            )
+            .execute(&mut *tx)
+            .await?;
+            for n in &next_attempts {
+                drafts.push(
+                    self.routes
+                        .attempt_draft(n.id, n.job, &n.provider, n.not_before),
+                );
+            }
+        }
+        let mut failed_jobs = BTreeSet::new();
+        if !give_up.is_empty() {
+            let rows = sqlx::query(
+                "UPDATE jobs j
+                 SET status = 'failed', error = g.error, version = j.version + 1, updated_at = now()
+                 FROM unnest($1::uuid[], $2::text[]) AS g(job_id, error)
+                 WHERE j.id = g.job_id AND j.status IN ('queued', 'running', 'unknown')
+                 RETURNING j.id, j.version, j.owner_id, j.idempotency_key, j.operation, j.status,
+                           j.completed_by, j.result, j.error",
+            )
+            .bind(give_up.iter().map(|g| g.0).collect::<Vec<_>>())
+            .bind(give_up.iter().map(|g| g.1.clone()).collect::<Vec<_>>())
+            .fetch_all(&mut *tx)
+            .await?;
+            for row in &rows {
+                let ended = Ended::from_row(row)?;
+                failed_jobs.insert(ended.job_id);
+                drafts.push(ended.draft(&self.routes));
+            }
+        }
+        for (attempt, job, _, _) in &failed {
+            outcomes.push((
+                AttemptId(*attempt),
+                Settled::Failed {
+                    next: triggered.get(attempt).copied(),
+                    job_failed: failed_jobs.contains(job),
+                },
+            ));
+        }
+        Ok((outcomes, drafts))
+    }
+
+    /// An operator's out-of-band resolution of an open attempt. `--as failed` is a
+    /// definite failure (the route rule picks the next attempt, at once);
+    /// `--as cancelled` ends the attempt and its job. Refused on a terminal attempt
+    /// or job.
+    pub async fn resolve(
+        &self,
+        attempt: AttemptId,
+        resolution: Resolution,
+        plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
+    ) -> Result<Result<(Settled, Vec<OutboxMessage>), Refusal>> {
+        let Some((status, job_id, job_status)) = sqlx::query_as::<_, (String, Uuid, String)>(
+            "SELECT a.status, a.job_id, j.status FROM attempts a JOIN jobs j ON j.id = a.job_id WHERE a.id = $1",
+        )
+        .bind(attempt.0)
+        .fetch_optional(&self.pool)
+        .await?
+        else {
+            return Ok(Err(Refusal::NotFound(format!("attempt {attempt}"))));
+        };
+        let status: AttemptStatus = status.parse().map_err(corrupt)?;
+        let job_status: JobStatus = job_status.parse().map_err(corrupt)?;
+        if status.is_terminal() {
+            return Ok(Err(Refusal::Terminal(format!(
+                "attempt {attempt} is already {status}: a terminal attempt cannot be resolved"
+            ))));
+        }
+        if job_status.is_terminal() {
+            return Ok(Err(Refusal::terminal_job(job_id, job_status)));
+        }
+        let result = match resolution {
+            Resolution::Failed => {
+                self.retrying(|| async {
+                    let mut tx = self.pool.begin().await?;
+                    let failure = Failure {
+                        attempt_id: attempt,
+                        error: "resolved_failed: an operator resolved this attempt as failed"
+                            .into(),
+                        retryable: true,
+                        retry_after: None,
+                        usage: None,
+                        request_id: None,
+                    };
+                    let (mut outcomes, drafts) = self
+                        .settle_failures(
+                            &mut tx,
+                            &[failure],
+                            &["queued", "started", "unknown"],
+                            plan,
+                            true,
+                        )
+                        .await?;
+                    let publish = self.insert_outbox(&mut tx, &drafts).await?;
+                    tx.commit().await?;
+                    Ok(outcomes.pop().map(|(_, s)| (s, publish)))
+                })
+                .await?
+            }
+            Resolution::Cancelled => {
+                let reason = format!(
+                    "cancelled: attempt {attempt} was resolved as cancelled by an operator"
+                );
+                self.retrying(|| self.cancel_once(JobId(job_id), Some(attempt), &reason))
+                    .await?
+                    .map(|publish| (Settled::Stale, publish))
+            }
+        };
+        Ok(result.ok_or_else(|| {
+            Refusal::Terminal(format!(
+                "attempt {attempt} changed while it was being resolved; look again"
+            ))
+        }))
+    }
+
+    /// Fails attempts that are still `queued` (their message was lost for good), and
+    /// plans what follows each, as for any definite failure.
+    pub async fn fail_queued(
+        &self,
+        attempts: &[(AttemptId, String)],
+        plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
+    ) -> Result<(Vec<(AttemptId, Settled)>, Vec<OutboxMessage>)> {
+        if attempts.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        self.retrying(|| async {
+            let mut tx = self.pool.begin().await?;
+            let failures: Vec<Failure> = attempts
+                .iter()
+                .map(|(id, error)| Failure {
+                    attempt_id: *id,
+                    error: error.clone(),
+                    retryable: true,
+                    retry_after: None,
+                    usage: None,
+                    request_id: None,
+                })
+                .collect();
+            let (outcomes, drafts) = self
+                .settle_failures(&mut tx, &failures, &["queued"], plan, false)
+                .await?;
+            let publish = self.insert_outbox(&mut tx, &drafts).await?;
+            tx.commit().await?;
+            Ok((outcomes, publish))
+        })
+        .await
+    }
+}
+
+/// An attempt planned after a definite failure. `not_before` is `None` when it is
+/// due now: its writer publishes it at once instead of leaving it to the relay.
+struct NextAttempt {
+    id: AttemptId,
+    job: JobId,
+    number: i32,
+    provider: String,
+    not_before: Option<DateTime<Utc>>,
+}
+
+/// What `settle_failures` needs to know of a job's attempts.
+#[derive(sqlx::FromRow)]
+struct AttemptCounts {
+    job_id: Uuid,
+    made: i64,
+    max_number: i32,
+    /// Some attempt is `queued`, `started` or `unknown`.
+    open: bool,
+    /// Some attempt is `unknown`.
+    unknown: bool,
+    /// The `queued` attempts, and their providers.
+    queued: Vec<Uuid>,
+    queued_providers: Vec<String>,
+}
+
+/// One definite failure to settle.
+struct Failure {
+    attempt_id: AttemptId,
+    error: String,
+    retryable: bool,
+    retry_after: Option<Duration>,
+    usage: Option<Value>,
+    request_id: Option<String>,
+}
+
+/// Timeouts: each still-`started` attempt becomes `unknown` and blocks its job,
+/// unless the job has already ended (another attempt won, or it was cancelled):
+/// then nothing is blocked any more, and the attempt is `discarded` with the
+/// reason. Attempts are locked first, then their jobs, as everywhere.
+pub(super) async fn mark_unknown(
+    tx: &mut PgConnection,
+    unknowns: &[(AttemptId, String)],
+) -> Result<HashMap<AttemptId, Settled>> {
+    let locked: Vec<(Uuid, Uuid)> = sqlx::query_as(
+        "SELECT id, job_id FROM attempts WHERE id = ANY($1) AND status = 'started'
+         ORDER BY id FOR UPDATE",
+    )
+    .bind(unknowns.iter().map(|u| u.0.0).collect::<Vec<_>>())
+    .fetch_all(&mut *tx)
+    .await?;
+    if locked.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let job_ids: Vec<Uuid> = locked
+        .iter()
+        .map(|l| l.1)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    // Locked, then read by a new statement: a job that ended meanwhile is seen ended.
+    let jobs: HashMap<Uuid, (String, Option<Uuid>)> =
+        sqlx::query_as::<_, (Uuid, String, Option<Uuid>)>(
+            "SELECT id, status, completed_by FROM jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+        )
+        .bind(&job_ids)
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(|(id, status, winner)| (id, (status, winner)))
+        .collect();
+    let errors: HashMap<AttemptId, &str> =
+        unknowns.iter().map(|(id, e)| (*id, e.as_str())).collect();
+    let mut outcomes = HashMap::new();
+    let (mut ids, mut statuses, mut texts) = (Vec::new(), Vec::new(), Vec::new());
+    for (attempt, job) in &locked {
+        let attempt = AttemptId(*attempt);
+        let error = errors.get(&attempt).copied().unwrap_or_default();
+        let (status, winner) = jobs
+            .get(job)
+            .ok_or_else(|| corrupt(format!("attempt {attempt} has no job {job}")))?;
+        let ended = status.parse::<JobStatus>().map_err(corrupt)?.is_terminal();
+        ids.push(attempt.0);
+        if ended {
+            statuses.push(AttemptStatus::Discarded.as_str());
+            texts.push(format!("discarded: {error} (after its job had ended)"));
+            outcomes.insert(
+                attempt,
+                Settled::Discarded {
+                    winner: winner.map(AttemptId),
+                },
+            );
+        } else {
+            statuses.push(AttemptStatus::Unknown.as_str());
+            texts.push(error.to_owned());
+            outcomes.insert(attempt, Settled::Unknown);
+        }
+    }
+    sqlx::query(
+        "WITH marked AS (
+             UPDATE attempts a
+             SET status = i.status, error = i.error,
+                 finished_at = CASE WHEN i.status = 'discarded' THEN now() END
+             FROM unnest($1::uuid[], $2::text[], $3::text[]) AS i(attempt_id, status, error)
+             WHERE a.id = i.attempt_id
+             RETURNING a.job_id, a.status
+         )
+         UPDATE jobs j SET status = 'unknown', updated_at = now()
+         FROM (SELECT DISTINCT job_id FROM marked WHERE status = 'unknown') m
+         WHERE j.id = m.job_id AND j.status = 'running'",
+    )
+    .bind(&ids)
+    .bind(&statuses)
+    .bind(&texts)
+    .execute(&mut *tx)
+    .await?;
+    Ok(outcomes)
+}

@@ -1,0 +1,175 @@
+//! What the reconciler's passes ask of the tables: vanished workers, stuck
+//! queued attempts, and hedging.
+
+use super::settle::mark_unknown;
+use super::*;
+
+impl Store {
+    /// Queued attempts that never started although their message was published
+    /// `stuck_after` ago (it was dead-lettered, or its queue purged): republishes each
+    /// (a duplicate is harmless: `queued → started` is guarded) and counts it.
+    /// Returns the messages to publish now, and the attempts already republished
+    /// `max_republish` times, for the caller to fail.
+    ///
+    /// Attempts of the providers in `backlogged` are left alone: their queue still
+    /// holds messages, so theirs is most likely waiting there behind the others.
+    pub async fn stuck_queued(
+        &self,
+        stuck_after: Duration,
+        max_republish: i32,
+        backlogged: &[String],
+    ) -> Result<(Vec<OutboxMessage>, Vec<AttemptId>)> {
+        let mut tx = self.pool.begin().await?;
+        let stuck: Vec<(Uuid, Uuid, String, i32)> = sqlx::query_as(
+            "SELECT a.id, a.job_id, a.provider, a.republished FROM attempts a
+             JOIN jobs j ON j.id = a.job_id
+             WHERE a.status = 'queued' AND a.not_before < now() - make_interval(secs => $1)
+               AND j.status <> 'unknown' AND a.provider <> ALL($2)
+               AND NOT EXISTS (SELECT 1 FROM outbox o
+                               WHERE o.message_id = a.id::text AND o.published_at IS NULL)
+             ORDER BY a.id
+             LIMIT 100
+             FOR UPDATE OF a SKIP LOCKED",
+        )
+        .bind(stuck_after.as_secs_f64())
+        .bind(backlogged)
+        .fetch_all(&mut *tx)
+        .await?;
+        let (exhausted, again): (Vec<_>, Vec<_>) =
+            stuck.into_iter().partition(|s| s.3 >= max_republish);
+        let mut drafts = Vec::new();
+        if !again.is_empty() {
+            sqlx::query("UPDATE attempts SET republished = republished + 1, not_before = now() WHERE id = ANY($1)")
+                .bind(again.iter().map(|s| s.0).collect::<Vec<_>>())
+                .execute(&mut *tx)
+                .await?;
+            for (id, job, provider, n) in &again {
+                tracing::warn!(attempt_id = %id, republished = n + 1, "queued attempt never started; republishing its message");
+                drafts.push(
+                    self.routes
+                        .attempt_draft(AttemptId(*id), JobId(*job), provider, None),
+                );
+            }
+        }
+        let publish = self.insert_outbox(&mut tx, &drafts).await?;
+        tx.commit().await?;
+        Ok((
+            publish,
+            exhausted.into_iter().map(|s| AttemptId(s.0)).collect(),
+        ))
+    }
+
+    /// Jobs of operations with `hedge_after` whose only attempt has been `started`
+    /// longer than that, with no hedge yet: `(job, its provider, operation, attempts
+    /// made)`.
+    pub async fn hedge_candidates(
+        &self,
+        hedge_after: &[(String, Duration)],
+    ) -> Result<Vec<(JobId, String, String, u32)>> {
+        if hedge_after.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<(Uuid, String, String, i64)> = sqlx::query_as(
+            "SELECT a.job_id, a.provider, j.operation,
+                    (SELECT count(*) FROM attempts x WHERE x.job_id = a.job_id)
+             FROM attempts a
+             JOIN jobs j ON j.id = a.job_id
+             JOIN unnest($1::text[], $2::float8[]) AS h(operation, secs) ON h.operation = j.operation
+             WHERE a.status = 'started' AND a.lane = 0 AND j.status = 'running'
+               AND a.started_at + make_interval(secs => h.secs) < now()
+               AND NOT EXISTS (SELECT 1 FROM attempts b WHERE b.job_id = a.job_id AND b.lane = 1)
+             ORDER BY a.started_at
+             LIMIT 100",
+        )
+        .bind(hedge_after.iter().map(|h| h.0.clone()).collect::<Vec<_>>())
+        .bind(hedge_after.iter().map(|h| h.1.as_secs_f64()).collect::<Vec<_>>())
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(job, provider, op, n)| {
+                (
+                    JobId(job),
+                    provider,
+                    op,
+                    u32::try_from(n).unwrap_or(u32::MAX),
+                )
+            })
+            .collect())
+    }
+
+    /// Started attempts silent past their deadline plus `grace` lost their worker:
+    /// they and their jobs become `unknown` (never `failed`: the provider may still
+    /// be working). One whose job has already ended blocks nothing: it is
+    /// `discarded`, with the reason.
+    pub async fn expire_vanished(&self, grace: Duration) -> Result<Vec<AttemptId>> {
+        let mut tx = self.pool.begin().await?;
+        let vanished: Vec<(Uuid,)> = sqlx::query_as(
+            "SELECT id FROM attempts
+             WHERE status = 'started' AND deadline_at + make_interval(secs => $1) < now()
+             ORDER BY id
+             LIMIT 500",
+        )
+        .bind(grace.as_secs_f64())
+        .fetch_all(&mut *tx)
+        .await?;
+        if vanished.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Decided as for any timeout: under the attempts' and jobs' locks, so a
+        // job that ended meanwhile gets a discarded attempt, never an unknown one.
+        let error = "worker_vanished: no outcome by the deadline plus the grace period";
+        let unknowns: Vec<(AttemptId, String)> = vanished
+            .iter()
+            .map(|(id,)| (AttemptId(*id), error.to_owned()))
+            .collect();
+        let marked = mark_unknown(&mut tx, &unknowns).await?;
+        tx.commit().await?;
+        Ok(marked
+            .into_iter()
+            .filter(|(_, s)| *s == Settled::Unknown)
+            .map(|(id, _)| id)
+            .collect())
+    }
+
+    /// Starts a hedge: one parallel attempt on `provider` beside a job's running
+    /// attempt. Guarded in one statement under the job's row lock: the job must be
+    /// `running` with exactly one open attempt, `started`, in the main lane, and no
+    /// attempt `unknown`. Returns the new attempt and its message to publish, or
+    /// `None` when the guard refused.
+    pub async fn hedge(
+        &self,
+        job: JobId,
+        provider: &str,
+    ) -> Result<Option<(AttemptId, Vec<OutboxMessage>)>> {
+        let id = AttemptId::new();
+        let mut tx = self.pool.begin().await?;
+        let locked: Option<(String,)> =
+            sqlx::query_as("SELECT status FROM jobs WHERE id = $1 FOR UPDATE")
+                .bind(job.0)
+                .fetch_optional(&mut *tx)
+                .await?;
+        if !matches!(locked, Some((ref s,)) if s == "running") {
+            return Ok(None);
+        }
+        let inserted = sqlx::query(
+            "INSERT INTO attempts (id, job_id, number, provider, lane)
+             SELECT $1, $2, max(number) + 1, $3, 1 FROM attempts WHERE job_id = $2
+             HAVING count(*) FILTER (WHERE status IN ('queued', 'unknown')) = 0
+                AND count(*) FILTER (WHERE status = 'started' AND lane = 0) = 1
+                AND count(*) FILTER (WHERE lane = 1 AND status IN ('queued', 'started', 'unknown')) = 0",
+        )
+        .bind(id.0)
+        .bind(job.0)
+        .bind(provider)
+        .execute(&mut *tx)
+        .await?;
+        if inserted.rows_affected() == 0 {
+            return Ok(None);
+        }
+        let draft = self.routes.attempt_draft(id, job, provider, None);
+        let publish = self.insert_outbox(&mut tx, &[draft]).await?;
+        tx.commit().await?;
+        Ok(Some((id, publish)))
+    }
+}
