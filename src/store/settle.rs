@@ -310,31 +310,9 @@ impl Store {
         plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
         immediate: bool,
     ) -> Result<(Vec<(AttemptId, Settled)>, Vec<OutboxDraft>)> {
-        let failed: Vec<(Uuid, Uuid, String, String)> = sqlx::query_as(
-            "UPDATE attempts a
-             SET status = 'failed', error = i.error, finished_at = now(),
-                 usage = COALESCE(i.usage, a.usage),
-                 provider_request_id = COALESCE(i.request_id, a.provider_request_id)
-             FROM unnest($1::uuid[], $2::text[], $3::jsonb[], $4::text[])
-                  AS i(attempt_id, error, usage, request_id)
-             WHERE a.id = i.attempt_id AND a.status = ANY($5)
-             RETURNING a.id, a.job_id, a.provider, a.error",
-        )
-        .bind(failures.iter().map(|f| f.attempt_id.0).collect::<Vec<_>>())
-        .bind(failures.iter().map(|f| f.error.clone()).collect::<Vec<_>>())
-        .bind(failures.iter().map(|f| f.usage.clone()).collect::<Vec<_>>())
-        .bind(
-            failures
-                .iter()
-                .map(|f| f.request_id.clone())
-                .collect::<Vec<_>>(),
-        )
-        .bind(from.iter().map(|s| s.to_string()).collect::<Vec<_>>())
-        .fetch_all(&mut *tx)
-        .await?;
-        let mut outcomes: Vec<(AttemptId, Settled)> = Vec::new();
+        let failed = mark_failed(tx, failures, from).await?;
         if failed.is_empty() {
-            return Ok((outcomes, Vec::new()));
+            return Ok((Vec::new(), Vec::new()));
         }
         let job_ids: Vec<Uuid> = failed
             .iter()
@@ -342,110 +320,47 @@ impl Store {
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
+        let states = lock_jobs(tx, &job_ids).await?;
+        let planned = plan_failures(&failed, &states, failures, plan, immediate, Utc::now())?;
+        let triggered = planned.triggered.clone();
+        let (drafts, failed_jobs) = self.apply_failure_plan(tx, planned).await?;
+        let outcomes = failed
+            .iter()
+            .map(|(attempt, job, _, _)| {
+                (
+                    AttemptId(*attempt),
+                    Settled::Failed {
+                        next: triggered.get(attempt).copied(),
+                        job_failed: failed_jobs.contains(job),
+                    },
+                )
+            })
+            .collect();
+        Ok((outcomes, drafts))
+    }
 
-        // Lock the jobs (in id order), then read their attempts in a new statement:
-        // its fresh snapshot sees any attempt another transaction committed while we
-        // waited for the lock.
-        let jobs: HashMap<Uuid, (String, String)> = sqlx::query_as::<_, (Uuid, String, String)>(
-            "SELECT id, status, operation FROM jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE",
-        )
-        .bind(&job_ids)
-        .fetch_all(&mut *tx)
-        .await?
-        .into_iter()
-        .map(|(id, status, op)| (id, (status, op)))
-        .collect();
-        let counts: HashMap<Uuid, AttemptCounts> = sqlx::query_as::<_, AttemptCounts>(
-            "SELECT job_id, count(*) AS made, max(number) AS max_number,
-                    bool_or(status IN ('queued', 'started', 'unknown')) AS open,
-                    bool_or(status = 'unknown') AS unknown,
-                    COALESCE(array_agg(id) FILTER (WHERE status = 'queued'), '{}') AS queued,
-                    COALESCE(array_agg(provider) FILTER (WHERE status = 'queued'), '{}')
-                        AS queued_providers
-             FROM attempts WHERE job_id = ANY($1) GROUP BY job_id",
-        )
-        .bind(&job_ids)
-        .fetch_all(&mut *tx)
-        .await?
-        .into_iter()
-        .map(|c| (c.job_id, c))
-        .collect();
-
-        let by_attempt: HashMap<Uuid, &Failure> =
-            failures.iter().map(|f| (f.attempt_id.0, f)).collect();
-        let now = Utc::now();
-        let mut next_attempts: Vec<NextAttempt> = Vec::new();
-        let mut give_up: Vec<(Uuid, String)> = Vec::new();
-        let mut planned: HashMap<Uuid, Option<AttemptId>> = HashMap::new();
-        let mut unblocked: Vec<Uuid> = Vec::new();
-        let mut lifted: Vec<OutboxDraft> = Vec::new();
-        // The failed attempt whose settlement created each next attempt.
-        let mut triggered: HashMap<Uuid, AttemptId> = HashMap::new();
-        for (attempt, job, provider, error) in &failed {
-            let Some((status, operation)) = jobs.get(job) else {
-                return Err(corrupt(format!("attempt {attempt} has no job {job}")));
-            };
-            let status: JobStatus = status.parse().map_err(corrupt)?;
-            let Some(c) = counts.get(job) else {
-                return Err(corrupt(format!("job {job} has no attempts")));
-            };
-            let (made, max_number) = (c.made, c.max_number);
-            // A terminal job stays as it is; a job already planned in this batch
-            // gets one plan only.
-            if status.is_terminal() || planned.contains_key(job) {
-                planned.entry(*job).or_insert(None);
-                continue;
-            }
-            // Another open attempt (a hedge) carries on. If this failure lifted the
-            // job's last unknown, the job runs again, and an attempt whose delivery
-            // was turned away while it was blocked is published once more.
-            if c.open {
-                if status == JobStatus::Unknown && !c.unknown {
-                    unblocked.push(*job);
-                    for (id, provider) in c.queued.iter().zip(&c.queued_providers) {
-                        lifted.push(self.routes.attempt_draft(
-                            AttemptId(*id),
-                            JobId(*job),
-                            provider,
-                            None,
-                        ));
-                    }
-                }
-                planned.insert(*job, None);
-                continue;
-            }
-            let step = plan(&FailedJob {
-                job_id: JobId(*job),
-                operation: operation.clone(),
-                failed_provider: provider.clone(),
-                attempts_made: u32::try_from(made).unwrap_or(u32::MAX),
-                error: error.clone(),
-                retryable: by_attempt.get(attempt).is_none_or(|f| f.retryable),
-                retry_after: by_attempt.get(attempt).and_then(|f| f.retry_after),
-            });
-            match step {
-                NextStep::Retry { provider, delay } => {
-                    let id = AttemptId::new();
-                    let delay = if immediate { Duration::ZERO } else { delay };
-                    let not_before = (!delay.is_zero()).then(|| later(now, delay));
-                    next_attempts.push(NextAttempt {
-                        id,
-                        job: JobId(*job),
-                        number: max_number + 1,
-                        provider,
-                        not_before,
-                    });
-                    planned.insert(*job, Some(id));
-                    triggered.insert(*attempt, id);
-                }
-                NextStep::GiveUp { error } => {
-                    give_up.push((*job, error));
-                    planned.insert(*job, None);
-                }
-            }
-        }
-
-        let mut drafts = lifted;
+    /// Writes a failure plan: jobs unblocked (their waiting attempts published
+    /// again), next attempts created, jobs failed. Returns the outbox rows to
+    /// write and the jobs that failed.
+    async fn apply_failure_plan(
+        &self,
+        tx: &mut PgConnection,
+        plan: FailurePlan,
+    ) -> Result<(Vec<OutboxDraft>, BTreeSet<Uuid>)> {
+        let FailurePlan {
+            next_attempts,
+            give_up,
+            unblocked,
+            republish,
+            ..
+        } = plan;
+        let mut drafts: Vec<OutboxDraft> = republish
+            .iter()
+            .map(|(attempt, job, provider)| {
+                self.routes
+                    .attempt_draft(AttemptId(*attempt), JobId(*job), provider, None)
+            })
+            .collect();
         if !unblocked.is_empty() {
             sqlx::query(
                 "UPDATE jobs SET status = 'running', updated_at = now()
@@ -511,16 +426,7 @@ impl Store {
                 drafts.push(ended.draft(&self.routes));
             }
         }
-        for (attempt, job, _, _) in &failed {
-            outcomes.push((
-                AttemptId(*attempt),
-                Settled::Failed {
-                    next: triggered.get(attempt).copied(),
-                    job_failed: failed_jobs.contains(job),
-                },
-            ));
-        }
-        Ok((outcomes, drafts))
+        Ok((drafts, failed_jobs))
     }
 
     /// An operator's out-of-band resolution of an open attempt. `--as failed` is a
@@ -632,6 +538,7 @@ impl Store {
 
 /// An attempt planned after a definite failure. `not_before` is `None` when it is
 /// due now: its writer publishes it at once instead of leaving it to the relay.
+#[derive(Debug)]
 struct NextAttempt {
     id: AttemptId,
     job: JobId,
@@ -641,7 +548,7 @@ struct NextAttempt {
 }
 
 /// What `settle_failures` needs to know of a job's attempts.
-#[derive(sqlx::FromRow)]
+#[derive(Debug, sqlx::FromRow)]
 struct AttemptCounts {
     job_id: Uuid,
     made: i64,
@@ -653,6 +560,170 @@ struct AttemptCounts {
     /// The `queued` attempts, and their providers.
     queued: Vec<Uuid>,
     queued_providers: Vec<String>,
+}
+
+/// Marks the attempts `failed` where their status is one of `from`; returns
+/// those it changed: `(attempt, job, provider, error)`.
+async fn mark_failed(
+    tx: &mut PgConnection,
+    failures: &[Failure],
+    from: &[&str],
+) -> Result<Vec<(Uuid, Uuid, String, String)>> {
+    Ok(sqlx::query_as(
+        "UPDATE attempts a
+             SET status = 'failed', error = i.error, finished_at = now(),
+                 usage = COALESCE(i.usage, a.usage),
+                 provider_request_id = COALESCE(i.request_id, a.provider_request_id)
+             FROM unnest($1::uuid[], $2::text[], $3::jsonb[], $4::text[])
+                  AS i(attempt_id, error, usage, request_id)
+             WHERE a.id = i.attempt_id AND a.status = ANY($5)
+             RETURNING a.id, a.job_id, a.provider, a.error",
+    )
+    .bind(failures.iter().map(|f| f.attempt_id.0).collect::<Vec<_>>())
+    .bind(failures.iter().map(|f| f.error.clone()).collect::<Vec<_>>())
+    .bind(failures.iter().map(|f| f.usage.clone()).collect::<Vec<_>>())
+    .bind(
+        failures
+            .iter()
+            .map(|f| f.request_id.clone())
+            .collect::<Vec<_>>(),
+    )
+    .bind(from.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+    .fetch_all(&mut *tx)
+    .await?)
+}
+
+/// Locks the jobs (in id order), then reads their attempts in a new statement:
+/// its fresh snapshot sees any attempt another transaction committed while this
+/// one waited for the lock.
+async fn lock_jobs(tx: &mut PgConnection, job_ids: &[Uuid]) -> Result<HashMap<Uuid, JobState>> {
+    let jobs: HashMap<Uuid, (String, String)> = sqlx::query_as::<_, (Uuid, String, String)>(
+        "SELECT id, status, operation FROM jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+    )
+    .bind(job_ids)
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .map(|(id, status, op)| (id, (status, op)))
+    .collect();
+    let mut counts: HashMap<Uuid, AttemptCounts> = sqlx::query_as::<_, AttemptCounts>(
+        "SELECT job_id, count(*) AS made, max(number) AS max_number,
+                    bool_or(status IN ('queued', 'started', 'unknown')) AS open,
+                    bool_or(status = 'unknown') AS unknown,
+                    COALESCE(array_agg(id) FILTER (WHERE status = 'queued'), '{}') AS queued,
+                    COALESCE(array_agg(provider) FILTER (WHERE status = 'queued'), '{}')
+                        AS queued_providers
+             FROM attempts WHERE job_id = ANY($1) GROUP BY job_id",
+    )
+    .bind(job_ids)
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .map(|c| (c.job_id, c))
+    .collect();
+    let mut states = HashMap::new();
+    for (id, (status, operation)) in jobs {
+        let counts = counts
+            .remove(&id)
+            .ok_or_else(|| corrupt(format!("job {id} has no attempts")))?;
+        let status: JobStatus = status.parse().map_err(corrupt)?;
+        states.insert(
+            id,
+            JobState {
+                status,
+                operation,
+                counts,
+            },
+        );
+    }
+    Ok(states)
+}
+
+/// A locked job, as the planning of its failures needs it.
+struct JobState {
+    status: JobStatus,
+    operation: String,
+    counts: AttemptCounts,
+}
+
+/// What settling a batch of definite failures does, decided without I/O.
+#[derive(Debug, Default)]
+struct FailurePlan {
+    /// Attempts to create.
+    next_attempts: Vec<NextAttempt>,
+    /// Jobs that fail, with their error.
+    give_up: Vec<(Uuid, String)>,
+    /// Jobs whose last unknown this batch lifted: they run again.
+    unblocked: Vec<Uuid>,
+    /// Queued attempts of those jobs to publish again: (attempt, job, provider).
+    republish: Vec<(Uuid, Uuid, String)>,
+    /// The failed attempt whose settlement created each next attempt.
+    triggered: HashMap<Uuid, AttemptId>,
+}
+
+/// Plans what follows each failed attempt (`(attempt, job, provider, error)`)
+/// of the locked `jobs`: nothing for an ended job or one already planned in
+/// this batch; for a job with another open attempt, only lifting its block when
+/// no unknown is left; otherwise the caller's `plan` (the route rule). A retry
+/// due at once (or any, when `immediate`) has no not-before time.
+fn plan_failures(
+    failed: &[(Uuid, Uuid, String, String)],
+    jobs: &HashMap<Uuid, JobState>,
+    failures: &[Failure],
+    plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
+    immediate: bool,
+    now: DateTime<Utc>,
+) -> Result<FailurePlan> {
+    let by_attempt: HashMap<Uuid, &Failure> =
+        failures.iter().map(|f| (f.attempt_id.0, f)).collect();
+    let mut out = FailurePlan::default();
+    let mut planned: BTreeSet<Uuid> = BTreeSet::new();
+    for (attempt, job, provider, error) in failed {
+        let Some(state) = jobs.get(job) else {
+            return Err(corrupt(format!("attempt {attempt} has no job {job}")));
+        };
+        let c = &state.counts;
+        if state.status.is_terminal() || !planned.insert(*job) {
+            continue;
+        }
+        // Another open attempt (a hedge) carries on. If this failure lifted the
+        // job's last unknown, the job runs again, and an attempt whose delivery
+        // was turned away while it was blocked is published once more.
+        if c.open {
+            if state.status == JobStatus::Unknown && !c.unknown {
+                out.unblocked.push(*job);
+                for (id, p) in c.queued.iter().zip(&c.queued_providers) {
+                    out.republish.push((*id, *job, p.clone()));
+                }
+            }
+            continue;
+        }
+        let step = plan(&FailedJob {
+            job_id: JobId(*job),
+            operation: state.operation.clone(),
+            failed_provider: provider.clone(),
+            attempts_made: u32::try_from(c.made).unwrap_or(u32::MAX),
+            error: error.clone(),
+            retryable: by_attempt.get(attempt).is_none_or(|f| f.retryable),
+            retry_after: by_attempt.get(attempt).and_then(|f| f.retry_after),
+        });
+        match step {
+            NextStep::Retry { provider, delay } => {
+                let id = AttemptId::new();
+                let delay = if immediate { Duration::ZERO } else { delay };
+                out.next_attempts.push(NextAttempt {
+                    id,
+                    job: JobId(*job),
+                    number: c.max_number + 1,
+                    provider,
+                    not_before: (!delay.is_zero()).then(|| later(now, delay)),
+                });
+                out.triggered.insert(*attempt, id);
+            }
+            NextStep::GiveUp { error } => out.give_up.push((*job, error)),
+        }
+    }
+    Ok(out)
 }
 
 /// One definite failure to settle.
@@ -746,4 +817,194 @@ pub(super) async fn mark_unknown(
     .execute(&mut *tx)
     .await?;
     Ok(outcomes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counts(
+        job: Uuid,
+        made: i64,
+        open: bool,
+        unknown: bool,
+        queued: &[(Uuid, &str)],
+    ) -> AttemptCounts {
+        AttemptCounts {
+            job_id: job,
+            made,
+            max_number: i32::try_from(made).unwrap(),
+            open,
+            unknown,
+            queued: queued.iter().map(|q| q.0).collect(),
+            queued_providers: queued.iter().map(|q| q.1.to_owned()).collect(),
+        }
+    }
+
+    fn state(status: JobStatus, c: AttemptCounts) -> JobState {
+        JobState {
+            status,
+            operation: "op".into(),
+            counts: c,
+        }
+    }
+
+    fn failure(attempt: Uuid) -> Failure {
+        Failure {
+            attempt_id: AttemptId(attempt),
+            error: "provider_error: HTTP 500".into(),
+            retryable: true,
+            retry_after: None,
+            usage: None,
+            request_id: None,
+        }
+    }
+
+    fn retry_in(delay: Duration) -> impl Fn(&FailedJob) -> NextStep + Sync {
+        move |_| NextStep::Retry {
+            provider: "b".into(),
+            delay,
+        }
+    }
+
+    fn row(attempt: Uuid, job: Uuid) -> (Uuid, Uuid, String, String) {
+        (attempt, job, "a".into(), "provider_error: HTTP 500".into())
+    }
+
+    #[test]
+    fn a_failure_plans_the_next_attempt_once_per_job() {
+        let (job, a1, a2) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        let jobs = HashMap::from([(
+            job,
+            state(JobStatus::Running, counts(job, 2, false, false, &[])),
+        )]);
+        let now = Utc::now();
+        // Two failures of one job in one batch (a hedge and its primary): one plan.
+        let plan = plan_failures(
+            &[row(a1, job), row(a2, job)],
+            &jobs,
+            &[failure(a1), failure(a2)],
+            &retry_in(Duration::from_secs(5)),
+            false,
+            now,
+        )
+        .unwrap();
+        assert_eq!(plan.next_attempts.len(), 1);
+        let next = &plan.next_attempts[0];
+        assert_eq!((next.number, next.provider.as_str()), (3, "b"));
+        assert_eq!(next.not_before, Some(later(now, Duration::from_secs(5))));
+        assert_eq!(plan.triggered.get(&a1), Some(&next.id));
+        assert!(plan.give_up.is_empty() && plan.unblocked.is_empty());
+        // An operator's resolution retries at once: no not-before time.
+        let at_once = plan_failures(
+            &[row(a1, job)],
+            &jobs,
+            &[failure(a1)],
+            &retry_in(Duration::from_secs(5)),
+            true,
+            now,
+        )
+        .unwrap();
+        assert_eq!(at_once.next_attempts[0].not_before, None);
+    }
+
+    #[test]
+    fn nothing_is_planned_for_an_ended_job_and_giving_up_fails_it() {
+        let (job, a1) = (Uuid::now_v7(), Uuid::now_v7());
+        let ended = HashMap::from([(
+            job,
+            state(JobStatus::Cancelled, counts(job, 1, false, false, &[])),
+        )]);
+        let plan = plan_failures(
+            &[row(a1, job)],
+            &ended,
+            &[failure(a1)],
+            &retry_in(Duration::ZERO),
+            false,
+            Utc::now(),
+        )
+        .unwrap();
+        assert!(plan.next_attempts.is_empty() && plan.give_up.is_empty());
+        let running = HashMap::from([(
+            job,
+            state(JobStatus::Running, counts(job, 3, false, false, &[])),
+        )]);
+        let give_up = |f: &FailedJob| NextStep::GiveUp {
+            error: f.error.clone(),
+        };
+        let plan = plan_failures(
+            &[row(a1, job)],
+            &running,
+            &[failure(a1)],
+            &give_up,
+            false,
+            Utc::now(),
+        )
+        .unwrap();
+        assert_eq!(
+            plan.give_up,
+            vec![(job, "provider_error: HTTP 500".to_owned())]
+        );
+    }
+
+    #[test]
+    fn a_lifted_block_runs_the_job_again_and_republishes_what_waited() {
+        let (job, a1, hedge) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        let never = |_: &FailedJob| -> NextStep { panic!("no plan beside an open attempt") };
+        // The unknown primary is resolved as failed; a hedge waits, queued.
+        let blocked = HashMap::from([(
+            job,
+            state(
+                JobStatus::Unknown,
+                counts(job, 2, true, false, &[(hedge, "b")]),
+            ),
+        )]);
+        let plan = plan_failures(
+            &[row(a1, job)],
+            &blocked,
+            &[failure(a1)],
+            &never,
+            true,
+            Utc::now(),
+        )
+        .unwrap();
+        assert_eq!(plan.unblocked, vec![job]);
+        assert_eq!(plan.republish, vec![(hedge, job, "b".to_owned())]);
+        assert!(plan.next_attempts.is_empty());
+        // Another attempt is still unknown: the job stays blocked.
+        let still = HashMap::from([(
+            job,
+            state(
+                JobStatus::Unknown,
+                counts(job, 3, true, true, &[(hedge, "b")]),
+            ),
+        )]);
+        let plan = plan_failures(
+            &[row(a1, job)],
+            &still,
+            &[failure(a1)],
+            &never,
+            true,
+            Utc::now(),
+        )
+        .unwrap();
+        assert!(plan.unblocked.is_empty() && plan.republish.is_empty());
+        // A running job with a hedge in flight: the hedge carries on.
+        let running = HashMap::from([(
+            job,
+            state(JobStatus::Running, counts(job, 2, true, false, &[])),
+        )]);
+        let plan = plan_failures(
+            &[row(a1, job)],
+            &running,
+            &[failure(a1)],
+            &never,
+            false,
+            Utc::now(),
+        )
+        .unwrap();
+        assert!(
+            plan.unblocked.is_empty() && plan.next_attempts.is_empty() && plan.give_up.is_empty()
+        );
+    }
 }
