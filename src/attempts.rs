@@ -22,10 +22,10 @@ use crate::runtime::{self, Context, Result, with_retries};
 use crate::shutdown::Shutdown;
 use crate::store::{FailedJob, Finished, Settled, Started, Verdict};
 
-pub use crate::domain::AttemptMessage;
+pub(crate) use crate::domain::AttemptMessage;
 
 /// Runs the consumer for `provider` until shutdown.
-pub async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> Result<()> {
+pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> Result<()> {
     let settings = ctx
         .config
         .providers
@@ -158,7 +158,7 @@ async fn process(
 }
 
 /// Calls the provider for a started attempt and judges the answer.
-pub async fn call(config: &Config, client: &Client, started: &Started) -> Finished {
+pub(crate) async fn call(config: &Config, client: &Client, started: &Started) -> Finished {
     let mut finished = Finished {
         attempt_id: started.attempt_id,
         job_id: started.job_id,

@@ -17,7 +17,7 @@ use crate::store::{FailedJob, NextStep, Store, StoreError};
 /// Plans what follows definite failures, with the eligible providers of some
 /// operations loaded once.
 #[derive(Debug)]
-pub struct Planner<'a> {
+pub(crate) struct Planner<'a> {
     config: &'a Config,
     eligible: HashMap<String, HashSet<String>>,
 }
@@ -25,7 +25,7 @@ pub struct Planner<'a> {
 impl<'a> Planner<'a> {
     /// Loads who is eligible for each of `operations` (qualifications are read
     /// from the store).
-    pub async fn load(
+    pub(crate) async fn load(
         config: &'a Config,
         store: &Store,
         operations: impl IntoIterator<Item = &str>,
@@ -41,14 +41,17 @@ impl<'a> Planner<'a> {
     }
 
     /// Loads who is eligible for every configured operation.
-    pub async fn load_all(config: &'a Config, store: &Store) -> Result<Planner<'a>, StoreError> {
+    pub(crate) async fn load_all(
+        config: &'a Config,
+        store: &Store,
+    ) -> Result<Planner<'a>, StoreError> {
         let operations: Vec<String> = config.operations.keys().cloned().collect();
         Self::load(config, store, operations.iter().map(String::as_str)).await
     }
 
     /// A planner that knows of no eligible provider: for settlements that plan
     /// nothing (successes, unknowns).
-    pub fn unqualified(config: &'a Config) -> Planner<'a> {
+    pub(crate) fn unqualified(config: &'a Config) -> Planner<'a> {
         Planner {
             config,
             eligible: HashMap::new(),
@@ -56,14 +59,14 @@ impl<'a> Planner<'a> {
     }
 
     /// Whether `provider` may take an attempt (or a hedge) of `operation`.
-    pub fn is_eligible(&self, operation: &str, provider: &str) -> bool {
+    pub(crate) fn is_eligible(&self, operation: &str, provider: &str) -> bool {
         self.eligible
             .get(operation)
             .is_some_and(|e| e.contains(provider))
     }
 
     /// What follows `failed`.
-    pub fn plan(&self, failed: &FailedJob) -> NextStep {
+    pub(crate) fn plan(&self, failed: &FailedJob) -> NextStep {
         let none = HashSet::new();
         let eligible = self.eligible.get(&failed.operation).unwrap_or(&none);
         plan_next(self.config, eligible, failed)
@@ -75,7 +78,11 @@ impl<'a> Planner<'a> {
 /// those qualified for the operation's current contract). Failing over to another
 /// provider happens at once; trying the same provider again waits for the backoff,
 /// or for its `Retry-After` if that is longer.
-pub fn plan_next(config: &Config, eligible: &HashSet<String>, failed: &FailedJob) -> NextStep {
+pub(crate) fn plan_next(
+    config: &Config,
+    eligible: &HashSet<String>,
+    failed: &FailedJob,
+) -> NextStep {
     if !failed.retryable {
         return NextStep::GiveUp {
             error: failed.error.clone(),
@@ -116,7 +123,7 @@ pub fn plan_next(config: &Config, eligible: &HashSet<String>, failed: &FailedJob
 
 /// The delay before the attempt after `attempts_made` attempts: exponential from
 /// `retry_backoff`, capped at `retry_backoff_max`, with jitter.
-pub fn backoff(config: &Config, attempts_made: u32) -> Duration {
+pub(crate) fn backoff(config: &Config, attempts_made: u32) -> Duration {
     let w = &config.worker;
     ExponentialBuilder::default()
         .with_min_delay(w.retry_backoff)

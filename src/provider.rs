@@ -15,18 +15,18 @@ use crate::domain::AttemptId;
 
 /// An answer from the provider.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Answer {
+pub(crate) struct Answer {
     /// The assistant message's content.
-    pub content: String,
+    pub(crate) content: String,
     /// The provider's response id.
-    pub request_id: Option<String>,
+    pub(crate) request_id: Option<String>,
     /// What the provider reported it spent.
-    pub usage: Option<Value>,
+    pub(crate) usage: Option<Value>,
 }
 
 /// Why a call gave no answer.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
-pub enum CallError {
+pub(crate) enum CallError {
     /// The request never left: a definite failure.
     #[error("provider_unreachable: {0}")]
     Refused(String),
@@ -65,7 +65,7 @@ struct Message {
 
 /// An HTTP client for one provider.
 #[derive(Clone, Debug)]
-pub struct Client {
+pub(crate) struct Client {
     http: reqwest::Client,
     provider: Provider,
 }
@@ -74,7 +74,7 @@ impl Client {
     /// A client for `provider`, with its timeout as the whole call's limit. Fails
     /// (rather than fall back to a client without that timeout) when the HTTP
     /// stack cannot be set up.
-    pub fn new(provider: Provider) -> Result<Client, CallError> {
+    pub(crate) fn new(provider: Provider) -> Result<Client, CallError> {
         let http = reqwest::Client::builder()
             .timeout(provider.timeout)
             .connect_timeout(provider.timeout.min(Duration::from_secs(10)))
@@ -91,14 +91,14 @@ impl Client {
     }
 
     /// The provider.
-    pub fn provider(&self) -> &Provider {
+    pub(crate) fn provider(&self) -> &Provider {
         &self.provider
     }
 
     /// Calls `POST {base_url}/chat/completions` with the rendered messages, sending
     /// the attempt id as `Idempotency-Key` so a provider that honours it never does
     /// the same attempt twice.
-    pub async fn complete(
+    pub(crate) async fn complete(
         &self,
         attempt: AttemptId,
         operation: &Operation,
@@ -221,13 +221,13 @@ fn judge(
 
 /// Text as Postgres can store it: NUL, which `text` and `jsonb` refuse, becomes
 /// U+FFFD.
-pub fn storable(text: &str) -> String {
+pub(crate) fn storable(text: &str) -> String {
     text.replace('\0', "\u{FFFD}")
 }
 
 /// A JSON value as Postgres can store it in `jsonb`: NUL in any string or key
 /// becomes U+FFFD.
-pub fn storable_json(value: Value) -> Value {
+pub(crate) fn storable_json(value: Value) -> Value {
     match value {
         Value::String(s) if s.contains('\0') => Value::String(storable(&s)),
         Value::Array(items) => Value::Array(items.into_iter().map(storable_json).collect()),

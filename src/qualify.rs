@@ -14,14 +14,14 @@ use serde::Serialize;
 
 use crate::config::{Config, Operation, Provider, Rendered};
 use crate::domain::AttemptId;
-pub use crate::domain::{CaseResult, Qualification};
+pub(crate) use crate::domain::{CaseResult, Qualification};
 use crate::provider::Client;
 use crate::store::{Store, StoreError};
 
 /// Where a provider stands for one operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum State {
+pub(crate) enum State {
     /// Its latest run passed every case against the current contract.
     Qualified,
     /// Its latest run was against another contract: the config changed since.
@@ -33,7 +33,7 @@ pub enum State {
 }
 
 /// The contract hash of `operation` through `provider`.
-pub fn contract_hash(operation: &Operation, provider: &Provider) -> String {
+pub(crate) fn contract_hash(operation: &Operation, provider: &Provider) -> String {
     let contract = serde_json::json!({
         "system": operation.system,
         "prompt": operation.prompt,
@@ -47,7 +47,7 @@ pub fn contract_hash(operation: &Operation, provider: &Provider) -> String {
 /// Counts a rendered prompt's tokens: exactly with the model's encoding when
 /// tiktoken knows the model, else with `cl100k_base` as an estimate. Chat framing
 /// adds 3 tokens per message and 3 to prime the reply.
-pub fn count_tokens(model: &str, rendered: &Rendered) -> (usize, bool) {
+pub(crate) fn count_tokens(model: &str, rendered: &Rendered) -> (usize, bool) {
     let (bpe, estimated) = match tiktoken_rs::bpe_for_model(model) {
         Ok(bpe) => (bpe, false),
         Err(_) => (tiktoken_rs::cl100k_base_singleton(), true),
@@ -62,7 +62,11 @@ pub fn count_tokens(model: &str, rendered: &Rendered) -> (usize, bool) {
 /// Runs the operation's golden cases through the real adapter and judges each:
 /// the prompt renders with no undefined variables, fits the context window, the
 /// answer is JSON that satisfies the schema, and the round trip ends in time.
-pub async fn qualify(config: &Config, provider: &Provider, operation: &Operation) -> Qualification {
+pub(crate) async fn qualify(
+    config: &Config,
+    provider: &Provider,
+    operation: &Operation,
+) -> Qualification {
     let mut cases = Vec::new();
     let client = match Client::new(provider.clone()) {
         Ok(c) => c,
@@ -165,7 +169,7 @@ async fn run_case(
 }
 
 /// Each `(provider, operation)` pair of the configuration's routes with its state.
-pub async fn states(
+pub(crate) async fn states(
     config: &Config,
     store: &Store,
 ) -> Result<BTreeMap<(String, String), State>, StoreError> {
@@ -194,7 +198,7 @@ pub async fn states(
 
 /// The providers that may take an attempt of `operation` besides its first one:
 /// the route's first provider, and every provider qualified for the current contract.
-pub async fn eligible(
+pub(crate) async fn eligible(
     config: &Config,
     store: &Store,
     operation: &str,
@@ -220,7 +224,7 @@ pub async fn eligible(
 
 /// Logs, once, every failover provider whose qualification went stale because the
 /// configuration changed since it qualified.
-pub async fn warn_stale(config: &Config, store: &Store) -> Result<(), StoreError> {
+pub(crate) async fn warn_stale(config: &Config, store: &Store) -> Result<(), StoreError> {
     for ((provider, operation), state) in states(config, store).await? {
         if state == State::Stale {
             tracing::warn!(

@@ -32,7 +32,7 @@ use crate::store::FailedJob;
 const RELAY_BATCH: i64 = 256;
 
 /// Runs every pass until shutdown.
-pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
+pub(crate) async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
     let mut tick = tokio::time::interval(ctx.config.worker.relay_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let sweep_every =
@@ -69,7 +69,7 @@ pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
 
 /// One relay pass: claim due rows, publish them with confirms, mark them.
 /// Returns how many rows it claimed.
-pub async fn relay_once(ctx: &Context) -> Result<usize> {
+pub(crate) async fn relay_once(ctx: &Context) -> Result<usize> {
     let mut total = 0;
     loop {
         let batch = ctx.store.claim_outbox(RELAY_BATCH).await?;
@@ -86,7 +86,7 @@ pub async fn relay_once(ctx: &Context) -> Result<usize> {
 }
 
 /// One pass of the vanished-worker, lost-message and hedging checks.
-pub async fn sweep_once(ctx: &Context) -> Result<()> {
+pub(crate) async fn sweep_once(ctx: &Context) -> Result<()> {
     let w = &ctx.config.worker;
     for id in ctx.store.expire_vanished(w.vanished_grace).await? {
         tracing::warn!(attempt_id = %id, "worker vanished mid-call: attempt and job are now unknown");
@@ -137,7 +137,7 @@ async fn backlogged(ctx: &Context) -> Vec<String> {
 /// Deletes published outbox rows past `outbox_retention`, a bounded batch at a
 /// time, at most ten batches a pass, so that a large first prune does not hold up
 /// the relay and the sweeps.
-pub async fn prune_outbox(ctx: &Context) -> Result<u64> {
+pub(crate) async fn prune_outbox(ctx: &Context) -> Result<u64> {
     const BATCH: i64 = 1000;
     let mut total = 0;
     for _ in 0..10 {
@@ -156,7 +156,7 @@ pub async fn prune_outbox(ctx: &Context) -> Result<u64> {
 /// Marks attempts whose messages died in their dead-letter queue while they were
 /// still `queued`: `failed`, with the dead letter's reason, and plans the next
 /// attempt. Browsing returns every dead letter to its queue.
-pub async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
+pub(crate) async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
     let mut dead = Vec::new();
     for provider in ctx.config.providers.keys() {
         let queue = crate::broker::dead_letter_queue(&crate::broker::attempts_queue(provider));
@@ -187,7 +187,7 @@ pub async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
 
 /// Starts at most one hedge per job whose attempt has been silent for its
 /// operation's `hedge_after`, on the next qualified provider other than its own.
-pub async fn hedge_once(ctx: &Context) -> Result<()> {
+pub(crate) async fn hedge_once(ctx: &Context) -> Result<()> {
     let hedged: Vec<(String, Duration)> = ctx
         .config
         .operations

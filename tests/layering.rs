@@ -1,37 +1,118 @@
-//! The library's modules import one another one way only: no cycle, and the
-//! roles (intake, attempts, reconciler) never import one another, the fleet that
-//! composes them, or the operator CLI. Read from the source itself (every
-//! `crate::module` a module names outside comments), so a change that adds a
-//! cycle fails the build's tests.
+//! The library's modules import one another one way only: down a fixed table of
+//! layers (the one `lib.rs` documents), with no cycle, and the roles (intake,
+//! attempts, reconciler) never import one another, the fleet that composes them,
+//! or the operator CLI. Read from the source itself (every `crate::module` a
+//! module names outside comments), so a change that adds a cycle or an upward
+//! import fails the build's tests.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// module → the modules it names.
+/// module → the modules it names. A directory (`src/store/`) is one module; the
+/// core crate's modules (`core/src/`) sit beside the worker's, since `onejob`
+/// re-exports them under the same names.
 fn imports() -> BTreeMap<String, BTreeSet<String>> {
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut graph = BTreeMap::new();
-    for entry in std::fs::read_dir(&src).expect("src/") {
-        let path = entry.expect("entry").path();
-        if path.extension().is_none_or(|e| e != "rs") {
-            continue;
-        }
-        let module = path.file_stem().unwrap().to_string_lossy().into_owned();
-        let text = std::fs::read_to_string(&path).expect("read a module");
-        let mut deps = BTreeSet::new();
-        for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
-            for (i, _) in line.match_indices("crate::") {
-                let name: String = line[i + 7..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                    .collect();
-                if !name.is_empty() && name != module {
-                    deps.insert(name);
+    for src in [root.join("src"), root.join("core/src")] {
+        for entry in std::fs::read_dir(&src).expect("a source directory") {
+            let path = entry.expect("entry").path();
+            let module = path.file_stem().unwrap().to_string_lossy().into_owned();
+            let files: Vec<_> = if path.is_dir() {
+                if module == "bin" {
+                    continue;
+                }
+                std::fs::read_dir(&path)
+                    .expect("a module directory")
+                    .map(|e| e.expect("entry").path())
+                    .collect()
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                vec![path]
+            } else {
+                continue;
+            };
+            let deps: &mut BTreeSet<String> = graph.entry(module.clone()).or_default();
+            for file in files
+                .iter()
+                .filter(|f| f.extension().is_some_and(|e| e == "rs"))
+            {
+                let text = std::fs::read_to_string(file).expect("read a module");
+                for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
+                    for (i, _) in line.match_indices("crate::") {
+                        let name: String = line[i + 7..]
+                            .chars()
+                            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                            .collect();
+                        if !name.is_empty() && name != module {
+                            deps.insert(name);
+                        }
+                    }
                 }
             }
         }
-        graph.insert(module, deps);
     }
+    graph.remove("lib");
     graph
+}
+
+/// The layers, top first. A module imports only from layers below its own, or
+/// from its own layer where that layer allows it (never among the roles). A new
+/// module fails [`every_module_has_a_layer`] until it is placed here.
+const LAYERS: &[(&str, &[&str], bool)] = &[
+    ("composition", &["fleet", "cli"], false),
+    ("roles", &["intake", "attempts", "reconciler"], false),
+    (
+        "shared by the roles",
+        &["runtime", "policy", "qualify", "dlq"],
+        true,
+    ),
+    ("edges", &["store", "provider", "metrics"], true),
+    (
+        "core",
+        &["broker", "config", "token", "intent", "domain"],
+        true,
+    ),
+    ("apart", &["mock", "shutdown", "telemetry"], false),
+];
+
+fn layer_of(module: &str) -> Option<(usize, bool)> {
+    LAYERS
+        .iter()
+        .enumerate()
+        .find(|(_, (_, modules, _))| modules.contains(&module))
+        .map(|(i, (_, _, within))| (i, *within))
+}
+
+#[test]
+fn every_module_has_a_layer() {
+    let graph = imports();
+    for module in graph.keys() {
+        assert!(
+            layer_of(module).is_some(),
+            "{module} has no layer: place it in LAYERS (tests/layering.rs) and in lib.rs's table"
+        );
+    }
+}
+
+#[test]
+fn modules_import_downward_only() {
+    let graph = imports();
+    for (module, deps) in &graph {
+        let Some((mine, within)) = layer_of(module) else {
+            continue;
+        };
+        for dep in deps {
+            let Some((theirs, _)) = layer_of(dep) else {
+                continue;
+            };
+            let (name, _, _) = LAYERS[theirs];
+            assert!(
+                theirs > mine || (theirs == mine && within),
+                "{module} ({}) imports {dep} ({name}): imports go down the layers only\n\n{}",
+                LAYERS[mine].0,
+                show(&graph)
+            );
+        }
+    }
 }
 
 fn show(graph: &BTreeMap<String, BTreeSet<String>>) -> String {

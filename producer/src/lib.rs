@@ -22,6 +22,7 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "gateway")]
 pub mod gateway;
 
 use std::collections::HashMap;
@@ -32,8 +33,8 @@ use futures_util::StreamExt;
 use lapin::options::BasicConsumeOptions;
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
-use onejob::broker::{self, BrokerError, Publisher};
-pub use onejob::intent::{Intent, Outcome, Receipt};
+use onejob_core::broker::{self, BrokerError, Publisher};
+pub use onejob_core::intent::{Intent, Outcome, Receipt};
 use tokio::sync::oneshot;
 
 /// The pseudo-queue of RabbitMQ's direct reply-to.

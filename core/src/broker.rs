@@ -532,7 +532,7 @@ pub fn header_str(headers: &FieldTable, name: &str) -> Option<String> {
 
 /// Replaces the password in a URL with `***`, for logs and errors.
 pub fn redact_url(url: &str) -> String {
-    match reqwest::Url::parse(url) {
+    match url::Url::parse(url) {
         Ok(mut u) if u.password().is_some() => {
             let _ = u.set_password(Some("***"));
             u.to_string()

@@ -3,7 +3,7 @@
 //! Parsing is strict on purpose: an intent either matches the contract exactly or is
 //! rejected with a reason that names the fault, because a silently "fixed" intent
 //! would give a job a different identity than its publisher meant. Nothing here
-//! knows about operations or providers; [`crate::config::Config::admit`] checks those.
+//! knows about operations or providers; the worker's `Config::admit` checks those.
 
 use std::collections::BTreeMap;
 use std::fmt;
