@@ -14,10 +14,10 @@ use lapin::message::Delivery;
 use tokio::sync::Semaphore;
 
 use crate::broker;
-use crate::config::Config;
+use crate::config::{Config, Operation};
 use crate::domain::{AttemptStatus, JobStatus};
 use crate::policy::Planner;
-use crate::provider::{CallError, Client};
+use crate::provider::{Answer, CallError, Client};
 use crate::runtime::{self, Context, Result, with_retries};
 use crate::shutdown::Shutdown;
 use crate::store::{FailedJob, Finished, Settled, Started, Verdict};
@@ -69,16 +69,45 @@ async fn process(
         Ok(m) => m,
         Err(e) => {
             let reason = format!("malformed_attempt_message: {e}");
-            tracing::warn!(%reason, "attempt message dead-lettered");
-            with_retries(
-                shutdown,
-                "dead-lettering a malformed attempt message",
-                || ctx.publish_dead_letter(queue, delivery, &reason),
-            )
-            .await?;
+            dead_letter(ctx, shutdown, queue, delivery, &reason).await?;
             return runtime::ack(delivery).await;
         }
     };
+    if let Some(started) = claim(ctx, shutdown, client, queue, delivery, &message).await? {
+        let finished = call(&ctx.config, client, &started).await;
+        settle(ctx, shutdown, &client.provider().name, &started, &finished).await?;
+    }
+    runtime::ack(delivery).await
+}
+
+/// Keeps a message that names no attempt where an operator can see it, with
+/// the reason.
+async fn dead_letter(
+    ctx: &Context,
+    shutdown: &Shutdown,
+    queue: &str,
+    delivery: &Delivery,
+    reason: &str,
+) -> Result<()> {
+    tracing::warn!(%reason, "attempt message dead-lettered");
+    with_retries(shutdown, "dead-lettering an attempt message", || {
+        ctx.publish_dead_letter(queue, delivery, reason)
+    })
+    .await
+}
+
+/// Moves the message's attempt `queued → started`. `None` when it did not
+/// start: a duplicate delivery, an attempt blocked behind an unknown (published
+/// again when the block lifts), or a message naming no such attempt
+/// (dead-lettered here). The delivery is acked by the caller either way.
+async fn claim(
+    ctx: &Context,
+    shutdown: &Shutdown,
+    client: &Client,
+    queue: &str,
+    delivery: &Delivery,
+    message: &AttemptMessage,
+) -> Result<Option<Started>> {
     let provider = client.provider();
     let started = with_retries(shutdown, "starting an attempt", || async {
         Ok(ctx
@@ -87,41 +116,43 @@ async fn process(
             .await?)
     })
     .await?;
-    let Some(started) = started.into_iter().next() else {
-        let state = with_retries(shutdown, "looking up an attempt", || async {
-            Ok(ctx.store.attempt_state(message.attempt_id).await?)
-        })
-        .await?;
-        match state {
-            Some((job, AttemptStatus::Queued, JobStatus::Unknown)) if job == message.job_id => {
-                // Blocked behind an unknown attempt. The attempt stays `queued`, and
-                // the settlement that lifts the block publishes its message again, so
-                // this delivery can go without costing it a delivery count.
-                tracing::info!(attempt_id = %message.attempt_id, job_id = %job, "attempt blocked: its job waits for an unknown attempt to be resolved; it is published again when it is");
-                return runtime::ack(delivery).await;
-            }
-            Some((job, _, _)) if job == message.job_id => {
-                tracing::debug!(attempt_id = %message.attempt_id, "attempt is not queued any more: duplicate delivery dropped");
-                return runtime::ack(delivery).await;
-            }
-            _ => {}
+    if let Some(started) = started.into_iter().next() {
+        return Ok(Some(started));
+    }
+    let state = with_retries(shutdown, "looking up an attempt", || async {
+        Ok(ctx.store.attempt_state(message.attempt_id).await?)
+    })
+    .await?;
+    match state {
+        Some((job, AttemptStatus::Queued, JobStatus::Unknown)) if job == message.job_id => {
+            // Blocked behind an unknown attempt. The attempt stays `queued`, and
+            // the settlement that lifts the block publishes its message again, so
+            // this delivery can go without costing it a delivery count.
+            tracing::info!(attempt_id = %message.attempt_id, job_id = %job, "attempt blocked: its job waits for an unknown attempt to be resolved; it is published again when it is");
         }
-        // A message naming no such attempt (or the wrong job) is bad input: keep it
-        // where an operator can see it, with the reason.
-        let reason = format!(
-            "unknown_attempt: no attempt {} of job {} exists",
-            message.attempt_id, message.job_id
-        );
-        tracing::warn!(%reason, "attempt message dead-lettered");
-        with_retries(
-            shutdown,
-            "dead-lettering an unknown attempt message",
-            || ctx.publish_dead_letter(queue, delivery, &reason),
-        )
-        .await?;
-        return runtime::ack(delivery).await;
-    };
-    let finished = call(&ctx.config, client, &started).await;
+        Some((job, _, _)) if job == message.job_id => {
+            tracing::debug!(attempt_id = %message.attempt_id, "attempt is not queued any more: duplicate delivery dropped");
+        }
+        _ => {
+            let reason = format!(
+                "unknown_attempt: no attempt {} of job {} exists",
+                message.attempt_id, message.job_id
+            );
+            dead_letter(ctx, shutdown, queue, delivery, &reason).await?;
+        }
+    }
+    Ok(None)
+}
+
+/// Settles a finished attempt (the compare-and-swap, or what follows a
+/// failure), counts it, and publishes what the settlement wrote.
+async fn settle(
+    ctx: &Context,
+    shutdown: &Shutdown,
+    provider: &str,
+    started: &Started,
+    finished: &Finished,
+) -> Result<()> {
     // Only a definite failure needs to know who may take the next attempt.
     let planner = match finished.verdict {
         Verdict::Failed { .. } => {
@@ -136,13 +167,13 @@ async fn process(
     let (settled, publish) = with_retries(shutdown, "settling an attempt", || async {
         Ok(ctx
             .store
-            .finalize(std::slice::from_ref(&finished), &plan)
+            .finalize(std::slice::from_ref(finished), &plan)
             .await?)
     })
     .await?;
-    log_settled(&started, &finished, settled.first());
+    log_settled(started, finished, settled.first());
     crate::metrics::attempt_settled(
-        &provider.name,
+        provider,
         match settled.first() {
             Some(Settled::Won) => "won",
             Some(Settled::Discarded { .. }) => "discarded",
@@ -154,7 +185,7 @@ async fn process(
     if let Err(e) = ctx.publish_outbox(&publish).await {
         tracing::warn!(error = %e, "publish after settling failed; the relay will retry");
     }
-    runtime::ack(delivery).await
+    Ok(())
 }
 
 /// Calls the provider for a started attempt and judges the answer.
@@ -206,7 +237,19 @@ pub(crate) async fn call(config: &Config, client: &Client, started: &Started) ->
         },
         began.elapsed(),
     );
-    finished.verdict = match answer {
+    finished.verdict = judge(operation, answer, &mut finished);
+    finished
+}
+
+/// The verdict on a provider's answer: a success only when the output meets
+/// the operation's contract; the provider's usage and request id are kept
+/// whatever the verdict.
+fn judge(
+    operation: &Operation,
+    answer: std::result::Result<Answer, CallError>,
+    finished: &mut Finished,
+) -> Verdict {
+    match answer {
         Ok(answer) => {
             finished.provider_request_id = answer.request_id;
             finished.usage = answer.usage;
@@ -242,8 +285,7 @@ pub(crate) async fn call(config: &Config, client: &Client, started: &Started) ->
                 retry_after: wait,
             }
         }
-    };
-    finished
+    }
 }
 
 fn log_settled(started: &Started, finished: &Finished, settled: Option<&Settled>) {
@@ -279,5 +321,95 @@ fn log_settled(started: &Started, finished: &Finished, settled: Option<&Settled>
             settled = ?other,
             "attempt was resolved elsewhere meanwhile; its outcome changed nothing"
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{AttemptId, JobId};
+
+    fn blank() -> Finished {
+        Finished {
+            attempt_id: AttemptId::new(),
+            job_id: JobId::new(),
+            version: 1,
+            provider_request_id: None,
+            usage: None,
+            verdict: Verdict::Unknown {
+                error: String::new(),
+            },
+        }
+    }
+
+    fn summarize() -> Operation {
+        let config = Config::parse(crate::config::EMBEDDED_DEFAULT, "embedded defaults").unwrap();
+        config.operations["summarize"].clone()
+    }
+
+    fn answer(content: &str) -> Answer {
+        Answer {
+            content: content.into(),
+            request_id: Some("chatcmpl-1".into()),
+            usage: Some(serde_json::json!({"total_tokens": 9})),
+        }
+    }
+
+    #[test]
+    fn only_an_answer_that_meets_the_contract_succeeds_and_usage_is_kept_either_way() {
+        let op = summarize();
+        let mut f = blank();
+        let verdict = judge(&op, Ok(answer(r#"{"summary":"ok"}"#)), &mut f);
+        assert_eq!(
+            verdict,
+            Verdict::Succeeded(serde_json::json!({"summary": "ok"}))
+        );
+        assert_eq!(f.provider_request_id.as_deref(), Some("chatcmpl-1"));
+        let mut f = blank();
+        let verdict = judge(&op, Ok(answer("Sure! Here is a summary.")), &mut f);
+        assert!(
+            matches!(&verdict, Verdict::Failed { retryable: true, retry_after: None, error } if error.starts_with("contract_violation")),
+            "{verdict:?}"
+        );
+        assert_eq!(f.usage, Some(serde_json::json!({"total_tokens": 9})));
+    }
+
+    #[test]
+    fn errors_are_definite_failures_and_timeouts_are_unknown() {
+        let op = summarize();
+        let mut f = blank();
+        let rejected = CallError::Rejected {
+            message: "HTTP 429".into(),
+            retry_after: Some(std::time::Duration::from_secs(7)),
+            usage: Some(serde_json::json!({"total_tokens": 1})),
+        };
+        assert_eq!(
+            judge(&op, Err(rejected), &mut f),
+            Verdict::Failed {
+                error: "provider_error: HTTP 429".into(),
+                retryable: true,
+                retry_after: Some(std::time::Duration::from_secs(7)),
+            }
+        );
+        assert_eq!(f.usage, Some(serde_json::json!({"total_tokens": 1})));
+        let refused = judge(&op, Err(CallError::Refused("connect".into())), &mut blank());
+        assert!(matches!(
+            refused,
+            Verdict::Failed {
+                retry_after: None,
+                retryable: true,
+                ..
+            }
+        ));
+        assert_eq!(
+            judge(
+                &op,
+                Err(CallError::Unknown("timed out".into())),
+                &mut blank()
+            ),
+            Verdict::Unknown {
+                error: "outcome_unknown: timed out".into()
+            }
+        );
     }
 }

@@ -14,6 +14,7 @@ use uuid::Uuid;
 
 use crate::broker::{self, Publisher};
 use crate::config::Config;
+use crate::dlq;
 use crate::domain::{AttemptId, AttemptStatus, JobId};
 use crate::policy::Planner;
 use crate::runtime;
@@ -800,120 +801,158 @@ async fn dlq_command(
     as_json: bool,
     out: &mut impl Write,
 ) -> Outcome {
-    use crate::dlq;
     match command {
         DlqCommand::List { queue, limit } => {
-            let mut all = Vec::new();
-            for q in dlq::select_queues(config, queue.as_deref())? {
-                let letters = dlq::browse(conn, &q, limit).await?;
-                if !as_json {
-                    writeln!(
-                        out,
-                        "{q}: {} dead letter(s){}",
-                        letters.len(),
-                        if letters.len() == limit {
-                            " (limit reached)"
-                        } else {
-                            ""
-                        }
-                    )?;
-                    for d in &letters {
-                        let id = d.message_id.as_deref().unwrap_or("-");
-                        let age = d.age_seconds.map_or("-".to_owned(), |a| format!("{a}s"));
-                        let origin = format!(
-                            "{}/{}",
-                            d.original_exchange.as_deref().unwrap_or("?"),
-                            d.original_routing_key.as_deref().unwrap_or("?")
-                        );
-                        writeln!(out, "  #{} id {id}  age {age}  from {origin}", d.position)?;
-                        writeln!(out, "     reason  {}", d.reason)?;
-                        for death in &d.deaths {
-                            writeln!(
-                                out,
-                                "     x-death {} ×{} in {}",
-                                death.reason, death.count, death.queue
-                            )?;
-                        }
-                        writeln!(
-                            out,
-                            "     body    {} ({} bytes)",
-                            d.body_preview, d.body_bytes
-                        )?;
-                    }
-                }
-                all.extend(letters);
-            }
-            if as_json {
-                writeln!(out, "{}", serde_json::to_value(&all)?)?;
-            }
+            dlq_list(config, conn, queue.as_deref(), limit, as_json, out).await
         }
         DlqCommand::Replay { queue, id, .. } => {
-            // clap requires exactly one of --id and --all.
-            let selection = match id {
-                Some(id) => dlq::Selection::Id(id),
-                None => dlq::Selection::All,
-            };
-            let mut reports = Vec::new();
-            let (mut replayed, mut skipped) = (0usize, 0usize);
-            for q in dlq::select_queues(config, queue.as_deref())? {
-                let mut written = Ok(());
-                dlq::replay(conn, &q, &selection, |r| {
-                    match &r.outcome {
-                        dlq::ReplayOutcome::Replayed => replayed += 1,
-                        dlq::ReplayOutcome::Skipped { .. } => skipped += 1,
-                    }
-                    if as_json {
-                        reports.push(r);
-                    } else if written.is_ok() {
-                        written = report_replay(out, &r);
-                    }
-                })
-                .await?;
-                written?;
-                if matches!(selection, dlq::Selection::Id(_)) && replayed + skipped > 0 {
-                    break;
-                }
-            }
-            if let dlq::Selection::Id(id) = &selection
-                && replayed + skipped == 0
-            {
-                return Err(Failure(format!("no dead letter with message id {id:?}")));
-            }
-            if as_json {
-                writeln!(
-                    out,
-                    "{}",
-                    json!({ "replayed": replayed, "skipped": skipped, "dead_letters": reports })
-                )?;
-            } else {
-                writeln!(out, "{replayed} dead letter(s) replayed, {skipped} skipped")?;
-            }
-            if skipped > 0 {
-                return Err(Failure(format!(
-                    "{skipped} dead letter(s) could not be replayed and were left in place (see above)"
-                )));
-            }
+            dlq_replay(config, conn, queue.as_deref(), id, as_json, out).await
         }
         DlqCommand::Purge { queue, yes } => {
-            let queues = dlq::select_queues(config, queue.as_deref())?;
-            if !yes {
-                return Err(Failure(format!(
-                    "refusing to delete the dead letters of {} without --yes",
-                    queues.join(", ")
-                )));
-            }
-            let mut purged = serde_json::Map::new();
-            for q in queues {
-                let n = dlq::purge(conn, &q).await?;
-                if !as_json {
-                    writeln!(out, "{q}: {n} dead letter(s) deleted")?;
-                }
-                purged.insert(q, json!(n));
-            }
-            if as_json {
-                writeln!(out, "{}", json!({ "purged": purged }))?;
+            dlq_purge(config, conn, queue.as_deref(), yes, as_json, out).await
+        }
+    }
+}
+
+/// `onejob dlq list`: browses without consuming.
+async fn dlq_list(
+    config: &Config,
+    conn: &lapin::Connection,
+    queue: Option<&str>,
+    limit: usize,
+    as_json: bool,
+    out: &mut impl Write,
+) -> Outcome {
+    let mut all = Vec::new();
+    for q in dlq::select_queues(config, queue)? {
+        let letters = dlq::browse(conn, &q, limit).await?;
+        if !as_json {
+            let full = if letters.len() == limit {
+                " (limit reached)"
+            } else {
+                ""
+            };
+            writeln!(out, "{q}: {} dead letter(s){full}", letters.len())?;
+            for d in &letters {
+                write_letter(out, d)?;
             }
         }
+        all.extend(letters);
+    }
+    if as_json {
+        writeln!(out, "{}", serde_json::to_value(&all)?)?;
+    }
+    Ok(())
+}
+
+/// One dead letter as `dlq list` shows it.
+fn write_letter(out: &mut impl Write, d: &dlq::DeadLetter) -> std::io::Result<()> {
+    let id = d.message_id.as_deref().unwrap_or("-");
+    let age = d.age_seconds.map_or("-".to_owned(), |a| format!("{a}s"));
+    let origin = format!(
+        "{}/{}",
+        d.original_exchange.as_deref().unwrap_or("?"),
+        d.original_routing_key.as_deref().unwrap_or("?")
+    );
+    writeln!(out, "  #{} id {id}  age {age}  from {origin}", d.position)?;
+    writeln!(out, "     reason  {}", d.reason)?;
+    for death in &d.deaths {
+        writeln!(
+            out,
+            "     x-death {} ×{} in {}",
+            death.reason, death.count, death.queue
+        )?;
+    }
+    writeln!(
+        out,
+        "     body    {} ({} bytes)",
+        d.body_preview, d.body_bytes
+    )
+}
+
+/// `onejob dlq replay`: one letter by id, or every letter present at the start.
+async fn dlq_replay(
+    config: &Config,
+    conn: &lapin::Connection,
+    queue: Option<&str>,
+    id: Option<String>,
+    as_json: bool,
+    out: &mut impl Write,
+) -> Outcome {
+    // clap requires exactly one of --id and --all.
+    let selection = match id {
+        Some(id) => dlq::Selection::Id(id),
+        None => dlq::Selection::All,
+    };
+    let mut reports = Vec::new();
+    let (mut replayed, mut skipped) = (0usize, 0usize);
+    for q in dlq::select_queues(config, queue)? {
+        let mut written = Ok(());
+        dlq::replay(conn, &q, &selection, |r| {
+            match &r.outcome {
+                dlq::ReplayOutcome::Replayed => replayed += 1,
+                dlq::ReplayOutcome::Skipped { .. } => skipped += 1,
+            }
+            if as_json {
+                reports.push(r);
+            } else if written.is_ok() {
+                written = report_replay(out, &r);
+            }
+        })
+        .await?;
+        written?;
+        if matches!(selection, dlq::Selection::Id(_)) && replayed + skipped > 0 {
+            break;
+        }
+    }
+    if let dlq::Selection::Id(id) = &selection
+        && replayed + skipped == 0
+    {
+        return Err(Failure(format!("no dead letter with message id {id:?}")));
+    }
+    if as_json {
+        writeln!(
+            out,
+            "{}",
+            json!({ "replayed": replayed, "skipped": skipped, "dead_letters": reports })
+        )?;
+    } else {
+        writeln!(out, "{replayed} dead letter(s) replayed, {skipped} skipped")?;
+    }
+    if skipped > 0 {
+        return Err(Failure(format!(
+            "{skipped} dead letter(s) could not be replayed and were left in place (see above)"
+        )));
+    }
+    Ok(())
+}
+
+/// `onejob dlq purge`: deletes, only with `--yes`.
+async fn dlq_purge(
+    config: &Config,
+    conn: &lapin::Connection,
+    queue: Option<&str>,
+    yes: bool,
+    as_json: bool,
+    out: &mut impl Write,
+) -> Outcome {
+    let queues = dlq::select_queues(config, queue)?;
+    if !yes {
+        return Err(Failure(format!(
+            "refusing to delete the dead letters of {} without --yes",
+            queues.join(", ")
+        )));
+    }
+    let mut purged = serde_json::Map::new();
+    for q in queues {
+        let n = dlq::purge(conn, &q).await?;
+        if !as_json {
+            writeln!(out, "{q}: {n} dead letter(s) deleted")?;
+        }
+        purged.insert(q, json!(n));
+    }
+    if as_json {
+        writeln!(out, "{}", json!({ "purged": purged }))?;
     }
     Ok(())
 }

@@ -337,6 +337,72 @@ impl std::fmt::Debug for Config {
     }
 }
 
+/// A provider's base URL: http or https, no credentials, ending in `/` so
+/// that paths join beneath it.
+fn base_url(origin: &str, at: &str, text: &str) -> Result<reqwest::Url> {
+    let mut base_url =
+        reqwest::Url::parse(text).map_err(|e| invalid(origin, at, format!("not a URL: {e}")))?;
+    if !matches!(base_url.scheme(), "http" | "https") {
+        return Err(invalid(origin, at, "must be an http or https URL"));
+    }
+    if !base_url.username().is_empty() || base_url.password().is_some() {
+        return Err(invalid(
+            origin,
+            at,
+            "must not carry credentials; use api_key_env",
+        ));
+    }
+    if !base_url.path().ends_with('/') {
+        let path = format!("{}/", base_url.path());
+        base_url.set_path(&path);
+    }
+    Ok(base_url)
+}
+
+/// A count that must be at least `min`; `default` when unset.
+fn at_least<T: PartialOrd + Copy + std::fmt::Display>(
+    origin: &str,
+    setting: &str,
+    value: Option<T>,
+    min: T,
+    default: T,
+) -> Result<T> {
+    match value {
+        Some(n) if n < min => Err(invalid(origin, setting, format!("must be at least {min}"))),
+        Some(n) => Ok(n),
+        None => Ok(default),
+    }
+}
+
+/// An operation's route: at least one provider, each configured, none twice.
+fn check_route(
+    origin: &str,
+    at: &str,
+    route: &[String],
+    providers: &BTreeMap<String, Provider>,
+) -> Result<()> {
+    if route.is_empty() {
+        return Err(invalid(origin, at, "must name at least one provider"));
+    }
+    for (i, p) in route.iter().enumerate() {
+        if !providers.contains_key(p) {
+            return Err(invalid(
+                origin,
+                format!("{at}[{i}]"),
+                format!("{p:?} is not a configured provider"),
+            ));
+        }
+        if route[..i].contains(p) {
+            return Err(invalid(
+                origin,
+                format!("{at}[{i}]"),
+                format!("{p:?} appears twice"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn invalid(origin: &str, setting: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         origin: origin.to_owned(),
@@ -409,92 +475,50 @@ impl Config {
     /// `[worker]`: each setting checked, defaults for the rest.
     fn parse_worker(origin: &str, w: &RawWorker) -> Result<WorkerSettings> {
         let defaults = WorkerSettings::default();
+        let d = |key: &str, text: &Option<String>, default: Duration| {
+            duration(origin, &format!("worker.{key}"), text, default)
+        };
         let worker = WorkerSettings {
-            delivery_limit: match w.delivery_limit {
-                Some(0) => {
-                    return Err(invalid(
-                        origin,
-                        "worker.delivery_limit",
-                        "must be at least 1",
-                    ));
-                }
-                Some(n) => n,
-                None => defaults.delivery_limit,
-            },
-            max_message_bytes: match w.max_message_bytes {
-                Some(n) if n < 256 => {
-                    return Err(invalid(
-                        origin,
-                        "worker.max_message_bytes",
-                        "must be at least 256",
-                    ));
-                }
-                Some(n) => n,
-                None => defaults.max_message_bytes,
-            },
-            intake_prefetch: match w.intake_prefetch {
-                Some(0) => {
-                    return Err(invalid(
-                        origin,
-                        "worker.intake_prefetch",
-                        "must be at least 1",
-                    ));
-                }
-                Some(n) => n,
-                None => defaults.intake_prefetch,
-            },
-            retry_backoff: duration(
+            delivery_limit: at_least(
                 origin,
-                "worker.retry_backoff",
-                &w.retry_backoff,
-                defaults.retry_backoff,
+                "worker.delivery_limit",
+                w.delivery_limit,
+                1,
+                defaults.delivery_limit,
             )?,
-            retry_backoff_max: duration(
+            max_message_bytes: at_least(
                 origin,
-                "worker.retry_backoff_max",
+                "worker.max_message_bytes",
+                w.max_message_bytes,
+                256,
+                defaults.max_message_bytes,
+            )?,
+            intake_prefetch: at_least(
+                origin,
+                "worker.intake_prefetch",
+                w.intake_prefetch,
+                1,
+                defaults.intake_prefetch,
+            )?,
+            retry_backoff: d("retry_backoff", &w.retry_backoff, defaults.retry_backoff)?,
+            retry_backoff_max: d(
+                "retry_backoff_max",
                 &w.retry_backoff_max,
                 defaults.retry_backoff_max,
             )?,
-            relay_interval: duration(
-                origin,
-                "worker.relay_interval",
-                &w.relay_interval,
-                defaults.relay_interval,
-            )?,
-            outbox_lease: duration(
-                origin,
-                "worker.outbox_lease",
-                &w.outbox_lease,
-                defaults.outbox_lease,
-            )?,
-            vanished_grace: duration(
-                origin,
-                "worker.vanished_grace",
-                &w.vanished_grace,
-                defaults.vanished_grace,
-            )?,
-            shutdown_grace: duration(
-                origin,
-                "worker.shutdown_grace",
-                &w.shutdown_grace,
-                defaults.shutdown_grace,
-            )?,
-            stuck_after: duration(
-                origin,
-                "worker.stuck_after",
-                &w.stuck_after,
-                defaults.stuck_after,
-            )?,
+            relay_interval: d("relay_interval", &w.relay_interval, defaults.relay_interval)?,
+            outbox_lease: d("outbox_lease", &w.outbox_lease, defaults.outbox_lease)?,
+            vanished_grace: d("vanished_grace", &w.vanished_grace, defaults.vanished_grace)?,
+            shutdown_grace: d("shutdown_grace", &w.shutdown_grace, defaults.shutdown_grace)?,
+            stuck_after: d("stuck_after", &w.stuck_after, defaults.stuck_after)?,
             max_republish: w.max_republish.unwrap_or(defaults.max_republish),
-            dead_letter_scan: duration(
-                origin,
-                "worker.dead_letter_scan",
+            dead_letter_scan: d(
+                "dead_letter_scan",
                 &w.dead_letter_scan,
                 defaults.dead_letter_scan,
             )?,
-            outbox_retention: duration(
-                origin,
-                "worker.outbox_retention",
+            outbox_retention: d(
+                "outbox_retention",
                 &w.outbox_retention,
                 defaults.outbox_retention,
             )?,
@@ -523,35 +547,12 @@ impl Config {
                 ));
             }
         };
-        let mut base_url = reqwest::Url::parse(&p.base_url)
-            .map_err(|e| invalid(origin, at("base_url"), format!("not a URL: {e}")))?;
-        if !matches!(base_url.scheme(), "http" | "https") {
-            return Err(invalid(
-                origin,
-                at("base_url"),
-                "must be an http or https URL",
-            ));
-        }
-        if !base_url.username().is_empty() || base_url.password().is_some() {
-            return Err(invalid(
-                origin,
-                at("base_url"),
-                "must not carry credentials; use api_key_env",
-            ));
-        }
-        if !base_url.path().ends_with('/') {
-            let path = format!("{}/", base_url.path());
-            base_url.set_path(&path);
-        }
+        let base_url = base_url(origin, &at("base_url"), &p.base_url)?;
         if p.model.is_empty() {
             return Err(invalid(origin, at("model"), "must not be empty"));
         }
         let timeout = duration(origin, &at("timeout"), &p.timeout, Duration::from_secs(30))?;
-        let concurrency = match p.concurrency {
-            Some(0) => return Err(invalid(origin, at("concurrency"), "must be at least 1")),
-            Some(n) => n,
-            None => 16,
-        };
+        let concurrency = at_least(origin, &at("concurrency"), p.concurrency, 1, 16)?;
         let max_retry_after = duration(
             origin,
             &at("max_retry_after"),
@@ -568,17 +569,13 @@ impl Config {
                 format!("{bad} is not an HTTP status"),
             ));
         }
-        let max_response_bytes = match p.max_response_bytes {
-            Some(n) if n < 1024 => {
-                return Err(invalid(
-                    origin,
-                    at("max_response_bytes"),
-                    "must be at least 1024",
-                ));
-            }
-            Some(n) => n,
-            None => DEFAULT_MAX_RESPONSE_BYTES,
-        };
+        let max_response_bytes = at_least(
+            origin,
+            &at("max_response_bytes"),
+            p.max_response_bytes,
+            1024,
+            DEFAULT_MAX_RESPONSE_BYTES,
+        )?;
         if let Some(env) = &p.api_key_env
             && env.is_empty()
         {
@@ -613,22 +610,12 @@ impl Config {
     ) -> Result<Operation> {
         let at = |field: &str| format!("operations.{name}.{field}");
         check_name(origin, &format!("operations.{name}"), &name)?;
-        env.add_template_owned(format!("{name}.system"), o.system.clone())
-            .map_err(|e| {
-                invalid(
-                    origin,
-                    at("system"),
-                    format!("template does not compile: {e}"),
-                )
-            })?;
-        env.add_template_owned(format!("{name}.prompt"), o.prompt.clone())
-            .map_err(|e| {
-                invalid(
-                    origin,
-                    at("prompt"),
-                    format!("template does not compile: {e}"),
-                )
-            })?;
+        for (part, text) in [("system", &o.system), ("prompt", &o.prompt)] {
+            env.add_template_owned(format!("{name}.{part}"), text.clone())
+                .map_err(|e| {
+                    invalid(origin, at(part), format!("template does not compile: {e}"))
+                })?;
+        }
         let output_schema = toml_to_json(o.output_schema);
         if !output_schema.is_object() {
             return Err(invalid(
@@ -644,34 +631,8 @@ impl Config {
                 format!("not a valid JSON Schema: {e}"),
             )
         })?;
-        if o.route.is_empty() {
-            return Err(invalid(
-                origin,
-                at("route"),
-                "must name at least one provider",
-            ));
-        }
-        for (i, p) in o.route.iter().enumerate() {
-            if !providers.contains_key(p) {
-                return Err(invalid(
-                    origin,
-                    format!("{}[{i}]", at("route")),
-                    format!("{p:?} is not a configured provider"),
-                ));
-            }
-            if o.route[..i].contains(p) {
-                return Err(invalid(
-                    origin,
-                    format!("{}[{i}]", at("route")),
-                    format!("{p:?} appears twice"),
-                ));
-            }
-        }
-        let max_attempts = match o.max_attempts {
-            Some(0) => return Err(invalid(origin, at("max_attempts"), "must be at least 1")),
-            Some(n) => n,
-            None => 3,
-        };
+        check_route(origin, &at("route"), &o.route, providers)?;
+        let max_attempts = at_least(origin, &at("max_attempts"), o.max_attempts, 1, 3)?;
         let temperature = o.temperature.unwrap_or(0.0);
         if !(0.0..=2.0).contains(&temperature) {
             return Err(invalid(
@@ -689,19 +650,19 @@ impl Config {
                 Duration::ZERO,
             )?),
         };
-        let mut cases = Vec::new();
-        for (i, c) in o.cases.into_iter().enumerate() {
-            match toml_to_json(c.input) {
-                Value::Object(m) => cases.push(m),
-                _ => {
-                    return Err(invalid(
-                        origin,
-                        format!("{}[{i}].input", at("cases")),
-                        "must be a table",
-                    ));
-                }
-            }
-        }
+        let cases = o
+            .cases
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| match toml_to_json(c.input) {
+                Value::Object(m) => Ok(m),
+                _ => Err(invalid(
+                    origin,
+                    format!("{}[{i}].input", at("cases")),
+                    "must be a table",
+                )),
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Operation {
             name,
             system: o.system,

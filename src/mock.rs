@@ -232,17 +232,7 @@ fn directives(text: &str) -> Directives {
 }
 
 async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    let n = state.stats.requests.fetch_add(1, Ordering::SeqCst) + 1;
-    if let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok())
-        && let Ok(mut keys) = state.stats.idempotency_keys.lock()
-    {
-        keys.push(key.to_owned());
-    }
-    if let Some(auth) = headers.get("authorization").and_then(|v| v.to_str().ok())
-        && let Ok(mut seen) = state.stats.authorizations.lock()
-    {
-        seen.push(auth.to_owned());
-    }
+    let n = state.stats.record(&headers);
     let request: ChatRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
@@ -261,6 +251,43 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
         .join("\n");
     let d = directives(&text);
     let options = state.options.read().map(|o| o.clone()).unwrap_or_default();
+    let fail = wait(&options, &d).await;
+    if let Some(code) = d.status.or(if fail { Some(503) } else { None }) {
+        return failure(code, &d);
+    }
+    if d.drop {
+        return dropped();
+    }
+    let user = request
+        .messages
+        .last()
+        .map(|m| m.content.as_str())
+        .unwrap_or_default();
+    answer(n, &options, d, &text, user)
+}
+
+impl Stats {
+    /// Counts a request and keeps its idempotency key and authorization; returns
+    /// its number.
+    fn record(&self, headers: &HeaderMap) -> u64 {
+        let n = self.requests.fetch_add(1, Ordering::SeqCst) + 1;
+        if let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok())
+            && let Ok(mut keys) = self.idempotency_keys.lock()
+        {
+            keys.push(key.to_owned());
+        }
+        if let Some(auth) = headers.get("authorization").and_then(|v| v.to_str().ok())
+            && let Ok(mut seen) = self.authorizations.lock()
+        {
+            seen.push(auth.to_owned());
+        }
+        n
+    }
+}
+
+/// Waits the asked or configured delay plus jitter; returns whether the
+/// server-wide error rate picked this request to fail.
+async fn wait(options: &MockOptions, d: &Directives) -> bool {
     let (jitter_ms, fail) = {
         let mut rng = rand::rng();
         let jitter_ms = match options.jitter.as_millis() {
@@ -277,44 +304,49 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
+    fail
+}
+
+/// An error answer with status `code` (`mock:status`, or the error rate).
+fn failure(code: u16, d: &Directives) -> Response {
+    let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = if d.nul {
+        (status, b"mock: a raw \0 byte in an error body".to_vec()).into_response()
+    } else {
+        (
+            status,
+            Json(json!({"error": {"message": format!("mock: asked to fail with {code}{}", "x".repeat(d.pad.unwrap_or(0))), "type": "mock_error"}})),
+        )
+            .into_response()
+    };
+    if let Some(secs) = d.retry_after
+        && let Ok(v) = secs.to_string().parse()
+    {
+        response.headers_mut().insert("retry-after", v);
+    }
+    response
+}
+
+/// A 200 whose body breaks off: the connection drops mid-answer (`mock:drop`).
+fn dropped() -> Response {
+    let stream = futures_util::stream::once(async {
+        Err::<Bytes, std::io::Error>(std::io::Error::other("mock: dropping the connection"))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/json")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// The chat completion: a JSON answer about the last message, or one that
+/// misbehaves as the directives or the server's options ask.
+fn answer(n: u64, options: &MockOptions, d: Directives, text: &str, user: &str) -> Response {
     let usage = json!({
         "prompt_tokens": text.split_whitespace().count(),
         "completion_tokens": 12,
         "total_tokens": text.split_whitespace().count() + 12,
     });
-    if let Some(code) = d.status.or(if fail { Some(503) } else { None }) {
-        let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let mut response = if d.nul {
-            (status, b"mock: a raw \0 byte in an error body".to_vec()).into_response()
-        } else {
-            (
-                status,
-                Json(json!({"error": {"message": format!("mock: asked to fail with {code}{}", "x".repeat(d.pad.unwrap_or(0))), "type": "mock_error"}})),
-            )
-                .into_response()
-        };
-        if let Some(secs) = d.retry_after
-            && let Ok(v) = secs.to_string().parse()
-        {
-            response.headers_mut().insert("retry-after", v);
-        }
-        return response;
-    }
-    if d.drop {
-        let stream = futures_util::stream::once(async {
-            Err::<Bytes, std::io::Error>(std::io::Error::other("mock: dropping the connection"))
-        });
-        return Response::builder()
-            .status(StatusCode::OK)
-            .header("content-type", "application/json")
-            .body(Body::from_stream(stream))
-            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
-    }
-    let user = request
-        .messages
-        .last()
-        .map(|m| m.content.as_str())
-        .unwrap_or_default();
     let mut gist: String = user.chars().take(80).collect();
     if d.nul {
         gist.push('\0');

@@ -199,15 +199,17 @@ pub(crate) async fn hedge_once(ctx: &Context) -> Result<()> {
         return Ok(());
     }
     let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
-    for (job, current, operation, made) in candidates {
-        let Some(op) = ctx.config.operations.get(&operation) else {
+    for candidate in candidates {
+        let job = candidate.job_id;
+        let (current, operation) = (candidate.provider.as_str(), candidate.operation.as_str());
+        let Some(op) = ctx.config.operations.get(operation) else {
             continue;
         };
         let target = domain::next_provider(
             &op.route,
-            |p| p != current && planner.is_eligible(&operation, p),
-            &current,
-            made,
+            |p| p != current && planner.is_eligible(operation, p),
+            current,
+            candidate.attempts_made,
             op.max_attempts,
         );
         match target {

@@ -360,20 +360,8 @@ where
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     use futures_util::{FutureExt, StreamExt};
-    use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 
-    let channel = ctx.connection.create_channel().await?;
-    channel
-        .basic_qos(prefetch, BasicQosOptions::default())
-        .await?;
-    let mut consumer = channel
-        .basic_consume(
-            broker::short(queue)?,
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let (channel, mut consumer) = open_consumer(ctx, queue, prefetch).await?;
     let stopped = |next: Option<std::result::Result<Delivery, lapin::Error>>| match next {
         Some(Err(e)) => Err(WorkerError::Amqp(e)),
         _ => Err(WorkerError::RoleStopped(
@@ -420,6 +408,43 @@ where
             }
         }
     };
+    stop_consumer(ctx, queue, &channel, &consumer, in_flight).await;
+    outcome
+}
+
+/// A channel with `prefetch` and a consumer on `queue`.
+async fn open_consumer(
+    ctx: &Context,
+    queue: &str,
+    prefetch: u16,
+) -> Result<(lapin::Channel, lapin::Consumer)> {
+    use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+    let channel = ctx.connection.create_channel().await?;
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    let consumer = channel
+        .basic_consume(
+            broker::short(queue)?,
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    Ok((channel, consumer))
+}
+
+/// Cancels the consumer, lets the handlers in flight finish within
+/// `shutdown_grace` (what is unfinished then goes back to the queue when the
+/// channel closes), and closes the channel.
+async fn stop_consumer(
+    ctx: &Context,
+    queue: &str,
+    channel: &lapin::Channel,
+    consumer: &lapin::Consumer,
+    mut in_flight: tokio::task::JoinSet<()>,
+) {
+    use lapin::options::BasicCancelOptions;
     let _ = channel
         .basic_cancel(consumer.tag(), BasicCancelOptions::default())
         .await;
@@ -437,7 +462,6 @@ where
         in_flight.shutdown().await;
     }
     let _ = channel.close(200, "worker stopping".into()).await;
-    outcome
 }
 
 /// Watches the AMQP connection and the publishing channel. Automatic recovery

@@ -308,84 +308,10 @@ pub async fn upgrade_queues(
     providers: &[String],
     delivery_limit: u32,
 ) -> Result<Vec<(String, QueueUpgrade)>> {
-    use lapin::options::QueueDeleteOptions;
-    let queue_opts = QueueDeclareOptions {
-        durable: true,
-        ..QueueDeclareOptions::default()
-    };
     let mut out = Vec::new();
     for (queue, key) in work_queues(providers) {
-        let args = || work_queue_args(&queue, delivery_limit);
-        // Each step on a channel of its own: a 406 closes the channel it hit.
-        let ch = conn.create_channel().await?;
-        match ch.queue_declare(short(&queue)?, queue_opts, args()).await {
-            Ok(_) => {
-                let _ = ch.close(200, "checked".into()).await;
-                out.push((queue, QueueUpgrade::Current));
-                continue;
-            }
-            Err(e) if precondition_failed(&e) => {}
-            Err(e) => return Err(e.into()),
-        }
-        let ch = conn.create_channel().await?;
-        let existing = inspect(&ch, &queue).await?;
-        if existing.message_count() > 0 || existing.consumer_count() > 0 {
-            let _ = ch.close(200, "checked".into()).await;
-            out.push((
-                queue,
-                QueueUpgrade::Refused {
-                    messages: existing.message_count(),
-                    consumers: existing.consumer_count(),
-                },
-            ));
-            continue;
-        }
-        // Unbind it first, so that nothing new is routed to it, then look again:
-        // quorum queues do not support the `if-empty` delete, so emptiness is
-        // checked here, after the last way in is closed. A mandatory publish meanwhile
-        // comes back unroutable to its publisher, which retries; nothing is lost.
-        ch.queue_unbind(
-            short(&queue)?,
-            EXCHANGE.into(),
-            short(&key)?,
-            FieldTable::default(),
-        )
-        .await?;
-        let again = inspect(&ch, &queue).await?;
-        if again.message_count() > 0 || again.consumer_count() > 0 {
-            ch.queue_bind(
-                short(&queue)?,
-                EXCHANGE.into(),
-                short(&key)?,
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-            let _ = ch.close(200, "checked".into()).await;
-            out.push((
-                queue,
-                QueueUpgrade::Refused {
-                    messages: again.message_count(),
-                    consumers: again.consumer_count(),
-                },
-            ));
-            continue;
-        }
-        ch.queue_delete(short(&queue)?, QueueDeleteOptions::default())
-            .await?;
-        ch.queue_declare(short(&queue)?, queue_opts, args()).await?;
-        // Bound again at once: other queues refused must not leave this one
-        // unroutable until the next declaration.
-        ch.queue_bind(
-            short(&queue)?,
-            EXCHANGE.into(),
-            short(&key)?,
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
-        let _ = ch.close(200, "redeclared".into()).await;
-        out.push((queue, QueueUpgrade::Redeclared));
+        let upgrade = upgrade_queue(conn, &queue, &key, delivery_limit).await?;
+        out.push((queue, upgrade));
     }
     if out
         .iter()
@@ -394,6 +320,78 @@ pub async fn upgrade_queues(
         declare_topology(conn, providers, delivery_limit).await?;
     }
     Ok(out)
+}
+
+/// One work queue of [`upgrade_queues`].
+async fn upgrade_queue(
+    conn: &Connection,
+    queue: &str,
+    key: &str,
+    delivery_limit: u32,
+) -> Result<QueueUpgrade> {
+    use lapin::options::QueueDeleteOptions;
+    let queue_opts = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    let args = || work_queue_args(queue, delivery_limit);
+    let refused = |q: &lapin::Queue| QueueUpgrade::Refused {
+        messages: q.message_count(),
+        consumers: q.consumer_count(),
+    };
+    // Each step on a channel of its own: a 406 closes the channel it hit.
+    let ch = conn.create_channel().await?;
+    match ch.queue_declare(short(queue)?, queue_opts, args()).await {
+        Ok(_) => {
+            let _ = ch.close(200, "checked".into()).await;
+            return Ok(QueueUpgrade::Current);
+        }
+        Err(e) if precondition_failed(&e) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let ch = conn.create_channel().await?;
+    let existing = inspect(&ch, queue).await?;
+    if existing.message_count() > 0 || existing.consumer_count() > 0 {
+        let _ = ch.close(200, "checked".into()).await;
+        return Ok(refused(&existing));
+    }
+    // Unbind it first, so that nothing new is routed to it, then look again:
+    // quorum queues do not support the `if-empty` delete, so emptiness is
+    // checked here, after the last way in is closed. A mandatory publish meanwhile
+    // comes back unroutable to its publisher, which retries; nothing is lost.
+    ch.queue_unbind(
+        short(queue)?,
+        EXCHANGE.into(),
+        short(key)?,
+        FieldTable::default(),
+    )
+    .await?;
+    let again = inspect(&ch, queue).await?;
+    if again.message_count() > 0 || again.consumer_count() > 0 {
+        bind_work_queue(&ch, queue, key).await?;
+        let _ = ch.close(200, "checked".into()).await;
+        return Ok(refused(&again));
+    }
+    ch.queue_delete(short(queue)?, QueueDeleteOptions::default())
+        .await?;
+    ch.queue_declare(short(queue)?, queue_opts, args()).await?;
+    // Bound again at once: other queues refused must not leave this one
+    // unroutable until the next declaration.
+    bind_work_queue(&ch, queue, key).await?;
+    let _ = ch.close(200, "redeclared".into()).await;
+    Ok(QueueUpgrade::Redeclared)
+}
+
+async fn bind_work_queue(ch: &Channel, queue: &str, key: &str) -> Result<()> {
+    ch.queue_bind(
+        short(queue)?,
+        EXCHANGE.into(),
+        short(key)?,
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    Ok(())
 }
 
 /// Persistent JSON message properties, as the contract requires of every publish.

@@ -391,37 +391,7 @@ async fn create_job(State(gateway): State<Arc<Gateway>>, request: Request) -> Re
     match gateway.producer.submit_raw(&message).await {
         Ok(receipt) => {
             tracing::debug!(owner = %intent.owner_id, outcome = ?receipt.outcome, "intent answered");
-            match receipt.outcome {
-                Outcome::Created => receipt_response(StatusCode::CREATED, &receipt),
-                Outcome::Duplicate => {
-                    let mut response = receipt_response(StatusCode::OK, &receipt);
-                    response
-                        .headers_mut()
-                        .insert("idempotent-replayed", HeaderValue::from_static("true"));
-                    response
-                }
-                Outcome::Conflict => {
-                    // The receipt carries no error; over HTTP, say what happened.
-                    let explained = Receipt {
-                        error: Some(format!(
-                            "conflict: Idempotency-Key {:?} was already used for a different request; that job is neither shown nor changed",
-                            intent.idempotency_key
-                        )),
-                        ..receipt
-                    };
-                    receipt_response(StatusCode::UNPROCESSABLE_ENTITY, &explained)
-                }
-                // The fleet's configuration may differ from this gateway's.
-                Outcome::Rejected
-                    if receipt
-                        .error
-                        .as_deref()
-                        .is_some_and(|e| e.starts_with("too_large")) =>
-                {
-                    receipt_response(StatusCode::PAYLOAD_TOO_LARGE, &receipt)
-                }
-                Outcome::Rejected => receipt_response(StatusCode::BAD_REQUEST, &receipt),
-            }
+            answer(receipt, &intent.idempotency_key)
         }
         Err(e @ ProducerError::ReceiptTimeout(_)) => {
             unavailable(StatusCode::GATEWAY_TIMEOUT, format!("receipt_timeout: {e}"))
@@ -436,6 +406,41 @@ async fn create_job(State(gateway): State<Arc<Gateway>>, request: Request) -> Re
                 format!("unavailable: the intent was not published ({e}); retry with the same key"),
             )
         }
+    }
+}
+
+/// The HTTP answer for a receipt: 201 created, 200 for a duplicate (marked
+/// replayed), 422 for a conflict, 413 or 400 for a rejection.
+fn answer(receipt: Receipt, idempotency_key: &str) -> Response {
+    match receipt.outcome {
+        Outcome::Created => receipt_response(StatusCode::CREATED, &receipt),
+        Outcome::Duplicate => {
+            let mut response = receipt_response(StatusCode::OK, &receipt);
+            response
+                .headers_mut()
+                .insert("idempotent-replayed", HeaderValue::from_static("true"));
+            response
+        }
+        Outcome::Conflict => {
+            // The receipt carries no error; over HTTP, say what happened.
+            let explained = Receipt {
+                error: Some(format!(
+                    "conflict: Idempotency-Key {idempotency_key:?} was already used for a different request; that job is neither shown nor changed"
+                )),
+                ..receipt
+            };
+            receipt_response(StatusCode::UNPROCESSABLE_ENTITY, &explained)
+        }
+        // The fleet's configuration may differ from this gateway's.
+        Outcome::Rejected
+            if receipt
+                .error
+                .as_deref()
+                .is_some_and(|e| e.starts_with("too_large")) =>
+        {
+            receipt_response(StatusCode::PAYLOAD_TOO_LARGE, &receipt)
+        }
+        Outcome::Rejected => receipt_response(StatusCode::BAD_REQUEST, &receipt),
     }
 }
 

@@ -7,36 +7,40 @@ impl Store {
     /// oldest `unknown` attempt's age (alert on it: only a person or late evidence
     /// resolves an unknown), and the outbox backlog.
     pub async fn gauges(&self) -> Result<String> {
-        let jobs: Vec<(String, i64)> =
-            sqlx::query_as("SELECT status, count(*) FROM jobs GROUP BY status")
-                .fetch_all(&self.pool)
-                .await?;
-        let attempts: Vec<(String, i64)> =
-            sqlx::query_as("SELECT status, count(*) FROM attempts GROUP BY status")
-                .fetch_all(&self.pool)
-                .await?;
-        let (oldest_unknown, backlog): (Option<f64>, i64) = sqlx::query_as(
-            "SELECT (SELECT extract(epoch FROM now() - min(COALESCE(started_at, created_at)))::float8
-                     FROM attempts WHERE status = 'unknown'),
-                    (SELECT count(*) FROM outbox WHERE published_at IS NULL)",
+        let jobs: HashMap<JobStatus, i64> = sqlx::query!(
+            r#"SELECT status AS "status: JobStatus", count(*) AS "n!" FROM jobs GROUP BY status"#
+        )
+        .fetch_all(&self.pool)
+        .await?
+        .into_iter()
+        .map(|r| (r.status, r.n))
+        .collect();
+        let attempts: HashMap<AttemptStatus, i64> = sqlx::query!(
+            r#"SELECT status AS "status: AttemptStatus", count(*) AS "n!"
+               FROM attempts GROUP BY status"#
+        )
+        .fetch_all(&self.pool)
+        .await?
+        .into_iter()
+        .map(|r| (r.status, r.n))
+        .collect();
+        let row = sqlx::query!(
+            r#"SELECT (SELECT extract(epoch FROM now() - min(COALESCE(started_at, created_at)))::float8
+                       FROM attempts WHERE status = 'unknown') AS oldest_unknown,
+                      (SELECT count(*) FROM outbox WHERE published_at IS NULL) AS "backlog!""#
         )
         .fetch_one(&self.pool)
         .await?;
+        let (oldest_unknown, backlog) = (row.oldest_unknown, row.backlog);
         let mut out = String::new();
         out.push_str("# TYPE onejob_jobs gauge\n");
         for s in JobStatus::ALL {
-            let n = jobs
-                .iter()
-                .find(|(k, _)| k == s.as_str())
-                .map_or(0, |(_, n)| *n);
+            let n = jobs.get(s).copied().unwrap_or(0);
             out.push_str(&format!("onejob_jobs{{status=\"{s}\"}} {n}\n"));
         }
         out.push_str("# TYPE onejob_attempts gauge\n");
         for s in AttemptStatus::ALL {
-            let n = attempts
-                .iter()
-                .find(|(k, _)| k == s.as_str())
-                .map_or(0, |(_, n)| *n);
+            let n = attempts.get(s).copied().unwrap_or(0);
             out.push_str(&format!("onejob_attempts{{status=\"{s}\"}} {n}\n"));
         }
         out.push_str("# TYPE onejob_oldest_unknown_attempt_seconds gauge\n");

@@ -24,7 +24,7 @@ use futures_util::TryFutureExt;
 use serde::Serialize;
 use serde_json::Value;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgConnection, PgPool, Row};
+use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
 use crate::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
@@ -222,7 +222,7 @@ pub struct Started {
 }
 
 /// How an attempt ended, as its worker saw it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Verdict {
     /// A valid answer.
     Succeeded(Value),
@@ -382,6 +382,59 @@ pub struct JobView {
     pub attempts: Vec<AttemptView>,
 }
 
+/// A `jobs` row, as the view queries read it; [`JobRow::with`] adds its attempts.
+struct JobRow {
+    id: JobId,
+    owner_id: String,
+    idempotency_key: String,
+    request_fingerprint: String,
+    operation: String,
+    input: Value,
+    provider: Option<String>,
+    status: JobStatus,
+    version: i64,
+    completed_by: Option<AttemptId>,
+    result: Option<Value>,
+    error: Option<String>,
+    created_at: DateTime<Utc>,
+    updated_at: DateTime<Utc>,
+}
+
+impl JobRow {
+    fn with(self, attempts: Vec<AttemptView>) -> JobView {
+        JobView {
+            id: self.id,
+            owner_id: self.owner_id,
+            idempotency_key: self.idempotency_key,
+            request_fingerprint: self.request_fingerprint,
+            operation: self.operation,
+            input: self.input,
+            provider: self.provider,
+            status: self.status,
+            version: self.version,
+            completed_by: self.completed_by,
+            result: self.result,
+            error: self.error,
+            created_at: self.created_at,
+            updated_at: self.updated_at,
+            attempts,
+        }
+    }
+}
+
+/// A job the reconciler may hedge: its only attempt has run past `hedge_after`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HedgeCandidate {
+    /// The job.
+    pub job_id: JobId,
+    /// The provider of its running attempt.
+    pub provider: String,
+    /// Its operation.
+    pub operation: String,
+    /// How many attempts it has made.
+    pub attempts_made: u32,
+}
+
 /// A gateway token as operators see it: never the secret.
 #[derive(Clone, Debug, Serialize)]
 pub struct TokenView {
@@ -483,48 +536,36 @@ impl Routes {
 
 /// The job columns an event needs, as returned by the statements that end a job.
 struct Ended {
-    job_id: Uuid,
+    job_id: JobId,
     version: i64,
     owner_id: String,
     idempotency_key: String,
     operation: String,
-    status: String,
-    completed_by: Option<Uuid>,
+    status: JobStatus,
+    completed_by: Option<AttemptId>,
     result: Option<Value>,
     error: Option<String>,
 }
 
 impl Ended {
-    fn from_row(row: &sqlx::postgres::PgRow) -> Result<Self> {
-        Ok(Ended {
-            job_id: row.try_get("id")?,
-            version: row.try_get("version")?,
-            owner_id: row.try_get("owner_id")?,
-            idempotency_key: row.try_get("idempotency_key")?,
-            operation: row.try_get("operation")?,
-            status: row.try_get("status")?,
-            completed_by: row.try_get("completed_by")?,
-            result: row.try_get("result")?,
-            error: row.try_get("error")?,
-        })
-    }
-
     fn draft(&self, routes: &Routes) -> OutboxDraft {
-        let (kind, status) = match self.status.as_str() {
-            "succeeded" => ("job.succeeded", "succeeded"),
-            "failed" => ("job.failed", "failed"),
-            _ => ("job.cancelled", "cancelled"),
+        let kind = match self.status {
+            JobStatus::Succeeded => "job.succeeded",
+            JobStatus::Failed => "job.failed",
+            // Only the three terminal states end a job; the statements that
+            // return an `Ended` set one of them.
+            _ => "job.cancelled",
         };
         routes.event_draft(&JobEvent {
             event_id: format!("{}:{}", self.job_id, self.version),
             kind,
-            job_id: JobId(self.job_id),
+            job_id: self.job_id,
             version: self.version,
             owner_id: &self.owner_id,
             idempotency_key: &self.idempotency_key,
             operation: &self.operation,
-            status,
-            completed_by: self.completed_by.map(AttemptId),
+            status: self.status.as_str(),
+            completed_by: self.completed_by,
             result: self.result.as_ref(),
             error: self.error.as_deref(),
             occurred_at: Utc::now(),
@@ -591,7 +632,10 @@ impl Store {
 
     /// Whether Postgres answers.
     pub async fn ping(&self) -> bool {
-        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
+        sqlx::query!("SELECT 1 AS one")
+            .fetch_one(&self.pool)
+            .await
+            .is_ok()
     }
 
     /// The pool, for health checks.

@@ -13,34 +13,48 @@ impl Store {
         if drafts.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = sqlx::query(
-            "INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, lease_until)
-             SELECT d.exchange, d.routing_key, d.message_id, d.body, COALESCE(d.not_before, now()),
-                    CASE WHEN d.not_before IS NULL THEN now() + make_interval(secs => $6) END
-             FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[])
-                  AS d(exchange, routing_key, message_id, body, not_before)
-             RETURNING id, exchange, routing_key, message_id, body, lease_until IS NOT NULL AS leased",
+        let exchanges: Vec<String> = drafts.iter().map(|d| d.exchange.clone()).collect();
+        let routing_keys: Vec<String> = drafts.iter().map(|d| d.routing_key.clone()).collect();
+        let message_ids: Vec<String> = drafts.iter().map(|d| d.message_id.clone()).collect();
+        let bodies: Vec<Value> = drafts.iter().map(|d| d.body.clone()).collect();
+        let not_before: Vec<Option<DateTime<Utc>>> = drafts.iter().map(|d| d.not_before).collect();
+        let rows = sqlx::query!(
+            r#"INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, lease_until)
+               SELECT d.exchange, d.routing_key, d.message_id, d.body, COALESCE(d.not_before, now()),
+                      CASE WHEN d.not_before IS NULL THEN now() + make_interval(secs => $6) END
+               FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[])
+                    AS d(exchange, routing_key, message_id, body, not_before)
+               RETURNING id, exchange, routing_key, message_id, body,
+                         lease_until IS NOT NULL AS "leased!""#,
+            &exchanges,
+            &routing_keys,
+            &message_ids,
+            &bodies,
+            &not_before as &[Option<DateTime<Utc>>],
+            self.routes.lease.as_secs_f64(),
         )
-        .bind(drafts.iter().map(|d| d.exchange.clone()).collect::<Vec<_>>())
-        .bind(drafts.iter().map(|d| d.routing_key.clone()).collect::<Vec<_>>())
-        .bind(drafts.iter().map(|d| d.message_id.clone()).collect::<Vec<_>>())
-        .bind(drafts.iter().map(|d| d.body.clone()).collect::<Vec<_>>())
-        .bind(drafts.iter().map(|d| d.not_before).collect::<Vec<_>>())
-        .bind(self.routes.lease.as_secs_f64())
         .fetch_all(&mut *conn)
         .await?;
         // Rows without a not-before time are leased to this writer and handed back
         // for immediate publishing; the relay publishes the others when due.
-        rows.iter()
-            .filter(|r| r.get::<bool, _>("leased"))
-            .map(outbox_message)
-            .collect()
+        Ok(rows
+            .into_iter()
+            .filter(|r| r.leased)
+            .map(|r| OutboxMessage {
+                id: r.id,
+                exchange: r.exchange,
+                routing_key: r.routing_key,
+                message_id: r.message_id,
+                body: r.body,
+            })
+            .collect())
     }
 
     /// Takes due outbox rows whose lease is free (or over) for this publisher.
     /// `SKIP LOCKED` lets several relays share the table without waiting.
     pub async fn claim_outbox(&self, limit: i64) -> Result<Vec<OutboxMessage>> {
-        let rows = sqlx::query(
+        Ok(sqlx::query_as!(
+            OutboxMessage,
             "UPDATE outbox SET lease_until = now() + make_interval(secs => $2)
              WHERE id IN (
                  SELECT id FROM outbox
@@ -50,27 +64,26 @@ impl Store {
                  LIMIT $1
                  FOR UPDATE SKIP LOCKED)
              RETURNING id, exchange, routing_key, message_id, body",
+            limit,
+            self.routes.lease.as_secs_f64(),
         )
-        .bind(limit)
-        .bind(self.routes.lease.as_secs_f64())
         .fetch_all(&self.pool)
-        .await?;
-        rows.iter().map(outbox_message).collect()
+        .await?)
     }
 
     /// Deletes up to `limit` outbox rows published more than `retention` ago;
     /// returns how many. Rows not yet published are never touched.
     pub async fn prune_outbox(&self, retention: Duration, limit: i64) -> Result<u64> {
-        let done = sqlx::query(
+        let done = sqlx::query!(
             "DELETE FROM outbox WHERE id IN (
                  SELECT id FROM outbox
                  WHERE published_at < now() - make_interval(secs => $1)
                  ORDER BY published_at
                  LIMIT $2
                  FOR UPDATE SKIP LOCKED)",
+            retention.as_secs_f64(),
+            limit,
         )
-        .bind(retention.as_secs_f64())
-        .bind(limit)
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected())
@@ -81,22 +94,12 @@ impl Store {
         if ids.is_empty() {
             return Ok(());
         }
-        sqlx::query(
+        sqlx::query!(
             "UPDATE outbox SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL",
+            ids
         )
-        .bind(ids)
         .execute(&self.pool)
         .await?;
         Ok(())
     }
-}
-
-pub(super) fn outbox_message(row: &sqlx::postgres::PgRow) -> Result<OutboxMessage> {
-    Ok(OutboxMessage {
-        id: row.try_get("id")?,
-        exchange: row.try_get("exchange")?,
-        routing_key: row.try_get("routing_key")?,
-        message_id: row.try_get("message_id")?,
-        body: row.try_get("body")?,
-    })
 }

@@ -19,33 +19,41 @@ impl Store {
         } else {
             q.cases.clone()
         };
-        sqlx::query(
+        let indexes: Vec<i32> = cases
+            .iter()
+            .map(|c| i32::try_from(c.index).unwrap_or(i32::MAX))
+            .collect();
+        let passed: Vec<bool> = cases.iter().map(|c| c.passed).collect();
+        let details: Vec<String> = cases.iter().map(|c| c.detail.clone()).collect();
+        let prompt_tokens: Vec<Option<i32>> = cases
+            .iter()
+            .map(|c| {
+                c.prompt_tokens
+                    .map(|t| i32::try_from(t).unwrap_or(i32::MAX))
+            })
+            .collect();
+        let estimated: Vec<bool> = cases.iter().map(|c| c.tokens_estimated).collect();
+        let latencies: Vec<Option<i64>> = cases
+            .iter()
+            .map(|c| c.latency_ms.map(|l| i64::try_from(l).unwrap_or(i64::MAX)))
+            .collect();
+        sqlx::query!(
             "INSERT INTO provider_qualifications
                  (run_id, provider, operation, contract_hash, case_index, passed, detail,
                   prompt_tokens, tokens_estimated, latency_ms)
              SELECT $1, $2, $3, $4, c.case_index, c.passed, c.detail, c.prompt_tokens, c.estimated, c.latency_ms
              FROM unnest($5::int[], $6::bool[], $7::text[], $8::int[], $9::bool[], $10::bigint[])
                   AS c(case_index, passed, detail, prompt_tokens, estimated, latency_ms)",
-        )
-        .bind(run)
-        .bind(&q.provider)
-        .bind(&q.operation)
-        .bind(&q.contract_hash)
-        .bind(cases.iter().map(|c| i32::try_from(c.index).unwrap_or(i32::MAX)).collect::<Vec<_>>())
-        .bind(cases.iter().map(|c| c.passed).collect::<Vec<_>>())
-        .bind(cases.iter().map(|c| c.detail.clone()).collect::<Vec<_>>())
-        .bind(
-            cases
-                .iter()
-                .map(|c| c.prompt_tokens.map(|t| i32::try_from(t).unwrap_or(i32::MAX)))
-                .collect::<Vec<_>>(),
-        )
-        .bind(cases.iter().map(|c| c.tokens_estimated).collect::<Vec<_>>())
-        .bind(
-            cases
-                .iter()
-                .map(|c| c.latency_ms.map(|l| i64::try_from(l).unwrap_or(i64::MAX)))
-                .collect::<Vec<_>>(),
+            run,
+            &q.provider,
+            &q.operation,
+            &q.contract_hash,
+            &indexes,
+            &passed,
+            &details,
+            &prompt_tokens as &[Option<i32>],
+            &estimated,
+            &latencies as &[Option<i64>],
         )
         .execute(&self.pool)
         .await?;
@@ -61,25 +69,28 @@ impl Store {
         if pairs.is_empty() {
             return Ok(HashMap::new());
         }
-        let rows: Vec<(String, String, String, bool)> = sqlx::query_as(
-            "WITH latest AS (
-                 SELECT DISTINCT ON (q.provider, q.operation) q.provider, q.operation, q.run_id, q.contract_hash
-                 FROM provider_qualifications q
-                 JOIN unnest($1::text[], $2::text[]) AS k(provider, operation)
-                   ON q.provider = k.provider AND q.operation = k.operation
-                 ORDER BY q.provider, q.operation, q.created_at DESC, q.id DESC
-             )
-             SELECT l.provider, l.operation, l.contract_hash, bool_and(q.passed)
-             FROM latest l JOIN provider_qualifications q ON q.run_id = l.run_id
-             GROUP BY l.provider, l.operation, l.contract_hash",
+        let providers: Vec<String> = pairs.iter().map(|p| p.0.clone()).collect();
+        let operations: Vec<String> = pairs.iter().map(|p| p.1.clone()).collect();
+        let rows = sqlx::query!(
+            r#"WITH latest AS (
+                   SELECT DISTINCT ON (q.provider, q.operation) q.provider, q.operation, q.run_id, q.contract_hash
+                   FROM provider_qualifications q
+                   JOIN unnest($1::text[], $2::text[]) AS k(provider, operation)
+                     ON q.provider = k.provider AND q.operation = k.operation
+                   ORDER BY q.provider, q.operation, q.created_at DESC, q.id DESC
+               )
+               SELECT l.provider AS "provider!", l.operation AS "operation!",
+                      l.contract_hash AS "contract_hash!", bool_and(q.passed) AS "passed!"
+               FROM latest l JOIN provider_qualifications q ON q.run_id = l.run_id
+               GROUP BY l.provider, l.operation, l.contract_hash"#,
+            &providers,
+            &operations,
         )
-        .bind(pairs.iter().map(|p| p.0.clone()).collect::<Vec<_>>())
-        .bind(pairs.iter().map(|p| p.1.clone()).collect::<Vec<_>>())
         .fetch_all(&self.pool)
         .await?;
         Ok(rows
             .into_iter()
-            .map(|(p, o, h, ok)| ((p, o), (h, ok)))
+            .map(|r| ((r.provider, r.operation), (r.contract_hash, r.passed)))
             .collect())
     }
 }

@@ -25,8 +25,9 @@ impl Store {
         let ids: Vec<Uuid> = ids.iter().map(|a| a.0).collect();
         let rows = self
             .retrying(|| {
-                sqlx::query(
-                    "WITH claimed AS (
+                sqlx::query_as!(
+                    StartedRow,
+                    r#"WITH claimed AS (
                          SELECT j.id FROM jobs j
                          WHERE j.id IN (SELECT job_id FROM attempts
                                         WHERE id = ANY($1) AND status = 'queued' AND provider = $2)
@@ -47,28 +48,30 @@ impl Store {
                          WHERE j.id = s.job_id
                          RETURNING j.id, j.version, j.operation, j.input
                      )
-                     SELECT s.id, s.job_id, s.number, r.version, r.operation, r.input
-                     FROM started s JOIN running r ON r.id = s.job_id",
+                     SELECT s.id AS "attempt_id!: AttemptId", s.job_id AS "job_id!: JobId",
+                            s.number AS "number!", r.version AS "version!",
+                            r.operation AS "operation!", r.input AS "input!"
+                     FROM started s JOIN running r ON r.id = s.job_id"#,
+                    &ids,
+                    provider,
+                    timeout.as_secs_f64(),
                 )
-                .bind(&ids)
-                .bind(provider)
-                .bind(timeout.as_secs_f64())
                 .fetch_all(&self.pool)
                 .map_err(StoreError::from)
             })
             .await?;
-        rows.iter()
+        rows.into_iter()
             .map(|r| {
-                let input = match r.try_get::<Value, _>("input")? {
+                let input = match r.input {
                     Value::Object(m) => m,
                     other => return Err(corrupt(format!("job input is not an object: {other}"))),
                 };
                 Ok(Started {
-                    attempt_id: AttemptId(r.try_get("id")?),
-                    job_id: JobId(r.try_get("job_id")?),
-                    number: r.try_get("number")?,
-                    version: r.try_get("version")?,
-                    operation: r.try_get("operation")?,
+                    attempt_id: r.attempt_id,
+                    job_id: r.job_id,
+                    number: r.number,
+                    version: r.version,
+                    operation: r.operation,
                     input,
                 })
             })
@@ -143,7 +146,13 @@ impl Store {
             .collect();
         if !failures.is_empty() {
             let (outcomes, more) = self
-                .settle_failures(&mut tx, &failures, &["started", "unknown"], plan, false)
+                .settle_failures(
+                    &mut tx,
+                    &failures,
+                    &[AttemptStatus::Started, AttemptStatus::Unknown],
+                    plan,
+                    false,
+                )
                 .await?;
             settled.extend(outcomes);
             drafts.extend(more);
@@ -166,136 +175,23 @@ impl Store {
         tx: &mut PgConnection,
         wins: &[&Finished],
     ) -> Result<(Vec<(AttemptId, Settled)>, Vec<OutboxDraft>)> {
-        let rows = sqlx::query(
-            "WITH input AS (
-                 SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::bigint[], $4::jsonb[], $5::jsonb[], $6::text[])
-                     AS t(attempt_id, job_id, version, result, usage, request_id)
-             ), open AS (
-                 SELECT a.id FROM attempts a JOIN input i ON a.id = i.attempt_id AND a.job_id = i.job_id
-                 WHERE a.status IN ('started', 'unknown')
-                 ORDER BY a.id
-                 FOR UPDATE OF a
-             ), won AS (
-                 UPDATE jobs j
-                 SET status = 'succeeded', result = i.result, completed_by = i.attempt_id,
-                     version = j.version + 1, error = NULL, updated_at = now()
-                 FROM input i JOIN open o ON o.id = i.attempt_id
-                 WHERE j.id = i.job_id AND j.version = i.version AND j.completed_by IS NULL
-                   AND j.status IN ('queued', 'running', 'unknown')
-                 RETURNING j.id, j.version, j.owner_id, j.idempotency_key, j.operation, j.status,
-                           j.completed_by, j.result, j.error
-             ), settled AS (
-                 UPDATE attempts a
-                 SET status = CASE WHEN w.id IS NOT NULL THEN 'succeeded' ELSE 'discarded' END,
-                     error = CASE WHEN w.id IS NULL
-                                  THEN 'discarded: another attempt had already won, or the job had ended' END,
-                     finished_at = now(), usage = i.usage, provider_request_id = i.request_id
-                 FROM input i JOIN open o ON o.id = i.attempt_id
-                      LEFT JOIN won w ON w.completed_by = i.attempt_id
-                 WHERE a.id = i.attempt_id
-                 RETURNING a.id, a.status
-             ), late AS (
-                 UPDATE attempts a
-                 SET usage = COALESCE(a.usage, i.usage),
-                     provider_request_id = COALESCE(a.provider_request_id, i.request_id)
-                 FROM input i
-                 WHERE a.id = i.attempt_id AND a.id NOT IN (SELECT id FROM open)
-                 RETURNING a.id
-             )
-             SELECT w.id, w.version, w.owner_id, w.idempotency_key, w.operation, w.status,
-                    w.completed_by, w.result, w.error, NULL::uuid AS discarded_job
-             FROM won w
-             UNION ALL
-             SELECT NULL, NULL, NULL, NULL, NULL, NULL, s.id, NULL, NULL, i.job_id
-             FROM settled s JOIN input i ON i.attempt_id = s.id
-             WHERE s.status = 'discarded'",
-        )
-        .bind(wins.iter().map(|f| f.attempt_id.0).collect::<Vec<_>>())
-        .bind(wins.iter().map(|f| f.job_id.0).collect::<Vec<_>>())
-        .bind(wins.iter().map(|f| f.version).collect::<Vec<_>>())
-        .bind(
-            wins.iter()
-                .map(|f| match &f.verdict {
-                    Verdict::Succeeded(v) => v.clone(),
-                    _ => Value::Null,
-                })
-                .collect::<Vec<_>>(),
-        )
-        .bind(wins.iter().map(|f| f.usage.clone()).collect::<Vec<_>>())
-        .bind(wins.iter().map(|f| f.provider_request_id.clone()).collect::<Vec<_>>())
-        .fetch_all(&mut *tx)
-        .await?;
-
-        let mut outcomes = Vec::new();
-        let mut events = Vec::new();
-        let mut discarded: Vec<(AttemptId, Uuid)> = Vec::new();
-        for row in &rows {
-            match row.try_get::<Option<Uuid>, _>("discarded_job")? {
-                Some(job) => {
-                    let attempt: Uuid = row.try_get("completed_by")?;
-                    discarded.push((AttemptId(attempt), job));
-                }
-                None => {
-                    let ended = Ended::from_row(row)?;
-                    let winner = ended
-                        .completed_by
-                        .ok_or_else(|| corrupt("won job without completed_by"))?;
-                    events.push(ended.draft(&self.routes));
-                    outcomes.push((AttemptId(winner), Settled::Won));
-                }
-            }
-        }
-        let won: Vec<(Uuid, Uuid)> = outcomes
-            .iter()
-            .filter_map(|(winner, _)| {
-                wins.iter()
-                    .find(|f| f.attempt_id == *winner)
-                    .map(|f| (f.job_id.0, winner.0))
-            })
-            .collect();
-        if !won.is_empty() {
-            // The won jobs' other attempts, in a statement of their own: its fresh
-            // snapshot sees a timeout that committed while the compare-and-swap
-            // waited for the job (which this transaction now holds). An unknown
-            // blocks nothing any more: discarded. A queued one will never be needed:
-            // cancelled.
-            sqlx::query(
-                "UPDATE attempts a
-                 SET status = CASE WHEN a.status = 'unknown' THEN 'discarded' ELSE 'cancelled' END,
-                     finished_at = now(),
-                     error = CASE WHEN a.status = 'unknown'
-                                  THEN 'discarded: its outcome was still unknown when attempt '
-                                       || w.winner || ' won'
-                                  ELSE 'cancelled: attempt ' || w.winner || ' won before it started'
-                             END
-                 FROM unnest($1::uuid[], $2::uuid[]) AS w(job_id, winner)
-                 WHERE a.job_id = w.job_id AND a.status IN ('unknown', 'queued')",
-            )
-            .bind(won.iter().map(|w| w.0).collect::<Vec<_>>())
-            .bind(won.iter().map(|w| w.1).collect::<Vec<_>>())
-            .execute(&mut *tx)
-            .await?;
-        }
-        if !discarded.is_empty() {
-            // A fresh snapshot sees the winner that made our compare-and-swap fail.
-            let winners: HashMap<Uuid, Option<Uuid>> = sqlx::query_as::<_, (Uuid, Option<Uuid>)>(
-                "SELECT id, completed_by FROM jobs WHERE id = ANY($1)",
-            )
-            .bind(discarded.iter().map(|(_, j)| *j).collect::<Vec<_>>())
-            .fetch_all(&mut *tx)
-            .await?
-            .into_iter()
-            .collect();
-            for (attempt, job) in discarded {
-                let winner = winners.get(&job).copied().flatten().map(AttemptId);
-                tracing::info!(
-                    job_id = %job,
-                    discarded_attempt = %attempt,
-                    winning_attempt = ?winner.map(|w| w.to_string()),
-                    "late result discarded: the job already has its outcome"
-                );
-                outcomes.push((attempt, Settled::Discarded { winner }));
-            }
+        let CasOutcomes {
+            mut outcomes,
+            events,
+            won,
+            discarded,
+        } = cas_outcomes(compare_and_swap(tx, wins).await?, &self.routes)?;
+        close_won_jobs(tx, &won).await?;
+        let winners = winners_of(tx, &discarded).await?;
+        for (attempt, job) in discarded {
+            let winner = winners.get(&job).copied().flatten();
+            tracing::info!(
+                job_id = %job,
+                discarded_attempt = %attempt,
+                winning_attempt = ?winner.map(|w| w.to_string()),
+                "late result discarded: the job already has its outcome"
+            );
+            outcomes.push((attempt, Settled::Discarded { winner }));
         }
         Ok((outcomes, events))
     }
@@ -306,7 +202,7 @@ impl Store {
         &self,
         tx: &mut PgConnection,
         failures: &[Failure],
-        from: &[&str],
+        from: &[AttemptStatus],
         plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
         immediate: bool,
     ) -> Result<(Vec<(AttemptId, Settled)>, Vec<OutboxDraft>)> {
@@ -316,7 +212,7 @@ impl Store {
         }
         let job_ids: Vec<Uuid> = failed
             .iter()
-            .map(|f| f.1)
+            .map(|f| f.job_id)
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
@@ -326,12 +222,12 @@ impl Store {
         let (drafts, failed_jobs) = self.apply_failure_plan(tx, planned).await?;
         let outcomes = failed
             .iter()
-            .map(|(attempt, job, _, _)| {
+            .map(|f| {
                 (
-                    AttemptId(*attempt),
+                    AttemptId(f.attempt_id),
                     Settled::Failed {
-                        next: triggered.get(attempt).copied(),
-                        job_failed: failed_jobs.contains(job),
+                        next: triggered.get(&f.attempt_id).copied(),
+                        job_failed: failed_jobs.contains(&f.job_id),
                     },
                 )
             })
@@ -362,67 +258,41 @@ impl Store {
             })
             .collect();
         if !unblocked.is_empty() {
-            sqlx::query(
+            sqlx::query!(
                 "UPDATE jobs SET status = 'running', updated_at = now()
                  WHERE id = ANY($1) AND status = 'unknown'",
+                &unblocked
             )
-            .bind(&unblocked)
             .execute(&mut *tx)
             .await?;
         }
-        if !next_attempts.is_empty() {
-            sqlx::query(
-                "WITH new AS (
-                     INSERT INTO attempts (id, job_id, number, provider, not_before)
-                     SELECT n.id, n.job_id, n.number, n.provider, COALESCE(n.not_before, now())
-                     FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[], $5::timestamptz[])
-                          AS n(id, job_id, number, provider, not_before)
-                     RETURNING job_id
-                 )
-                 UPDATE jobs j SET status = 'running', updated_at = now()
-                 FROM new WHERE j.id = new.job_id AND j.status = 'unknown'",
-            )
-            .bind(next_attempts.iter().map(|n| n.id.0).collect::<Vec<_>>())
-            .bind(next_attempts.iter().map(|n| n.job.0).collect::<Vec<_>>())
-            .bind(next_attempts.iter().map(|n| n.number).collect::<Vec<_>>())
-            .bind(
-                next_attempts
-                    .iter()
-                    .map(|n| n.provider.clone())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                next_attempts
-                    .iter()
-                    .map(|n| n.not_before)
-                    .collect::<Vec<_>>(),
-            )
-            .execute(&mut *tx)
-            .await?;
-            for n in &next_attempts {
-                drafts.push(
-                    self.routes
-                        .attempt_draft(n.id, n.job, &n.provider, n.not_before),
-                );
-            }
+        insert_next_attempts(tx, &next_attempts).await?;
+        for n in &next_attempts {
+            drafts.push(
+                self.routes
+                    .attempt_draft(n.id, n.job, &n.provider, n.not_before),
+            );
         }
         let mut failed_jobs = BTreeSet::new();
         if !give_up.is_empty() {
-            let rows = sqlx::query(
-                "UPDATE jobs j
-                 SET status = 'failed', error = g.error, version = j.version + 1, updated_at = now()
-                 FROM unnest($1::uuid[], $2::text[]) AS g(job_id, error)
-                 WHERE j.id = g.job_id AND j.status IN ('queued', 'running', 'unknown')
-                 RETURNING j.id, j.version, j.owner_id, j.idempotency_key, j.operation, j.status,
-                           j.completed_by, j.result, j.error",
+            let jobs: Vec<Uuid> = give_up.iter().map(|g| g.0).collect();
+            let errors: Vec<String> = give_up.iter().map(|g| g.1.clone()).collect();
+            let ended = sqlx::query_as!(
+                Ended,
+                r#"UPDATE jobs j
+                   SET status = 'failed', error = g.error, version = j.version + 1, updated_at = now()
+                   FROM unnest($1::uuid[], $2::text[]) AS g(job_id, error)
+                   WHERE j.id = g.job_id AND j.status IN ('queued', 'running', 'unknown')
+                   RETURNING j.id AS "job_id: JobId", j.version, j.owner_id, j.idempotency_key,
+                             j.operation, j.status AS "status: JobStatus",
+                             j.completed_by AS "completed_by: AttemptId", j.result, j.error"#,
+                &jobs,
+                &errors,
             )
-            .bind(give_up.iter().map(|g| g.0).collect::<Vec<_>>())
-            .bind(give_up.iter().map(|g| g.1.clone()).collect::<Vec<_>>())
             .fetch_all(&mut *tx)
             .await?;
-            for row in &rows {
-                let ended = Ended::from_row(row)?;
-                failed_jobs.insert(ended.job_id);
+            for ended in ended {
+                failed_jobs.insert(ended.job_id.0);
                 drafts.push(ended.draft(&self.routes));
             }
         }
@@ -439,17 +309,9 @@ impl Store {
         resolution: Resolution,
         plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
     ) -> Result<Result<(Settled, Vec<OutboxMessage>), Refusal>> {
-        let Some((status, job_id, job_status)) = sqlx::query_as::<_, (String, Uuid, String)>(
-            "SELECT a.status, a.job_id, j.status FROM attempts a JOIN jobs j ON j.id = a.job_id WHERE a.id = $1",
-        )
-        .bind(attempt.0)
-        .fetch_optional(&self.pool)
-        .await?
-        else {
+        let Some((job_id, status, job_status)) = self.attempt_state(attempt).await? else {
             return Ok(Err(Refusal::NotFound(format!("attempt {attempt}"))));
         };
-        let status: AttemptStatus = status.parse().map_err(corrupt)?;
-        let job_status: JobStatus = job_status.parse().map_err(corrupt)?;
         if status.is_terminal() {
             return Ok(Err(Refusal::Terminal(format!(
                 "attempt {attempt} is already {status}: a terminal attempt cannot be resolved"
@@ -475,7 +337,11 @@ impl Store {
                         .settle_failures(
                             &mut tx,
                             &[failure],
-                            &["queued", "started", "unknown"],
+                            &[
+                                AttemptStatus::Queued,
+                                AttemptStatus::Started,
+                                AttemptStatus::Unknown,
+                            ],
                             plan,
                             true,
                         )
@@ -490,7 +356,7 @@ impl Store {
                 let reason = format!(
                     "cancelled: attempt {attempt} was resolved as cancelled by an operator"
                 );
-                self.retrying(|| self.cancel_once(JobId(job_id), Some(attempt), &reason))
+                self.retrying(|| self.cancel_once(job_id, Some(attempt), &reason))
                     .await?
                     .map(|publish| (Settled::Stale, publish))
             }
@@ -526,7 +392,7 @@ impl Store {
                 })
                 .collect();
             let (outcomes, drafts) = self
-                .settle_failures(&mut tx, &failures, &["queued"], plan, false)
+                .settle_failures(&mut tx, &failures, &[AttemptStatus::Queued], plan, false)
                 .await?;
             let publish = self.insert_outbox(&mut tx, &drafts).await?;
             tx.commit().await?;
@@ -534,6 +400,234 @@ impl Store {
         })
         .await
     }
+}
+
+/// A row of [`Store::start`]: an attempt that left `queued`, with its job.
+struct StartedRow {
+    attempt_id: AttemptId,
+    job_id: JobId,
+    number: i32,
+    version: i64,
+    operation: String,
+    input: Value,
+}
+
+/// Creates the planned attempts; a job that was `unknown` runs again.
+async fn insert_next_attempts(tx: &mut PgConnection, next_attempts: &[NextAttempt]) -> Result<()> {
+    if next_attempts.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<Uuid> = next_attempts.iter().map(|n| n.id.0).collect();
+    let jobs: Vec<Uuid> = next_attempts.iter().map(|n| n.job.0).collect();
+    let numbers: Vec<i32> = next_attempts.iter().map(|n| n.number).collect();
+    let providers: Vec<String> = next_attempts.iter().map(|n| n.provider.clone()).collect();
+    let not_before: Vec<Option<DateTime<Utc>>> =
+        next_attempts.iter().map(|n| n.not_before).collect();
+    sqlx::query!(
+        "WITH new AS (
+             INSERT INTO attempts (id, job_id, number, provider, not_before)
+             SELECT n.id, n.job_id, n.number, n.provider, COALESCE(n.not_before, now())
+             FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[], $5::timestamptz[])
+                  AS n(id, job_id, number, provider, not_before)
+             RETURNING job_id
+         )
+         UPDATE jobs j SET status = 'running', updated_at = now()
+         FROM new WHERE j.id = new.job_id AND j.status = 'unknown'",
+        &ids,
+        &jobs,
+        &numbers,
+        &providers,
+        &not_before as &[Option<DateTime<Utc>>],
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// A row of [`compare_and_swap`]: a won job, or a discarded attempt.
+struct CasRow {
+    job_id: Option<JobId>,
+    version: Option<i64>,
+    owner_id: Option<String>,
+    idempotency_key: Option<String>,
+    operation: Option<String>,
+    status: Option<JobStatus>,
+    completed_by: Option<AttemptId>,
+    result: Option<Value>,
+    error: Option<String>,
+    discarded_job: Option<Uuid>,
+}
+
+/// The compare-and-swap itself, one statement for the whole batch: lock the
+/// open attempts, move each job's `completed_by` from NULL where its version
+/// still matches, settle every attempt as `succeeded` or `discarded`, and keep
+/// the usage of attempts that had already ended. One statement, so that all of
+/// it works from one snapshot.
+async fn compare_and_swap(tx: &mut PgConnection, wins: &[&Finished]) -> Result<Vec<CasRow>> {
+    let attempt_ids: Vec<Uuid> = wins.iter().map(|f| f.attempt_id.0).collect();
+    let job_ids: Vec<Uuid> = wins.iter().map(|f| f.job_id.0).collect();
+    let versions: Vec<i64> = wins.iter().map(|f| f.version).collect();
+    let results: Vec<Value> = wins
+        .iter()
+        .map(|f| match &f.verdict {
+            Verdict::Succeeded(v) => v.clone(),
+            _ => Value::Null,
+        })
+        .collect();
+    let usages: Vec<Option<Value>> = wins.iter().map(|f| f.usage.clone()).collect();
+    let request_ids: Vec<Option<String>> =
+        wins.iter().map(|f| f.provider_request_id.clone()).collect();
+    Ok(sqlx::query_as!(
+        CasRow,
+        r#"WITH input AS (
+             SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::bigint[], $4::jsonb[], $5::jsonb[], $6::text[])
+                 AS t(attempt_id, job_id, version, result, usage, request_id)
+         ), open AS (
+             SELECT a.id FROM attempts a JOIN input i ON a.id = i.attempt_id AND a.job_id = i.job_id
+             WHERE a.status IN ('started', 'unknown')
+             ORDER BY a.id
+             FOR UPDATE OF a
+         ), won AS (
+             UPDATE jobs j
+             SET status = 'succeeded', result = i.result, completed_by = i.attempt_id,
+                 version = j.version + 1, error = NULL, updated_at = now()
+             FROM input i JOIN open o ON o.id = i.attempt_id
+             WHERE j.id = i.job_id AND j.version = i.version AND j.completed_by IS NULL
+               AND j.status IN ('queued', 'running', 'unknown')
+             RETURNING j.id, j.version, j.owner_id, j.idempotency_key, j.operation, j.status,
+                       j.completed_by, j.result, j.error
+         ), settled AS (
+             UPDATE attempts a
+             SET status = CASE WHEN w.id IS NOT NULL THEN 'succeeded' ELSE 'discarded' END,
+                 error = CASE WHEN w.id IS NULL
+                              THEN 'discarded: another attempt had already won, or the job had ended' END,
+                 finished_at = now(), usage = i.usage, provider_request_id = i.request_id
+             FROM input i JOIN open o ON o.id = i.attempt_id
+                  LEFT JOIN won w ON w.completed_by = i.attempt_id
+             WHERE a.id = i.attempt_id
+             RETURNING a.id, a.status
+         ), late AS (
+             UPDATE attempts a
+             SET usage = COALESCE(a.usage, i.usage),
+                 provider_request_id = COALESCE(a.provider_request_id, i.request_id)
+             FROM input i
+             WHERE a.id = i.attempt_id AND a.id NOT IN (SELECT id FROM open)
+             RETURNING a.id
+         )
+         SELECT w.id AS "job_id: JobId", w.version, w.owner_id, w.idempotency_key,
+                w.operation, w.status AS "status: JobStatus",
+                w.completed_by AS "completed_by: AttemptId", w.result, w.error,
+                NULL::uuid AS discarded_job
+         FROM won w
+         UNION ALL
+         SELECT NULL, NULL, NULL, NULL, NULL, NULL, s.id, NULL, NULL, i.job_id
+         FROM settled s JOIN input i ON i.attempt_id = s.id
+         WHERE s.status = 'discarded'"#,
+        &attempt_ids,
+        &job_ids,
+        &versions,
+        &results,
+        &usages as &[Option<Value>],
+        &request_ids as &[Option<String>],
+    )
+    .fetch_all(&mut *tx)
+    .await?)
+}
+
+/// What the compare-and-swap's rows say, read without I/O.
+#[derive(Debug, Default)]
+struct CasOutcomes {
+    /// `Won` for each winning attempt.
+    outcomes: Vec<(AttemptId, Settled)>,
+    /// The `job.succeeded` event of each won job.
+    events: Vec<OutboxDraft>,
+    /// `(job, winner)` of each won job.
+    won: Vec<(Uuid, Uuid)>,
+    /// `(attempt, job)` of each discarded attempt.
+    discarded: Vec<(AttemptId, Uuid)>,
+}
+
+/// Reads the compare-and-swap's rows: each is a won job (its event's columns)
+/// or a discarded attempt (`completed_by` then carries the attempt,
+/// `discarded_job` its job).
+fn cas_outcomes(rows: Vec<CasRow>, routes: &Routes) -> Result<CasOutcomes> {
+    let mut out = CasOutcomes::default();
+    for row in rows {
+        let (Some(attempt), discarded_job) = (row.completed_by, row.discarded_job) else {
+            return Err(corrupt("settled row without an attempt"));
+        };
+        if let Some(job) = discarded_job {
+            out.discarded.push((attempt, job));
+            continue;
+        }
+        let ended = Ended {
+            job_id: row
+                .job_id
+                .ok_or_else(|| corrupt("won row without its job"))?,
+            version: row.version.unwrap_or_default(),
+            owner_id: row.owner_id.unwrap_or_default(),
+            idempotency_key: row.idempotency_key.unwrap_or_default(),
+            operation: row.operation.unwrap_or_default(),
+            status: row.status.unwrap_or(JobStatus::Succeeded),
+            completed_by: Some(attempt),
+            result: row.result,
+            error: row.error,
+        };
+        out.won.push((ended.job_id.0, attempt.0));
+        out.events.push(ended.draft(routes));
+        out.outcomes.push((attempt, Settled::Won));
+    }
+    Ok(out)
+}
+
+/// The won jobs' other attempts, in a statement of their own: its fresh
+/// snapshot sees a timeout that committed while the compare-and-swap waited for
+/// the job (which this transaction now holds). An unknown blocks nothing any
+/// more: discarded. A queued one will never be needed: cancelled.
+async fn close_won_jobs(tx: &mut PgConnection, won: &[(Uuid, Uuid)]) -> Result<()> {
+    if won.is_empty() {
+        return Ok(());
+    }
+    let won_jobs: Vec<Uuid> = won.iter().map(|w| w.0).collect();
+    let winners: Vec<Uuid> = won.iter().map(|w| w.1).collect();
+    sqlx::query!(
+        "UPDATE attempts a
+         SET status = CASE WHEN a.status = 'unknown' THEN 'discarded' ELSE 'cancelled' END,
+             finished_at = now(),
+             error = CASE WHEN a.status = 'unknown'
+                          THEN 'discarded: its outcome was still unknown when attempt '
+                               || w.winner || ' won'
+                          ELSE 'cancelled: attempt ' || w.winner || ' won before it started'
+                     END
+         FROM unnest($1::uuid[], $2::uuid[]) AS w(job_id, winner)
+         WHERE a.job_id = w.job_id AND a.status IN ('unknown', 'queued')",
+        &won_jobs,
+        &winners,
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// The winners of the jobs whose compare-and-swap failed, read by a statement
+/// of its own: its fresh snapshot sees the winner that made it fail.
+async fn winners_of(
+    tx: &mut PgConnection,
+    discarded: &[(AttemptId, Uuid)],
+) -> Result<HashMap<Uuid, Option<AttemptId>>> {
+    if discarded.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let jobs: Vec<Uuid> = discarded.iter().map(|(_, j)| *j).collect();
+    Ok(sqlx::query!(
+        r#"SELECT id, completed_by AS "completed_by: AttemptId" FROM jobs WHERE id = ANY($1)"#,
+        &jobs
+    )
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .map(|r| (r.id, r.completed_by))
+    .collect())
 }
 
 /// An attempt planned after a definite failure. `not_before` is `None` when it is
@@ -548,7 +642,7 @@ struct NextAttempt {
 }
 
 /// What `settle_failures` needs to know of a job's attempts.
-#[derive(Debug, sqlx::FromRow)]
+#[derive(Debug)]
 struct AttemptCounts {
     job_id: Uuid,
     made: i64,
@@ -562,33 +656,42 @@ struct AttemptCounts {
     queued_providers: Vec<String>,
 }
 
+/// An attempt [`mark_failed`] changed.
+#[derive(Debug)]
+struct FailedAttempt {
+    attempt_id: Uuid,
+    job_id: Uuid,
+    provider: String,
+    error: String,
+}
+
 /// Marks the attempts `failed` where their status is one of `from`; returns
-/// those it changed: `(attempt, job, provider, error)`.
+/// those it changed.
 async fn mark_failed(
     tx: &mut PgConnection,
     failures: &[Failure],
-    from: &[&str],
-) -> Result<Vec<(Uuid, Uuid, String, String)>> {
-    Ok(sqlx::query_as(
-        "UPDATE attempts a
+    from: &[AttemptStatus],
+) -> Result<Vec<FailedAttempt>> {
+    let ids: Vec<Uuid> = failures.iter().map(|f| f.attempt_id.0).collect();
+    let errors: Vec<String> = failures.iter().map(|f| f.error.clone()).collect();
+    let usages: Vec<Option<Value>> = failures.iter().map(|f| f.usage.clone()).collect();
+    let request_ids: Vec<Option<String>> = failures.iter().map(|f| f.request_id.clone()).collect();
+    Ok(sqlx::query_as!(
+        FailedAttempt,
+        r#"UPDATE attempts a
              SET status = 'failed', error = i.error, finished_at = now(),
                  usage = COALESCE(i.usage, a.usage),
                  provider_request_id = COALESCE(i.request_id, a.provider_request_id)
              FROM unnest($1::uuid[], $2::text[], $3::jsonb[], $4::text[])
                   AS i(attempt_id, error, usage, request_id)
              WHERE a.id = i.attempt_id AND a.status = ANY($5)
-             RETURNING a.id, a.job_id, a.provider, a.error",
+             RETURNING a.id AS attempt_id, a.job_id, a.provider, a.error AS "error!""#,
+        &ids,
+        &errors,
+        &usages as &[Option<Value>],
+        &request_ids as &[Option<String>],
+        from as &[AttemptStatus],
     )
-    .bind(failures.iter().map(|f| f.attempt_id.0).collect::<Vec<_>>())
-    .bind(failures.iter().map(|f| f.error.clone()).collect::<Vec<_>>())
-    .bind(failures.iter().map(|f| f.usage.clone()).collect::<Vec<_>>())
-    .bind(
-        failures
-            .iter()
-            .map(|f| f.request_id.clone())
-            .collect::<Vec<_>>(),
-    )
-    .bind(from.iter().map(|s| s.to_string()).collect::<Vec<_>>())
     .fetch_all(&mut *tx)
     .await?)
 }
@@ -597,25 +700,27 @@ async fn mark_failed(
 /// its fresh snapshot sees any attempt another transaction committed while this
 /// one waited for the lock.
 async fn lock_jobs(tx: &mut PgConnection, job_ids: &[Uuid]) -> Result<HashMap<Uuid, JobState>> {
-    let jobs: HashMap<Uuid, (String, String)> = sqlx::query_as::<_, (Uuid, String, String)>(
-        "SELECT id, status, operation FROM jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+    let jobs: HashMap<Uuid, (JobStatus, String)> = sqlx::query!(
+        r#"SELECT id, status AS "status: JobStatus", operation
+           FROM jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE"#,
+        job_ids
     )
-    .bind(job_ids)
     .fetch_all(&mut *tx)
     .await?
     .into_iter()
-    .map(|(id, status, op)| (id, (status, op)))
+    .map(|r| (r.id, (r.status, r.operation)))
     .collect();
-    let mut counts: HashMap<Uuid, AttemptCounts> = sqlx::query_as::<_, AttemptCounts>(
-        "SELECT job_id, count(*) AS made, max(number) AS max_number,
-                    bool_or(status IN ('queued', 'started', 'unknown')) AS open,
-                    bool_or(status = 'unknown') AS unknown,
-                    COALESCE(array_agg(id) FILTER (WHERE status = 'queued'), '{}') AS queued,
-                    COALESCE(array_agg(provider) FILTER (WHERE status = 'queued'), '{}')
-                        AS queued_providers
-             FROM attempts WHERE job_id = ANY($1) GROUP BY job_id",
+    let mut counts: HashMap<Uuid, AttemptCounts> = sqlx::query_as!(
+        AttemptCounts,
+        r#"SELECT job_id, count(*) AS "made!", max(number) AS "max_number!",
+                  bool_or(status IN ('queued', 'started', 'unknown')) AS "open!",
+                  bool_or(status = 'unknown') AS "unknown!",
+                  COALESCE(array_agg(id) FILTER (WHERE status = 'queued'), '{}') AS "queued!",
+                  COALESCE(array_agg(provider) FILTER (WHERE status = 'queued'), '{}')
+                      AS "queued_providers!"
+           FROM attempts WHERE job_id = ANY($1) GROUP BY job_id"#,
+        job_ids
     )
-    .bind(job_ids)
     .fetch_all(&mut *tx)
     .await?
     .into_iter()
@@ -626,7 +731,6 @@ async fn lock_jobs(tx: &mut PgConnection, job_ids: &[Uuid]) -> Result<HashMap<Uu
         let counts = counts
             .remove(&id)
             .ok_or_else(|| corrupt(format!("job {id} has no attempts")))?;
-        let status: JobStatus = status.parse().map_err(corrupt)?;
         states.insert(
             id,
             JobState {
@@ -661,13 +765,12 @@ struct FailurePlan {
     triggered: HashMap<Uuid, AttemptId>,
 }
 
-/// Plans what follows each failed attempt (`(attempt, job, provider, error)`)
-/// of the locked `jobs`: nothing for an ended job or one already planned in
+/// Plans what follows each failed attempt of the locked `jobs`: nothing for an ended job or one already planned in
 /// this batch; for a job with another open attempt, only lifting its block when
 /// no unknown is left; otherwise the caller's `plan` (the route rule). A retry
 /// due at once (or any, when `immediate`) has no not-before time.
 fn plan_failures(
-    failed: &[(Uuid, Uuid, String, String)],
+    failed: &[FailedAttempt],
     jobs: &HashMap<Uuid, JobState>,
     failures: &[Failure],
     plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
@@ -678,7 +781,13 @@ fn plan_failures(
         failures.iter().map(|f| (f.attempt_id.0, f)).collect();
     let mut out = FailurePlan::default();
     let mut planned: BTreeSet<Uuid> = BTreeSet::new();
-    for (attempt, job, provider, error) in failed {
+    for FailedAttempt {
+        attempt_id: attempt,
+        job_id: job,
+        provider,
+        error,
+    } in failed
+    {
         let Some(state) = jobs.get(job) else {
             return Err(corrupt(format!("attempt {attempt} has no job {job}")));
         };
@@ -744,13 +853,17 @@ pub(super) async fn mark_unknown(
     tx: &mut PgConnection,
     unknowns: &[(AttemptId, String)],
 ) -> Result<HashMap<AttemptId, Settled>> {
-    let locked: Vec<(Uuid, Uuid)> = sqlx::query_as(
+    let ids: Vec<Uuid> = unknowns.iter().map(|u| u.0.0).collect();
+    let locked: Vec<(Uuid, Uuid)> = sqlx::query!(
         "SELECT id, job_id FROM attempts WHERE id = ANY($1) AND status = 'started'
          ORDER BY id FOR UPDATE",
+        &ids
     )
-    .bind(unknowns.iter().map(|u| u.0.0).collect::<Vec<_>>())
     .fetch_all(&mut *tx)
-    .await?;
+    .await?
+    .into_iter()
+    .map(|r| (r.id, r.job_id))
+    .collect();
     if locked.is_empty() {
         return Ok(HashMap::new());
     }
@@ -761,16 +874,16 @@ pub(super) async fn mark_unknown(
         .into_iter()
         .collect();
     // Locked, then read by a new statement: a job that ended meanwhile is seen ended.
-    let jobs: HashMap<Uuid, (String, Option<Uuid>)> =
-        sqlx::query_as::<_, (Uuid, String, Option<Uuid>)>(
-            "SELECT id, status, completed_by FROM jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE",
-        )
-        .bind(&job_ids)
-        .fetch_all(&mut *tx)
-        .await?
-        .into_iter()
-        .map(|(id, status, winner)| (id, (status, winner)))
-        .collect();
+    let jobs: HashMap<Uuid, (JobStatus, Option<AttemptId>)> = sqlx::query!(
+        r#"SELECT id, status AS "status: JobStatus", completed_by AS "completed_by: AttemptId"
+           FROM jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE"#,
+        &job_ids
+    )
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .map(|r| (r.id, (r.status, r.completed_by)))
+    .collect();
     let errors: HashMap<AttemptId, &str> =
         unknowns.iter().map(|(id, e)| (*id, e.as_str())).collect();
     let mut outcomes = HashMap::new();
@@ -781,24 +894,18 @@ pub(super) async fn mark_unknown(
         let (status, winner) = jobs
             .get(job)
             .ok_or_else(|| corrupt(format!("attempt {attempt} has no job {job}")))?;
-        let ended = status.parse::<JobStatus>().map_err(corrupt)?.is_terminal();
         ids.push(attempt.0);
-        if ended {
-            statuses.push(AttemptStatus::Discarded.as_str());
+        if status.is_terminal() {
+            statuses.push(AttemptStatus::Discarded);
             texts.push(format!("discarded: {error} (after its job had ended)"));
-            outcomes.insert(
-                attempt,
-                Settled::Discarded {
-                    winner: winner.map(AttemptId),
-                },
-            );
+            outcomes.insert(attempt, Settled::Discarded { winner: *winner });
         } else {
-            statuses.push(AttemptStatus::Unknown.as_str());
+            statuses.push(AttemptStatus::Unknown);
             texts.push(error.to_owned());
             outcomes.insert(attempt, Settled::Unknown);
         }
     }
-    sqlx::query(
+    sqlx::query!(
         "WITH marked AS (
              UPDATE attempts a
              SET status = i.status, error = i.error,
@@ -810,10 +917,10 @@ pub(super) async fn mark_unknown(
          UPDATE jobs j SET status = 'unknown', updated_at = now()
          FROM (SELECT DISTINCT job_id FROM marked WHERE status = 'unknown') m
          WHERE j.id = m.job_id AND j.status = 'running'",
+        &ids,
+        &statuses as &[AttemptStatus],
+        &texts,
     )
-    .bind(&ids)
-    .bind(&statuses)
-    .bind(&texts)
     .execute(&mut *tx)
     .await?;
     Ok(outcomes)
@@ -822,6 +929,106 @@ pub(super) async fn mark_unknown(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn routes() -> Routes {
+        Routes {
+            work_exchange: "onejob".into(),
+            events_exchange: "onejob.events".into(),
+            lease: Duration::from_secs(30),
+        }
+    }
+
+    fn won_row(job: Uuid, attempt: Uuid, version: i64) -> CasRow {
+        CasRow {
+            job_id: Some(JobId(job)),
+            version: Some(version),
+            owner_id: Some("acct".into()),
+            idempotency_key: Some("k".into()),
+            operation: Some("op".into()),
+            status: Some(JobStatus::Succeeded),
+            completed_by: Some(AttemptId(attempt)),
+            result: Some(serde_json::json!({"summary": "s"})),
+            error: None,
+            discarded_job: None,
+        }
+    }
+
+    #[test]
+    fn a_won_row_wins_and_writes_its_event_a_discarded_row_only_waits_for_its_winner() {
+        let (job, winner, late, other_job) = (
+            Uuid::now_v7(),
+            Uuid::now_v7(),
+            Uuid::now_v7(),
+            Uuid::now_v7(),
+        );
+        let discarded = CasRow {
+            job_id: None,
+            version: None,
+            owner_id: None,
+            idempotency_key: None,
+            operation: None,
+            status: None,
+            completed_by: Some(AttemptId(late)),
+            result: None,
+            error: None,
+            discarded_job: Some(other_job),
+        };
+        let out = cas_outcomes(vec![won_row(job, winner, 3), discarded], &routes()).unwrap();
+        assert_eq!(out.outcomes, vec![(AttemptId(winner), Settled::Won)]);
+        assert_eq!(out.won, vec![(job, winner)]);
+        assert_eq!(out.discarded, vec![(AttemptId(late), other_job)]);
+        let event = &out.events[0];
+        assert_eq!(
+            (event.exchange.as_str(), event.routing_key.as_str()),
+            ("onejob.events", "job.succeeded")
+        );
+        // The event id is job:version, so a re-published event deduplicates.
+        assert_eq!(event.message_id, format!("{job}:3"));
+        assert_eq!(event.body["status"], "succeeded");
+        assert_eq!(event.body["completed_by"], winner.to_string());
+        assert_eq!(event.body["result"]["summary"], "s");
+    }
+
+    #[test]
+    fn a_row_without_its_attempt_is_corrupt_not_a_guess() {
+        let mut row = won_row(Uuid::now_v7(), Uuid::now_v7(), 1);
+        row.completed_by = None;
+        assert!(matches!(
+            cas_outcomes(vec![row], &routes()),
+            Err(StoreError::Corrupt(_))
+        ));
+        let mut row = won_row(Uuid::now_v7(), Uuid::now_v7(), 1);
+        row.job_id = None;
+        assert!(cas_outcomes(vec![row], &routes()).is_err());
+    }
+
+    #[test]
+    fn an_ended_job_publishes_the_event_of_its_status() {
+        for (status, kind) in [
+            (JobStatus::Succeeded, "job.succeeded"),
+            (JobStatus::Failed, "job.failed"),
+            (JobStatus::Cancelled, "job.cancelled"),
+        ] {
+            let job = JobId::new();
+            let draft = Ended {
+                job_id: job,
+                version: 7,
+                owner_id: "acct".into(),
+                idempotency_key: "k".into(),
+                operation: "op".into(),
+                status,
+                completed_by: None,
+                result: None,
+                error: Some("e".into()),
+            }
+            .draft(&routes());
+            assert_eq!(draft.routing_key, kind);
+            assert_eq!(draft.message_id, format!("{job}:7"));
+            assert_eq!(draft.body["status"], status.as_str());
+            assert_eq!(draft.body["type"], kind);
+            assert_eq!(draft.not_before, None, "events go out at once");
+        }
+    }
 
     fn counts(
         job: Uuid,
@@ -867,8 +1074,13 @@ mod tests {
         }
     }
 
-    fn row(attempt: Uuid, job: Uuid) -> (Uuid, Uuid, String, String) {
-        (attempt, job, "a".into(), "provider_error: HTTP 500".into())
+    fn row(attempt: Uuid, job: Uuid) -> FailedAttempt {
+        FailedAttempt {
+            attempt_id: attempt,
+            job_id: job,
+            provider: "a".into(),
+            error: "provider_error: HTTP 500".into(),
+        }
     }
 
     #[test]

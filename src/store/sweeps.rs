@@ -20,80 +20,80 @@ impl Store {
         backlogged: &[String],
     ) -> Result<(Vec<OutboxMessage>, Vec<AttemptId>)> {
         let mut tx = self.pool.begin().await?;
-        let stuck: Vec<(Uuid, Uuid, String, i32)> = sqlx::query_as(
-            "SELECT a.id, a.job_id, a.provider, a.republished FROM attempts a
-             JOIN jobs j ON j.id = a.job_id
-             WHERE a.status = 'queued' AND a.not_before < now() - make_interval(secs => $1)
-               AND j.status <> 'unknown' AND a.provider <> ALL($2)
-               AND NOT EXISTS (SELECT 1 FROM outbox o
-                               WHERE o.message_id = a.id::text AND o.published_at IS NULL)
-             ORDER BY a.id
-             LIMIT 100
-             FOR UPDATE OF a SKIP LOCKED",
+        let stuck = sqlx::query!(
+            r#"SELECT a.id AS "id: AttemptId", a.job_id AS "job_id: JobId", a.provider,
+                      a.republished
+               FROM attempts a
+               JOIN jobs j ON j.id = a.job_id
+               WHERE a.status = 'queued' AND a.not_before < now() - make_interval(secs => $1)
+                 AND j.status <> 'unknown' AND a.provider <> ALL($2)
+                 AND NOT EXISTS (SELECT 1 FROM outbox o
+                                 WHERE o.message_id = a.id::text AND o.published_at IS NULL)
+               ORDER BY a.id
+               LIMIT 100
+               FOR UPDATE OF a SKIP LOCKED"#,
+            stuck_after.as_secs_f64(),
+            backlogged,
         )
-        .bind(stuck_after.as_secs_f64())
-        .bind(backlogged)
         .fetch_all(&mut *tx)
         .await?;
-        let (exhausted, again): (Vec<_>, Vec<_>) =
-            stuck.into_iter().partition(|s| s.3 >= max_republish);
+        let (exhausted, again): (Vec<_>, Vec<_>) = stuck
+            .into_iter()
+            .partition(|s| s.republished >= max_republish);
         let mut drafts = Vec::new();
         if !again.is_empty() {
-            sqlx::query("UPDATE attempts SET republished = republished + 1, not_before = now() WHERE id = ANY($1)")
-                .bind(again.iter().map(|s| s.0).collect::<Vec<_>>())
-                .execute(&mut *tx)
-                .await?;
-            for (id, job, provider, n) in &again {
-                tracing::warn!(attempt_id = %id, republished = n + 1, "queued attempt never started; republishing its message");
-                drafts.push(
-                    self.routes
-                        .attempt_draft(AttemptId(*id), JobId(*job), provider, None),
-                );
+            let ids: Vec<Uuid> = again.iter().map(|s| s.id.0).collect();
+            sqlx::query!(
+                "UPDATE attempts SET republished = republished + 1, not_before = now()
+                 WHERE id = ANY($1)",
+                &ids
+            )
+            .execute(&mut *tx)
+            .await?;
+            for s in &again {
+                tracing::warn!(attempt_id = %s.id, republished = s.republished + 1, "queued attempt never started; republishing its message");
+                drafts.push(self.routes.attempt_draft(s.id, s.job_id, &s.provider, None));
             }
         }
         let publish = self.insert_outbox(&mut tx, &drafts).await?;
         tx.commit().await?;
-        Ok((
-            publish,
-            exhausted.into_iter().map(|s| AttemptId(s.0)).collect(),
-        ))
+        Ok((publish, exhausted.into_iter().map(|s| s.id).collect()))
     }
 
     /// Jobs of operations with `hedge_after` whose only attempt has been `started`
-    /// longer than that, with no hedge yet: `(job, its provider, operation, attempts
-    /// made)`.
+    /// longer than that, with no hedge yet.
     pub async fn hedge_candidates(
         &self,
         hedge_after: &[(String, Duration)],
-    ) -> Result<Vec<(JobId, String, String, u32)>> {
+    ) -> Result<Vec<HedgeCandidate>> {
         if hedge_after.is_empty() {
             return Ok(Vec::new());
         }
-        let rows: Vec<(Uuid, String, String, i64)> = sqlx::query_as(
-            "SELECT a.job_id, a.provider, j.operation,
-                    (SELECT count(*) FROM attempts x WHERE x.job_id = a.job_id)
-             FROM attempts a
-             JOIN jobs j ON j.id = a.job_id
-             JOIN unnest($1::text[], $2::float8[]) AS h(operation, secs) ON h.operation = j.operation
-             WHERE a.status = 'started' AND a.lane = 0 AND j.status = 'running'
-               AND a.started_at + make_interval(secs => h.secs) < now()
-               AND NOT EXISTS (SELECT 1 FROM attempts b WHERE b.job_id = a.job_id AND b.lane = 1)
-             ORDER BY a.started_at
-             LIMIT 100",
+        let operations: Vec<String> = hedge_after.iter().map(|h| h.0.clone()).collect();
+        let seconds: Vec<f64> = hedge_after.iter().map(|h| h.1.as_secs_f64()).collect();
+        let rows = sqlx::query!(
+            r#"SELECT a.job_id AS "job_id: JobId", a.provider, j.operation,
+                      (SELECT count(*) FROM attempts x WHERE x.job_id = a.job_id) AS "made!"
+               FROM attempts a
+               JOIN jobs j ON j.id = a.job_id
+               JOIN unnest($1::text[], $2::float8[]) AS h(operation, secs) ON h.operation = j.operation
+               WHERE a.status = 'started' AND a.lane = 0 AND j.status = 'running'
+                 AND a.started_at + make_interval(secs => h.secs) < now()
+                 AND NOT EXISTS (SELECT 1 FROM attempts b WHERE b.job_id = a.job_id AND b.lane = 1)
+               ORDER BY a.started_at
+               LIMIT 100"#,
+            &operations,
+            &seconds,
         )
-        .bind(hedge_after.iter().map(|h| h.0.clone()).collect::<Vec<_>>())
-        .bind(hedge_after.iter().map(|h| h.1.as_secs_f64()).collect::<Vec<_>>())
         .fetch_all(&self.pool)
         .await?;
         Ok(rows
             .into_iter()
-            .map(|(job, provider, op, n)| {
-                (
-                    JobId(job),
-                    provider,
-                    op,
-                    u32::try_from(n).unwrap_or(u32::MAX),
-                )
+            .map(|r| HedgeCandidate {
+                job_id: r.job_id,
+                provider: r.provider,
+                operation: r.operation,
+                attempts_made: u32::try_from(r.made).unwrap_or(u32::MAX),
             })
             .collect())
     }
@@ -104,13 +104,13 @@ impl Store {
     /// `discarded`, with the reason.
     pub async fn expire_vanished(&self, grace: Duration) -> Result<Vec<AttemptId>> {
         let mut tx = self.pool.begin().await?;
-        let vanished: Vec<(Uuid,)> = sqlx::query_as(
-            "SELECT id FROM attempts
-             WHERE status = 'started' AND deadline_at + make_interval(secs => $1) < now()
-             ORDER BY id
-             LIMIT 500",
+        let vanished = sqlx::query_scalar!(
+            r#"SELECT id AS "id: AttemptId" FROM attempts
+               WHERE status = 'started' AND deadline_at + make_interval(secs => $1) < now()
+               ORDER BY id
+               LIMIT 500"#,
+            grace.as_secs_f64()
         )
-        .bind(grace.as_secs_f64())
         .fetch_all(&mut *tx)
         .await?;
         if vanished.is_empty() {
@@ -119,10 +119,8 @@ impl Store {
         // Decided as for any timeout: under the attempts' and jobs' locks, so a
         // job that ended meanwhile gets a discarded attempt, never an unknown one.
         let error = "worker_vanished: no outcome by the deadline plus the grace period";
-        let unknowns: Vec<(AttemptId, String)> = vanished
-            .iter()
-            .map(|(id,)| (AttemptId(*id), error.to_owned()))
-            .collect();
+        let unknowns: Vec<(AttemptId, String)> =
+            vanished.iter().map(|id| (*id, error.to_owned())).collect();
         let marked = mark_unknown(&mut tx, &unknowns).await?;
         tx.commit().await?;
         Ok(marked
@@ -144,24 +142,25 @@ impl Store {
     ) -> Result<Option<(AttemptId, Vec<OutboxMessage>)>> {
         let id = AttemptId::new();
         let mut tx = self.pool.begin().await?;
-        let locked: Option<(String,)> =
-            sqlx::query_as("SELECT status FROM jobs WHERE id = $1 FOR UPDATE")
-                .bind(job.0)
-                .fetch_optional(&mut *tx)
-                .await?;
-        if !matches!(locked, Some((ref s,)) if s == "running") {
+        let locked = sqlx::query_scalar!(
+            r#"SELECT status AS "status: JobStatus" FROM jobs WHERE id = $1 FOR UPDATE"#,
+            job.0
+        )
+        .fetch_optional(&mut *tx)
+        .await?;
+        if locked != Some(JobStatus::Running) {
             return Ok(None);
         }
-        let inserted = sqlx::query(
+        let inserted = sqlx::query!(
             "INSERT INTO attempts (id, job_id, number, provider, lane)
              SELECT $1, $2, max(number) + 1, $3, 1 FROM attempts WHERE job_id = $2
              HAVING count(*) FILTER (WHERE status IN ('queued', 'unknown')) = 0
                 AND count(*) FILTER (WHERE status = 'started' AND lane = 0) = 1
                 AND count(*) FILTER (WHERE lane = 1 AND status IN ('queued', 'started', 'unknown')) = 0",
+            id.0,
+            job.0,
+            provider,
         )
-        .bind(id.0)
-        .bind(job.0)
-        .bind(provider)
         .execute(&mut *tx)
         .await?;
         if inserted.rows_affected() == 0 {

@@ -7,64 +7,63 @@ impl Store {
     /// the token's id.
     pub async fn create_token(&self, owner_id: &str, token: &Token) -> Result<Uuid> {
         let id = Uuid::now_v7();
-        sqlx::query("INSERT INTO gateway_tokens (id, owner_id, token_sha256) VALUES ($1, $2, $3)")
-            .bind(id)
-            .bind(owner_id)
-            .bind(token.digest())
-            .execute(&self.pool)
-            .await?;
+        sqlx::query!(
+            "INSERT INTO gateway_tokens (id, owner_id, token_sha256) VALUES ($1, $2, $3)",
+            id,
+            owner_id,
+            token.digest()
+        )
+        .execute(&self.pool)
+        .await?;
         Ok(id)
     }
 
     /// The owner a presented token belongs to, unless it is unknown or revoked.
     pub async fn token_owner(&self, token: &Token) -> Result<Option<String>> {
-        let row: Option<(String,)> = sqlx::query_as(
+        Ok(sqlx::query_scalar!(
             "SELECT owner_id FROM gateway_tokens WHERE token_sha256 = $1 AND revoked_at IS NULL",
+            token.digest()
         )
-        .bind(token.digest())
         .fetch_optional(&self.pool)
-        .await?;
-        Ok(row.map(|(owner,)| owner))
+        .await?)
     }
 
     /// Gateway tokens, oldest first, optionally of one owner. Never the tokens
     /// themselves: the database does not have them.
     pub async fn tokens(&self, owner_id: Option<&str>) -> Result<Vec<TokenView>> {
-        let rows = sqlx::query(
+        Ok(sqlx::query_as!(
+            TokenView,
             "SELECT id, owner_id, created_at, revoked_at FROM gateway_tokens
              WHERE $1::text IS NULL OR owner_id = $1
              ORDER BY created_at, id",
+            owner_id
         )
-        .bind(owner_id)
         .fetch_all(&self.pool)
-        .await?;
-        rows.iter().map(token_view).collect()
+        .await?)
     }
 
     /// Revokes a token at once: the gateway refuses it from its next request on.
     /// Returns the token and whether it had already been revoked (revoking twice
     /// keeps the first time); `Ok(None)` when there is no such token.
     pub async fn revoke_token(&self, id: Uuid) -> Result<Option<(TokenView, bool)>> {
-        let row = sqlx::query(
-            "UPDATE gateway_tokens t SET revoked_at = coalesce(b.revoked_at, now())
-             FROM (SELECT id, revoked_at FROM gateway_tokens WHERE id = $1 FOR UPDATE) b
-             WHERE t.id = b.id
-             RETURNING t.id, t.owner_id, t.created_at, t.revoked_at,
-                       b.revoked_at IS NOT NULL AS already",
+        let row = sqlx::query!(
+            r#"UPDATE gateway_tokens t SET revoked_at = coalesce(b.revoked_at, now())
+               FROM (SELECT id, revoked_at FROM gateway_tokens WHERE id = $1 FOR UPDATE) b
+               WHERE t.id = b.id
+               RETURNING t.id, t.owner_id, t.created_at, t.revoked_at,
+                         b.revoked_at IS NOT NULL AS "already!""#,
+            id
         )
-        .bind(id)
         .fetch_optional(&self.pool)
         .await?;
-        row.map(|r| Ok((token_view(&r)?, r.try_get("already")?)))
-            .transpose()
+        Ok(row.map(|r| {
+            let view = TokenView {
+                id: r.id,
+                owner_id: r.owner_id,
+                created_at: r.created_at,
+                revoked_at: r.revoked_at,
+            };
+            (view, r.already)
+        }))
     }
-}
-
-fn token_view(row: &sqlx::postgres::PgRow) -> Result<TokenView> {
-    Ok(TokenView {
-        id: row.try_get("id")?,
-        owner_id: row.try_get("owner_id")?,
-        created_at: row.try_get("created_at")?,
-        revoked_at: row.try_get("revoked_at")?,
-    })
 }
