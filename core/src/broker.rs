@@ -237,14 +237,7 @@ pub async fn declare_topology(
                 e.into()
             });
         }
-        ch.queue_bind(
-            short(queue)?,
-            EXCHANGE.into(),
-            short(key)?,
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+        bind_work_queue(&ch, queue, key).await?;
         let dlq = dead_letter_queue(queue);
         ch.queue_declare(short(&dlq)?, queue_opts, quorum_args())
             .await?;
@@ -382,6 +375,7 @@ async fn upgrade_queue(
     Ok(QueueUpgrade::Redeclared)
 }
 
+/// Binds a work queue to the work exchange with its routing key.
 async fn bind_work_queue(ch: &Channel, queue: &str, key: &str) -> Result<()> {
     ch.queue_bind(
         short(queue)?,
