@@ -50,6 +50,73 @@ impl Store {
             .collect())
     }
 
+    /// Writes the outbox rows, and in the same statement closes the won jobs'
+    /// other attempts (`won`: `(job, winner)`): an unknown blocks nothing any
+    /// more (discarded), a queued one will never be needed (cancelled). The
+    /// statement comes after the compare-and-swap, so its snapshot sees a timeout
+    /// that committed while the compare-and-swap waited for the job, which this
+    /// transaction now holds.
+    pub(super) async fn insert_outbox_closing(
+        &self,
+        conn: &mut PgConnection,
+        drafts: &[OutboxDraft],
+        won: &[(Uuid, Uuid)],
+    ) -> Result<Vec<OutboxMessage>> {
+        if won.is_empty() {
+            return self.insert_outbox(conn, drafts).await;
+        }
+        let exchanges: Vec<String> = drafts.iter().map(|d| d.exchange.clone()).collect();
+        let routing_keys: Vec<String> = drafts.iter().map(|d| d.routing_key.clone()).collect();
+        let message_ids: Vec<String> = drafts.iter().map(|d| d.message_id.clone()).collect();
+        let bodies: Vec<Value> = drafts.iter().map(|d| d.body.clone()).collect();
+        let not_before: Vec<Option<DateTime<Utc>>> = drafts.iter().map(|d| d.not_before).collect();
+        let won_jobs: Vec<Uuid> = won.iter().map(|w| w.0).collect();
+        let winners: Vec<Uuid> = won.iter().map(|w| w.1).collect();
+        let rows = sqlx::query!(
+            r#"WITH closed AS (
+                   UPDATE attempts a
+                   SET status = CASE WHEN a.status = 'unknown' THEN 'discarded' ELSE 'cancelled' END,
+                       finished_at = now(),
+                       error = CASE WHEN a.status = 'unknown'
+                                    THEN 'discarded: its outcome was still unknown when attempt '
+                                         || w.winner || ' won'
+                                    ELSE 'cancelled: attempt ' || w.winner || ' won before it started'
+                               END
+                   FROM unnest($7::uuid[], $8::uuid[]) AS w(job_id, winner)
+                   WHERE a.job_id = w.job_id AND a.status IN ('unknown', 'queued')
+                   RETURNING a.id
+               )
+               INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, lease_until)
+               SELECT d.exchange, d.routing_key, d.message_id, d.body, COALESCE(d.not_before, now()),
+                      CASE WHEN d.not_before IS NULL THEN now() + make_interval(secs => $6) END
+               FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[])
+                    AS d(exchange, routing_key, message_id, body, not_before)
+               RETURNING id, exchange, routing_key, message_id, body,
+                         lease_until IS NOT NULL AS "leased!""#,
+            &exchanges,
+            &routing_keys,
+            &message_ids,
+            &bodies,
+            &not_before as &[Option<DateTime<Utc>>],
+            self.routes.lease.as_secs_f64(),
+            &won_jobs,
+            &winners,
+        )
+        .fetch_all(&mut *conn)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .filter(|r| r.leased)
+            .map(|r| OutboxMessage {
+                id: r.id,
+                exchange: r.exchange,
+                routing_key: r.routing_key,
+                message_id: r.message_id,
+                body: r.body,
+            })
+            .collect())
+    }
+
     /// Takes due outbox rows whose lease is free (or over) for this publisher.
     /// `SKIP LOCKED` lets several relays share the table without waiting.
     pub async fn claim_outbox(&self, limit: i64) -> Result<Vec<OutboxMessage>> {

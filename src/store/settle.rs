@@ -101,15 +101,17 @@ impl Store {
         let mut tx = self.pool.begin().await?;
         let mut settled: HashMap<AttemptId, Settled> = HashMap::new();
         let mut drafts = Vec::new();
+        let mut won = Vec::new();
 
         let wins: Vec<&Finished> = finished
             .iter()
             .filter(|f| matches!(f.verdict, Verdict::Succeeded(_)))
             .collect();
         if !wins.is_empty() {
-            let (outcomes, events) = self.settle_successes(&mut tx, &wins).await?;
+            let (outcomes, events, won_jobs) = self.settle_successes(&mut tx, &wins).await?;
             settled.extend(outcomes);
             drafts.extend(events);
+            won = won_jobs;
         }
 
         let unknowns: Vec<(AttemptId, String)> = finished
@@ -158,7 +160,11 @@ impl Store {
             drafts.extend(more);
         }
 
-        let publish = self.insert_outbox(&mut tx, &drafts).await?;
+        // The won jobs' other attempts are closed by the statement that writes
+        // the outbox rows: a statement after the compare-and-swap, so its fresh
+        // snapshot sees a timeout that committed while the compare-and-swap
+        // waited for the job, without a round trip of its own.
+        let publish = self.insert_outbox_closing(&mut tx, &drafts, &won).await?;
         tx.commit().await?;
         let outcomes = finished
             .iter()
@@ -169,19 +175,25 @@ impl Store {
 
     /// The compare-and-swap. Exactly one attempt per job can move `completed_by`
     /// from NULL; every other open attempt that finishes is `discarded`, its usage
-    /// kept, its result dropped whole.
+    /// kept, its result dropped whole. Returns the outcomes, the events, and
+    /// `(job, winner)` of each won job, whose other attempts the caller closes
+    /// in a later statement ([`Store::insert_outbox_closing`]).
+    #[allow(clippy::type_complexity)]
     async fn settle_successes(
         &self,
         tx: &mut PgConnection,
         wins: &[&Finished],
-    ) -> Result<(Vec<(AttemptId, Settled)>, Vec<OutboxDraft>)> {
+    ) -> Result<(
+        Vec<(AttemptId, Settled)>,
+        Vec<OutboxDraft>,
+        Vec<(Uuid, Uuid)>,
+    )> {
         let CasOutcomes {
             mut outcomes,
             events,
             won,
             discarded,
         } = cas_outcomes(compare_and_swap(tx, wins).await?, &self.routes)?;
-        close_won_jobs(tx, &won).await?;
         let winners = winners_of(tx, &discarded).await?;
         for (attempt, job) in discarded {
             let winner = winners.get(&job).copied().flatten();
@@ -193,7 +205,7 @@ impl Store {
             );
             outcomes.push((attempt, Settled::Discarded { winner }));
         }
-        Ok((outcomes, events))
+        Ok((outcomes, events, won))
     }
 
     /// Definite failures: mark the attempts `failed`, then, per job, either create
@@ -578,35 +590,6 @@ fn cas_outcomes(rows: Vec<CasRow>, routes: &Routes) -> Result<CasOutcomes> {
         out.outcomes.push((attempt, Settled::Won));
     }
     Ok(out)
-}
-
-/// The won jobs' other attempts, in a statement of their own: its fresh
-/// snapshot sees a timeout that committed while the compare-and-swap waited for
-/// the job (which this transaction now holds). An unknown blocks nothing any
-/// more: discarded. A queued one will never be needed: cancelled.
-async fn close_won_jobs(tx: &mut PgConnection, won: &[(Uuid, Uuid)]) -> Result<()> {
-    if won.is_empty() {
-        return Ok(());
-    }
-    let won_jobs: Vec<Uuid> = won.iter().map(|w| w.0).collect();
-    let winners: Vec<Uuid> = won.iter().map(|w| w.1).collect();
-    sqlx::query!(
-        "UPDATE attempts a
-         SET status = CASE WHEN a.status = 'unknown' THEN 'discarded' ELSE 'cancelled' END,
-             finished_at = now(),
-             error = CASE WHEN a.status = 'unknown'
-                          THEN 'discarded: its outcome was still unknown when attempt '
-                               || w.winner || ' won'
-                          ELSE 'cancelled: attempt ' || w.winner || ' won before it started'
-                     END
-         FROM unnest($1::uuid[], $2::uuid[]) AS w(job_id, winner)
-         WHERE a.job_id = w.job_id AND a.status IN ('unknown', 'queued')",
-        &won_jobs,
-        &winners,
-    )
-    .execute(&mut *tx)
-    .await?;
-    Ok(())
 }
 
 /// The winners of the jobs whose compare-and-swap failed, read by a statement
