@@ -13,12 +13,9 @@ impl Store {
         if drafts.is_empty() {
             return Ok(Vec::new());
         }
-        let exchanges: Vec<String> = drafts.iter().map(|d| d.exchange.clone()).collect();
-        let routing_keys: Vec<String> = drafts.iter().map(|d| d.routing_key.clone()).collect();
-        let message_ids: Vec<String> = drafts.iter().map(|d| d.message_id.clone()).collect();
-        let bodies: Vec<Value> = drafts.iter().map(|d| d.body.clone()).collect();
-        let not_before: Vec<Option<DateTime<Utc>>> = drafts.iter().map(|d| d.not_before).collect();
-        let rows = sqlx::query!(
+        let c = OutboxColumns::of(drafts);
+        let rows = sqlx::query_as!(
+            InsertedRow,
             r#"INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, lease_until)
                SELECT d.exchange, d.routing_key, d.message_id, d.body, COALESCE(d.not_before, now()),
                       CASE WHEN d.not_before IS NULL THEN now() + make_interval(secs => $6) END
@@ -26,28 +23,16 @@ impl Store {
                     AS d(exchange, routing_key, message_id, body, not_before)
                RETURNING id, exchange, routing_key, message_id, body,
                          lease_until IS NOT NULL AS "leased!""#,
-            &exchanges,
-            &routing_keys,
-            &message_ids,
-            &bodies,
-            &not_before as &[Option<DateTime<Utc>>],
+            &c.exchanges,
+            &c.routing_keys,
+            &c.message_ids,
+            &c.bodies,
+            &c.not_before as &[Option<DateTime<Utc>>],
             self.routes.lease.as_secs_f64(),
         )
         .fetch_all(&mut *conn)
         .await?;
-        // Rows without a not-before time are leased to this writer and handed back
-        // for immediate publishing; the relay publishes the others when due.
-        Ok(rows
-            .into_iter()
-            .filter(|r| r.leased)
-            .map(|r| OutboxMessage {
-                id: r.id,
-                exchange: r.exchange,
-                routing_key: r.routing_key,
-                message_id: r.message_id,
-                body: r.body,
-            })
-            .collect())
+        Ok(leased(rows))
     }
 
     /// Writes the outbox rows, and in the same statement closes the won jobs'
@@ -65,14 +50,11 @@ impl Store {
         if won.is_empty() {
             return self.insert_outbox(conn, drafts).await;
         }
-        let exchanges: Vec<String> = drafts.iter().map(|d| d.exchange.clone()).collect();
-        let routing_keys: Vec<String> = drafts.iter().map(|d| d.routing_key.clone()).collect();
-        let message_ids: Vec<String> = drafts.iter().map(|d| d.message_id.clone()).collect();
-        let bodies: Vec<Value> = drafts.iter().map(|d| d.body.clone()).collect();
-        let not_before: Vec<Option<DateTime<Utc>>> = drafts.iter().map(|d| d.not_before).collect();
+        let c = OutboxColumns::of(drafts);
         let won_jobs: Vec<Uuid> = won.iter().map(|w| w.0).collect();
         let winners: Vec<Uuid> = won.iter().map(|w| w.1).collect();
-        let rows = sqlx::query!(
+        let rows = sqlx::query_as!(
+            InsertedRow,
             r#"WITH closed AS (
                    UPDATE attempts a
                    SET status = CASE WHEN a.status = 'unknown' THEN 'discarded' ELSE 'cancelled' END,
@@ -93,28 +75,18 @@ impl Store {
                     AS d(exchange, routing_key, message_id, body, not_before)
                RETURNING id, exchange, routing_key, message_id, body,
                          lease_until IS NOT NULL AS "leased!""#,
-            &exchanges,
-            &routing_keys,
-            &message_ids,
-            &bodies,
-            &not_before as &[Option<DateTime<Utc>>],
+            &c.exchanges,
+            &c.routing_keys,
+            &c.message_ids,
+            &c.bodies,
+            &c.not_before as &[Option<DateTime<Utc>>],
             self.routes.lease.as_secs_f64(),
             &won_jobs,
             &winners,
         )
         .fetch_all(&mut *conn)
         .await?;
-        Ok(rows
-            .into_iter()
-            .filter(|r| r.leased)
-            .map(|r| OutboxMessage {
-                id: r.id,
-                exchange: r.exchange,
-                routing_key: r.routing_key,
-                message_id: r.message_id,
-                body: r.body,
-            })
-            .collect())
+        Ok(leased(rows))
     }
 
     /// Takes due outbox rows whose lease is free (or over) for this publisher.
@@ -169,4 +141,50 @@ impl Store {
         .await?;
         Ok(())
     }
+}
+
+/// The drafts as the column arrays the insert statements unnest.
+struct OutboxColumns {
+    exchanges: Vec<String>,
+    routing_keys: Vec<String>,
+    message_ids: Vec<String>,
+    bodies: Vec<Value>,
+    not_before: Vec<Option<DateTime<Utc>>>,
+}
+
+impl OutboxColumns {
+    fn of(drafts: &[OutboxDraft]) -> Self {
+        OutboxColumns {
+            exchanges: drafts.iter().map(|d| d.exchange.clone()).collect(),
+            routing_keys: drafts.iter().map(|d| d.routing_key.clone()).collect(),
+            message_ids: drafts.iter().map(|d| d.message_id.clone()).collect(),
+            bodies: drafts.iter().map(|d| d.body.clone()).collect(),
+            not_before: drafts.iter().map(|d| d.not_before).collect(),
+        }
+    }
+}
+
+/// A row the insert statements return.
+struct InsertedRow {
+    id: i64,
+    exchange: String,
+    routing_key: String,
+    message_id: String,
+    body: Value,
+    leased: bool,
+}
+
+/// Rows without a not-before time are leased to their writer and handed back for
+/// immediate publishing; the relay publishes the others when due.
+fn leased(rows: Vec<InsertedRow>) -> Vec<OutboxMessage> {
+    rows.into_iter()
+        .filter(|r| r.leased)
+        .map(|r| OutboxMessage {
+            id: r.id,
+            exchange: r.exchange,
+            routing_key: r.routing_key,
+            message_id: r.message_id,
+            body: r.body,
+        })
+        .collect()
 }

@@ -108,10 +108,10 @@ impl Store {
             .filter(|f| matches!(f.verdict, Verdict::Succeeded(_)))
             .collect();
         if !wins.is_empty() {
-            let (outcomes, events, won_jobs) = self.settle_successes(&mut tx, &wins).await?;
-            settled.extend(outcomes);
-            drafts.extend(events);
-            won = won_jobs;
+            let successes = self.settle_successes(&mut tx, &wins).await?;
+            settled.extend(successes.outcomes);
+            drafts.extend(successes.events);
+            won = successes.won;
         }
 
         let unknowns: Vec<(AttemptId, String)> = finished
@@ -175,25 +175,17 @@ impl Store {
 
     /// The compare-and-swap. Exactly one attempt per job can move `completed_by`
     /// from NULL; every other open attempt that finishes is `discarded`, its usage
-    /// kept, its result dropped whole. Returns the outcomes, the events, and
-    /// `(job, winner)` of each won job, whose other attempts the caller closes
-    /// in a later statement ([`Store::insert_outbox_closing`]).
-    #[allow(clippy::type_complexity)]
+    /// kept, its result dropped whole. Every attempt's outcome is in
+    /// `outcomes` (the discarded ones with their winner); the caller closes the
+    /// `won` jobs' other attempts in a later statement
+    /// ([`Store::insert_outbox_closing`]).
     async fn settle_successes(
         &self,
         tx: &mut PgConnection,
         wins: &[&Finished],
-    ) -> Result<(
-        Vec<(AttemptId, Settled)>,
-        Vec<OutboxDraft>,
-        Vec<(Uuid, Uuid)>,
-    )> {
-        let CasOutcomes {
-            mut outcomes,
-            events,
-            won,
-            discarded,
-        } = cas_outcomes(compare_and_swap(tx, wins).await?, &self.routes)?;
+    ) -> Result<CasOutcomes> {
+        let mut out = cas_outcomes(compare_and_swap(tx, wins).await?, &self.routes)?;
+        let discarded = std::mem::take(&mut out.discarded);
         let winners = winners_of(tx, &discarded).await?;
         for (attempt, job) in discarded {
             let winner = winners.get(&job).copied().flatten();
@@ -203,9 +195,9 @@ impl Store {
                 winning_attempt = ?winner.map(|w| w.to_string()),
                 "late result discarded: the job already has its outcome"
             );
-            outcomes.push((attempt, Settled::Discarded { winner }));
+            out.outcomes.push((attempt, Settled::Discarded { winner }));
         }
-        Ok((outcomes, events, won))
+        Ok(out)
     }
 
     /// Definite failures: mark the attempts `failed`, then, per job, either create
