@@ -1,0 +1,78 @@
+//! The drain benchmark: a preloaded backlog drained by one `onejob-worker`
+//! process, against pgbench running onejob's own per-job SQL in the same run.
+//! See [`run`] for what it measures and how.
+//!
+//! `scripts/bench-drain [--n N] [--latency-seconds S] [--out DIR]`, which builds
+//! the release binaries first. It prints progress, a table with every target
+//! (met or not), and writes `drain.json` and `drain.md` into `--out`
+//! (default `target/bench`). It asserts nothing.
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+#[allow(unreachable_pub, missing_docs)]
+mod run;
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: drain [--n N] [--latency-seconds S] [--pgbench-seconds S] [--out DIR] [--smoke]\n\
+         \n  --n N                distinct intents in the backlog (default 20000); 25% more are duplicates\n\
+         \x20 --latency-seconds S   length of the open-loop latency phase (default 20)\n\
+         \x20 --pgbench-seconds S   length of the pgbench baseline (default 15)\n\
+         \x20 --out DIR             where drain.json and drain.md go (default target/bench)\n\
+         \x20 --smoke               a run of a few seconds (N 300), as CI runs it"
+    );
+    std::process::exit(2)
+}
+
+fn main() {
+    let mut options = run::Options::default();
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = |name: &str| {
+            args.next().unwrap_or_else(|| {
+                eprintln!("drain: {name} needs a value");
+                usage()
+            })
+        };
+        let number = |name: &str, v: String| -> usize {
+            v.parse().unwrap_or_else(|_| {
+                eprintln!("drain: {name} wants a whole number, not {v:?}");
+                usage()
+            })
+        };
+        match arg.as_str() {
+            // cargo bench passes --bench to every benchmark.
+            "--bench" => {}
+            "--smoke" => options = run::Options::smoke(),
+            "--n" => options.n = number("--n", value("--n")),
+            "--latency-seconds" => {
+                options.latency_seconds = number(&arg, value(&arg)) as u64;
+            }
+            "--pgbench-seconds" => {
+                options.pgbench_seconds = number(&arg, value(&arg)) as u64;
+            }
+            "--out" => options.out = value("--out").into(),
+            "-h" | "--help" => usage(),
+            other => {
+                eprintln!("drain: unknown argument {other:?}");
+                usage()
+            }
+        }
+    }
+    if options.n == 0 {
+        eprintln!("drain: --n must be at least 1");
+        usage()
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let report = runtime.block_on(run::drain(&options));
+    println!("{}", report.markdown());
+    report.write(&options.out);
+    println!(
+        "wrote {0}/drain.json and {0}/drain.md",
+        options.out.display()
+    );
+}

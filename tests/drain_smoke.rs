@@ -1,0 +1,57 @@
+//! The drain benchmark (`benches/drain`), run small so that it cannot rot: every
+//! phase runs against the real services and the debug worker binary, and the
+//! report must be whole and consistent. Its speed figures mean nothing here and
+//! are not asserted; `scripts/bench-drain` runs the real thing.
+
+mod common;
+#[path = "../benches/drain/run.rs"]
+#[allow(dead_code, unreachable_pub, missing_docs)]
+mod run;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_benchmark_runs_and_reports_every_measure() {
+    let out = std::env::temp_dir().join(format!("onejob-drain-{}", uuid::Uuid::now_v7()));
+    let options = run::Options {
+        out: out.clone(),
+        ..run::Options::smoke()
+    };
+    let report = run::drain(&options).await;
+    report.write(&out);
+
+    // Every job of the backlog succeeded once; its duplicates cost nothing.
+    assert_eq!(report.jobs, options.n as i64);
+    assert_eq!(report.jobs_succeeded, options.n as i64);
+    assert_eq!(report.attempt_rows, report.jobs);
+    assert_eq!(report.provider_calls, options.n as u64);
+    assert_eq!(report.duplicates, options.n / 4);
+    // Every figure was measured.
+    for (what, v) in [
+        ("pgbench", report.pgbench_jobs_per_s),
+        ("drain", report.drain_jobs_per_s),
+        ("commits per job", report.commits_per_job),
+        ("cpu per job", report.worker_cpu_ms_per_job),
+        ("peak rss", report.worker_peak_rss_mib),
+        ("hop p99", report.hop.p99_ms),
+        ("commit p99", report.commit.p99_ms),
+        ("call p99", report.call.p99_ms),
+        ("latency p99", report.latency.p99_ms),
+    ] {
+        assert!(v.is_finite() && v > 0.0, "{what}: {v}");
+    }
+    assert!(report.commits > 0);
+    let md = std::fs::read_to_string(out.join("drain.md")).expect("drain.md");
+    for row in [
+        "drain / B_pg1",
+        "commits per job",
+        "p99 at 50% load",
+        "peak RSS",
+        "duplicates",
+    ] {
+        assert!(md.contains(row), "drain.md lacks {row:?}:\n{md}");
+    }
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("drain.json")).expect("drain.json"))
+            .expect("drain.json parses");
+    assert_eq!(json["n"], options.n);
+    let _ = std::fs::remove_dir_all(&out);
+}
