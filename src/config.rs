@@ -74,6 +74,10 @@ struct RawWorker {
     delivery_limit: Option<u32>,
     max_message_bytes: Option<usize>,
     intake_prefetch: Option<u16>,
+    attempt_prefetch: Option<u16>,
+    batch_size: Option<usize>,
+    flush_interval: Option<String>,
+    pool_size: Option<u32>,
     retry_backoff: Option<String>,
     retry_backoff_max: Option<String>,
     relay_interval: Option<String>,
@@ -130,6 +134,16 @@ pub struct WorkerSettings {
     pub max_message_bytes: usize,
     /// Unacked intents one intake consumer holds at most.
     pub intake_prefetch: u16,
+    /// Unacked attempt messages one attempt consumer holds at most: those being
+    /// called, those waiting for their settlement to commit, and the next ones.
+    pub attempt_prefetch: u16,
+    /// The most intents admitted, attempts claimed (never more than the
+    /// provider's `concurrency`) or attempts settled by one statement.
+    pub batch_size: usize,
+    /// How long a finished attempt waits for others to share its commit.
+    pub flush_interval: Duration,
+    /// Postgres connections per worker process.
+    pub pool_size: u32,
     /// Backoff before the attempt that follows a definite failure; it doubles per
     /// attempt, with jitter, up to `retry_backoff_max`.
     pub retry_backoff: Duration,
@@ -163,6 +177,10 @@ impl Default for WorkerSettings {
             delivery_limit: 5,
             max_message_bytes: DEFAULT_MAX_BODY_BYTES,
             intake_prefetch: 128,
+            attempt_prefetch: 128,
+            batch_size: 128,
+            flush_interval: Duration::from_millis(5),
+            pool_size: 8,
             retry_backoff: Duration::from_secs(1),
             retry_backoff_max: Duration::from_secs(60),
             relay_interval: Duration::from_millis(500),
@@ -213,6 +231,10 @@ pub struct Provider {
     pub max_response_bytes: usize,
 }
 
+/// The largest `worker.batch_size`: one statement's arrays stay small.
+pub const MAX_BATCH_SIZE: usize = 1000;
+/// The longest `worker.flush_interval`.
+pub const MAX_FLUSH_INTERVAL: Duration = Duration::from_secs(1);
 /// The default `max_retry_after` of a provider.
 pub const DEFAULT_MAX_RETRY_AFTER: Duration = Duration::from_secs(600);
 /// The default `unknown_statuses` of a provider: gateway timeout, and
@@ -500,6 +522,28 @@ impl Config {
                 1,
                 defaults.intake_prefetch,
             )?,
+            attempt_prefetch: at_least(
+                origin,
+                "worker.attempt_prefetch",
+                w.attempt_prefetch,
+                1,
+                defaults.attempt_prefetch,
+            )?,
+            batch_size: at_least(
+                origin,
+                "worker.batch_size",
+                w.batch_size,
+                1,
+                defaults.batch_size,
+            )?,
+            flush_interval: d("flush_interval", &w.flush_interval, defaults.flush_interval)?,
+            pool_size: at_least(
+                origin,
+                "worker.pool_size",
+                w.pool_size,
+                2,
+                defaults.pool_size,
+            )?,
             retry_backoff: d("retry_backoff", &w.retry_backoff, defaults.retry_backoff)?,
             retry_backoff_max: d(
                 "retry_backoff_max",
@@ -523,6 +567,20 @@ impl Config {
                 defaults.outbox_retention,
             )?,
         };
+        if worker.batch_size > MAX_BATCH_SIZE {
+            return Err(invalid(
+                origin,
+                "worker.batch_size",
+                format!("must be at most {MAX_BATCH_SIZE}"),
+            ));
+        }
+        if worker.flush_interval > MAX_FLUSH_INTERVAL {
+            return Err(invalid(
+                origin,
+                "worker.flush_interval",
+                "must be at most 1s: every finished attempt waits up to this long",
+            ));
+        }
         if worker.retry_backoff_max < worker.retry_backoff {
             return Err(invalid(
                 origin,

@@ -1,7 +1,7 @@
 //! The intake role: intents in, jobs out.
 //!
-//! Deliveries are taken in batches: all that are ready at once, up to
-//! `MAX_BATCH` (64), so a busy intake admits many intents with one statement while a
+//! Deliveries are taken in batches: all that are ready at once, up to the
+//! worker's `batch_size`, so a busy intake admits many intents with one statement while a
 //! lone intent never waits for company. Each intent is validated strictly,
 //! fingerprinted, and admitted through the store's `INSERT … ON CONFLICT DO
 //! NOTHING` (two intents with one identity in the same batch come out as
@@ -21,8 +21,6 @@ use crate::runtime::{self, Context, Result, WorkerError, with_retries};
 use crate::shutdown::Shutdown;
 use crate::store::{Admission, NewJob};
 
-/// The most intents admitted by one statement.
-const MAX_BATCH: usize = 64;
 /// Batches settled at once; more deliveries wait and make the next batch larger.
 const BATCHES_IN_FLIGHT: usize = 4;
 
@@ -30,7 +28,7 @@ const BATCHES_IN_FLIGHT: usize = 4;
 pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
     let prefetch = ctx.config.worker.intake_prefetch;
     let batching = runtime::Batching {
-        max_batch: MAX_BATCH,
+        max_batch: ctx.config.worker.batch_size,
         max_in_flight: BATCHES_IN_FLIGHT,
     };
     runtime::consume_batches(

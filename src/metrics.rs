@@ -22,6 +22,15 @@ pub const PROVIDER_CALL_SECONDS: &str = "onejob_provider_call_seconds";
 /// Deliveries per intake batch.
 pub const INTAKE_BATCH_SIZE: &str = "onejob_intake_batch_size";
 
+/// Attempts per claiming statement and per settling transaction, by provider
+/// and stage (`claim`, `settle`).
+pub const ATTEMPT_BATCH_SIZE: &str = "onejob_attempt_batch_size";
+
+/// Bucket bounds for batch sizes, up to the largest `batch_size`.
+const BATCH_BUCKETS: [f64; 11] = [
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1000.0,
+];
+
 /// Bucket bounds for provider calls: inference takes from tens of milliseconds
 /// to the configured timeout.
 const CALL_BUCKETS: [f64; 11] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
@@ -36,10 +45,9 @@ pub fn install() -> Option<&'static PrometheusHandle> {
             let builder = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Full(PROVIDER_CALL_SECONDS.into()), &CALL_BUCKETS)
                 .ok()?
-                .set_buckets_for_metric(
-                    Matcher::Full(INTAKE_BATCH_SIZE.into()),
-                    &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0],
-                )
+                .set_buckets_for_metric(Matcher::Full(INTAKE_BATCH_SIZE.into()), &BATCH_BUCKETS)
+                .ok()?
+                .set_buckets_for_metric(Matcher::Full(ATTEMPT_BATCH_SIZE.into()), &BATCH_BUCKETS)
                 .ok()?;
             match builder.install_recorder() {
                 Ok(handle) => Some(handle),
@@ -70,6 +78,13 @@ pub fn intent(outcome: Outcome) {
 /// Intake took a batch of `size` deliveries.
 pub fn intake_batch(size: usize) {
     histogram!(INTAKE_BATCH_SIZE).record(size as f64);
+}
+
+/// An attempt consumer claimed (`stage` = `claim`) or settled (`settle`)
+/// `size` attempts with one statement or transaction.
+pub fn attempt_batch(provider: &str, stage: &'static str, size: usize) {
+    histogram!(ATTEMPT_BATCH_SIZE, "provider" => provider.to_owned(), "stage" => stage)
+        .record(size as f64);
 }
 
 /// An attempt's outcome was settled: `won`, `discarded`, `failed`, `unknown`,

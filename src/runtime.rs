@@ -39,6 +39,10 @@ pub enum WorkerError {
     /// A role names a provider that is not configured.
     #[error("--provider {0:?} is not a configured provider")]
     UnknownProvider(String),
+    /// A finished attempt was not settled (its flush failed, or Postgres
+    /// refused it): its delivery goes back to the queue.
+    #[error("attempt not settled: {0}")]
+    Unsettled(String),
     /// A role stopped on its own.
     #[error("role {0} stopped unexpectedly: {1}")]
     RoleStopped(String, String),
@@ -96,8 +100,13 @@ impl Context {
             })
             .await?;
         crate::metrics::install();
-        let store =
-            Store::connect(database_url, 8, routes(&config), Duration::from_secs(60)).await?;
+        let store = Store::connect(
+            database_url,
+            config.worker.pool_size,
+            routes(&config),
+            Duration::from_secs(60),
+        )
+        .await?;
         store.migrate().await?;
         let connection = broker::connect(amqp_url, broker::Recovery::Auto).await.map_err(|e| {
             tracing::error!(url = %broker::redact_url(amqp_url), error = %e, "cannot connect to RabbitMQ");

@@ -172,6 +172,147 @@ async fn concurrent_finishers_have_exactly_one_winner() {
     }
 }
 
+/// The attempt path settles in flushes: a hedge and its primary can finish in
+/// the same transaction. 100 times, both succeed in one flush (in either
+/// order): exactly one wins, the other is discarded naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_attempts_of_one_job_in_one_flush_have_exactly_one_winner() {
+    let env = common::store_env().await;
+    let store = &env.store;
+    for i in 0..100 {
+        let (job_id, a, b) = two_started_attempts(store, &format!("flush-{i}")).await;
+        let flush = if i % 2 == 0 {
+            [success(&a), success(&b)]
+        } else {
+            [success(&b), success(&a)]
+        };
+        let (settled, publish) = store.finalize(&flush, &common::give_up).await.unwrap();
+        let winner = match settled.as_slice() {
+            [Settled::Won, Settled::Discarded { winner }] => {
+                assert_eq!(*winner, Some(flush[0].attempt_id));
+                flush[0].attempt_id
+            }
+            [Settled::Discarded { winner }, Settled::Won] => {
+                assert_eq!(*winner, Some(flush[1].attempt_id));
+                flush[1].attempt_id
+            }
+            other => panic!("round {i}: expected one winner, got {other:?}"),
+        };
+        assert_eq!(publish.len(), 1, "round {i}: one job.succeeded event");
+        let job = store.job(job_id).await.unwrap().unwrap();
+        assert_eq!(job.completed_by, Some(winner));
+        assert_eq!(job.result, Some(json!({ "summary": winner.to_string() })));
+        assert_eq!(job.version, 1);
+    }
+}
+
+/// Two flushes race on separate connections, one holding the main attempts of
+/// 20 jobs and the other their hedges, 30 times: the transactions lock the same
+/// jobs in whatever order, and still every job has exactly one winner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn racing_flushes_have_exactly_one_winner_per_job() {
+    const JOBS: usize = 20;
+    let env = common::store_env().await;
+    let store = Arc::new(env.store.clone());
+    for round in 0..30 {
+        let mut mains = Vec::new();
+        let mut hedges = Vec::new();
+        let mut jobs = Vec::new();
+        for j in 0..JOBS {
+            let (job, a, b) = two_started_attempts(&store, &format!("flushes-{round}-{j}")).await;
+            jobs.push(job);
+            mains.push(success(&a));
+            hedges.push(success(&b));
+        }
+        // Opposite orders make the two transactions meet from both ends.
+        hedges.reverse();
+        let barrier = Arc::new(tokio::sync::Barrier::new(2));
+        let run = |flush: Vec<Finished>| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let settled = store.finalize(&flush, &common::give_up).await.unwrap().0;
+                flush
+                    .iter()
+                    .map(|f| f.attempt_id)
+                    .zip(settled)
+                    .collect::<Vec<_>>()
+            })
+        };
+        let (m, h) = tokio::join!(run(mains), run(hedges));
+        let outcomes: std::collections::HashMap<AttemptId, Settled> =
+            m.unwrap().into_iter().chain(h.unwrap()).collect();
+        for job_id in jobs {
+            let job = store.job(job_id).await.unwrap().unwrap();
+            let winner = job.completed_by.expect("every job has a winner");
+            let won: Vec<_> = job
+                .attempts
+                .iter()
+                .filter(|a| outcomes.get(&a.id) == Some(&Settled::Won))
+                .map(|a| a.id)
+                .collect();
+            assert_eq!(won, vec![winner], "round {round}: one winner per job");
+            for attempt in job.attempts.iter().filter(|a| a.id != winner) {
+                assert_eq!(attempt.status, AttemptStatus::Discarded);
+                assert_eq!(
+                    outcomes.get(&attempt.id),
+                    Some(&Settled::Discarded {
+                        winner: Some(winner)
+                    })
+                );
+            }
+            assert_eq!(job.version, 1);
+        }
+    }
+}
+
+/// A settlement Postgres refuses (a result it cannot store) fails alone: the
+/// other settlements of its flush are written, and it is reported as refused
+/// with nothing of it written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_settlement_never_fails_its_neighbours() {
+    let env = common::store_env().await;
+    let store = &env.store;
+    let mut started = Vec::new();
+    for key in ["left", "poisoned", "right"] {
+        let new = new_job(key);
+        let attempt = new.attempt_id;
+        store.admit(&[new]).await.unwrap();
+        started.push(
+            store
+                .start("primary", &[attempt], Duration::from_secs(30))
+                .await
+                .unwrap()
+                .remove(0),
+        );
+    }
+    // jsonb cannot hold U+0000: SQLSTATE 22P05.
+    let poisoned = finished(
+        &started[1],
+        Verdict::Succeeded(json!({ "summary": "nul \u{0} here" })),
+    );
+    let flush = [success(&started[0]), poisoned, success(&started[2])];
+    let (settled, publish) = store.finalize(&flush, &common::give_up).await.unwrap();
+    assert_eq!(settled[0], Settled::Won);
+    assert!(
+        matches!(&settled[1], Settled::Refused { error } if error.contains("unsupported Unicode escape sequence")),
+        "{:?}",
+        settled[1]
+    );
+    assert_eq!(settled[2], Settled::Won);
+    assert_eq!(publish.len(), 2, "the two winners' events");
+    for (s, status) in started.iter().zip([
+        JobStatus::Succeeded,
+        JobStatus::Running,
+        JobStatus::Succeeded,
+    ]) {
+        let job = store.job(s.job_id).await.unwrap().unwrap();
+        assert_eq!(job.status, status, "{}", s.job_id);
+    }
+    let left_open = store.job(started[1].job_id).await.unwrap().unwrap();
+    assert_eq!(left_open.attempts[0].status, AttemptStatus::Started);
+}
+
 #[derive(Clone, Debug)]
 enum Kind {
     Success,

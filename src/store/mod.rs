@@ -281,6 +281,13 @@ pub enum Settled {
     Unknown,
     /// The attempt was no longer open (resolved out-of-band): nothing changed.
     Stale,
+    /// Postgres refused to store this settlement (its data, not an outage):
+    /// nothing of it was written, and the settlements batched with it were
+    /// written without it.
+    Refused {
+        /// Postgres's reason.
+        error: String,
+    },
 }
 
 /// A job whose attempt just failed definitely, for the caller to plan what follows.

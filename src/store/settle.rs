@@ -82,6 +82,10 @@ impl Store {
     /// compare-and-swap, unknowns block their job, failures plan the next attempt
     /// with `plan`. Returns what happened to each, in input order, and the outbox
     /// rows to publish now.
+    ///
+    /// One settlement's bad data never fails its neighbours: when Postgres
+    /// refuses the batch's data, each is settled in a transaction of its own,
+    /// and the one refused comes out as [`Settled::Refused`].
     pub async fn finalize(
         &self,
         finished: &[Finished],
@@ -90,7 +94,31 @@ impl Store {
         if finished.is_empty() {
             return Ok((Vec::new(), Vec::new()));
         }
-        self.retrying(|| self.finalize_once(finished, plan)).await
+        match self.retrying(|| self.finalize_once(finished, plan)).await {
+            Err(e) if e.is_data_error() => {}
+            other => return other,
+        }
+        let mut settled = Vec::with_capacity(finished.len());
+        let mut publish = Vec::new();
+        for one in finished.chunks(1) {
+            match self.retrying(|| self.finalize_once(one, plan)).await {
+                Ok((outcome, rows)) => {
+                    settled.extend(outcome);
+                    publish.extend(rows);
+                }
+                Err(e) if e.is_data_error() => {
+                    tracing::error!(attempt_id = %one[0].attempt_id, error = %e, "Postgres refused a settlement; its neighbours were settled without it");
+                    settled.push(Settled::Refused {
+                        error: e.to_string(),
+                    });
+                }
+                // The ones settled so far are committed: their redelivered
+                // messages find them settled and are dropped as duplicates, and
+                // the relay publishes their outbox rows.
+                Err(e) => return Err(e),
+            }
+        }
+        Ok((settled, publish))
     }
 
     async fn finalize_once(
