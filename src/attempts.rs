@@ -1,39 +1,47 @@
-//! The attempt role: one consumer per provider, in batches.
+//! The attempt role: one consumer per provider, claiming and settling in
+//! batches.
 //!
-//! Every delivery that is ready (up to `batch_size`, and never more than the
-//! provider's free call slots) is claimed by one guarded statement, `queued →
-//! started`, which commits before any request leaves: a crash after sending is
-//! then `unknown`. An attempt that does not start was a duplicate delivery, is
-//! blocked behind an unknown (published again when the block lifts), or names
-//! no attempt (dead-lettered). The started ones are called concurrently, with
-//! the attempt id as `Idempotency-Key`, and each answer is judged against the
-//! operation's output contract.
+//! Each delivery first takes one of the provider's call slots (`concurrency`),
+//! so an attempt never waits for a slot once it has started. Then it is claimed
+//! through the consumer's claim group commit: every delivery that got its slot
+//! while the previous claim was committing is moved `queued → started` by one
+//! guarded statement, which commits before any request leaves (a crash after
+//! sending is then `unknown`). An attempt that does not start was a duplicate
+//! delivery, is blocked behind an unknown (published again when the block
+//! lifts), or names no attempt (dead-lettered). The started ones are called
+//! concurrently, with the attempt id as `Idempotency-Key`, and each answer is
+//! judged against the operation's output contract.
 //!
-//! Finished attempts go to the provider's completer, which settles all that
-//! arrive within `flush_interval` (up to `batch_size`) in one transaction: still
-//! one compare-and-swap per job, so two attempts of one job in the same flush
-//! have exactly one winner, and one settlement Postgres refuses is settled apart
-//! from its neighbours. A delivery is acked only after its settlement commits;
-//! the outbox rows a flush wrote are published together, their confirms awaited
+//! Finished attempts are settled through the settle group commit, one
+//! transaction per flush (up to `batch_size`, gathered for at most
+//! `flush_interval` while another flush commits): still one compare-and-swap
+//! per job, so two attempts of one job in the same flush have exactly one
+//! winner, and a settlement Postgres refuses is settled apart from its
+//! neighbours. A delivery is acked only after its settlement commits; the
+//! outbox rows a flush wrote are published together, their confirms awaited
 //! together, and marked published by one statement.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
-use futures_util::future::join_all;
 use lapin::message::Delivery;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::Semaphore;
 
 use crate::broker;
 use crate::config::{Config, Operation};
 use crate::domain::{AttemptId, AttemptStatus, JobStatus};
 use crate::policy::Planner;
 use crate::provider::{Answer, CallError, Client};
-use crate::runtime::{self, Context, Result, WorkerError, with_retries};
+use crate::runtime::{self, Context, GroupCommit, Result, WorkerError, with_retries};
 use crate::shutdown::Shutdown;
-use crate::store::{FailedJob, Finished, Settled, Started, Verdict};
+use crate::store::{FailedJob, Finished, OutboxMessage, Settled, Started, Verdict};
 
 pub(crate) use crate::domain::AttemptMessage;
+
+/// A claim's answer: the attempt, started; `None` when it did not start.
+type Claimed = std::result::Result<Option<Started>, String>;
+/// A settlement's answer: `Err` when it was not committed.
+type Committed = std::result::Result<(), String>;
 
 /// Runs the consumer for `provider` until shutdown.
 pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> Result<()> {
@@ -47,121 +55,102 @@ pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> R
         Arc::new(Client::new(settings.clone()).map_err(|e| {
             WorkerError::RoleStopped(format!("attempts({provider})"), e.to_string())
         })?);
-    let queue = broker::attempts_queue(&provider);
-    // The semaphore caps calls in flight; a batch takes its slots before it
-    // claims, so an attempt never waits for a slot after it has started.
     let concurrency = usize::try_from(settings.concurrency)
         .unwrap_or(usize::MAX)
         .min(Semaphore::MAX_PERMITS);
-    let calls = Arc::new(Semaphore::new(concurrency));
-    let (completer, settle) = Completer::start(&ctx, &shutdown, &provider);
-    let batching = runtime::Batching {
-        max_batch: ctx.config.worker.batch_size.min(concurrency).max(1),
-        max_in_flight: concurrency,
-    };
-    let prefetch = ctx.config.worker.attempt_prefetch;
-    let outcome =
-        runtime::consume_batches(&ctx, &queue, prefetch, batching, &shutdown, |deliveries| {
-            let batch = Batch {
-                ctx: ctx.clone(),
-                shutdown: shutdown.clone(),
-                client: client.clone(),
-                queue: queue.clone(),
-                settle: settle.clone(),
-            };
-            let calls = calls.clone();
-            async move { batch.handle(calls, deliveries).await }
+    let worker = &ctx.config.worker;
+    let (claimer, claims) = {
+        let (ctx, shutdown, client) = (ctx.clone(), shutdown.clone(), client.clone());
+        GroupCommit::start(worker.batch_size, worker.flush_interval, move |ids| {
+            let (ctx, shutdown, client) = (ctx.clone(), shutdown.clone(), client.clone());
+            async move { claim(&ctx, &shutdown, &client, ids).await }
         })
-        .await;
-    // The handlers are done or cut off: the completer settles what they handed
-    // it, then stops.
-    drop(settle);
-    let _ = completer.await;
+    };
+    let (completer, settlements) = {
+        let (ctx, shutdown, name) = (ctx.clone(), shutdown.clone(), provider.clone());
+        GroupCommit::start(worker.batch_size, worker.flush_interval, move |batch| {
+            let (ctx, shutdown, name) = (ctx.clone(), shutdown.clone(), name.clone());
+            async move { settle(&ctx, &shutdown, &name, batch).await }
+        })
+    };
+    let consumer = Consumer {
+        ctx: ctx.clone(),
+        shutdown: shutdown.clone(),
+        client,
+        queue: broker::attempts_queue(&provider),
+        calls: Arc::new(Semaphore::new(concurrency)),
+        claims,
+        settlements,
+    };
+    let queue = consumer.queue.clone();
+    let consumer = Arc::new(consumer);
+    let outcome = runtime::consume(
+        &ctx,
+        &queue,
+        worker.attempt_prefetch,
+        &shutdown,
+        |delivery| {
+            let consumer = consumer.clone();
+            async move { consumer.handle(delivery).await }
+        },
+    )
+    .await;
+    // The handlers are done or cut off: the group commits finish what they were
+    // handed, then stop.
+    drop(consumer);
+    let _ = tokio::join!(claimer, completer);
     outcome
 }
 
-/// What a batch of deliveries needs.
-struct Batch {
+/// What every delivery of one provider's consumer shares.
+struct Consumer {
     ctx: Context,
     shutdown: Shutdown,
     client: Arc<Client>,
     queue: String,
-    settle: Completer,
+    calls: Arc<Semaphore>,
+    claims: GroupCommit<AttemptId, Claimed>,
+    settlements: GroupCommit<(Started, Finished), Committed>,
 }
 
-impl Batch {
-    /// Takes call slots for the batch, claims its attempts with one statement,
-    /// calls the started ones concurrently and hands each answer to the
-    /// completer; each delivery is acked once its settlement has committed, or
-    /// returned to the queue.
-    async fn handle(&self, calls: Arc<Semaphore>, deliveries: Vec<Delivery>) {
-        let slots = u32::try_from(deliveries.len()).unwrap_or(u32::MAX);
-        let Ok(mut permits) = calls.acquire_many_owned(slots).await else {
-            return; // never closed
-        };
-        let mut claims = Vec::with_capacity(deliveries.len());
-        for delivery in deliveries {
-            match serde_json::from_slice::<AttemptMessage>(&delivery.data) {
-                Ok(message) => claims.push((delivery, message)),
-                Err(e) => {
-                    drop(permits.split(1));
-                    let reason = format!("malformed_attempt_message: {e}");
-                    let copied = self.dead_letter(&delivery, &reason).await;
-                    settle_delivery(&delivery, copied).await;
-                }
-            }
+impl Consumer {
+    /// One delivery, from its call slot to its ack (or its return to the queue).
+    async fn handle(&self, delivery: Delivery) {
+        let done = self.work(&delivery).await;
+        if let Err(e) = done.and(runtime::ack(&delivery).await) {
+            tracing::error!(error = %e, "attempt not settled; returning it to the queue");
+            runtime::requeue(&delivery).await;
         }
-        if claims.is_empty() {
-            return;
-        }
-        let mut started = match self.claim(&claims).await {
-            Ok(started) => started,
-            Err(e) => {
-                tracing::error!(error = %e, "attempts not claimed; returning them to the queue");
-                for (delivery, _) in &claims {
-                    runtime::requeue(delivery).await;
-                }
-                return;
-            }
-        };
-        join_all(claims.into_iter().map(|(delivery, message)| {
-            let slot = permits.split(1);
-            let started = started.remove(&message.attempt_id);
-            async move {
-                let result = match started {
-                    Some(started) => {
-                        let finished = call(&self.ctx.config, &self.client, &started).await;
-                        drop(slot);
-                        self.settle.settle(started, finished).await
-                    }
-                    None => {
-                        drop(slot);
-                        self.not_started(&delivery, &message).await
-                    }
-                };
-                settle_delivery(&delivery, result).await;
-            }
-        }))
-        .await;
     }
 
-    /// Moves the messages' attempts `queued → started` with one statement.
-    async fn claim(
-        &self,
-        claims: &[(Delivery, AttemptMessage)],
-    ) -> Result<HashMap<AttemptId, Started>> {
-        let provider = self.client.provider();
-        let ids: Vec<AttemptId> = claims.iter().map(|(_, m)| m.attempt_id).collect();
-        let started = with_retries(&self.shutdown, "starting attempts", || async {
-            Ok(self
-                .ctx
-                .store
-                .start(&provider.name, &ids, provider.timeout)
-                .await?)
-        })
-        .await?;
-        crate::metrics::attempt_batch(&provider.name, "claim", ids.len());
-        Ok(started.into_iter().map(|s| (s.attempt_id, s)).collect())
+    async fn work(&self, delivery: &Delivery) -> Result<()> {
+        let Ok(slot) = self.calls.clone().acquire_owned().await else {
+            return Err(WorkerError::Unsettled("the call slots closed".into()));
+        };
+        let message: AttemptMessage = match serde_json::from_slice(&delivery.data) {
+            Ok(m) => m,
+            Err(e) => {
+                drop(slot);
+                let reason = format!("malformed_attempt_message: {e}");
+                return self.dead_letter(delivery, &reason).await;
+            }
+        };
+        let unsettled = |e: String| WorkerError::Unsettled(e);
+        let claimed = self.claims.submit(message.attempt_id).await;
+        let Some(started) = claimed
+            .unwrap_or_else(|| Err("the claims stopped".into()))
+            .map_err(unsettled)?
+        else {
+            drop(slot);
+            return self.not_started(delivery, &message).await;
+        };
+        let finished = call(&self.ctx.config, &self.client, &started).await;
+        drop(slot);
+        self.settlements
+            .submit((started, finished))
+            .await
+            .unwrap_or_else(|| Err("the completer stopped".into()))
+            .map_err(unsettled)
     }
 
     /// A message whose attempt did not start: a duplicate delivery, an attempt
@@ -206,124 +195,80 @@ impl Batch {
     }
 }
 
-/// Acks a delivery whose work is done, or returns it to the queue.
-async fn settle_delivery(delivery: &Delivery, done: Result<()>) {
-    if let Err(e) = done.and(runtime::ack(delivery).await) {
-        tracing::error!(error = %e, "attempt not settled; returning it to the queue");
-        runtime::requeue(delivery).await;
-    }
-}
-
-/// A finished attempt waiting for its flush.
-struct Settlement {
-    started: Started,
-    finished: Finished,
-    done: oneshot::Sender<Result<()>>,
-}
-
-/// The way to a provider's completer: the group commit of its settlements.
-#[derive(Clone)]
-struct Completer {
-    queue: mpsc::UnboundedSender<Settlement>,
-}
-
-impl Completer {
-    /// Starts the completer task of `provider`; it stops once every handle to it
-    /// is dropped and what they sent is settled.
-    fn start(
-        ctx: &Context,
-        shutdown: &Shutdown,
-        provider: &str,
-    ) -> (tokio::task::JoinHandle<()>, Completer) {
-        let (queue, pending) = mpsc::unbounded_channel();
-        let task = tokio::spawn(complete(
-            ctx.clone(),
-            shutdown.clone(),
-            provider.to_owned(),
-            pending,
-        ));
-        (task, Completer { queue })
-    }
-
-    /// Settles a finished attempt with the next flush; `Ok` once it committed.
-    async fn settle(&self, started: Started, finished: Finished) -> Result<()> {
-        let (done, committed) = oneshot::channel();
-        let stopped = || WorkerError::Unsettled("the completer stopped".into());
-        self.queue
-            .send(Settlement {
-                started,
-                finished,
-                done,
-            })
-            .map_err(|_| stopped())?;
-        committed.await.unwrap_or_else(|_| Err(stopped()))
-    }
-}
-
-/// The completer's loop: a flush takes every settlement that arrives within
-/// `flush_interval` of the first, up to `batch_size`. Flushes run one after
-/// another, so while one commits the next one's settlements gather.
-async fn complete(
-    ctx: Context,
-    shutdown: Shutdown,
-    provider: String,
-    mut pending: mpsc::UnboundedReceiver<Settlement>,
-) {
-    let (size, interval) = (
-        ctx.config.worker.batch_size,
-        ctx.config.worker.flush_interval,
-    );
-    while let Some(first) = pending.recv().await {
-        let mut batch = vec![first];
-        let deadline = tokio::time::Instant::now() + interval;
-        while batch.len() < size {
-            match tokio::time::timeout_at(deadline, pending.recv()).await {
-                Ok(Some(next)) => batch.push(next),
-                Ok(None) | Err(_) => break,
-            }
+/// A claim flush: moves the attempts `queued → started` with one statement.
+async fn claim(
+    ctx: &Context,
+    shutdown: &Shutdown,
+    client: &Client,
+    ids: Vec<AttemptId>,
+) -> Vec<Claimed> {
+    let provider = client.provider();
+    crate::metrics::attempt_batch(&provider.name, "claim", ids.len());
+    let started = with_retries(shutdown, "starting attempts", || async {
+        Ok(ctx
+            .store
+            .start(&provider.name, &ids, provider.timeout)
+            .await?)
+    })
+    .await;
+    match started {
+        Ok(started) => {
+            let mut started: HashMap<AttemptId, Started> =
+                started.into_iter().map(|s| (s.attempt_id, s)).collect();
+            ids.iter().map(|id| Ok(started.remove(id))).collect()
         }
-        flush(&ctx, &shutdown, &provider, batch).await;
+        Err(e) => {
+            let why = e.to_string();
+            ids.iter().map(|_| Err(why.clone())).collect()
+        }
     }
 }
 
-/// Settles a flush in one transaction, answers each settlement, then publishes
-/// what the flush wrote.
-async fn flush(ctx: &Context, shutdown: &Shutdown, provider: &str, batch: Vec<Settlement>) {
+/// A settle flush: one transaction for every finished attempt in it; then each
+/// is answered, and what the flush wrote is published.
+async fn settle(
+    ctx: &Context,
+    shutdown: &Shutdown,
+    provider: &str,
+    batch: Vec<(Started, Finished)>,
+) -> Vec<Committed> {
     crate::metrics::attempt_batch(provider, "settle", batch.len());
-    let mut finished = Vec::with_capacity(batch.len());
-    let mut waiting = Vec::with_capacity(batch.len());
-    for s in batch {
-        finished.push(s.finished);
-        waiting.push((s.started, s.done));
-    }
-    let failing: BTreeSet<String> = waiting
+    let (started, finished): (Vec<Started>, Vec<Finished>) = batch.into_iter().unzip();
+    let failing: BTreeSet<String> = started
         .iter()
         .zip(&finished)
         .filter(|(_, f)| matches!(f.verdict, Verdict::Failed { .. }))
-        .map(|((started, _), _)| started.operation.clone())
+        .map(|(s, _)| s.operation.clone())
         .collect();
-    let settled = settle_all(ctx, shutdown, &finished, &failing).await;
-    let (outcomes, publish) = match settled {
+    let (outcomes, publish) = match settle_all(ctx, shutdown, &finished, &failing).await {
         Ok(settled) => settled,
         Err(e) => {
             let why = e.to_string();
-            for (_, done) in waiting {
-                let _ = done.send(Err(WorkerError::Unsettled(why.clone())));
-            }
-            return;
+            return finished.iter().map(|_| Err(why.clone())).collect();
         }
     };
-    for (((started, done), finished), outcome) in waiting.into_iter().zip(&finished).zip(outcomes) {
-        log_settled(&started, finished, Some(&outcome));
-        crate::metrics::attempt_settled(provider, settled_label(&outcome));
-        let _ = done.send(match outcome {
-            Settled::Refused { error } => Err(WorkerError::Unsettled(error)),
-            _ => Ok(()),
-        });
-    }
-    if let Err(e) = ctx.publish_outbox(&publish).await {
-        tracing::warn!(error = %e, "publish after settling failed; the relay will retry");
-    }
+    let answers = started
+        .iter()
+        .zip(&finished)
+        .zip(outcomes)
+        .map(|((started, finished), outcome)| {
+            log_settled(started, finished, Some(&outcome));
+            crate::metrics::attempt_settled(provider, settled_label(&outcome));
+            match outcome {
+                Settled::Refused { error } => Err(error),
+                _ => Ok(()),
+            }
+        })
+        .collect();
+    // The answers let the acks go at once; the publishes need not hold up the
+    // next flush.
+    let ctx = ctx.clone();
+    tokio::spawn(async move {
+        if let Err(e) = ctx.publish_outbox(&publish).await {
+            tracing::warn!(error = %e, "publish after settling failed; the relay will retry");
+        }
+    });
+    answers
 }
 
 /// The store's settlement of `finished`, waiting out outages. Only definite
@@ -334,7 +279,7 @@ async fn settle_all(
     shutdown: &Shutdown,
     finished: &[Finished],
     failing: &BTreeSet<String>,
-) -> Result<(Vec<Settled>, Vec<crate::store::OutboxMessage>)> {
+) -> Result<(Vec<Settled>, Vec<OutboxMessage>)> {
     let planner = if failing.is_empty() {
         Planner::unqualified(&ctx.config)
     } else {

@@ -121,6 +121,11 @@ pub struct Report {
     pub commits_per_job: f64,
     pub worker_cpu_ms_per_job: f64,
     pub worker_peak_rss_mib: f64,
+    /// Mean intents per intake statement, attempts per claim and per settling
+    /// transaction, from the worker's `/metrics`.
+    pub intake_batch_mean: f64,
+    pub claim_batch_mean: f64,
+    pub settle_batch_mean: f64,
     pub jobs: i64,
     pub jobs_succeeded: i64,
     pub attempt_rows: i64,
@@ -206,6 +211,7 @@ impl Report {
              | commits (pg_stat_database) | {} ({:.3} per job) |\n\
              | worker CPU | {:.3} ms per job |\n\
              | worker peak RSS | {:.1} MiB |\n\
+             | mean batch: intake / claim / settle | {:.1} / {:.1} / {:.1} |\n\
              | latency at {:.0} intents/s, publish due → succeeded, p50 / p99 / p99.9 | {} ms ({} jobs) |\n\
              | broker hop (publish, confirm, delivery) p50 / p99 / p99.9 | {} ms |\n\
              | commit (one-row INSERT) p50 / p99 / p99.9 | {} ms |\n\
@@ -218,6 +224,9 @@ impl Report {
             self.commits_per_job,
             self.worker_cpu_ms_per_job,
             self.worker_peak_rss_mib,
+            self.intake_batch_mean,
+            self.claim_batch_mean,
+            self.settle_batch_mean,
             self.latency_rate_per_s,
             ms(&self.latency),
             self.latency.samples,
@@ -309,7 +318,7 @@ pub async fn drain(options: &Options) -> Report {
     let calls_before = provider.stats.requests();
     let log = options.out.join("worker-drain.log");
     let started = Instant::now();
-    let mut worker = Worker::start(&env, &file.path, &log, None);
+    let mut worker = Worker::start(&env, &file.path, &log, Some(free_port()));
     let progress = bar(options.n as u64, "draining");
     let limit = Duration::from_secs(120 + options.n as u64 / 20);
     while events.succeeded() < options.n {
@@ -337,6 +346,7 @@ pub async fn drain(options: &Options) -> Report {
     let drain_seconds = started.elapsed().as_secs_f64();
     progress.finish_and_clear();
     let usage = worker.usage();
+    let batches = worker.batch_means().await;
     let provider_calls = provider.stats.requests() - calls_before;
     worker.stop().await;
     let commits = settled_commits(&env.name).await - commits_before;
@@ -374,6 +384,9 @@ pub async fn drain(options: &Options) -> Report {
         commits_per_job: commits as f64 / options.n as f64,
         worker_cpu_ms_per_job: usage.cpu_seconds * 1000.0 / options.n as f64,
         worker_peak_rss_mib: usage.peak_rss_kib as f64 / 1024.0,
+        intake_batch_mean: batches[0],
+        claim_batch_mean: batches[1],
+        settle_batch_mean: batches[2],
         jobs,
         jobs_succeeded,
         attempt_rows,
@@ -800,6 +813,32 @@ impl Worker {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Mean intake, claim and settle batch sizes so far, from `/metrics`.
+    async fn batch_means(&self) -> [f64; 3] {
+        let port = self.http.expect("started with --http");
+        let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+            .await
+            .expect("worker metrics")
+            .text()
+            .await
+            .expect("worker metrics text");
+        // The first line of `series` that carries `label` (if any), its value.
+        let value = |series: &str, label: &str| -> f64 {
+            text.lines()
+                .filter(|l| l.starts_with(series) && l.contains(label))
+                .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+                .unwrap_or(f64::NAN)
+        };
+        let mean = |metric: &str, label: &str| {
+            value(&format!("{metric}_sum"), label) / value(&format!("{metric}_count"), label)
+        };
+        [
+            mean("onejob_intake_batch_size", ""),
+            mean("onejob_attempt_batch_size", "stage=\"claim\""),
+            mean("onejob_attempt_batch_size", "stage=\"settle\""),
+        ]
     }
 
     fn usage(&self) -> Usage {

@@ -613,8 +613,12 @@ impl Store {
             .notify(|e, d| tracing::warn!(error = %e, retry_in = ?d, "database not reachable yet"))
             .await?;
         let _ = sqlx::Connection::close(conn).await;
+        // No ping before each acquire: that would be a round trip per statement.
+        // A connection that broke meanwhile fails its statement, the pool drops
+        // it, and the callers' retries take a fresh one.
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
+            .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(10))
             .connect_with(options)
             .await?;
