@@ -73,8 +73,8 @@ struct RawConfig {
 struct RawWorker {
     delivery_limit: Option<u32>,
     max_message_bytes: Option<usize>,
-    intake_prefetch: Option<u16>,
-    attempt_prefetch: Option<u16>,
+    intake_prefetch: Option<u32>,
+    attempt_prefetch: Option<u32>,
     batch_size: Option<usize>,
     flush_interval: Option<String>,
     pool_size: Option<u32>,
@@ -396,6 +396,12 @@ fn at_least<T: PartialOrd + Copy + std::fmt::Display>(
     }
 }
 
+/// A consumer prefetch: from 1 to 65535, AMQP's limit.
+fn prefetch(origin: &str, setting: &str, value: Option<u32>, default: u16) -> Result<u16> {
+    let n = at_least(origin, setting, value, 1, u32::from(default))?;
+    u16::try_from(n).map_err(|_| invalid(origin, setting, "must be at most 65535"))
+}
+
 /// An operation's route: at least one provider, each configured, none twice.
 fn check_route(
     origin: &str,
@@ -515,18 +521,16 @@ impl Config {
                 256,
                 defaults.max_message_bytes,
             )?,
-            intake_prefetch: at_least(
+            intake_prefetch: prefetch(
                 origin,
                 "worker.intake_prefetch",
                 w.intake_prefetch,
-                1,
                 defaults.intake_prefetch,
             )?,
-            attempt_prefetch: at_least(
+            attempt_prefetch: prefetch(
                 origin,
                 "worker.attempt_prefetch",
                 w.attempt_prefetch,
-                1,
                 defaults.attempt_prefetch,
             )?,
             batch_size: at_least(
@@ -986,8 +990,8 @@ mod tests {
         assert_eq!(p.unknown_statuses, vec![504, 524]);
         assert_eq!(p.max_response_bytes, DEFAULT_MAX_RESPONSE_BYTES);
         let text = EMBEDDED_DEFAULT.replace(
-            "concurrency = 16",
-            "concurrency = 16\nmax_retry_after = \"1m\"\nunknown_statuses = []",
+            "model = \"mock-model\"",
+            "model = \"mock-model\"\nmax_retry_after = \"1m\"\nunknown_statuses = []",
         );
         let c = Config::parse(&text, "t").unwrap();
         assert_eq!(
@@ -1009,10 +1013,75 @@ mod tests {
                 "providers.primary.max_retry_after",
             ),
         ] {
-            let text =
-                EMBEDDED_DEFAULT.replace("concurrency = 16", &format!("concurrency = 16\n{extra}"));
+            let text = EMBEDDED_DEFAULT.replace(
+                "model = \"mock-model\"",
+                &format!("model = \"mock-model\"\n{extra}"),
+            );
             let err = Config::parse(&text, "t").unwrap_err().to_string();
             assert!(err.contains(setting), "{err}");
+        }
+    }
+
+    /// The tuning settings have defaults that suit a small machine, and bounds
+    /// that name the setting.
+    #[test]
+    fn tuning_has_defaults_and_bounds() {
+        let c = Config::parse(EMBEDDED_DEFAULT, "t").unwrap();
+        assert_eq!(
+            (
+                c.worker.attempt_prefetch,
+                c.worker.batch_size,
+                c.worker.flush_interval,
+                c.worker.pool_size
+            ),
+            (128, 128, Duration::from_millis(5), 8)
+        );
+        let with = |worker: &str| format!("[worker]\n{worker}\n{EMBEDDED_DEFAULT}");
+        let c = Config::parse(
+            &with(
+                "batch_size = 1000\nflush_interval = \"1s\"\npool_size = 2\nattempt_prefetch = 1",
+            ),
+            "t",
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                c.worker.batch_size,
+                c.worker.flush_interval,
+                c.worker.pool_size
+            ),
+            (1000, Duration::from_secs(1), 2)
+        );
+        for (bad, message) in [
+            ("batch_size = 0", "worker.batch_size: must be at least 1"),
+            (
+                "batch_size = 1001",
+                "worker.batch_size: must be at most 1000",
+            ),
+            (
+                "flush_interval = \"0ms\"",
+                "worker.flush_interval: must be greater than zero",
+            ),
+            (
+                "flush_interval = \"2s\"",
+                "worker.flush_interval: must be at most 1s",
+            ),
+            ("pool_size = 1", "worker.pool_size: must be at least 2"),
+            (
+                "attempt_prefetch = 0",
+                "worker.attempt_prefetch: must be at least 1",
+            ),
+            (
+                "attempt_prefetch = 70000",
+                "worker.attempt_prefetch: must be at most 65535",
+            ),
+            (
+                "intake_prefetch = 70000",
+                "worker.intake_prefetch: must be at most 65535",
+            ),
+        ] {
+            let err = Config::parse(&with(bad), "t").unwrap_err().to_string();
+            assert!(err.contains(message), "{bad}: {err}");
         }
     }
 

@@ -97,6 +97,9 @@ pub async fn run(ctx: Context, roles: Vec<Role>, shutdown: Shutdown) -> Result<(
             }
         }
     }
+    // What was published is marked before the worker goes, so that the relay
+    // of the next one does not publish it again.
+    ctx.marks.flush().await;
     match failure {
         Some(e) => Err(e),
         None => Ok(()),

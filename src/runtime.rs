@@ -62,6 +62,8 @@ pub struct Context {
     pub connection: Arc<Connection>,
     /// A confirm-mode channel for everything the roles publish.
     pub publisher: Publisher,
+    /// Marks published outbox rows in batches.
+    pub marks: Marks,
 }
 
 /// The outbox routes for a configuration.
@@ -121,15 +123,19 @@ impl Context {
         let publisher = Publisher::open(&connection).await?;
         Ok(Context {
             config,
+            marks: Marks::start(store.clone()),
             store,
             connection: Arc::new(connection),
             publisher,
         })
     }
 
-    /// Publishes outbox rows with confirms, then marks them published.
+    /// Publishes outbox rows with confirms; they are marked published with the
+    /// next batch of marks ([`Marks`]).
     pub async fn publish_outbox(&self, messages: &[OutboxMessage]) -> Result<()> {
-        publish_outbox(&self.publisher, &self.store, messages).await
+        let (published, failed) = publish_rows(&self.publisher, messages).await;
+        self.marks.published(published);
+        failed.map_or(Ok(()), |e| Err(e.into()))
     }
 
     /// Copies a delivery to its queue's dead-letter queue with a reason, and waits
@@ -191,9 +197,17 @@ pub async fn publish_outbox(
     store: &Store,
     messages: &[OutboxMessage],
 ) -> Result<()> {
-    if messages.is_empty() {
-        return Ok(());
-    }
+    let (published, failed) = publish_rows(publisher, messages).await;
+    store.mark_published(&published).await?;
+    failed.map_or(Ok(()), |e| Err(e.into()))
+}
+
+/// Publishes outbox rows, their confirms awaited together; the ids of those
+/// confirmed, and the first failure.
+async fn publish_rows(
+    publisher: &Publisher,
+    messages: &[OutboxMessage],
+) -> (Vec<i64>, Option<BrokerError>) {
     let results = join_all(messages.iter().map(|m| async move {
         let body = serde_json::to_vec(&m.body).unwrap_or_default();
         let props = broker::json_properties().with_message_id(broker::short(&m.message_id)?);
@@ -215,12 +229,92 @@ pub async fn publish_outbox(
             }
         }
     }
-    store.mark_published(&published).await?;
     crate::metrics::published(published.len());
-    match first_error {
-        Some(e) => Err(e.into()),
-        None => Ok(()),
+    (published, first_error)
+}
+
+/// How long published outbox ids gather before one statement marks them all.
+const MARK_EVERY: Duration = Duration::from_millis(50);
+
+/// Marks published outbox rows in batches, at most one statement every
+/// [`MARK_EVERY`]: nobody waits for a mark (it only keeps the relay from
+/// publishing the row again once its lease is over, 30 s by default), so a
+/// busy worker need not pay a commit per publish. A mark that fails, or that a
+/// crash loses, costs a second publish of the row, which its consumers already
+/// take as the duplicate it is.
+#[derive(Clone, Debug)]
+pub struct Marks {
+    queue: tokio::sync::mpsc::UnboundedSender<Mark>,
+}
+
+#[derive(Debug)]
+enum Mark {
+    Published(Vec<i64>),
+    /// Mark what has gathered now, then answer.
+    Flush(tokio::sync::oneshot::Sender<()>),
+}
+
+impl Marks {
+    /// Starts the marking task; it ends when every handle is gone.
+    pub fn start(store: Store) -> Marks {
+        let (queue, pending) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(mark(store, pending));
+        Marks { queue }
     }
+
+    /// Hands in the ids of rows the broker confirmed.
+    pub fn published(&self, ids: Vec<i64>) {
+        if !ids.is_empty() {
+            let _ = self.queue.send(Mark::Published(ids));
+        }
+    }
+
+    /// Marks everything handed in so far, and waits for it.
+    pub async fn flush(&self) {
+        let (done, flushed) = tokio::sync::oneshot::channel();
+        if self.queue.send(Mark::Flush(done)).is_ok() {
+            let _ = flushed.await;
+        }
+    }
+}
+
+async fn mark(store: Store, mut pending: tokio::sync::mpsc::UnboundedReceiver<Mark>) {
+    let write = |ids: Vec<i64>| {
+        let store = store.clone();
+        async move {
+            if let Err(e) = store.mark_published(&ids).await {
+                tracing::warn!(error = %e, rows = ids.len(), "outbox rows not marked published; the relay will publish them again");
+            }
+        }
+    };
+    let mut ids = Vec::new();
+    let mut due = None;
+    loop {
+        let next = match due {
+            Some(at) => tokio::select! {
+                next = pending.recv() => next,
+                () = tokio::time::sleep_until(at) => {
+                    write(std::mem::take(&mut ids)).await;
+                    due = None;
+                    continue;
+                }
+            },
+            None => pending.recv().await,
+        };
+        match next {
+            Some(Mark::Published(more)) => {
+                ids.extend(more);
+                due.get_or_insert_with(|| tokio::time::Instant::now() + MARK_EVERY);
+            }
+            Some(Mark::Flush(done)) => {
+                write(std::mem::take(&mut ids)).await;
+                due = None;
+                let _ = done.send(());
+            }
+            None => break,
+        }
+    }
+    write(ids).await;
 }
 
 /// Acks a delivery, treating a closed channel as an error (lapin returns

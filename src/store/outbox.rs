@@ -40,7 +40,8 @@ impl Store {
     /// more (discarded), a queued one will never be needed (cancelled). The
     /// statement comes after the compare-and-swap, so its snapshot sees a timeout
     /// that committed while the compare-and-swap waited for the job, which this
-    /// transaction now holds.
+    /// transaction now holds. (Its status test is written `(…) IS TRUE` for the
+    /// reason [`Store::start`] gives.)
     pub(super) async fn insert_outbox_closing(
         &self,
         conn: &mut PgConnection,
@@ -65,7 +66,7 @@ impl Store {
                                     ELSE 'cancelled: attempt ' || w.winner || ' won before it started'
                                END
                    FROM unnest($7::uuid[], $8::uuid[]) AS w(job_id, winner)
-                   WHERE a.job_id = w.job_id AND a.status IN ('unknown', 'queued')
+                   WHERE a.job_id = w.job_id AND (a.status IN ('unknown', 'queued')) IS TRUE
                    RETURNING a.id
                )
                INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, lease_until)
@@ -128,13 +129,16 @@ impl Store {
         Ok(done.rows_affected())
     }
 
-    /// Marks outbox rows as published (after the broker confirmed them).
+    /// Marks outbox rows as published (after the broker confirmed them); a row
+    /// marked before keeps its time. By primary key only: a `published_at IS
+    /// NULL` test would let the planner scan the partial index `outbox_pending`,
+    /// whose entries for rows published a moment ago are dead until vacuum.
     pub async fn mark_published(&self, ids: &[i64]) -> Result<()> {
         if ids.is_empty() {
             return Ok(());
         }
         sqlx::query!(
-            "UPDATE outbox SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL",
+            "UPDATE outbox SET published_at = COALESCE(published_at, now()) WHERE id = ANY($1)",
             ids
         )
         .execute(&self.pool)

@@ -13,6 +13,14 @@ impl Store {
     /// The jobs are locked first and their status checked under the lock, so a
     /// timeout that commits meanwhile is seen: a job that just became `unknown` is
     /// never written back to `running`, and no attempt of it starts.
+    ///
+    /// Attempts are found by primary key. A status test that implies the
+    /// predicate of the partial index `attempts_one_open_per_lane` is written
+    /// `(…) IS TRUE` (the same filter, which the planner cannot match to the
+    /// predicate): otherwise the planner, seeing few open attempts, scans that
+    /// whole index, whose entries for attempts that closed a moment ago are
+    /// dead until vacuum, and under load those dead entries cost more than the
+    /// rest of the statement.
     pub async fn start(
         &self,
         provider: &str,
@@ -30,7 +38,8 @@ impl Store {
                     r#"WITH claimed AS (
                          SELECT j.id FROM jobs j
                          WHERE j.id IN (SELECT job_id FROM attempts
-                                        WHERE id = ANY($1) AND status = 'queued' AND provider = $2)
+                                        WHERE id = ANY($1) AND (status = 'queued') IS TRUE
+                                          AND provider = $2)
                            AND j.status IN ('queued', 'running')
                          ORDER BY j.id
                          FOR UPDATE
@@ -39,7 +48,7 @@ impl Store {
                          SET status = 'started', started_at = now(),
                              deadline_at = now() + make_interval(secs => $3)
                          FROM claimed c
-                         WHERE a.id = ANY($1) AND a.job_id = c.id AND a.status = 'queued'
+                         WHERE a.id = ANY($1) AND a.job_id = c.id AND (a.status = 'queued') IS TRUE
                            AND a.provider = $2
                          RETURNING a.id, a.job_id, a.number
                      ), running AS (
@@ -516,7 +525,7 @@ async fn compare_and_swap(tx: &mut PgConnection, wins: &[&Finished]) -> Result<V
                  AS t(attempt_id, job_id, version, result, usage, request_id)
          ), open AS (
              SELECT a.id FROM attempts a JOIN input i ON a.id = i.attempt_id AND a.job_id = i.job_id
-             WHERE a.status IN ('started', 'unknown')
+             WHERE (a.status IN ('started', 'unknown')) IS TRUE
              ORDER BY a.id
              FOR UPDATE OF a
          ), won AS (
