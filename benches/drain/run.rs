@@ -136,6 +136,8 @@ pub struct Report {
     pub parts_p99_sum_ms: f64,
     pub latency_rate_per_s: f64,
     pub latency: Percentiles,
+    /// The latency by stage, from the database's timestamps.
+    pub stages: Vec<(String, Percentiles)>,
     pub p99_over_parts: f64,
 }
 
@@ -235,6 +237,12 @@ impl Report {
             ms(&self.call),
             self.parts_p99_sum_ms,
         ));
+        for (stage, p) in &self.stages {
+            md.push_str(&format!(
+                "| latency stage: {stage}, p50 / p99 / p99.9 | {} ms |\n",
+                ms(p)
+            ));
+        }
         md
     }
 
@@ -365,8 +373,10 @@ pub async fn drain(options: &Options) -> Report {
     let log = options.out.join("worker-latency.log");
     let mut worker = Worker::start(&env, &file.path, &log, Some(free_port()));
     worker.wait_ready().await;
-    let latency = open_loop(producer.clone(), &mut events, rate, options.latency_seconds).await;
+    let (latency, timings) =
+        open_loop(producer.clone(), &mut events, rate, options.latency_seconds).await;
     worker.stop().await;
+    let stages = stages(&env, &timings).await;
     if let Ok(producer) = Arc::try_unwrap(producer) {
         producer.close().await;
     }
@@ -398,6 +408,7 @@ pub async fn drain(options: &Options) -> Report {
         parts_p99_sum_ms,
         latency_rate_per_s: rate,
         latency,
+        stages,
     }
 }
 
@@ -719,10 +730,13 @@ async fn open_loop(
     events: &mut Events,
     rate: f64,
     seconds: u64,
-) -> Percentiles {
+) -> (Percentiles, Vec<Timing>) {
     let count = ((rate * seconds as f64) as usize).max(1);
-    let start = tokio::time::Instant::now() + Duration::from_millis(100);
-    let due = move |i: usize| start + Duration::from_secs_f64(i as f64 / rate);
+    let lead = Duration::from_millis(100);
+    let start = tokio::time::Instant::now() + lead;
+    let wall = std::time::SystemTime::now() + lead;
+    let offset = move |i: usize| Duration::from_secs_f64(i as f64 / rate);
+    let due = move |i: usize| start + offset(i);
     let generator = tokio::spawn(async move {
         let mut publishes = tokio::task::JoinSet::new();
         for i in 0..count {
@@ -739,8 +753,13 @@ async fn open_loop(
     });
     let mut seen = HashSet::with_capacity(count);
     let mut times = Vec::with_capacity(count);
+    let mut timings = Vec::with_capacity(count);
     let progress = bar(count as u64, "latency at half the rate");
     let limit = Duration::from_secs(seconds * 3 + 60);
+    let epoch = |t: std::time::SystemTime| {
+        t.duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
+    };
     while times.len() < count {
         assert_eq!(events.other(), 0, "a job ended otherwise than succeeded");
         let (key, at) = tokio::time::timeout(limit, events.arrivals.recv())
@@ -751,13 +770,71 @@ async fn open_loop(
             continue;
         };
         if seen.insert(i) {
-            times.push(at.saturating_duration_since(due(i).into_std()));
+            let latency = at.saturating_duration_since(due(i).into_std());
+            times.push(latency);
+            timings.push(Timing {
+                key,
+                due: epoch(wall + offset(i)),
+                arrived: epoch(wall + offset(i) + latency),
+            });
             progress.inc(1);
         }
     }
     progress.finish_and_clear();
     generator.await.expect("generator");
-    Percentiles::of(times)
+    (Percentiles::of(times), timings)
+}
+
+/// When a latency job's intent was due and when its event arrived, in seconds
+/// since the epoch (the machine's one clock, which Postgres's `now()` reads too).
+struct Timing {
+    key: String,
+    due: f64,
+    arrived: f64,
+}
+
+/// Where the latency goes, from the database's timestamps (each the start of the
+/// transaction that wrote it): due → admitted, admitted → started, started →
+/// settling, settling → event arrived.
+async fn stages(env: &TestEnv, timings: &[Timing]) -> Vec<(String, Percentiles)> {
+    let mut conn = PgConnection::connect(&env.database_url)
+        .await
+        .expect("connect to read the stages");
+    let rows: Vec<(String, f64, f64, f64)> = sqlx::query_as(
+        "SELECT j.idempotency_key, extract(epoch FROM j.created_at)::float8, \
+                extract(epoch FROM a.started_at)::float8, extract(epoch FROM a.finished_at)::float8 \
+         FROM jobs j JOIN attempts a ON a.job_id = j.id AND a.number = 1 \
+         WHERE j.idempotency_key LIKE 'l-%' AND a.status = 'succeeded'",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .expect("read the stages");
+    conn.close().await.ok();
+    let rows: std::collections::HashMap<String, (f64, f64, f64)> = rows
+        .into_iter()
+        .map(|(key, admitted, started, settling)| (key, (admitted, started, settling)))
+        .collect();
+    let mut stages: [Vec<Duration>; 4] = Default::default();
+    let span = |from: f64, to: f64| Duration::from_secs_f64((to - from).max(0.0));
+    for t in timings {
+        if let Some(&(admitted, started, settling)) = rows.get(&t.key) {
+            stages[0].push(span(t.due, admitted));
+            stages[1].push(span(admitted, started));
+            stages[2].push(span(started, settling));
+            stages[3].push(span(settling, t.arrived));
+        }
+    }
+    let names = [
+        "due → admitted (intent hop, intake)",
+        "admitted → started (commit, publish, hop, claim)",
+        "started → settling (call, settle gathering)",
+        "settling → event arrived (commit, publish, hop)",
+    ];
+    names
+        .iter()
+        .zip(stages)
+        .map(|(name, samples)| ((*name).to_owned(), Percentiles::of(samples)))
+        .collect()
 }
 
 /// What the worker process used, from `/proc`.
