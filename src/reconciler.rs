@@ -14,6 +14,9 @@
 //!   `queued` is marked `failed` with the dead letter's reason, and the route rule
 //!   plans what follows. The dead letter itself stays for an operator.
 //! - **Pruning**: published outbox rows past `outbox_retention` are deleted.
+//! - **Statistics**: the busy tables are analyzed when their statistics are
+//!   missing or far behind, as on a fresh database taking a backlog
+//!   ([`crate::store::Store::refresh_statistics`]).
 //! - **Hedging**: for operations with `hedge_after`, a job whose attempt has been
 //!   silent that long gets one parallel attempt on the next qualified provider.
 //!
@@ -51,6 +54,13 @@ pub(crate) async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
             last_sweep = tokio::time::Instant::now();
             if let Err(e) = sweep_once(&ctx).await {
                 tracing::warn!(error = %e, "reconciler sweep failed; will retry");
+            }
+            match ctx.store.refresh_statistics().await {
+                Ok(tables) if !tables.is_empty() => {
+                    tracing::debug!(?tables, "refreshed the planner's statistics")
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "refreshing statistics failed; will retry"),
             }
             match prune_outbox(&ctx).await {
                 Ok(0) => {}

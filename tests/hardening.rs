@@ -1259,3 +1259,48 @@ async fn a_vanished_sweep_racing_a_cancel_leaves_no_unknown_behind() {
     }
     assert_eq!(stranded, 0, "cancelled jobs left with an unknown attempt");
 }
+
+/// Issue 11: a fresh database that takes a backlog is analyzed as soon as its
+/// busy tables have a thousand changed rows, not a minute later on
+/// autovacuum's round; once current, the statistics are left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn statistics_follow_a_fresh_database_that_fills_up() {
+    let env = common::store_env().await;
+    let store = &env.store;
+    for chunk in 0..12 {
+        let batch: Vec<_> = (0..100)
+            .map(|i| common::new_job("acct_stats", &format!("k-{chunk}-{i}"), "x"))
+            .collect();
+        store.admit(&batch).await.unwrap();
+    }
+    // The activity counters reach pg_stat_user_tables within seconds.
+    let analyzed = wait_for(
+        "jobs and attempts to be analyzed",
+        Duration::from_secs(30),
+        || async {
+            let tables = store.refresh_statistics().await.unwrap();
+            (tables.contains(&"jobs".to_owned()) && tables.contains(&"attempts".to_owned()))
+                .then_some(tables)
+        },
+    )
+    .await;
+    assert!(
+        analyzed
+            .iter()
+            .all(|t| ["jobs", "attempts", "outbox"].contains(&t.as_str()))
+    );
+    let (reltuples,): (f32,) =
+        sqlx::query_as("SELECT reltuples FROM pg_class WHERE relname = 'jobs'")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        reltuples, 1200.0,
+        "the planner knows how many jobs there are"
+    );
+    let again = store.refresh_statistics().await.unwrap();
+    assert!(
+        !again.contains(&"jobs".to_owned()),
+        "current statistics are left alone: {again:?}"
+    );
+}

@@ -597,15 +597,7 @@ impl Store {
         routes: Routes,
         patience: Duration,
     ) -> Result<Store> {
-        // Every execution is planned for its own arguments and the tables' size
-        // now. A cached generic plan is costed once, often while the tables are
-        // still small (a fresh database, a backlog arriving), and kept until the
-        // next ANALYZE: a sequential scan chosen for a hundred rows then runs
-        // over a hundred thousand. The statements here take whole batches, so
-        // planning each costs little per row.
-        let options: PgConnectOptions = url
-            .parse::<PgConnectOptions>()?
-            .options([("plan_cache_mode", "force_custom_plan")]);
+        let options: PgConnectOptions = url.parse()?;
         let deadline = std::time::Instant::now() + patience;
         // One plain connection first: it fails fast, where a pool would keep
         // retrying until its acquire timeout.
