@@ -176,8 +176,8 @@ impl Default for WorkerSettings {
         Self {
             delivery_limit: 5,
             max_message_bytes: DEFAULT_MAX_BODY_BYTES,
-            intake_prefetch: 128,
-            attempt_prefetch: 128,
+            intake_prefetch: 256,
+            attempt_prefetch: 512,
             batch_size: 128,
             flush_interval: Duration::from_millis(5),
             pool_size: 8,
@@ -1027,6 +1027,7 @@ mod tests {
     #[test]
     fn tuning_has_defaults_and_bounds() {
         let c = Config::parse(EMBEDDED_DEFAULT, "t").unwrap();
+        assert_eq!(c.worker.intake_prefetch, 256);
         assert_eq!(
             (
                 c.worker.attempt_prefetch,
@@ -1034,7 +1035,7 @@ mod tests {
                 c.worker.flush_interval,
                 c.worker.pool_size
             ),
-            (128, 128, Duration::from_millis(5), 8)
+            (512, 128, Duration::from_millis(5), 8)
         );
         let with = |worker: &str| format!("[worker]\n{worker}\n{EMBEDDED_DEFAULT}");
         let c = Config::parse(

@@ -22,7 +22,7 @@ use crate::shutdown::Shutdown;
 use crate::store::{Admission, NewJob};
 
 /// Batches settled at once; more deliveries wait and make the next batch larger.
-const BATCHES_IN_FLIGHT: usize = 2;
+const BATCHES_IN_FLIGHT: usize = 4;
 
 /// Runs intake until shutdown.
 pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {

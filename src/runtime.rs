@@ -458,7 +458,7 @@ impl<T, R> Clone for GroupCommit<T, R> {
 
 impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
     /// Flushes running at once.
-    pub(crate) const IN_FLIGHT: usize = 2;
+    pub(crate) const IN_FLIGHT: usize = 4;
 
     /// Starts the task that flushes. `flush` answers each item of its batch, in
     /// order. The task ends once every handle is dropped and what they handed
