@@ -458,18 +458,7 @@ async fn hop_latency(env: &TestEnv, samples: usize) -> Percentiles {
     )
     .await
     .expect("declare the hop queue");
-    let mut consumer = ch
-        .basic_consume(
-            queue.into(),
-            "".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..BasicConsumeOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("consume the hop queue");
+    let mut consumer = no_ack_consumer(&ch, queue).await;
     let mut times = Vec::with_capacity(samples);
     for i in 0..samples {
         let began = Instant::now();
@@ -494,6 +483,21 @@ async fn hop_latency(env: &TestEnv, samples: usize) -> Percentiles {
         .await;
     let _ = conn.close(200, "hop measured".into()).await;
     Percentiles::of(times)
+}
+
+/// A consumer of `queue` whose deliveries need no ack.
+async fn no_ack_consumer(ch: &lapin::Channel, queue: &str) -> lapin::Consumer {
+    ch.basic_consume(
+        queue.into(),
+        "".into(),
+        BasicConsumeOptions {
+            no_ack: true,
+            ..BasicConsumeOptions::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("consume {queue}: {e}"))
 }
 
 /// One commit: a one-row INSERT, autocommitted, on the run's database.
@@ -674,18 +678,7 @@ impl Events {
     async fn watch(env: &TestEnv) -> Events {
         let conn = env.amqp().await;
         let (ch, queue) = env.watch_events(&conn).await;
-        let mut consumer = ch
-            .basic_consume(
-                queue.as_str().into(),
-                "".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..BasicConsumeOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("consume events");
+        let mut consumer = no_ack_consumer(&ch, &queue).await;
         let succeeded = Arc::new(AtomicUsize::new(0));
         let (tx, arrivals) = tokio::sync::mpsc::unbounded_channel();
         let other = Arc::new(AtomicUsize::new(0));
