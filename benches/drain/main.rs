@@ -17,6 +17,7 @@ fn usage() -> ! {
         "usage: drain [--n N] [--latency-seconds S] [--pgbench-seconds S] [--out DIR] [--smoke]\n\
          \n  --n N                distinct intents in the backlog (default 20000); 25% more are duplicates\n\
          \x20 --latency-seconds S   length of the open-loop latency phase (default 20)\n\
+         \x20 --latency-load L      its rate as a share of the drain rate (default 0.5, the target's)\n\
          \x20 --pgbench-seconds S   length of the pgbench baseline (default 15)\n\
          \x20 --out DIR             where drain.json and drain.md go (default target/bench)\n\
          \x20 --smoke               a run of a few seconds (N 300), as CI runs it"
@@ -47,6 +48,17 @@ fn main() {
             "--n" => options.n = number("--n", value("--n")),
             "--latency-seconds" => {
                 options.latency_seconds = number(&arg, value(&arg)) as u64;
+            }
+            "--latency-load" => {
+                let v = value(&arg);
+                options.latency_load = v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|l| *l > 0.0 && *l <= 2.0)
+                    .unwrap_or_else(|| {
+                        eprintln!("drain: --latency-load wants a share of the drain rate in (0, 2], not {v:?}");
+                        usage()
+                    });
             }
             "--pgbench-seconds" => {
                 options.pgbench_seconds = number(&arg, value(&arg)) as u64;

@@ -46,6 +46,8 @@ pub struct Options {
     pub n: usize,
     /// The open-loop latency phase.
     pub latency_seconds: u64,
+    /// Its load, as a share of the drain rate (the target is set at 0.5).
+    pub latency_load: f64,
     /// The pgbench baseline.
     pub pgbench_seconds: u64,
     /// Samples of each part.
@@ -59,6 +61,7 @@ impl Default for Options {
         Self {
             n: 20_000,
             latency_seconds: 20,
+            latency_load: 0.5,
             pgbench_seconds: 15,
             part_samples: 500,
             out: PathBuf::from("target/bench"),
@@ -134,6 +137,7 @@ pub struct Report {
     pub commit: Percentiles,
     pub call: Percentiles,
     pub parts_p99_sum_ms: f64,
+    pub latency_load: f64,
     pub latency_rate_per_s: f64,
     pub latency: Percentiles,
     /// The latency by stage, from the database's timestamps.
@@ -143,7 +147,7 @@ pub struct Report {
 
 /// A target and whether this run met it.
 struct Target {
-    measure: &'static str,
+    measure: String,
     value: String,
     target: &'static str,
     met: bool,
@@ -153,31 +157,36 @@ impl Report {
     fn targets(&self) -> Vec<Target> {
         vec![
             Target {
-                measure: "drain / B_pg1, same run",
+                measure: "drain / B_pg1, same run".into(),
                 value: format!("{:.2}", self.drain_over_pgbench),
                 target: "≥ 3.0",
                 met: self.drain_over_pgbench >= 3.0,
             },
             Target {
-                measure: "commits per job at saturation",
+                measure: "commits per job at saturation".into(),
                 value: format!("{:.3}", self.commits_per_job),
                 target: "≤ 0.2",
                 met: self.commits_per_job <= 0.2,
             },
             Target {
-                measure: "p99 at 50% load / sum of its parts' p99",
+                measure: format!(
+                    "p99 at {:.0}% load / sum of its parts' p99",
+                    self.latency_load * 100.0
+                ),
                 value: format!("{:.2}", self.p99_over_parts),
                 target: "≤ 4",
-                met: self.p99_over_parts <= 4.0,
+                // The target is set at half the drain rate; met at a lighter load, it
+                // is not met.
+                met: self.p99_over_parts <= 4.0 && self.latency_load >= 0.5,
             },
             Target {
-                measure: "worker peak RSS while draining",
+                measure: "worker peak RSS while draining".into(),
                 value: format!("{:.1} MiB (N = {})", self.worker_peak_rss_mib, self.n),
                 target: "≤ 100 MiB at N = 100000",
                 met: self.worker_peak_rss_mib <= 100.0,
             },
             Target {
-                measure: "duplicates: provider calls, attempt rows",
+                measure: "duplicates: provider calls, attempt rows".into(),
                 value: format!(
                     "{} calls, {} attempts for {} jobs",
                     self.provider_calls, self.attempt_rows, self.n
@@ -365,7 +374,7 @@ pub async fn drain(options: &Options) -> Report {
         options.n
     ));
 
-    let rate = (drain_jobs_per_s / 2.0).max(1.0);
+    let rate = (drain_jobs_per_s * options.latency_load).max(1.0);
     say(&format!(
         "latency: {rate:.0} intents/s for {} s, open loop",
         options.latency_seconds
@@ -406,6 +415,7 @@ pub async fn drain(options: &Options) -> Report {
         commit,
         call,
         parts_p99_sum_ms,
+        latency_load: options.latency_load,
         latency_rate_per_s: rate,
         latency,
         stages,
@@ -747,7 +757,7 @@ async fn open_loop(
     let mut seen = HashSet::with_capacity(count);
     let mut times = Vec::with_capacity(count);
     let mut timings = Vec::with_capacity(count);
-    let progress = bar(count as u64, "latency at half the rate");
+    let progress = bar(count as u64, "latency, open loop");
     let limit = Duration::from_secs(seconds * 3 + 60);
     let epoch = |t: std::time::SystemTime| {
         t.duration_since(std::time::UNIX_EPOCH)
