@@ -2,7 +2,7 @@
 //! process, against pgbench running onejob's own per-job SQL in the same run.
 //! See [`run`] for what it measures and how.
 //!
-//! `scripts/bench-drain [--n N] [--latency-seconds S] [--out DIR]`, which builds
+//! `scripts/bench-drain [--n N] [--latency-seconds S] [--latency-load L] [--out DIR]`, which builds
 //! the release binaries first. It prints progress, a table with every target
 //! (met or not), and writes `drain.json` and `drain.md` into `--out`
 //! (default `target/bench`). It asserts nothing.
