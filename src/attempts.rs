@@ -32,7 +32,7 @@ use crate::config::{Config, Operation};
 use crate::domain::{AttemptId, AttemptStatus, JobStatus};
 use crate::policy::Planner;
 use crate::provider::{Answer, CallError, Client};
-use crate::runtime::{self, Context, GroupCommit, Result, WorkerError, with_retries};
+use crate::runtime::{self, Abandoned, Context, GroupCommit, Result, WorkerError, with_retries};
 use crate::shutdown::Shutdown;
 use crate::store::{FailedJob, Finished, OutboxMessage, Settled, Started, Verdict};
 
@@ -61,17 +61,30 @@ pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> R
     let worker = &ctx.config.worker;
     let (claimer, claims) = {
         let (ctx, shutdown, client) = (ctx.clone(), shutdown.clone(), client.clone());
-        GroupCommit::start(worker.batch_size, worker.flush_interval, move |ids| {
-            let (ctx, shutdown, client) = (ctx.clone(), shutdown.clone(), client.clone());
-            async move { claim(&ctx, &shutdown, &client, ids).await }
-        })
+        // A claim nobody waits for any more (its handler was cut off at the end of
+        // the shutdown grace) is not made: it would start an attempt no one calls.
+        GroupCommit::start(
+            worker.batch_size,
+            worker.flush_interval,
+            Abandoned::Skip,
+            move |ids| {
+                let (ctx, shutdown, client) = (ctx.clone(), shutdown.clone(), client.clone());
+                async move { claim(&ctx, &shutdown, &client, ids).await }
+            },
+        )
     };
     let (completer, settlements) = {
         let (ctx, shutdown, name) = (ctx.clone(), shutdown.clone(), provider.clone());
-        GroupCommit::start(worker.batch_size, worker.flush_interval, move |batch| {
-            let (ctx, shutdown, name) = (ctx.clone(), shutdown.clone(), name.clone());
-            async move { settle(&ctx, &shutdown, &name, batch).await }
-        })
+        // A settlement is written even when its handler is gone: the call was made.
+        GroupCommit::start(
+            worker.batch_size,
+            worker.flush_interval,
+            Abandoned::Flush,
+            move |batch| {
+                let (ctx, shutdown, name) = (ctx.clone(), shutdown.clone(), name.clone());
+                async move { settle(&ctx, &shutdown, &name, batch).await }
+            },
+        )
     };
     let consumer = Consumer {
         ctx: ctx.clone(),
@@ -116,8 +129,13 @@ struct Consumer {
 impl Consumer {
     /// One delivery, from its call slot to its ack (or its return to the queue).
     async fn handle(&self, delivery: Delivery) {
-        let done = self.work(&delivery).await;
-        if let Err(e) = done.and(runtime::ack(&delivery).await) {
+        // The ack only once the work is done: a delivery whose work failed is
+        // returned, never acked.
+        let done = match self.work(&delivery).await {
+            Ok(()) => runtime::ack(&delivery).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = done {
             tracing::error!(error = %e, "attempt not settled; returning it to the queue");
             runtime::requeue(&delivery).await;
         }
@@ -127,6 +145,12 @@ impl Consumer {
         let Ok(slot) = self.calls.clone().acquire_owned().await else {
             return Err(WorkerError::Unsettled("the call slots closed".into()));
         };
+        // A stopping worker starts nothing new: what waited for a slot goes back.
+        if self.shutdown.is_triggered() {
+            return Err(WorkerError::Unsettled(
+                "the worker is stopping before this attempt started".into(),
+            ));
+        }
         let message: AttemptMessage = match serde_json::from_slice(&delivery.data) {
             Ok(m) => m,
             Err(e) => {

@@ -448,6 +448,15 @@ pub(crate) struct GroupCommit<T, R> {
     items: tokio::sync::mpsc::UnboundedSender<(T, tokio::sync::oneshot::Sender<R>)>,
 }
 
+/// What a [`GroupCommit`] does with an item whose submitter stopped waiting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Abandoned {
+    /// Leave it out of the flush.
+    Skip,
+    /// Flush it all the same.
+    Flush,
+}
+
 impl<T, R> Clone for GroupCommit<T, R> {
     fn clone(&self) -> Self {
         Self {
@@ -466,6 +475,7 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
     pub(crate) fn start<F, Fut>(
         size: usize,
         interval: Duration,
+        abandoned: Abandoned,
         flush: F,
     ) -> (tokio::task::JoinHandle<()>, Self)
     where
@@ -473,7 +483,13 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
         Fut: std::future::Future<Output = Vec<R>> + Send + 'static,
     {
         let (items, pending) = tokio::sync::mpsc::unbounded_channel();
-        let task = tokio::spawn(group_commit(size.max(1), interval, pending, flush));
+        let task = tokio::spawn(group_commit(
+            size.max(1),
+            interval,
+            abandoned,
+            pending,
+            flush,
+        ));
         (task, Self { items })
     }
 
@@ -489,6 +505,7 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
 async fn group_commit<T, R, F, Fut>(
     size: usize,
     interval: Duration,
+    abandoned: Abandoned,
     mut pending: tokio::sync::mpsc::UnboundedReceiver<(T, tokio::sync::oneshot::Sender<R>)>,
     flush: F,
 ) where
@@ -509,8 +526,16 @@ async fn group_commit<T, R, F, Fut>(
             && flushes.len() < in_flight_max
             && (flushes.is_empty() || batch.len() >= size || overdue)
         {
+            let mut take: Vec<(T, tokio::sync::oneshot::Sender<R>)> = std::mem::take(&mut batch);
+            if abandoned == Abandoned::Skip {
+                take.retain(|(_, answer)| !answer.is_closed());
+                if take.is_empty() {
+                    due = None;
+                    continue;
+                }
+            }
             let (items, answers): (Vec<T>, Vec<tokio::sync::oneshot::Sender<R>>) =
-                std::mem::take(&mut batch).into_iter().unzip();
+                take.into_iter().unzip();
             let done = flush(items);
             flushes.spawn(async move {
                 for (answer, result) in answers.into_iter().zip(done.await) {

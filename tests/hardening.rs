@@ -1304,3 +1304,113 @@ async fn statistics_follow_a_fresh_database_that_fills_up() {
         "current statistics are left alone: {again:?}"
     );
 }
+
+/// Issue 11 review: a delivery whose work did not commit goes back to its
+/// queue, never acked. Here the claim cannot commit (Postgres unreachable) when
+/// the worker stops: the attempt message must be in its queue again, ready for
+/// the next worker, and the attempt still `queued`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_attempt_not_claimed_when_the_worker_stops_goes_back_to_its_queue() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
+    let env = TestEnv::new(&config).await;
+    let path = common::Cuttable::to("127.0.0.1:5432").await;
+    let proxied = env
+        .database_url
+        .replace("127.0.0.1:5432", &path.addr.to_string());
+    let ctx = onejob::runtime::Context::connect(config.clone(), &proxied, &env.amqp_url)
+        .await
+        .unwrap();
+    let shutdown = onejob::shutdown::Shutdown::new();
+    let run = tokio::spawn(onejob::fleet::run(
+        ctx.clone(),
+        vec![onejob::fleet::Role::Attempts("primary".into())],
+        shutdown.clone(),
+    ));
+    let (job_id, message) = env.admit(&ctx, "acct_r", "requeue", "x").await;
+
+    path.cut();
+    onejob::runtime::publish_outbox(&ctx.publisher, &env.store, &[message])
+        .await
+        .unwrap();
+    let queue = onejob::broker::attempts_queue("primary");
+    let ch = env.amqp().await.create_channel().await.unwrap();
+    // Taken by the worker, which cannot claim it while Postgres is away.
+    wait_for(
+        "the worker to take the message",
+        Duration::from_secs(10),
+        || async { (common::depth(&ch, &queue).await == 0).then_some(()) },
+    )
+    .await;
+    shutdown.trigger();
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+
+    assert_eq!(
+        common::depth(&ch, &queue).await,
+        1,
+        "the unclaimed attempt's message is back in its queue"
+    );
+    path.restore();
+    let job = env.store.job(job_id).await.unwrap().unwrap();
+    assert_eq!(job.attempts[0].status, AttemptStatus::Queued);
+}
+
+/// Issue 11 review: a stopping worker starts nothing new. With one call slot,
+/// a slow call in flight and a second attempt waiting for the slot, shutdown
+/// lets the call finish and settle, and hands the waiting one back to its queue
+/// unstarted, without calling the provider for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopping_worker_starts_nothing_new() {
+    let primary = mock(MockOptions {
+        delay: Duration::from_millis(1500),
+        ..MockOptions::default()
+    })
+    .await;
+    let text = config_for(
+        &[P("primary", &primary.base_url(), "timeout = \"10s\"")],
+        "",
+    )
+    .replace("concurrency = 8", "concurrency = 1");
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let fleet = env
+        .fleet(
+            config.clone(),
+            vec![onejob::fleet::Role::Attempts("primary".into())],
+        )
+        .await;
+    let (first, m1) = env.admit(&fleet.ctx, "acct_s", "first", "x").await;
+    let (second, m2) = env.admit(&fleet.ctx, "acct_s", "second", "x").await;
+    fleet.ctx.publish_outbox(&[m1, m2]).await.unwrap();
+    wait_for("one call in flight", Duration::from_secs(10), || async {
+        (primary.stats.requests() == 1).then_some(())
+    })
+    .await;
+    fleet.stop().await;
+
+    assert_eq!(primary.stats.requests(), 1, "nothing called after shutdown");
+    let done = env.store.job(first).await.unwrap().unwrap();
+    let waiting = env.store.job(second).await.unwrap().unwrap();
+    // Which of the two got the slot first is the broker's order.
+    let (done, waiting) = if done.status == JobStatus::Succeeded {
+        (done, waiting)
+    } else {
+        (waiting, done)
+    };
+    assert_eq!(
+        done.status,
+        JobStatus::Succeeded,
+        "the call in flight settled"
+    );
+    assert_eq!(waiting.attempts[0].status, AttemptStatus::Queued);
+    let ch = env.amqp().await.create_channel().await.unwrap();
+    assert_eq!(
+        common::depth(&ch, &onejob::broker::attempts_queue("primary")).await,
+        1,
+        "the waiting attempt's message is back in its queue"
+    );
+}
