@@ -1349,11 +1349,13 @@ async fn an_attempt_not_claimed_when_the_worker_stops_goes_back_to_its_queue() {
         .unwrap()
         .unwrap();
 
-    assert_eq!(
-        common::depth(&ch, &queue).await,
-        1,
-        "the unclaimed attempt's message is back in its queue"
-    );
+    // The broker takes the returned message back on its own time.
+    wait_for(
+        "the unclaimed attempt's message to be back in its queue",
+        Duration::from_secs(15),
+        || async { (common::depth(&ch, &queue).await == 1).then_some(()) },
+    )
+    .await;
     path.restore();
     let job = env.store.job(job_id).await.unwrap().unwrap();
     assert_eq!(job.attempts[0].status, AttemptStatus::Queued);
@@ -1408,9 +1410,11 @@ async fn a_stopping_worker_starts_nothing_new() {
     );
     assert_eq!(waiting.attempts[0].status, AttemptStatus::Queued);
     let ch = env.amqp().await.create_channel().await.unwrap();
-    assert_eq!(
-        common::depth(&ch, &onejob::broker::attempts_queue("primary")).await,
-        1,
-        "the waiting attempt's message is back in its queue"
-    );
+    let queue = onejob::broker::attempts_queue("primary");
+    wait_for(
+        "the waiting attempt's message to be back in its queue",
+        Duration::from_secs(15),
+        || async { (common::depth(&ch, &queue).await == 1).then_some(()) },
+    )
+    .await;
 }
