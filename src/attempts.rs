@@ -276,7 +276,7 @@ async fn settle(
         .zip(&finished)
         .zip(outcomes)
         .map(|((started, finished), outcome)| {
-            log_settled(started, finished, Some(&outcome));
+            log_settled(started, finished, &outcome);
             crate::metrics::attempt_settled(provider, settled_label(&outcome));
             match outcome {
                 Settled::Refused { error } => Err(error),
@@ -430,18 +430,18 @@ fn judge(
     }
 }
 
-fn log_settled(started: &Started, finished: &Finished, settled: Option<&Settled>) {
+fn log_settled(started: &Started, finished: &Finished, settled: &Settled) {
     match (settled, &finished.verdict) {
-        (Some(Settled::Won), _) => {
+        (Settled::Won, _) => {
             tracing::info!(job_id = %started.job_id, attempt_id = %started.attempt_id, "attempt succeeded and won")
         }
-        (Some(Settled::Discarded { winner }), _) => tracing::info!(
+        (Settled::Discarded { winner }, _) => tracing::info!(
             job_id = %started.job_id,
             discarded_attempt = %started.attempt_id,
             winning_attempt = ?winner.map(|w| w.to_string()),
             "attempt finished after another had won: discarded"
         ),
-        (Some(Settled::Failed { next, job_failed }), Verdict::Failed { error, .. }) => {
+        (Settled::Failed { next, job_failed }, Verdict::Failed { error, .. }) => {
             tracing::warn!(
                 job_id = %started.job_id,
                 attempt_id = %started.attempt_id,
@@ -451,13 +451,13 @@ fn log_settled(started: &Started, finished: &Finished, settled: Option<&Settled>
                 "attempt failed"
             )
         }
-        (Some(Settled::Refused { error }), _) => tracing::error!(
+        (Settled::Refused { error }, _) => tracing::error!(
             job_id = %started.job_id,
             attempt_id = %started.attempt_id,
             %error,
             "Postgres refused this settlement; the delivery goes back to the queue"
         ),
-        (Some(Settled::Unknown), Verdict::Unknown { error }) => tracing::warn!(
+        (Settled::Unknown, Verdict::Unknown { error }) => tracing::warn!(
             job_id = %started.job_id,
             attempt_id = %started.attempt_id,
             %error,

@@ -1053,13 +1053,7 @@ async fn a_database_outage_costs_no_delivery_and_loses_nothing() {
         .replace("[worker]\n", "[worker]\ndelivery_limit = 1\n");
     let (config, _file) = config(&text);
     let env = TestEnv::new(&config).await;
-    let path = common::Cuttable::to("127.0.0.1:5432").await;
-    let proxied = env
-        .database_url
-        .replace("127.0.0.1:5432", &path.addr.to_string());
-    let ctx = onejob::runtime::Context::connect(config.clone(), &proxied, &env.amqp_url)
-        .await
-        .unwrap();
+    let (path, ctx) = behind_a_cuttable_postgres(&env, &config).await;
     let shutdown = onejob::shutdown::Shutdown::new();
     let run = tokio::spawn(onejob::fleet::run(ctx.clone(), vec![], shutdown.clone()));
     let producer = Producer::connect_with(
@@ -1314,13 +1308,7 @@ async fn an_attempt_not_claimed_when_the_worker_stops_goes_back_to_its_queue() {
     let primary = mock(MockOptions::default()).await;
     let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
     let env = TestEnv::new(&config).await;
-    let path = common::Cuttable::to("127.0.0.1:5432").await;
-    let proxied = env
-        .database_url
-        .replace("127.0.0.1:5432", &path.addr.to_string());
-    let ctx = onejob::runtime::Context::connect(config.clone(), &proxied, &env.amqp_url)
-        .await
-        .unwrap();
+    let (path, ctx) = behind_a_cuttable_postgres(&env, &config).await;
     let shutdown = onejob::shutdown::Shutdown::new();
     let run = tokio::spawn(onejob::fleet::run(
         ctx.clone(),
@@ -1417,4 +1405,20 @@ async fn a_stopping_worker_starts_nothing_new() {
         || async { (common::depth(&ch, &queue).await == 1).then_some(()) },
     )
     .await;
+}
+
+/// A worker context whose Postgres connections go through a TCP path the test
+/// can cut and restore.
+async fn behind_a_cuttable_postgres(
+    env: &TestEnv,
+    config: &std::sync::Arc<onejob::config::Config>,
+) -> (common::Cuttable, onejob::runtime::Context) {
+    let path = common::Cuttable::to("127.0.0.1:5432").await;
+    let proxied = env
+        .database_url
+        .replace("127.0.0.1:5432", &path.addr.to_string());
+    let ctx = onejob::runtime::Context::connect(config.clone(), &proxied, &env.amqp_url)
+        .await
+        .unwrap();
+    (path, ctx)
 }
