@@ -32,7 +32,9 @@ use crate::config::{Config, Operation};
 use crate::domain::{AttemptId, AttemptStatus, JobStatus};
 use crate::policy::Planner;
 use crate::provider::{Answer, CallError, Client};
-use crate::runtime::{self, Abandoned, Context, GroupCommit, Result, WorkerError, with_retries};
+use crate::runtime::{
+    self, Abandoned, Context, GroupCommit, Result, Stages, WorkerError, with_retries,
+};
 use crate::shutdown::Shutdown;
 use crate::store::{FailedJob, Finished, OutboxMessage, Settled, Started, Verdict};
 
@@ -64,6 +66,10 @@ pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> R
         // A claim nobody waits for any more (its handler was cut off at the end of
         // the shutdown grace) is not made: it would start an attempt no one calls.
         GroupCommit::start(
+            Stages {
+                wait: "claim_wait",
+                flush: "claim",
+            },
             worker.batch_size,
             worker.flush_interval,
             Abandoned::Skip,
@@ -77,6 +83,10 @@ pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> R
         let (ctx, shutdown, name) = (ctx.clone(), shutdown.clone(), provider.clone());
         // A settlement is written even when its handler is gone: the call was made.
         GroupCommit::start(
+            Stages {
+                wait: "settle_wait",
+                flush: "settle",
+            },
             worker.batch_size,
             worker.flush_interval,
             Abandoned::Flush,
@@ -132,7 +142,7 @@ impl Consumer {
         // The ack only once the work is done: a delivery whose work failed is
         // returned, never acked.
         let done = match self.work(&delivery).await {
-            Ok(()) => runtime::ack(&delivery).await,
+            Ok(()) => crate::metrics::timed("attempt_ack", runtime::ack(&delivery)).await,
             Err(e) => Err(e),
         };
         if let Err(e) = done {
@@ -142,7 +152,9 @@ impl Consumer {
     }
 
     async fn work(&self, delivery: &Delivery) -> Result<()> {
-        let Ok(slot) = self.calls.clone().acquire_owned().await else {
+        let waiting =
+            crate::metrics::timed("attempt_slot_wait", self.calls.clone().acquire_owned());
+        let Ok(slot) = waiting.await else {
             return Err(WorkerError::Unsettled("the call slots closed".into()));
         };
         // A stopping worker starts nothing new: what waited for a slot goes back.
@@ -168,7 +180,11 @@ impl Consumer {
             drop(slot);
             return self.not_started(delivery, &message).await;
         };
-        let finished = call(&self.ctx.config, &self.client, &started).await;
+        let finished = crate::metrics::timed(
+            "attempt_call",
+            call(&self.ctx.config, &self.client, &started),
+        )
+        .await;
         drop(slot);
         self.settlements
             .submit((started, finished))
@@ -286,9 +302,13 @@ async fn settle(
         .collect();
     // The answers let the acks go at once; the publishes need not hold up the
     // next flush.
+    if publish.is_empty() {
+        return answers;
+    }
     let ctx = ctx.clone();
     tokio::spawn(async move {
-        if let Err(e) = ctx.publish_outbox(&publish).await {
+        let published = crate::metrics::timed("settle_publish", ctx.publish_outbox(&publish));
+        if let Err(e) = published.await {
             tracing::warn!(error = %e, "publish after settling failed; the relay will retry");
         }
     });

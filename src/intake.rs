@@ -82,7 +82,7 @@ async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
     let admissions = admit(ctx, shutdown, valid);
     let (rejections, admissions) = tokio::join!(rejections, admissions);
     let answered = rejections.into_iter().chain(admissions);
-    join_all(answered.map(|(delivery, receipt)| async move {
+    let answers = join_all(answered.map(|(delivery, receipt)| async move {
         let Some(receipt) = receipt else {
             runtime::requeue(&delivery).await;
             return;
@@ -98,8 +98,8 @@ async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
                 runtime::requeue(&delivery).await;
             }
         }
-    }))
-    .await;
+    }));
+    crate::metrics::timed("intake_answer", answers).await;
 }
 
 /// Copies an invalid intent to the dead-letter queue with its reason; its
@@ -138,7 +138,7 @@ async fn admit(
         return Vec::new();
     }
     let (deliveries, batch): (Vec<Delivery>, Vec<NewJob>) = valid.into_iter().unzip();
-    let rows = admit_rows(ctx, shutdown, &batch).await;
+    let rows = crate::metrics::timed("intake_admit", admit_rows(ctx, shutdown, &batch)).await;
     // Intents Postgres refused to store are rejected, like any invalid intent.
     let mut answered = Vec::with_capacity(batch.len());
     let mut admissions = Vec::with_capacity(batch.len());
@@ -179,8 +179,11 @@ async fn admit(
     }
     // If this publish fails the outbox rows stay, and the relay publishes them
     // when their lease runs out: nothing is lost.
-    if let Err(e) = ctx.publish_outbox(&publish).await {
-        tracing::warn!(error = %e, "first attempts not all published yet; the relay will");
+    if !publish.is_empty() {
+        let published = crate::metrics::timed("intake_publish", ctx.publish_outbox(&publish));
+        if let Err(e) = published.await {
+            tracing::warn!(error = %e, "first attempts not all published yet; the relay will");
+        }
     }
     answered.extend(deliveries.into_iter().zip(receipts));
     answered

@@ -26,6 +26,22 @@ pub const INTAKE_BATCH_SIZE: &str = "onejob_intake_batch_size";
 /// and stage (`claim`, `settle`).
 pub const ATTEMPT_BATCH_SIZE: &str = "onejob_attempt_batch_size";
 
+/// Time spent in each stage of an intent's way through this process, in
+/// seconds, by stage: `intake_admit` (the admission statement),
+/// `intake_publish` (first attempts published and confirmed), `intake_answer`
+/// (receipts and acks); `attempt_slot_wait` (a delivery waiting for a call
+/// slot), `claim_wait` and `claim` (waiting for a claim flush, and the flush),
+/// `attempt_call` (rendering, the provider call and judging), `settle_wait` and
+/// `settle` (likewise for settlements), `attempt_ack`, and `settle_publish`
+/// (what a settlement wrote, published and confirmed).
+pub const STAGE_SECONDS: &str = "onejob_stage_seconds";
+
+/// Bucket bounds for stages: from a fraction of a millisecond (a commit on a
+/// quiet database) to seconds (an outage waited out).
+const STAGE_BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
 /// Bucket bounds for batch sizes, up to the largest `batch_size`.
 const BATCH_BUCKETS: [f64; 11] = [
     1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1000.0,
@@ -48,6 +64,8 @@ pub fn install() -> Option<&'static PrometheusHandle> {
                 .set_buckets_for_metric(Matcher::Full(INTAKE_BATCH_SIZE.into()), &BATCH_BUCKETS)
                 .ok()?
                 .set_buckets_for_metric(Matcher::Full(ATTEMPT_BATCH_SIZE.into()), &BATCH_BUCKETS)
+                .ok()?
+                .set_buckets_for_metric(Matcher::Full(STAGE_SECONDS.into()), &STAGE_BUCKETS)
                 .ok()?;
             match builder.install_recorder() {
                 Ok(handle) => Some(handle),
@@ -107,6 +125,19 @@ pub fn provider_call(provider: &str, result: &'static str, elapsed: Duration) {
         "result" => result
     )
     .record(elapsed.as_secs_f64());
+}
+
+/// A stage of the way took `elapsed` (see [`STAGE_SECONDS`]).
+pub fn stage(stage: &'static str, elapsed: Duration) {
+    histogram!(STAGE_SECONDS, "stage" => stage).record(elapsed.as_secs_f64());
+}
+
+/// Times `work` as `stage` (see [`STAGE_SECONDS`]).
+pub async fn timed<T>(stage: &'static str, work: impl std::future::Future<Output = T>) -> T {
+    let began = std::time::Instant::now();
+    let out = work.await;
+    self::stage(stage, began.elapsed());
+    out
 }
 
 /// A transaction ran again after a transient error, by its SQLSTATE (`40P01` a

@@ -445,7 +445,18 @@ where
 /// waits for company, and under load each flush carries every item that arrived
 /// during the one before.
 pub(crate) struct GroupCommit<T, R> {
-    items: tokio::sync::mpsc::UnboundedSender<(T, tokio::sync::oneshot::Sender<R>)>,
+    items: tokio::sync::mpsc::UnboundedSender<Submitted<T, R>>,
+}
+
+/// An item handed in: when, and where its answer goes.
+type Submitted<T, R> = (T, std::time::Instant, tokio::sync::oneshot::Sender<R>);
+
+/// The stages a [`GroupCommit`] times (see [`crate::metrics::STAGE_SECONDS`]):
+/// an item's wait for its flush, and the flush.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Stages {
+    pub wait: &'static str,
+    pub flush: &'static str,
 }
 
 /// What a [`GroupCommit`] does with an item whose submitter stopped waiting.
@@ -473,6 +484,7 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
     /// order. The task ends once every handle is dropped and what they handed
     /// in is flushed.
     pub(crate) fn start<F, Fut>(
+        stages: Stages,
         size: usize,
         interval: Duration,
         abandoned: Abandoned,
@@ -484,6 +496,7 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
     {
         let (items, pending) = tokio::sync::mpsc::unbounded_channel();
         let task = tokio::spawn(group_commit(
+            stages,
             size.max(1),
             interval,
             abandoned,
@@ -497,16 +510,19 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
     /// it did not finish (the task stopped).
     pub(crate) async fn submit(&self, item: T) -> Option<R> {
         let (answer, answered) = tokio::sync::oneshot::channel();
-        self.items.send((item, answer)).ok()?;
+        self.items
+            .send((item, std::time::Instant::now(), answer))
+            .ok()?;
         answered.await.ok()
     }
 }
 
 async fn group_commit<T, R, F, Fut>(
+    stages: Stages,
     size: usize,
     interval: Duration,
     abandoned: Abandoned,
-    mut pending: tokio::sync::mpsc::UnboundedReceiver<(T, tokio::sync::oneshot::Sender<R>)>,
+    mut pending: tokio::sync::mpsc::UnboundedReceiver<Submitted<T, R>>,
     flush: F,
 ) where
     T: Send + 'static,
@@ -526,17 +542,22 @@ async fn group_commit<T, R, F, Fut>(
             && flushes.len() < in_flight_max
             && (flushes.is_empty() || batch.len() >= size || overdue)
         {
-            let mut take: Vec<(T, tokio::sync::oneshot::Sender<R>)> = std::mem::take(&mut batch);
+            let mut take: Vec<Submitted<T, R>> = std::mem::take(&mut batch);
             if abandoned == Abandoned::Skip {
-                take.retain(|(_, answer)| !answer.is_closed());
+                take.retain(|(_, _, answer)| !answer.is_closed());
                 if take.is_empty() {
                     due = None;
                     continue;
                 }
             }
-            let (items, answers): (Vec<T>, Vec<tokio::sync::oneshot::Sender<R>>) =
-                take.into_iter().unzip();
-            let done = flush(items);
+            let mut items = Vec::with_capacity(take.len());
+            let mut answers = Vec::with_capacity(take.len());
+            for (item, submitted, answer) in take {
+                crate::metrics::stage(stages.wait, submitted.elapsed());
+                items.push(item);
+                answers.push(answer);
+            }
+            let done = crate::metrics::timed(stages.flush, flush(items));
             flushes.spawn(async move {
                 for (answer, result) in answers.into_iter().zip(done.await) {
                     let _ = answer.send(result);

@@ -95,6 +95,26 @@ async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
             r#"onejob_provider_call_seconds_bucket{provider="primary",result="answered",le="+Inf"}"#,
             1.0,
         ),
+        // Each stage of the way is timed: two intents admitted, one attempt
+        // through every stage of its path.
+        (r#"onejob_stage_seconds_count{stage="intake_admit"}"#, 2.0),
+        (r#"onejob_stage_seconds_count{stage="intake_publish"}"#, 1.0),
+        (r#"onejob_stage_seconds_count{stage="intake_answer"}"#, 3.0),
+        (
+            r#"onejob_stage_seconds_count{stage="attempt_slot_wait"}"#,
+            1.0,
+        ),
+        (r#"onejob_stage_seconds_count{stage="claim_wait"}"#, 1.0),
+        (r#"onejob_stage_seconds_count{stage="claim"}"#, 1.0),
+        (r#"onejob_stage_seconds_count{stage="attempt_call"}"#, 1.0),
+        (r#"onejob_stage_seconds_count{stage="settle_wait"}"#, 1.0),
+        (r#"onejob_stage_seconds_count{stage="settle"}"#, 1.0),
+        (r#"onejob_stage_seconds_count{stage="attempt_ack"}"#, 1.0),
+        (r#"onejob_stage_seconds_count{stage="settle_publish"}"#, 1.0),
+        (
+            r#"onejob_stage_seconds_bucket{stage="settle",le="+Inf"}"#,
+            1.0,
+        ),
         // The gauges read from the tables are there too.
         (r#"onejob_jobs{status="succeeded"}"#, 1.0),
         (r#"onejob_attempts{status="succeeded"}"#, 1.0),

@@ -142,6 +142,8 @@ pub struct Report {
     pub latency: Percentiles,
     /// The latency by stage, from the database's timestamps.
     pub stages: Vec<(String, Percentiles)>,
+    /// The latency phase's stages as the worker timed them.
+    pub worker_stages: Vec<WorkerStage>,
     pub p99_over_parts: f64,
 }
 
@@ -250,6 +252,12 @@ impl Report {
             md.push_str(&format!(
                 "| latency stage: {stage}, p50 / p99 / p99.9 | {} ms |\n",
                 ms(p)
+            ));
+        }
+        for w in &self.worker_stages {
+            md.push_str(&format!(
+                "| in the worker: {}, mean / p99 under | {:.2} / {} ms ({} times) |\n",
+                w.stage, w.mean_ms, w.p99_under_ms, w.count
             ));
         }
         md
@@ -363,7 +371,7 @@ pub async fn drain(options: &Options) -> Report {
     let drain_seconds = started.elapsed().as_secs_f64();
     progress.finish_and_clear();
     let usage = worker.usage();
-    let batches = worker.batch_means().await;
+    let batches = worker.metrics().await.batch_means();
     let provider_calls = provider.stats.requests() - calls_before;
     worker.stop().await;
     let commits = settled_commits(&env.name).await - commits_before;
@@ -384,6 +392,7 @@ pub async fn drain(options: &Options) -> Report {
     worker.wait_ready().await;
     let (latency, timings) =
         open_loop(producer.clone(), &mut events, rate, options.latency_seconds).await;
+    let worker_stages = worker.metrics().await.stages();
     worker.stop().await;
     let stages = stages(&env, &timings).await;
     if let Ok(producer) = Arc::try_unwrap(producer) {
@@ -419,6 +428,7 @@ pub async fn drain(options: &Options) -> Report {
         latency_rate_per_s: rate,
         latency,
         stages,
+        worker_stages,
     }
 }
 
@@ -840,6 +850,99 @@ async fn stages(env: &TestEnv, timings: &[Timing]) -> Vec<(String, Percentiles)>
         .collect()
 }
 
+/// A worker's `/metrics` text.
+struct Metrics(String);
+
+impl Metrics {
+    /// The value of the first line of `series` that carries `label` (if any).
+    fn value(&self, series: &str, label: &str) -> f64 {
+        self.0
+            .lines()
+            .filter(|l| l.starts_with(series) && l.contains(label))
+            .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(f64::NAN)
+    }
+
+    /// The mean of a histogram's series that carry `label`.
+    fn mean(&self, metric: &str, label: &str) -> f64 {
+        self.value(&format!("{metric}_sum"), label) / self.value(&format!("{metric}_count"), label)
+    }
+
+    /// Mean intake, claim and settle batch sizes.
+    fn batch_means(&self) -> [f64; 3] {
+        [
+            self.mean("onejob_intake_batch_size", ""),
+            self.mean("onejob_attempt_batch_size", "stage=\"claim\""),
+            self.mean("onejob_attempt_batch_size", "stage=\"settle\""),
+        ]
+    }
+
+    /// Each stage the worker times (`onejob_stage_seconds`): how many, the mean,
+    /// and the bucket bound under which 99% fell, in milliseconds, in the order
+    /// of the way.
+    fn stages(&self) -> Vec<WorkerStage> {
+        const ORDER: [&str; 11] = [
+            "intake_admit",
+            "intake_publish",
+            "intake_answer",
+            "attempt_slot_wait",
+            "claim_wait",
+            "claim",
+            "attempt_call",
+            "settle_wait",
+            "settle",
+            "attempt_ack",
+            "settle_publish",
+        ];
+        let metric = onejob::metrics::STAGE_SECONDS;
+        ORDER
+            .iter()
+            .filter_map(|stage| {
+                let label = format!("stage=\"{stage}\"");
+                let count = self.value(&format!("{metric}_count"), &label);
+                if count.is_nan() || count == 0.0 {
+                    return None;
+                }
+                let mut buckets: Vec<(f64, f64)> = self
+                    .0
+                    .lines()
+                    .filter(|l| l.starts_with(&format!("{metric}_bucket")) && l.contains(&label))
+                    .filter_map(|l| {
+                        let le = l.split("le=\"").nth(1)?.split('"').next()?;
+                        let le = if le == "+Inf" {
+                            f64::INFINITY
+                        } else {
+                            le.parse().ok()?
+                        };
+                        Some((le, l.rsplit(' ').next()?.parse().ok()?))
+                    })
+                    .collect();
+                buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+                let p99 = buckets
+                    .iter()
+                    .find(|(_, n)| *n >= 0.99 * count)
+                    .map_or(f64::NAN, |(le, _)| le * 1000.0);
+                Some(WorkerStage {
+                    stage: (*stage).to_owned(),
+                    count: count as u64,
+                    mean_ms: self.mean(metric, &label) * 1000.0,
+                    p99_under_ms: p99,
+                })
+            })
+            .collect()
+    }
+}
+
+/// One stage as the worker timed it.
+#[derive(Clone, Debug, Serialize)]
+pub struct WorkerStage {
+    pub stage: String,
+    pub count: u64,
+    pub mean_ms: f64,
+    /// The histogram bucket's bound under which 99% fell.
+    pub p99_under_ms: f64,
+}
+
 /// What the worker process used, from `/proc`.
 struct Usage {
     cpu_seconds: f64,
@@ -895,8 +998,8 @@ impl Worker {
         }
     }
 
-    /// Mean intake, claim and settle batch sizes so far, from `/metrics`.
-    async fn batch_means(&self) -> [f64; 3] {
+    /// The worker's `/metrics` text.
+    async fn metrics(&self) -> Metrics {
         let port = self.http.expect("started with --http");
         let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
             .await
@@ -904,21 +1007,7 @@ impl Worker {
             .text()
             .await
             .expect("worker metrics text");
-        // The first line of `series` that carries `label` (if any), its value.
-        let value = |series: &str, label: &str| -> f64 {
-            text.lines()
-                .filter(|l| l.starts_with(series) && l.contains(label))
-                .find_map(|l| l.rsplit(' ').next()?.parse().ok())
-                .unwrap_or(f64::NAN)
-        };
-        let mean = |metric: &str, label: &str| {
-            value(&format!("{metric}_sum"), label) / value(&format!("{metric}_count"), label)
-        };
-        [
-            mean("onejob_intake_batch_size", ""),
-            mean("onejob_attempt_batch_size", "stage=\"claim\""),
-            mean("onejob_attempt_batch_size", "stage=\"settle\""),
-        ]
+        Metrics(text)
     }
 
     fn usage(&self) -> Usage {
