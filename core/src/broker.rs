@@ -11,6 +11,7 @@ use lapin::options::{
     QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::uri::AMQPUri;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
 /// The work exchange: intents and attempt messages.
@@ -83,6 +84,9 @@ pub enum BrokerError {
         /// The arguments this version declares.
         expected: String,
     },
+    /// `AMQP_URL` (or `--amqp-url`) is not one AMQP URL or a list of them.
+    #[error("AMQP_URL: {0}")]
+    BadUrl(String),
     /// A name is too long for AMQP.
     #[error("{0:?} is longer than AMQP's 255-byte limit")]
     NameTooLong(String),
@@ -126,8 +130,117 @@ pub enum Recovery {
     Auto,
 }
 
-/// Connects to RabbitMQ.
+/// How long one node may take to accept a TCP connection before the next is
+/// tried.
+const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The nodes an `AMQP_URL` names: one URL, or the URLs of a cluster's nodes
+/// separated by commas. They share one login and one virtual host (a cluster's
+/// users and vhosts are the cluster's, not a node's), so that a connection can
+/// move from one node to another.
+#[derive(Clone, Debug)]
+pub struct Nodes {
+    uris: Vec<AMQPUri>,
+}
+
+impl Nodes {
+    /// Parses a list, naming (with every password masked) what is wrong with it.
+    pub fn parse(list: &str) -> Result<Nodes> {
+        let texts: Vec<&str> = list.split(',').map(str::trim).collect();
+        let count = texts.len();
+        let mut uris: Vec<AMQPUri> = Vec::with_capacity(count);
+        for (i, text) in texts.iter().enumerate() {
+            let at = || {
+                if count == 1 {
+                    String::new()
+                } else {
+                    format!("node {} of {count}: ", i + 1)
+                }
+            };
+            if text.is_empty() {
+                return Err(BrokerError::BadUrl(format!(
+                    "{}an empty URL (in {:?}); separate the nodes' URLs with single commas",
+                    at(),
+                    redact_url(list)
+                )));
+            }
+            let uri: AMQPUri = text.parse().map_err(|e: String| {
+                BrokerError::BadUrl(format!(
+                    "{}{} is not an AMQP URL: {e}",
+                    at(),
+                    redact_url(text)
+                ))
+            })?;
+            if let Some(first) = uris.first()
+                && (first.authority.userinfo != uri.authority.userinfo
+                    || first.vhost != uri.vhost)
+            {
+                return Err(BrokerError::BadUrl(format!(
+                    "{}{} names another user, password or virtual host than node 1 ({}); \
+                     the nodes of one cluster share them, and a connection moves between nodes with one login",
+                    at(),
+                    redact_url(text),
+                    redact_url(texts[0])
+                )));
+            }
+            uris.push(uri);
+        }
+        Ok(Nodes { uris })
+    }
+
+    /// How many nodes the list names.
+    pub fn len(&self) -> usize {
+        self.uris.len()
+    }
+
+    /// Whether the list is empty (never, once parsed).
+    pub fn is_empty(&self) -> bool {
+        self.uris.is_empty()
+    }
+}
+
+/// Which node a connection tries first: the first of the list at the start, and
+/// after a loss the one after the node it lost, so that a dead node is tried
+/// last.
+struct Rotation {
+    nodes: Nodes,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Rotation {
+    /// The nodes to try, in order: from the current one round the list.
+    fn order(&self) -> impl Iterator<Item = (usize, &AMQPUri)> {
+        let count = self.nodes.len();
+        let start = self.next.load(std::sync::atomic::Ordering::SeqCst);
+        (0..count).map(move |i| {
+            let k = (start + i) % count;
+            (k, &self.nodes.uris[k])
+        })
+    }
+
+    /// Node `k` took the connection: when it is lost, the next try starts at the
+    /// node after it.
+    fn connected(&self, k: usize) {
+        let next = (k + 1) % self.nodes.len();
+        self.next.store(next, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A node's address for logs: scheme, host and port, no login.
+fn describe_uri(uri: &AMQPUri) -> String {
+    format!(
+        "{:?}://{}:{}",
+        uri.scheme, uri.authority.host, uri.authority.port
+    )
+    .to_lowercase()
+}
+
+/// Connects to RabbitMQ: to the first node of `url` (one URL, or a
+/// comma-separated list of a cluster's nodes) that answers. When the connection
+/// is lost, recovery (with [`Recovery::Auto`]) moves on to the next node that
+/// answers.
 pub async fn connect(url: &str, recovery: Recovery) -> Result<Connection> {
+    let nodes = Nodes::parse(url)?;
     let props = ConnectionProperties::default().with_connection_name("onejob".into());
     let props = match recovery {
         Recovery::None => props,
@@ -139,7 +252,45 @@ pub async fn connect(url: &str, recovery: Recovery) -> Result<Connection> {
             })
             .enable_auto_recover(),
     };
-    Ok(Connection::connect(url, props).await?)
+    let first = nodes.uris[0].clone();
+    let rotation = std::sync::Arc::new(Rotation {
+        nodes,
+        next: std::sync::atomic::AtomicUsize::new(0),
+    });
+    let runtime = lapin::runtime::default_runtime()?;
+    // Called for the first connection and for every reconnection: a TCP
+    // connection to the first node, from the current one on, that accepts it.
+    let open = async move |_uri, runtime| {
+        use lapin::tcp::AMQPUriTcpExt;
+        let count = rotation.nodes.len();
+        let mut last = None;
+        for (k, uri) in rotation.order() {
+            let node = describe_uri(uri);
+            let n = k + 1;
+            match tokio::time::timeout(NODE_CONNECT_TIMEOUT, uri.connect_async(&runtime)).await {
+                Ok(Ok(stream)) => {
+                    rotation.connected(k);
+                    tracing::info!(%node, "connected to RabbitMQ node {n} of {count}");
+                    return Ok(stream);
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(%node, error = %e, "RabbitMQ node {n} of {count} refused the connection");
+                    last = Some(e);
+                }
+                Err(_) => {
+                    tracing::warn!(%node, "RabbitMQ node {n} of {count} did not answer within {NODE_CONNECT_TIMEOUT:?}");
+                    last = Some(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("{node} did not answer within {NODE_CONNECT_TIMEOUT:?}"),
+                    ));
+                }
+            }
+        }
+        Err(last
+            .unwrap_or_else(|| std::io::Error::other("no RabbitMQ node to connect to"))
+            .into())
+    };
+    Ok(Connection::connector(first, runtime, open, props).await?)
 }
 
 /// The arguments of every work queue. Dead-lettering is at-least-once: with
@@ -524,6 +675,14 @@ pub fn header_str(headers: &FieldTable, name: &str) -> Option<String> {
 
 /// Replaces the password in a URL with `***`, for logs and errors.
 pub fn redact_url(url: &str) -> String {
+    // A list of nodes: each one masked.
+    if url.contains(',') {
+        return url
+            .split(',')
+            .map(|one| redact_url(one.trim()))
+            .collect::<Vec<_>>()
+            .join(",");
+    }
     match url::Url::parse(url) {
         Ok(mut u) if u.password().is_some() => {
             let _ = u.set_password(Some("***"));
@@ -552,5 +711,46 @@ mod tests {
         assert!(r.contains("***"));
         assert!(!redact_url("postgres://u:pw@h/db").contains("pw@"));
         assert_eq!(redact_url("::"), "<unparseable url>");
+    }
+
+    #[test]
+    fn every_node_of_a_list_is_masked() {
+        let list = "amqp://guest:pw1@127.0.0.1:5673/%2f, amqp://guest:pw2@127.0.0.1:5674/%2f,amqp://guest:pw3@h3:5675/%2f";
+        let r = redact_url(list);
+        for secret in ["pw1", "pw2", "pw3"] {
+            assert!(!r.contains(secret), "{r}");
+        }
+        assert_eq!(r.matches("***").count(), 3, "{r}");
+        assert!(r.contains("127.0.0.1:5674") && r.contains("h3:5675"), "{r}");
+    }
+
+    #[test]
+    fn a_list_names_nodes_that_share_a_login_and_a_vhost() {
+        let nodes = Nodes::parse(
+            "amqp://guest:guest@127.0.0.1:5673/%2f,amqp://guest:guest@127.0.0.1:5674/%2f, amqp://guest:guest@127.0.0.1:5675/%2f",
+        )
+        .unwrap();
+        assert_eq!(nodes.len(), 3);
+        assert_eq!(nodes.uris[1].authority.port, 5674);
+        assert_eq!(nodes.uris[2].vhost, "/");
+        assert_eq!(Nodes::parse("amqp://127.0.0.1:5672/%2f").unwrap().len(), 1);
+
+        let error = |list: &str| match Nodes::parse(list) {
+            Err(BrokerError::BadUrl(e)) => e,
+            other => panic!("{list}: {other:?}"),
+        };
+        let e = error("amqp://u:secret@h1/%2f,,amqp://u:secret@h2/%2f");
+        assert!(e.contains("node 2 of 3") && e.contains("empty"), "{e}");
+        assert!(!e.contains("secret"), "{e}");
+        let e = error("amqp://u:secret@h1/%2f,http://u:secret@h2/%2f");
+        assert!(e.contains("node 2 of 2") && e.contains("not an AMQP URL"), "{e}");
+        assert!(!e.contains("secret"), "{e}");
+        let e = error("amqp://u:secret@h1/%2f,amqp://u:other@h2/%2f");
+        assert!(e.contains("another user, password or virtual host"), "{e}");
+        assert!(!e.contains("secret") && !e.contains("other@"), "{e}");
+        let e = error("amqp://u:p@h1/one,amqp://u:p@h2/two");
+        assert!(e.contains("node 2 of 2"), "{e}");
+        let e = error("");
+        assert!(e.contains("empty") && !e.contains("node 1"), "{e}");
     }
 }
