@@ -31,7 +31,7 @@ pub struct Connections {
     /// Postgres URL.
     #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL, hide_env_values = true, global = true)]
     pub database_url: String,
-    /// RabbitMQ URL.
+    /// RabbitMQ URL, or the comma-separated URLs of a cluster's nodes (the first that answers is used).
     #[arg(long, env = "AMQP_URL", default_value = DEFAULT_AMQP_URL, hide_env_values = true, global = true)]
     pub amqp_url: String,
     /// Configuration file [default: ./onejob.toml if it exists, else the embedded

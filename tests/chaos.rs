@@ -15,72 +15,13 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashSet};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::chaos::{Invariants, Sent, Workers, env_or, settle, start_producers};
 use common::{P, TestEnv, config, config_for, mock};
 use onejob::mock::MockOptions;
-use onejob_producer::Producer;
 use rand::Rng;
-
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn worker_bin() -> std::path::PathBuf {
-    let dir = std::path::Path::new(env!("CARGO_BIN_EXE_onejob"))
-        .parent()
-        .unwrap()
-        .to_owned();
-    let bin = dir.join("onejob-worker");
-    assert!(
-        bin.exists(),
-        "{} is missing: build it first (`cargo build --workspace --bins`, as scripts/test does)",
-        bin.display()
-    );
-    bin
-}
-
-struct Workers {
-    children: Vec<Child>,
-    spawn: Box<dyn Fn(usize) -> Child + Send>,
-    deaths: usize,
-}
-
-impl Workers {
-    /// Restarts any worker that exited (a crash, or a lost broker): what an
-    /// orchestrator does. Counts each as a death.
-    fn supervise(&mut self) {
-        for i in 0..self.children.len() {
-            if let Ok(Some(_)) = self.children[i].try_wait() {
-                self.deaths += 1;
-                self.children[i] = (self.spawn)(i);
-            }
-        }
-    }
-
-    fn kill_one(&mut self, i: usize) {
-        let _ = self.children[i].kill(); // SIGKILL
-        let _ = self.children[i].wait();
-        self.deaths += 1;
-        self.children[i] = (self.spawn)(i);
-    }
-}
-
-impl Drop for Workers {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 fn run(cmd: &str, args: &[&str]) {
     let out = Command::new(cmd)
@@ -137,86 +78,13 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
     let (config, file) = config(&text);
     let env = TestEnv::new(&config).await;
 
-    let bin = worker_bin();
-    let (db, amqp, cfg) = (
-        env.database_url.clone(),
-        env.amqp_url.clone(),
-        file.path.clone(),
-    );
-    let log_dir = std::env::temp_dir().join(format!("onejob-chaos-{}", env.name));
-    std::fs::create_dir_all(&log_dir).unwrap();
-    let spawn_dir = log_dir.clone();
-    let spawn = move |i: usize| {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(spawn_dir.join(format!("worker-{i}.log")))
-            .unwrap();
-        Command::new(&bin)
-            .env("DATABASE_URL", &db)
-            .env("AMQP_URL", &amqp)
-            .env("ONEJOB_CONFIG", &cfg)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn worker")
-    };
-    let mut workers = Workers {
-        children: (0..3).map(&spawn).collect(),
-        spawn: Box::new(spawn),
-        deaths: 0,
-    };
+    let amqp = env.amqp_url.clone();
+    let mut workers = Workers::start(3, &env, &file.path, move |_| amqp.clone());
 
     // Two producers: every intent is published until the broker confirms it,
     // reconnecting through the broker restart. 30% are re-sends of an earlier key.
-    let unique = intents * 7 / 10;
-    let confirmed: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let sent = Arc::new(AtomicUsize::new(0));
-    let mut producers = Vec::new();
-    for p in 0..2 {
-        let (amqp, confirmed, sent) = (env.amqp_url.clone(), confirmed.clone(), sent.clone());
-        producers.push(tokio::spawn(async move {
-            let share = intents / 2;
-            let pace = Duration::from_secs_f64(seconds as f64 * 0.6 / share as f64);
-            let mut producer: Option<Producer> = None;
-            for n in 0..share {
-                let key = {
-                    let mut rng = rand::rng();
-                    let i = p * share + n;
-                    if i < unique {
-                        i
-                    } else {
-                        rng.random_range(0..unique)
-                    }
-                };
-                let key = format!("chaos-{key}");
-                let intent = common::intent("acct_chaos", &key, &format!("input of {key}"));
-                loop {
-                    if producer.is_none() {
-                        let options = onejob_producer::ProducerOptions {
-                            delivery_limit: 1,
-                            ..Default::default()
-                        };
-                        producer = Producer::connect_with(&amqp, options).await.ok();
-                    }
-                    match &producer {
-                        Some(pr) => match pr.publish_only(&intent).await {
-                            Ok(()) => break,
-                            Err(_) => producer = None,
-                        },
-                        None => tokio::time::sleep(Duration::from_millis(250)).await,
-                    }
-                }
-                confirmed.lock().unwrap().insert(key);
-                sent.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(pace).await;
-            }
-            if let Some(p) = producer {
-                p.close().await;
-            }
-        }));
-    }
+    let sent = Sent::default();
+    let producers = start_producers(2, intents, seconds, |_| env.amqp_url.clone(), &sent);
 
     // The fire: kill a random worker every 1-3 s; restart RabbitMQ at 30% of the
     // run and Postgres at 60%; stop Postgres for `outage` at 45%, with no kill
@@ -257,7 +125,6 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
 
     // Recovery: the workers keep running (restarted if they exit) until no job is
     // queued or running, or two minutes pass.
-    let recovery = Instant::now();
     let store = onejob::store::Store::connect(
         &env.database_url,
         4,
@@ -266,146 +133,26 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
     )
     .await
     .unwrap();
-    let confirmed: Vec<String> = confirmed.lock().unwrap().iter().cloned().collect();
-    loop {
-        workers.supervise();
-        let (open, jobs): (i64, i64) = sqlx::query_as(
-            "SELECT count(*) FILTER (WHERE status IN ('queued', 'running')), count(*) FROM jobs",
-        )
-        .fetch_one(store.pool())
-        .await
-        .unwrap_or((1, 0));
-        if open == 0 && jobs as usize >= confirmed.len() {
-            break;
-        }
-        assert!(
-            recovery.elapsed() < Duration::from_secs(120),
-            "not settled after 2 minutes: {open} jobs queued or running, {jobs} jobs for {} confirmed keys (logs in {})",
-            confirmed.len(),
-            log_dir.display()
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    let settle_time = recovery.elapsed();
-    drop(workers);
-
-    // The invariant checker.
-    let q = |sql: &'static str| {
-        let pool = store.pool().clone();
-        async move {
-            sqlx::query_as::<_, (i64,)>(sql)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-                .0
-        }
-    };
-    let by_status: BTreeMap<String, i64> =
-        sqlx::query_as("SELECT status, count(*) FROM jobs GROUP BY status")
-            .fetch_all(store.pool())
-            .await
-            .unwrap()
-            .into_iter()
-            .collect();
-    let attempts = q("SELECT count(*) FROM attempts").await;
-    let discarded = q("SELECT count(*) FROM attempts WHERE status = 'discarded'").await;
-    // 1. One job per identity.
-    let duplicated_identities =
-        q("SELECT count(*) FROM (SELECT 1 FROM jobs GROUP BY owner_id, idempotency_key HAVING count(*) > 1) d").await;
-    // 2. No attempt was created after one of the same job became unknown (none is
-    //    resolved in this run, so a later attempt would have started beside it).
-    let after_unknown = q("SELECT count(*) FROM attempts u JOIN attempts a ON a.job_id = u.job_id AND a.number > u.number
-                           WHERE u.status = 'unknown'")
-    .await;
-    // 3. Without hedging, at most one open attempt per job.
-    let two_open = q("SELECT count(*) FROM (SELECT job_id FROM attempts WHERE status IN ('queued', 'started', 'unknown')
-                      GROUP BY job_id HAVING count(*) > 1) d")
-    .await;
-    // 4. A succeeded job has exactly one succeeded attempt, and it is completed_by.
-    let bad_winners = q("SELECT count(*) FROM jobs j WHERE j.status = 'succeeded' AND (
-                           (SELECT count(*) FROM attempts a WHERE a.job_id = j.id AND a.status = 'succeeded') <> 1
-                           OR NOT EXISTS (SELECT 1 FROM attempts a WHERE a.id = j.completed_by AND a.status = 'succeeded'))")
-    .await;
-    // 5. Terminal jobs never changed: one outcome write each (version 1), and
-    //    one event per terminal job in the outbox.
-    let rewritten = q("SELECT count(*) FROM jobs WHERE status IN ('succeeded', 'failed', 'cancelled') AND version <> 1").await;
-    let event_mismatch = q("SELECT count(*) FROM jobs j WHERE j.status IN ('succeeded', 'failed', 'cancelled')
-                            AND (SELECT count(DISTINCT o.message_id) FROM outbox o
-                                 WHERE o.exchange = 'onejob.events' AND o.message_id = j.id::text || ':' || j.version) <> 1")
-    .await;
-    let unpublished = q("SELECT count(*) FROM outbox WHERE published_at IS NULL").await;
-    // 6. Every confirmed intent is a job (all were valid and consistent), or a dead
-    //    letter with a reason.
-    let jobs_for_keys: HashSet<String> =
-        sqlx::query_as::<_, (String,)>("SELECT idempotency_key FROM jobs")
-            .fetch_all(store.pool())
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|(k,)| k)
-            .collect();
-    let amqp = env.amqp().await;
-    let ch = amqp.create_channel().await.unwrap();
-    let letters = env.drain(&ch, "onejob.intents.dlq").await;
-    // Why each died: onejob's own reason, else the broker's (x-death).
-    let mut dead_reasons: BTreeMap<String, usize> = BTreeMap::new();
-    for d in &letters {
-        let letter = onejob::dlq::describe("onejob.intents.dlq", 0, &d.properties, &d.data);
-        *dead_reasons.entry(letter.reason).or_default() += 1;
-    }
-    let dead: Vec<String> = letters
-        .iter()
-        .filter_map(|d| serde_json::from_slice::<serde_json::Value>(&d.data).ok())
-        .filter_map(|v| v["idempotency_key"].as_str().map(str::to_owned))
-        .collect();
-    let lost: Vec<&String> = confirmed
-        .iter()
-        .filter(|k| !jobs_for_keys.contains(*k) && !dead.contains(k))
-        .collect();
-    let unknown = by_status.get("unknown").copied().unwrap_or(0);
+    let confirmed = sent.keys();
+    let settle_time = settle(&store, &mut workers, confirmed.len()).await;
+    let log_dir = workers.log_dir.clone();
+    workers.finish();
 
     println!(
         "chaos: {} intents sent ({} distinct keys confirmed) by 2 producers to 3 workers over {seconds}s; \
          {kills_and_crashes} worker deaths (SIGKILL or exit), RabbitMQ and Postgres restarted once each, \
-         Postgres down once for {}s (delivery limit 1); settled in {:.1}s",
-        sent.load(Ordering::Relaxed),
+         Postgres down once for {}s (delivery limit 1); settled in {:.1}s (logs were in {})",
+        sent.count.load(std::sync::atomic::Ordering::Relaxed),
         confirmed.len(),
         outage.as_secs(),
-        settle_time.as_secs_f64()
+        settle_time.as_secs_f64(),
+        log_dir.display()
     );
-    println!(
-        "chaos: jobs by status {by_status:?}; {attempts} attempts ({discarded} discarded); {} provider calls; \
-         {} intents dead-lettered {dead_reasons:?}",
-        primary.stats.requests(),
-        dead.len()
-    );
-    println!(
-        "chaos: invariants: duplicated identities {duplicated_identities}, attempts after an unknown {after_unknown}, \
-         jobs with two open attempts {two_open}, bad winners {bad_winners}, terminal jobs rewritten {rewritten}, \
-         event mismatches {event_mismatch}, unpublished outbox rows {unpublished}, lost intents {}, unknown jobs {unknown} \
-         (bound {})",
-        lost.len(),
-        kills_and_crashes * concurrency
-    );
-    assert_eq!(duplicated_identities, 0, "invariant 1");
-    assert_eq!(after_unknown, 0, "invariant 2");
-    assert_eq!(two_open, 0, "invariant 3");
-    assert_eq!(bad_winners, 0, "invariant 4");
-    assert_eq!(rewritten, 0, "invariant 5");
-    assert_eq!(event_mismatch, 0, "one event per terminal job");
-    assert_eq!(unpublished, 0, "the outbox drained");
-    assert!(
-        lost.is_empty(),
-        "invariant 6: confirmed intents lost: {lost:?}"
-    );
-    assert_eq!(
-        by_status.get("queued").copied().unwrap_or(0)
-            + by_status.get("running").copied().unwrap_or(0),
-        0
-    );
-    assert!(
-        unknown as usize <= kills_and_crashes * concurrency,
-        "{unknown} unknown jobs, more than the calls in flight at the kills"
-    );
-    let _ = std::fs::remove_dir_all(&log_dir);
+    Invariants::check(&env, &store, &confirmed)
+        .await
+        .assert_held(
+            "chaos",
+            primary.stats.requests(),
+            kills_and_crashes * concurrency,
+        );
 }

@@ -172,8 +172,7 @@ impl Nodes {
                 ))
             })?;
             if let Some(first) = uris.first()
-                && (first.authority.userinfo != uri.authority.userinfo
-                    || first.vhost != uri.vhost)
+                && (first.authority.userinfo != uri.authority.userinfo || first.vhost != uri.vhost)
             {
                 return Err(BrokerError::BadUrl(format!(
                     "{}{} names another user, password or virtual host than node 1 ({}); \
@@ -743,7 +742,10 @@ mod tests {
         assert!(e.contains("node 2 of 3") && e.contains("empty"), "{e}");
         assert!(!e.contains("secret"), "{e}");
         let e = error("amqp://u:secret@h1/%2f,http://u:secret@h2/%2f");
-        assert!(e.contains("node 2 of 2") && e.contains("not an AMQP URL"), "{e}");
+        assert!(
+            e.contains("node 2 of 2") && e.contains("not an AMQP URL"),
+            "{e}"
+        );
         assert!(!e.contains("secret"), "{e}");
         let e = error("amqp://u:secret@h1/%2f,amqp://u:other@h2/%2f");
         assert!(e.contains("another user, password or virtual host"), "{e}");

@@ -104,6 +104,12 @@ impl Producer {
     }
 
     /// Connects, declares the intents topology, and starts the receipt reader.
+    ///
+    /// `amqp_url` is one URL or the comma-separated URLs of a cluster's nodes;
+    /// the producer connects to the first node that answers. A lost connection
+    /// is not recovered: every publish in flight on it fails (none is silently
+    /// lost), [`Producer::is_connected`] turns false, and a new `Producer`
+    /// connects to the first node that answers then.
     pub async fn connect_with(amqp_url: &str, options: ProducerOptions) -> Result<Producer> {
         let connection = broker::connect(amqp_url, broker::Recovery::None).await?;
         broker::declare_topology(&connection, &[], options.delivery_limit).await?;

@@ -14,7 +14,7 @@ use onejob_producer::{Intent, Outcome, Producer, ProducerOptions};
 #[derive(Parser, Debug)]
 #[command(name = "onejob-producer", version, about)]
 struct Args {
-    /// RabbitMQ URL.
+    /// RabbitMQ URL, or the comma-separated URLs of a cluster's nodes (the first that answers is used).
     #[arg(long, env = "AMQP_URL", default_value = onejob::cli::DEFAULT_AMQP_URL, hide_env_values = true, global = true)]
     amqp_url: String,
     /// The fleet's configuration, for the queue arguments the producer declares

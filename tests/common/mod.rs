@@ -5,6 +5,8 @@
 
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod chaos;
+
 use std::future::Future;
 use std::process::Command;
 use std::sync::Arc;
@@ -145,7 +147,8 @@ impl TestEnv {
 
     /// A fresh AMQP connection to this env's vhost.
     pub async fn amqp(&self) -> lapin::Connection {
-        lapin::Connection::connect(&self.amqp_url, lapin::ConnectionProperties::default())
+        // Through onejob's own connect, so that a list of nodes works too.
+        onejob::broker::connect(&self.amqp_url, onejob::broker::Recovery::None)
             .await
             .expect("amqp connect")
     }

@@ -1,0 +1,303 @@
+//! Cluster chaos: three worker processes, each connected first to a different
+//! node of a three-node RabbitMQ cluster (`scripts/cluster`), and two producers,
+//! each given the nodes in another order. Intents (30% of them duplicates) flow
+//! through a mock provider with random latency and errors while the node that
+//! leads `onejob.intents` is killed with SIGKILL, later restarted, and then a
+//! follower is killed. The invariant checker of the chaos test then asserts
+//! contract section 5, and the test prints how long each node loss stalled
+//! intake.
+//!
+//! It starts the cluster beside the machine's RabbitMQ (and stops it again if
+//! it started it) and loads the machine's two cores, so it runs alone, like the
+//! chaos test: nextest's default filter leaves it out and `scripts/test` runs it
+//! first. `ONEJOB_CLUSTER_CHAOS_INTENTS` and `ONEJOB_CLUSTER_CHAOS_SECONDS` size
+//! it (CI: 1,000 over 30 s); the README gives a full run's figures.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::chaos::{Invariants, Sent, Workers, env_or, settle, start_producers};
+use common::{P, TestEnv, config, config_for, mock};
+use onejob::mock::MockOptions;
+
+/// Worker processes, one per node.
+const WORKERS: usize = 3;
+
+/// The first node's AMQP port (`scripts/cluster`'s default; the others follow).
+const FIRST_PORT: u16 = 5673;
+
+fn cluster(args: &[&str]) -> String {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster");
+    let out = Command::new(script)
+        .args(args)
+        .env("ONEJOB_CLUSTER_PORT", FIRST_PORT.to_string())
+        .output()
+        .unwrap_or_else(|e| panic!("{script}: {e}"));
+    assert!(
+        out.status.success(),
+        "scripts/cluster {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// The cluster's nodes as one `AMQP_URL`, starting at node `first` (0-2), on
+/// `vhost`.
+fn nodes_from(first: usize, vhost: &str) -> String {
+    (0..3)
+        .map(|i| {
+            let node = (first + i) % 3;
+            format!(
+                "amqp://guest:guest@127.0.0.1:{}/{vhost}",
+                FIRST_PORT + node as u16
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The node (1-3) that leads `queue` in `vhost`.
+fn leader(queue: &str, vhost: &str) -> usize {
+    cluster(&["leader", queue, vhost])
+        .lines()
+        .last()
+        .and_then(|l| l.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no leader for {queue}"))
+}
+
+/// The longest pause in admissions from `from` (seconds since the epoch) over
+/// the next `window`: how long intake stalled after a fault.
+async fn stall(store: &onejob::store::Store, from: f64, window: f64) -> Duration {
+    let times: Vec<(f64,)> = sqlx::query_as(
+        "SELECT extract(epoch FROM created_at)::float8 FROM jobs \
+         WHERE created_at >= to_timestamp($1) AND created_at < to_timestamp($2) ORDER BY created_at",
+    )
+    .bind(from)
+    .bind(from + window)
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    if times.is_empty() {
+        // Nothing admitted at all: stalled for the whole window (at least).
+        return Duration::from_secs_f64(window);
+    }
+    let mut last = from;
+    let mut longest: f64 = 0.0;
+    for (t,) in times {
+        longest = longest.max(t - last);
+        last = t;
+    }
+    Duration::from_secs_f64(longest)
+}
+
+fn epoch_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// Stops the cluster when the test ends, pass or fail, if this test started it.
+struct Cluster {
+    started_here: bool,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if self.started_here {
+            let _ = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"))
+                .arg("stop")
+                .output();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
+    let intents = env_or("ONEJOB_CLUSTER_CHAOS_INTENTS", 1000);
+    let seconds = env_or("ONEJOB_CLUSTER_CHAOS_SECONDS", 30) as u64;
+    let concurrency = 8;
+
+    let already = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"))
+        .arg("status")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let _cluster = Cluster {
+        started_here: !already,
+    };
+    let began = Instant::now();
+    cluster(&["start"]);
+    println!(
+        "cluster chaos: three-node cluster up in {:.1}s",
+        began.elapsed().as_secs_f64()
+    );
+
+    let primary = mock(MockOptions {
+        jitter: Duration::from_millis(150),
+        error_rate: 0.1,
+        ..MockOptions::default()
+    })
+    .await;
+    let text = config_for(
+        &[P("primary", &primary.base_url(), "timeout = \"2s\"")],
+        "",
+    )
+    .replace(
+        "[worker]\n",
+        "[worker]\nstuck_after = \"5s\"\nmax_republish = 5\nintake_prefetch = 64\ndelivery_limit = 1\n",
+    );
+    let (config, file) = config(&text);
+    let mut env = TestEnv::new(&config).await;
+    // The same vhost name, on the cluster.
+    cluster(&["add-vhost", &env.name]);
+    env.amqp_url = nodes_from(0, &env.name);
+
+    // Worker i connects first to node i; the producers to nodes 2 and 3.
+    let vhost = env.name.clone();
+    let mut workers = Workers::start(WORKERS, &env, &file.path, move |i| nodes_from(i, &vhost));
+    let sent = Sent::default();
+    // They publish over the whole run (start_producers spreads the intents over
+    // 60% of the time it is given), so that every fault meets traffic.
+    let producers = start_producers(
+        2,
+        intents,
+        seconds * 10 / 6,
+        |p| nodes_from(p + 1, &env.name),
+        &sent,
+    );
+    let store = onejob::store::Store::connect(
+        &env.database_url,
+        4,
+        onejob::runtime::routes(&config),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+
+    // Every queue the workers declared (each through its own node, at once) is
+    // replicated on the three nodes.
+    for queue in [
+        "onejob.intents",
+        "onejob.intents.dlq",
+        "onejob.attempts.primary",
+        "onejob.attempts.primary.dlq",
+    ] {
+        let vhost = env.name.clone();
+        common::wait_for(
+            &format!("{queue} replicated on three nodes"),
+            Duration::from_secs(60),
+            || {
+                let vhost = vhost.clone();
+                async move {
+                    let members = tokio::task::spawn_blocking(move || {
+                        cluster(&["members", queue, &vhost]).parse::<usize>().ok()
+                    })
+                    .await
+                    .unwrap();
+                    (members == Some(3)).then_some(())
+                }
+            },
+        )
+        .await;
+    }
+
+    // The fire: at 25% of the run the leader of onejob.intents is killed; at 50%
+    // it is restarted; at 70% a follower is killed, and at 90% restarted, so
+    // that the cluster ends whole.
+    let start = Instant::now();
+    let at = |share: u32| Duration::from_secs(seconds) * share / 100;
+    let mut faults: Vec<(String, f64)> = Vec::new();
+    let wait_until = |t: Duration| async move {
+        while start.elapsed() < t {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    wait_until(at(25)).await;
+    let led = leader("onejob.intents", &env.name);
+    faults.push((
+        format!("leader of onejob.intents (node {led}) killed"),
+        epoch_now(),
+    ));
+    cluster(&["kill", &led.to_string()]);
+    wait_until(at(50)).await;
+    workers.supervise();
+    tokio::task::spawn_blocking(move || cluster(&["restart", &led.to_string()]))
+        .await
+        .unwrap();
+    wait_until(at(70)).await;
+    workers.supervise();
+    let now_leads = leader("onejob.intents", &env.name);
+    // A follower that still has the worker that connected to it first (not the
+    // node killed before, whose worker moved on), so that the loss moves one.
+    let follower = (1..=3)
+        .find(|n| *n != now_leads && *n != led)
+        .or_else(|| (1..=3).find(|n| *n != now_leads))
+        .unwrap();
+    faults.push((format!("follower (node {follower}) killed"), epoch_now()));
+    cluster(&["kill", &follower.to_string()]);
+    wait_until(at(90)).await;
+    workers.supervise();
+    tokio::task::spawn_blocking(move || cluster(&["restart", &follower.to_string()]))
+        .await
+        .unwrap();
+    for p in producers {
+        p.await.unwrap();
+    }
+    workers.supervise();
+
+    let kills_and_crashes = workers.deaths;
+    let confirmed = sent.keys();
+    let settle_time = settle(&store, &mut workers, confirmed.len()).await;
+    let log_dir = workers.log_dir.clone();
+    let reconnects = std::fs::read_dir(&log_dir)
+        .map(|d| {
+            d.flatten()
+                .filter_map(|f| std::fs::read_to_string(f.path()).ok())
+                .map(|log| log.matches("connected to RabbitMQ node").count())
+                .sum::<usize>()
+        })
+        .unwrap_or(0);
+    workers.finish();
+
+    println!(
+        "cluster chaos: {} intents sent ({} distinct keys confirmed) by 2 producers to 3 workers on 3 nodes over {seconds}s; \
+         {kills_and_crashes} worker exits; {reconnects} worker connections made (3 at the start); settled in {:.1}s (logs were in {})",
+        sent.count.load(std::sync::atomic::Ordering::Relaxed),
+        confirmed.len(),
+        settle_time.as_secs_f64(),
+        log_dir.display()
+    );
+    for (fault, when) in &faults {
+        let stalled = stall(&store, *when, 5.0).await;
+        println!(
+            "cluster chaos: {fault}: intake stalled {:.2}s (the longest pause in admissions over the next 5 s)",
+            stalled.as_secs_f64()
+        );
+    }
+    // What a job costs to keep, for the README's note on one Postgres primary.
+    let (jobs, job_bytes, attempt_bytes, outbox_bytes): (i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM jobs), pg_total_relation_size('jobs'), \
+                pg_total_relation_size('attempts'), pg_total_relation_size('outbox')",
+    )
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    let per_job = |bytes: i64| bytes / jobs.max(1);
+    println!(
+        "cluster chaos: storage per job, indexes included: jobs {} B, attempts {} B, outbox {} B ({jobs} jobs)",
+        per_job(job_bytes),
+        per_job(attempt_bytes),
+        per_job(outbox_bytes)
+    );
+    // Calls in flight at the faults: a node loss kills no worker, but each of
+    // the three may have had `concurrency` calls running when its connection
+    // went; any worker exit counts too.
+    let bound = (faults.len() * WORKERS + kills_and_crashes) * concurrency;
+    Invariants::check(&env, &store, &confirmed)
+        .await
+        .assert_held("cluster chaos", primary.stats.requests(), bound);
+    cluster(&["delete-vhost", &env.name]);
+}
