@@ -317,6 +317,10 @@ async fn mark(store: Store, mut pending: tokio::sync::mpsc::UnboundedReceiver<Ma
     write(ids).await;
 }
 
+/// How long a worker's RabbitMQ connection may stay down, recovering, before the
+/// worker gives up and exits (non-zero) to be restarted.
+const RECONNECT_WATCHDOG: Duration = Duration::from_secs(120);
+
 /// Acks a delivery, treating a closed channel as an error (lapin returns
 /// `Ok(false)` then, and the broker will redeliver).
 pub async fn ack(delivery: &Delivery) -> Result<()> {
@@ -358,7 +362,9 @@ impl WorkerError {
         match self {
             WorkerError::Store(e) => e.is_unavailable(),
             WorkerError::Amqp(e) | WorkerError::Broker(BrokerError::Amqp(e)) => amqp(e),
-            WorkerError::Broker(BrokerError::ConfirmTimeout { .. }) => true,
+            WorkerError::Broker(
+                BrokerError::ConfirmTimeout { .. } | BrokerError::NoConnection(_),
+            ) => true,
             _ => false,
         }
     }
@@ -728,6 +734,7 @@ async fn stop_consumer(
 /// broker closed is replaced with a fresh one.
 pub async fn supervise_connection(ctx: Context, shutdown: Shutdown) -> Result<()> {
     let mut tick = tokio::time::interval(Duration::from_millis(250));
+    let mut down_since: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             () = shutdown.wait() => return Ok(()),
@@ -739,6 +746,23 @@ pub async fn supervise_connection(ctx: Context, shutdown: Shutdown) -> Result<()
                 "amqp connection".into(),
                 "RabbitMQ connection lost and automatic recovery gave up".into(),
             ));
+        }
+        // Recovery retries refused connections for about a minute, but a node
+        // that takes the TCP connection and never answers the AMQP handshake (a
+        // frozen node, a half-open path) would hold it forever: past the
+        // watchdog, the worker exits for its orchestrator to restart it.
+        if status.connected() {
+            down_since = None;
+        } else {
+            let since = *down_since.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() > RECONNECT_WATCHDOG {
+                return Err(WorkerError::RoleStopped(
+                    "amqp connection".into(),
+                    format!(
+                        "RabbitMQ connection not back after {RECONNECT_WATCHDOG:?} of recovery"
+                    ),
+                ));
+            }
         }
         match ctx.publisher.heal(&ctx.connection).await {
             Ok(true) => {

@@ -135,13 +135,12 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
     .unwrap();
     let confirmed = sent.keys();
     let settle_time = settle(&store, &mut workers, confirmed.len()).await;
-    let log_dir = workers.log_dir.clone();
-    workers.finish();
+    let log_dir = workers.stop();
 
     println!(
         "chaos: {} intents sent ({} distinct keys confirmed) by 2 producers to 3 workers over {seconds}s; \
          {kills_and_crashes} worker deaths (SIGKILL or exit), RabbitMQ and Postgres restarted once each, \
-         Postgres down once for {}s (delivery limit 1); settled in {:.1}s (logs were in {})",
+         Postgres down once for {}s (delivery limit 1); settled in {:.1}s (logs in {})",
         sent.count.load(std::sync::atomic::Ordering::Relaxed),
         confirmed.len(),
         outage.as_secs(),
@@ -155,4 +154,5 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
             primary.stats.requests(),
             kills_and_crashes * concurrency,
         );
+    common::chaos::remove_logs(&log_dir);
 }

@@ -10,7 +10,7 @@
 //! It starts the cluster beside the machine's RabbitMQ (and stops it again if
 //! it started it) and loads the machine's two cores, so it runs alone, like the
 //! chaos test: nextest's default filter leaves it out and `scripts/test` runs it
-//! first. `ONEJOB_CLUSTER_CHAOS_INTENTS` and `ONEJOB_CLUSTER_CHAOS_SECONDS` size
+//! after the chaos test. `ONEJOB_CLUSTER_CHAOS_INTENTS` and `ONEJOB_CLUSTER_CHAOS_SECONDS` size
 //! it (CI: 1,000 over 30 s); the README gives a full run's figures.
 
 mod common;
@@ -216,20 +216,22 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
         }
     };
     wait_until(at(25)).await;
-    let led = leader("onejob.intents", &env.name);
+    let vhost = env.name.clone();
+    let led = blocking(move || leader("onejob.intents", &vhost)).await;
     faults.push((
         format!("leader of onejob.intents (node {led}) killed"),
         epoch_now(),
     ));
-    cluster(&["kill", &led.to_string()]);
+    // Worker i connected to node i + 1 first: the one on the killed node must
+    // move to another.
+    moved(&mut workers, led - 1, led, 2).await;
     wait_until(at(50)).await;
     workers.supervise();
-    tokio::task::spawn_blocking(move || cluster(&["restart", &led.to_string()]))
-        .await
-        .unwrap();
+    blocking(move || cluster(&["restart", &led.to_string()])).await;
     wait_until(at(70)).await;
     workers.supervise();
-    let now_leads = leader("onejob.intents", &env.name);
+    let vhost = env.name.clone();
+    let now_leads = blocking(move || leader("onejob.intents", &vhost)).await;
     // A follower that still has the worker that connected to it first (not the
     // node killed before, whose worker moved on), so that the loss moves one.
     let follower = (1..=3)
@@ -237,12 +239,11 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
         .or_else(|| (1..=3).find(|n| *n != now_leads))
         .unwrap();
     faults.push((format!("follower (node {follower}) killed"), epoch_now()));
-    cluster(&["kill", &follower.to_string()]);
+    let before = workers.connections(follower - 1);
+    moved(&mut workers, follower - 1, follower, before + 1).await;
     wait_until(at(90)).await;
     workers.supervise();
-    tokio::task::spawn_blocking(move || cluster(&["restart", &follower.to_string()]))
-        .await
-        .unwrap();
+    blocking(move || cluster(&["restart", &follower.to_string()])).await;
     for p in producers {
         p.await.unwrap();
     }
@@ -251,20 +252,12 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
     let kills_and_crashes = workers.deaths;
     let confirmed = sent.keys();
     let settle_time = settle(&store, &mut workers, confirmed.len()).await;
-    let log_dir = workers.log_dir.clone();
-    let reconnects = std::fs::read_dir(&log_dir)
-        .map(|d| {
-            d.flatten()
-                .filter_map(|f| std::fs::read_to_string(f.path()).ok())
-                .map(|log| log.matches("connected to RabbitMQ node").count())
-                .sum::<usize>()
-        })
-        .unwrap_or(0);
-    workers.finish();
+    let reconnects: usize = (0..WORKERS).map(|i| workers.connections(i)).sum();
+    let log_dir = workers.stop();
 
     println!(
         "cluster chaos: {} intents sent ({} distinct keys confirmed) by 2 producers to 3 workers on 3 nodes over {seconds}s; \
-         {kills_and_crashes} worker exits; {reconnects} worker connections made (3 at the start); settled in {:.1}s (logs were in {})",
+         {kills_and_crashes} worker exits; the workers opened {reconnects} connections (3 at the start); settled in {:.1}s (logs in {})",
         sent.count.load(std::sync::atomic::Ordering::Relaxed),
         confirmed.len(),
         settle_time.as_secs_f64(),
@@ -300,4 +293,32 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
         .await
         .assert_held("cluster chaos", primary.stats.requests(), bound);
     cluster(&["delete-vhost", &env.name]);
+    common::chaos::remove_logs(&log_dir);
+}
+
+/// Runs blocking work (a `scripts/cluster` call, which takes a second or so)
+/// off the runtime's threads, so that the producers and the timing go on.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f).await.unwrap()
+}
+
+/// Kills node `node` and waits until worker `worker` (connected to it) has
+/// opened its `connections`-th connection, on another node: the failover
+/// itself, within 30 s.
+async fn moved(workers: &mut Workers, worker: usize, node: usize, connections: usize) {
+    blocking(move || cluster(&["kill", &node.to_string()])).await;
+    let began = Instant::now();
+    while workers.connections(worker) < connections {
+        assert!(
+            began.elapsed() < Duration::from_secs(30),
+            "worker {worker} did not reconnect to another node within 30 s of node {node}'s loss (logs in {})",
+            workers.log_dir.display()
+        );
+        workers.supervise();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "cluster chaos: node {node} killed; worker {worker} reconnected to another node after {:.2}s",
+        began.elapsed().as_secs_f64()
+    );
 }

@@ -165,6 +165,44 @@ async fn secrets_never_reach_logs_errors_or_json_output() {
     );
     assert_eq!(down.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&down.stderr).contains("***"));
+    // A list of a cluster's nodes: the CLI takes the first that answers, and
+    // every URL of the list is masked wherever it is shown.
+    let node = |port: &str| amqp_url.replace(":5672", &format!(":{port}"));
+    let listed = cli(
+        &["dlq", "list", "--json"],
+        &database_url,
+        &format!("{},{amqp_url}", node("1")),
+    );
+    assert!(
+        listed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let down = cli(
+        &["dlq", "list", "--json"],
+        &database_url,
+        &format!("{},{}", node("1"), node("2")),
+    );
+    assert_eq!(down.status.code(), Some(1));
+    let said =
+        String::from_utf8_lossy(&down.stderr).into_owned() + &String::from_utf8_lossy(&down.stdout);
+    assert!(
+        said.matches("***").count() >= 2,
+        "both nodes named, masked: {said}"
+    );
+    let other = amqp_url.replace(AMQP_PASSWORD, "a-second-secret");
+    let refused = cli(
+        &["dlq", "list"],
+        &database_url,
+        &format!("{amqp_url},{other}"),
+    );
+    assert_eq!(refused.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("another user, password or virtual host")
+            && !said.contains("a-second-secret"),
+        "{said}"
+    );
 
     // The worker, in this process, at debug level, through a whole job.
     let ctx = onejob::runtime::Context::connect(config.clone(), &database_url, &amqp_url)

@@ -87,6 +87,9 @@ pub enum BrokerError {
     /// `AMQP_URL` (or `--amqp-url`) is not one AMQP URL or a list of them.
     #[error("AMQP_URL: {0}")]
     BadUrl(String),
+    /// No node of the list could be connected to in time.
+    #[error("RabbitMQ: {0}")]
+    NoConnection(String),
     /// A name is too long for AMQP.
     #[error("{0:?} is longer than AMQP's 255-byte limit")]
     NameTooLong(String),
@@ -134,6 +137,13 @@ pub enum Recovery {
 /// tried.
 const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long the AMQP handshake may take once a node took the TCP connection.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long lapin's retries of a first connection may take with
+/// [`Recovery::Auto`] (16 tries, 0.2 s doubling to 5 s between them), with room.
+const AUTO_RETRIES: Duration = Duration::from_secs(80);
+
 /// The nodes an `AMQP_URL` names: one URL, or the URLs of a cluster's nodes
 /// separated by commas. They share one login and one virtual host (a cluster's
 /// users and vhosts are the cluster's, not a node's), so that a connection can
@@ -164,9 +174,12 @@ impl Nodes {
                     redact_url(list)
                 )));
             }
-            let uri: AMQPUri = text.parse().map_err(|e: String| {
+            // The parser's own message may quote the text, password and all: it
+            // is not passed on.
+            let uri: AMQPUri = text.parse().map_err(|_: String| {
                 BrokerError::BadUrl(format!(
-                    "{}{} is not an AMQP URL: {e}",
+                    "{}{} is not an AMQP URL like amqp://user:password@host:5672/%2f \
+                     (nodes are separated by commas; a comma inside a password is written %2C)",
                     at(),
                     redact_url(text)
                 ))
@@ -251,45 +264,76 @@ pub async fn connect(url: &str, recovery: Recovery) -> Result<Connection> {
             })
             .enable_auto_recover(),
     };
-    let first = nodes.uris[0].clone();
-    let rotation = std::sync::Arc::new(Rotation {
-        nodes,
-        next: std::sync::atomic::AtomicUsize::new(0),
-    });
     let runtime = lapin::runtime::default_runtime()?;
-    // Called for the first connection and for every reconnection: a TCP
-    // connection to the first node, from the current one on, that accepts it.
-    let open = async move |_uri, runtime| {
-        use lapin::tcp::AMQPUriTcpExt;
-        let count = rotation.nodes.len();
-        let mut last = None;
-        for (k, uri) in rotation.order() {
-            let node = describe_uri(uri);
-            let n = k + 1;
-            match tokio::time::timeout(NODE_CONNECT_TIMEOUT, uri.connect_async(&runtime)).await {
-                Ok(Ok(stream)) => {
-                    rotation.connected(k);
-                    tracing::info!(%node, "connected to RabbitMQ node {n} of {count}");
-                    return Ok(stream);
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!(%node, error = %e, "RabbitMQ node {n} of {count} refused the connection");
-                    last = Some(e);
-                }
-                Err(_) => {
-                    tracing::warn!(%node, "RabbitMQ node {n} of {count} did not answer within {NODE_CONNECT_TIMEOUT:?}");
-                    last = Some(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!("{node} did not answer within {NODE_CONNECT_TIMEOUT:?}"),
-                    ));
+    // A first connection gives up on a node that took the TCP connection but
+    // never answered the handshake (a frozen node) after this long.
+    let give_up = match recovery {
+        Recovery::None => NODE_CONNECT_TIMEOUT * u32::try_from(nodes.len()).unwrap_or(u32::MAX),
+        Recovery::Auto => AUTO_RETRIES,
+    } + HANDSHAKE_TIMEOUT;
+    // Each node in turn starts the rotation: the TCP connect already moves past
+    // nodes that refuse, and this moves past one that takes the connection but
+    // never completes the handshake.
+    let mut last = None;
+    for first in 0..nodes.len() {
+        let rotation = std::sync::Arc::new(Rotation {
+            nodes: nodes.clone(),
+            next: std::sync::atomic::AtomicUsize::new(first),
+        });
+        let uri = nodes.uris[first].clone();
+        // lapin calls this for the first connection and for every reconnection:
+        // a TCP connection to the first node, from the rotation's current one
+        // on, that accepts it.
+        let open = async move |_uri, runtime| {
+            use lapin::tcp::AMQPUriTcpExt;
+            let count = rotation.nodes.len();
+            let mut last = None;
+            for (k, uri) in rotation.order() {
+                let node = describe_uri(uri);
+                let n = k + 1;
+                match tokio::time::timeout(NODE_CONNECT_TIMEOUT, uri.connect_async(&runtime)).await
+                {
+                    Ok(Ok(stream)) => {
+                        rotation.connected(k);
+                        tracing::info!(%node, "RabbitMQ node {n} of {count} accepted the connection");
+                        return Ok(stream);
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(%node, error = %e, "RabbitMQ node {n} of {count} refused the connection");
+                        last = Some(e);
+                    }
+                    Err(_) => {
+                        tracing::warn!(%node, "RabbitMQ node {n} of {count} did not answer within {NODE_CONNECT_TIMEOUT:?}");
+                        last = Some(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("{node} did not answer within {NODE_CONNECT_TIMEOUT:?}"),
+                        ));
+                    }
                 }
             }
+            Err(last
+                .unwrap_or_else(|| std::io::Error::other("no RabbitMQ node to connect to"))
+                .into())
+        };
+        let connecting = Connection::connector(uri, runtime.clone(), open, props.clone());
+        match tokio::time::timeout(give_up, connecting).await {
+            Ok(Ok(connection)) => return Ok(connection),
+            Ok(Err(e)) => last = Some(BrokerError::from(e)),
+            Err(_) => {
+                tracing::warn!(
+                    "no RabbitMQ connection within {give_up:?}, starting at node {} of {}",
+                    first + 1,
+                    nodes.len()
+                );
+                last = Some(BrokerError::NoConnection(format!(
+                    "no connection within {give_up:?} (a node took the TCP connection \
+                     and never completed the AMQP handshake?) at {}",
+                    redact_url(url)
+                )));
+            }
         }
-        Err(last
-            .unwrap_or_else(|| std::io::Error::other("no RabbitMQ node to connect to"))
-            .into())
-    };
-    Ok(Connection::connector(first, runtime, open, props).await?)
+    }
+    Err(last.unwrap_or_else(|| BrokerError::NoConnection("no node to connect to".into())))
 }
 
 /// The arguments of every work queue. Dead-lettering is at-least-once: with
@@ -674,22 +718,32 @@ pub fn header_str(headers: &FieldTable, name: &str) -> Option<String> {
 
 /// Replaces the password in a URL with `***`, for logs and errors.
 pub fn redact_url(url: &str) -> String {
-    // A list of nodes: each one masked.
+    // One URL: shown only when it parses with an authority, its password masked.
+    // Anything else could be a password split off at a comma, and is not shown.
+    let one = |u: &str| match url::Url::parse(u) {
+        Ok(mut parsed) if parsed.has_host() => {
+            if parsed.password().is_some() {
+                let _ = parsed.set_password(Some("***"));
+            }
+            parsed.to_string()
+        }
+        _ => "<unparseable url>".to_owned(),
+    };
+    // A list of nodes: each piece on its own. A piece that is not a URL (a
+    // password cut at an unencoded comma, say) is not shown, and the whole text
+    // is never parsed as one URL: its path would carry the other pieces, their
+    // passwords in clear.
     if url.contains(',') {
         return url
             .split(',')
-            .map(|one| redact_url(one.trim()))
+            .map(|piece| match piece.trim() {
+                "" => String::new(),
+                piece => one(piece),
+            })
             .collect::<Vec<_>>()
             .join(",");
     }
-    match url::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("***"));
-            u.to_string()
-        }
-        Ok(u) => u.to_string(),
-        Err(_) => "<unparseable url>".to_owned(),
-    }
+    one(url)
 }
 
 #[cfg(test)]
@@ -710,6 +764,11 @@ mod tests {
         assert!(r.contains("***"));
         assert!(!redact_url("postgres://u:pw@h/db").contains("pw@"));
         assert_eq!(redact_url("::"), "<unparseable url>");
+        // A comma inside a password is not a list; a piece that is not a URL
+        // with an authority is never shown.
+        let r = redact_url("postgres://u:pa,ss:word@h/db");
+        assert!(!r.contains("pa,") && !r.contains("word"), "{r}");
+        assert_eq!(redact_url("amqp:u:secret@h/%2f"), "<unparseable url>");
     }
 
     #[test]
@@ -746,6 +805,11 @@ mod tests {
             e.contains("node 2 of 2") && e.contains("not an AMQP URL"),
             "{e}"
         );
+        assert!(!e.contains("secret"), "{e}");
+        // An unencoded comma in a password splits it: refused, nothing shown.
+        let e = error("amqp://u:pa,ss@h1/%2f");
+        assert!(e.contains("%2C") && !e.contains("ss@"), "{e}");
+        let e = error("amqp:u:secret@h/%2f");
         assert!(!e.contains("secret"), "{e}");
         let e = error("amqp://u:secret@h1/%2f,amqp://u:other@h2/%2f");
         assert!(e.contains("another user, password or virtual host"), "{e}");

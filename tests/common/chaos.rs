@@ -13,6 +13,12 @@ use rand::Rng;
 
 use super::TestEnv;
 
+/// Removes the workers' logs: once the invariants held (a failing test keeps
+/// them, and names where).
+pub fn remove_logs(log_dir: &std::path::Path) {
+    let _ = std::fs::remove_dir_all(log_dir);
+}
+
 pub fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()
@@ -101,10 +107,18 @@ impl Workers {
         self.children.len()
     }
 
-    /// Stops every worker and removes the logs (kept when the test fails).
-    pub fn finish(mut self) {
+    /// Stops every worker; their logs stay until [`Workers::remove_logs`].
+    pub fn stop(mut self) -> std::path::PathBuf {
         self.stop_all();
-        let _ = std::fs::remove_dir_all(&self.log_dir);
+        self.log_dir.clone()
+    }
+
+    /// How many connections to a RabbitMQ node worker `i` opened so far (its
+    /// log's lines that say a node accepted one).
+    pub fn connections(&self, i: usize) -> usize {
+        std::fs::read_to_string(self.log_dir.join(format!("worker-{i}.log")))
+            .map(|log| log.matches("accepted the connection").count())
+            .unwrap_or(0)
     }
 
     fn stop_all(&mut self) {
@@ -168,11 +182,12 @@ pub fn start_producers(
                     let intent = super::intent("acct_chaos", &key, &format!("input of {key}"));
                     // However the broker fails, a publish is confirmed or fails,
                     // and the producer gets through again within a minute.
-                    let since = std::time::Instant::now();
+                    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
                     let mut last_error = String::new();
                     loop {
+                        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                         assert!(
-                            since.elapsed() < Duration::from_secs(60),
+                            !left.is_zero(),
                             "producer {p}: {key} not confirmed within a minute; last error: {last_error}"
                         );
                         if producer.is_none() {
@@ -180,16 +195,33 @@ pub fn start_producers(
                                 delivery_limit: 1,
                                 ..Default::default()
                             };
-                            producer = Producer::connect_with(&amqp, options)
-                                .await
-                                .map_err(|e| last_error = e.to_string())
-                                .ok();
+                            // A call that hangs counts against the minute too.
+                            producer = match tokio::time::timeout(
+                                left,
+                                Producer::connect_with(&amqp, options),
+                            )
+                            .await
+                            {
+                                Ok(Ok(p)) => Some(p),
+                                Ok(Err(e)) => {
+                                    last_error = e.to_string();
+                                    None
+                                }
+                                Err(_) => {
+                                    last_error = "connect hung".into();
+                                    None
+                                }
+                            };
                         }
                         match &producer {
-                            Some(pr) => match pr.publish_only(&intent).await {
-                                Ok(()) => break,
-                                Err(e) => {
+                            Some(pr) => match tokio::time::timeout(left, pr.publish_only(&intent)).await {
+                                Ok(Ok(())) => break,
+                                Ok(Err(e)) => {
                                     last_error = e.to_string();
+                                    producer = None;
+                                }
+                                Err(_) => {
+                                    last_error = "publish hung".into();
                                     producer = None;
                                 }
                             },
