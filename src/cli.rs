@@ -178,6 +178,19 @@ enum JobsCommand {
         #[arg(long)]
         key: String,
     },
+    /// Delete ended jobs past their retention, with their attempts, as the
+    /// reconciler does every 10 s. `unknown`, `queued` and `running` jobs are never
+    /// pruned, nor a job whose event is not yet published. Once a job is pruned, a
+    /// re-send of its identity makes a new job.
+    Prune {
+        /// Prune every ended job that ended longer ago than this (e.g. "2d"),
+        /// instead of the configured `[retention]`.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        older_than: Option<std::time::Duration>,
+        /// Count what would be pruned; delete nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -692,6 +705,57 @@ async fn jobs(c: &Connections, command: JobsCommand, json: bool, out: &mut impl 
             let job =
                 job.ok_or_else(|| Failure(format!("no job for owner {owner:?} and key {key:?}")))?;
             print_job(out, &job, json)?;
+        }
+        JobsCommand::Prune {
+            older_than,
+            dry_run,
+        } => {
+            let config = c.load_config()?;
+            let policy = match older_than {
+                Some(age) if age.is_zero() => {
+                    return Err(Failure(
+                        "--older-than: must be greater than zero".to_owned(),
+                    ));
+                }
+                Some(age) => crate::store::Policy::older_than(age),
+                None => crate::store::Policy::of(&config),
+            };
+            let store = store(c, &config).await?;
+            let pass = if dry_run {
+                store.prune_jobs(&policy, i64::MAX, true).await?
+            } else {
+                store
+                    .prune_batches(&policy, 1000, usize::MAX, std::time::Duration::ZERO, || {
+                        false
+                    })
+                    .await?
+            };
+            let oldest = pass.oldest.map(|d| d.as_secs());
+            if json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({
+                        "dry_run": dry_run,
+                        "jobs": pass.pruned.jobs,
+                        "attempts": pass.pruned.attempts,
+                        "oldest_ended_seconds_ago": oldest,
+                    })
+                )?;
+            } else {
+                let verb = if dry_run { "would prune" } else { "pruned" };
+                let since = oldest.map_or(String::new(), |s| {
+                    format!(
+                        " (the oldest had ended {} ago)",
+                        humantime::format_duration(std::time::Duration::from_secs(s))
+                    )
+                });
+                writeln!(
+                    out,
+                    "{verb} {} ended jobs and {} attempts{since}",
+                    pass.pruned.jobs, pass.pruned.attempts
+                )?;
+            }
         }
     }
     Ok(())

@@ -14,6 +14,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::domain::JobStatus;
 use crate::intent::{DEFAULT_MAX_BODY_BYTES, Intent, RejectReason};
 
 /// The configuration used when no `onejob.toml` exists and none was asked for:
@@ -66,6 +67,18 @@ struct RawConfig {
     providers: BTreeMap<String, RawProvider>,
     #[serde(default)]
     operations: BTreeMap<String, RawOperation>,
+    #[serde(default)]
+    retention: RawRetention,
+}
+
+/// `[retention]`, or an operation's `retention` table: how long a job is kept
+/// once it ended, by how it ended.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRetention {
+    succeeded: Option<String>,
+    failed: Option<String>,
+    cancelled: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -115,6 +128,7 @@ struct RawOperation {
     max_attempts: Option<u32>,
     temperature: Option<f64>,
     hedge_after: Option<String>,
+    retention: Option<RawRetention>,
     #[serde(default)]
     cases: Vec<RawCase>,
 }
@@ -250,6 +264,46 @@ pub const MAX_DURATION: Duration = Duration::from_secs(366 * 24 * 3600);
 /// is, so that a call in flight at SIGTERM can still be settled.
 const SHUTDOWN_MARGIN: Duration = Duration::from_secs(5);
 
+/// How long a job is kept once it ended, by how it ended (`[retention]`, and
+/// an operation's own `retention` table over it). While it is kept, a re-send of
+/// its identity is a `duplicate` (or a `conflict`); once it is pruned, the same
+/// identity makes a new job. `unknown`, `queued` and `running` jobs are never
+/// pruned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retention {
+    /// Kept this long after it succeeded.
+    pub succeeded: Duration,
+    /// Kept this long after it failed.
+    pub failed: Duration,
+    /// Kept this long after it was cancelled.
+    pub cancelled: Duration,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        const DAY: u64 = 24 * 3600;
+        Self {
+            succeeded: Duration::from_secs(7 * DAY),
+            failed: Duration::from_secs(30 * DAY),
+            cancelled: Duration::from_secs(7 * DAY),
+        }
+    }
+}
+
+impl Retention {
+    /// Each ended status with how long it is kept.
+    pub fn by_status(&self) -> [(JobStatus, Duration); 3] {
+        [
+            (JobStatus::Succeeded, self.succeeded),
+            (JobStatus::Failed, self.failed),
+            (JobStatus::Cancelled, self.cancelled),
+        ]
+    }
+}
+
+/// The longest retention accepted: ten years.
+pub const MAX_RETENTION: Duration = Duration::from_secs(3650 * 24 * 3600);
+
 /// One configured operation: what to ask and what shape the answer must have.
 #[derive(Clone)]
 pub struct Operation {
@@ -269,6 +323,9 @@ pub struct Operation {
     pub temperature: f64,
     /// After this much silence, start one parallel attempt (hedging).
     pub hedge_after: Option<Duration>,
+    /// How long its jobs are kept once they ended: `[retention]`, with the
+    /// operation's own `retention` table over it.
+    pub retention: Retention,
     /// Golden inputs for qualification.
     pub cases: Vec<serde_json::Map<String, Value>>,
     validator: Arc<jsonschema::Validator>,
@@ -343,6 +400,9 @@ pub struct Config {
     pub providers: BTreeMap<String, Provider>,
     /// `[operations.*]`, by name.
     pub operations: BTreeMap<String, Operation>,
+    /// `[retention]`: how long jobs of operations no longer configured are kept
+    /// (each operation's own is in [`Operation::retention`]).
+    pub retention: Retention,
     /// Settings that work but are probably not what was meant, one line each;
     /// the worker logs them at start.
     pub warnings: Vec<String>,
@@ -464,6 +524,50 @@ fn duration(
             Ok(d)
         }
     }
+}
+
+/// A retention table over `defaults`. Each kept time is at least
+/// `outbox_retention`, so that a job's published outbox rows are gone before
+/// (or with) the job, and at most [`MAX_RETENTION`].
+fn parse_retention(
+    origin: &str,
+    table: &str,
+    raw: &RawRetention,
+    defaults: Retention,
+    outbox_retention: Duration,
+) -> Result<Retention> {
+    let one = |key: &str, text: &Option<String>, default: Duration| -> Result<Duration> {
+        let setting = format!("{table}.{key}");
+        let Some(t) = text else {
+            return Ok(default);
+        };
+        let d = humantime::parse_duration(t).map_err(|e| {
+            invalid(
+                origin,
+                &setting,
+                format!("{t:?} is not a duration like \"7d\" ({e})"),
+            )
+        })?;
+        if d > MAX_RETENTION {
+            return Err(invalid(origin, &setting, "must be at most 3650 days"));
+        }
+        if d < outbox_retention {
+            return Err(invalid(
+                origin,
+                &setting,
+                format!(
+                    "must be at least worker.outbox_retention ({}): a job's published outbox rows go before the job does",
+                    humantime::format_duration(outbox_retention)
+                ),
+            ));
+        }
+        Ok(d)
+    };
+    Ok(Retention {
+        succeeded: one("succeeded", &raw.succeeded, defaults.succeeded)?,
+        failed: one("failed", &raw.failed, defaults.failed)?,
+        cancelled: one("cancelled", &raw.cancelled, defaults.cancelled)?,
+    })
 }
 
 fn toml_to_json(v: toml::Value) -> Value {
@@ -668,6 +772,7 @@ impl Config {
         name: String,
         o: RawOperation,
         providers: &BTreeMap<String, Provider>,
+        (retention, outbox_retention): (Retention, Duration),
         env: &mut minijinja::Environment<'static>,
     ) -> Result<Operation> {
         let at = |field: &str| format!("operations.{name}.{field}");
@@ -725,6 +830,12 @@ impl Config {
                 )),
             })
             .collect::<Result<Vec<_>>>()?;
+        let retention = match &o.retention {
+            None => retention,
+            Some(own) => {
+                parse_retention(origin, &at("retention"), own, retention, outbox_retention)?
+            }
+        };
         Ok(Operation {
             name,
             system: o.system,
@@ -734,6 +845,7 @@ impl Config {
             max_attempts,
             temperature,
             hedge_after,
+            retention,
             cases,
             validator: Arc::new(validator),
         })
@@ -750,6 +862,13 @@ impl Config {
         })?;
         let w = &raw.worker;
         let worker = Self::parse_worker(origin, w)?;
+        let retention = parse_retention(
+            origin,
+            "retention",
+            &raw.retention,
+            Retention::default(),
+            worker.outbox_retention,
+        )?;
         if raw.providers.is_empty() {
             return Err(invalid(
                 origin,
@@ -766,7 +885,14 @@ impl Config {
         env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
         let mut operations = BTreeMap::new();
         for (name, o) in raw.operations {
-            let operation = Self::parse_operation(origin, name.clone(), o, &providers, &mut env)?;
+            let operation = Self::parse_operation(
+                origin,
+                name.clone(),
+                o,
+                &providers,
+                (retention, worker.outbox_retention),
+                &mut env,
+            )?;
             operations.insert(name, operation);
         }
         if operations.is_empty() {
@@ -801,6 +927,7 @@ impl Config {
             worker,
             providers,
             operations,
+            retention,
             warnings,
             templates: Arc::new(env),
         })
@@ -1024,6 +1151,67 @@ mod tests {
 
     /// The tuning settings have defaults that suit a small machine, and bounds
     /// that name the setting.
+    #[test]
+    fn retention_has_defaults_overrides_and_bounds() {
+        const DAY: u64 = 24 * 3600;
+        let c = Config::parse(EMBEDDED_DEFAULT, "t").unwrap();
+        let defaults = Retention {
+            succeeded: Duration::from_secs(7 * DAY),
+            failed: Duration::from_secs(30 * DAY),
+            cancelled: Duration::from_secs(7 * DAY),
+        };
+        assert_eq!(c.retention, defaults);
+        assert_eq!(c.operations["summarize"].retention, defaults);
+
+        // [retention] over the defaults, and an operation's own table over that.
+        let text = EMBEDDED_DEFAULT.replace(
+            "[operations.summarize]",
+            "[operations.summarize]\nretention = { failed = \"2d\" }",
+        ) + "\n[retention]\nsucceeded = \"24h\"\n";
+        let c = Config::parse(&text, "t").unwrap();
+        assert_eq!(c.retention.succeeded, Duration::from_secs(DAY));
+        assert_eq!(c.retention.failed, Duration::from_secs(30 * DAY));
+        let op = c.operations["summarize"].retention;
+        assert_eq!(
+            (op.succeeded, op.failed, op.cancelled),
+            (
+                Duration::from_secs(DAY),
+                Duration::from_secs(2 * DAY),
+                Duration::from_secs(7 * DAY)
+            )
+        );
+
+        for (bad, message) in [
+            (
+                "[retention]\nsucceeded = \"soon\"",
+                "retention.succeeded: \"soon\" is not a duration",
+            ),
+            (
+                "[retention]\nfailed = \"30m\"",
+                "retention.failed: must be at least worker.outbox_retention (1h)",
+            ),
+            (
+                "[retention]\ncancelled = \"3651days\"",
+                "retention.cancelled: must be at most 3650 days",
+            ),
+            ("[retention]\nkept = \"1d\"", "unknown field `kept`"),
+        ] {
+            let e = Config::parse(&format!("{EMBEDDED_DEFAULT}\n{bad}\n"), "t")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(message), "{bad}: {e}");
+        }
+        let text = EMBEDDED_DEFAULT.replace(
+            "[operations.summarize]",
+            "[operations.summarize]\nretention = { succeeded = \"10m\" }",
+        );
+        let e = Config::parse(&text, "t").unwrap_err().to_string();
+        assert!(
+            e.contains("operations.summarize.retention.succeeded: must be at least"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn tuning_has_defaults_and_bounds() {
         let c = Config::parse(EMBEDDED_DEFAULT, "t").unwrap();

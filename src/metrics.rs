@@ -11,7 +11,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use ::metrics::{counter, histogram};
+use ::metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::intent::Outcome;
@@ -138,6 +138,19 @@ pub async fn timed<T>(stage: &'static str, work: impl std::future::Future<Output
     let out = work.await;
     self::stage(stage, began.elapsed());
     out
+}
+
+/// A pruning batch deleted ended jobs past their retention, with their
+/// attempts.
+pub fn pruned(pruned: crate::store::Pruned) {
+    counter!("onejob_pruned_total", "table" => "jobs").increment(pruned.jobs);
+    counter!("onejob_pruned_total", "table" => "attempts").increment(pruned.attempts);
+}
+
+/// How long ago the oldest ended job past its retention ended, as a pruning pass
+/// found it (0: none was).
+pub fn oldest_prunable(oldest: Option<Duration>) {
+    gauge!("onejob_oldest_prunable_job_seconds").set(oldest.map_or(0.0, |d| d.as_secs_f64()));
 }
 
 /// A transaction ran again after a transient error, by its SQLSTATE (`40P01` a

@@ -13,7 +13,9 @@
 //!   dead-letter queue (the delivery limit, say) while the attempt was still
 //!   `queued` is marked `failed` with the dead letter's reason, and the route rule
 //!   plans what follows. The dead letter itself stays for an operator.
-//! - **Pruning**: published outbox rows past `outbox_retention` are deleted.
+//! - **Pruning**: published outbox rows past `outbox_retention` are deleted;
+//!   ended jobs past their retention are deleted with their attempts, in a loop
+//!   of its own so that a large backlog of them never holds up the relay.
 //! - **Statistics**: the busy tables are analyzed when their statistics are
 //!   missing or far behind, as on a fresh database taking a backlog
 //!   ([`crate::store::Store::refresh_statistics`]).
@@ -34,8 +36,67 @@ use crate::store::FailedJob;
 /// Outbox rows one relay pass takes at most.
 const RELAY_BATCH: i64 = 256;
 
+/// How often the job pruner looks for ended jobs past their retention.
+const PRUNE_EVERY: Duration = Duration::from_secs(10);
+/// Jobs one pruning statement deletes at most.
+const PRUNE_BATCH: i64 = 1000;
+/// Batches one pruning pass runs at most, with a pause between them, so that a
+/// large first prune spreads over several passes.
+const PRUNE_BATCHES: usize = 100;
+
 /// Runs every pass until shutdown.
 pub(crate) async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
+    let pruner = tokio::spawn(prune_loop(ctx.clone(), shutdown.clone()));
+    let outcome = passes(ctx, shutdown).await;
+    pruner.abort();
+    let _ = pruner.await;
+    outcome
+}
+
+/// Prunes ended jobs past their retention every [`PRUNE_EVERY`] until shutdown.
+async fn prune_loop(ctx: Context, shutdown: Shutdown) {
+    let policy = crate::store::Policy::of(&ctx.config);
+    loop {
+        match prune_jobs(&ctx, &policy, &shutdown).await {
+            Ok(p) if p.jobs > 0 => {
+                tracing::info!(
+                    jobs = p.jobs,
+                    attempts = p.attempts,
+                    "pruned ended jobs past their retention"
+                );
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "pruning ended jobs failed; will retry"),
+        }
+        tokio::select! {
+            () = shutdown.wait() => return,
+            () = tokio::time::sleep(PRUNE_EVERY) => {}
+        }
+    }
+}
+
+/// One pruning pass: batches until one comes back short (or [`PRUNE_BATCHES`]).
+pub(crate) async fn prune_jobs(
+    ctx: &Context,
+    policy: &crate::store::Policy,
+    shutdown: &Shutdown,
+) -> Result<crate::store::Pruned> {
+    let pass = ctx
+        .store
+        .prune_batches(
+            policy,
+            PRUNE_BATCH,
+            PRUNE_BATCHES,
+            Duration::from_millis(10),
+            || shutdown.is_triggered(),
+        )
+        .await?;
+    crate::metrics::oldest_prunable(pass.oldest);
+    Ok(pass.pruned)
+}
+
+/// The relay, the sweeps and the dead-letter scan, until shutdown.
+async fn passes(ctx: Context, shutdown: Shutdown) -> Result<()> {
     let mut tick = tokio::time::interval(ctx.config.worker.relay_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let sweep_every =

@@ -38,9 +38,12 @@ mod gauges;
 mod jobs;
 mod outbox;
 mod qualifications;
+mod retention;
 mod settle;
 mod sweeps;
 mod tokens;
+
+pub use retention::{Pass, Policy, Pruned};
 
 /// A storage failure.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,301 @@
+//! Retention: ended jobs are pruned with their attempts once they have been kept
+//! for their operation's retention, at its boundaries; `unknown`, `queued` and
+//! `running` jobs never are, nor a job whose event is not yet published; a
+//! pruned identity makes a new job; the CLI and the reconciler prune the same.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{TestEnv, config, config_for, new_job, wait_for};
+use onejob::domain::JobId;
+use onejob::store::{Admission, Policy, Store};
+
+/// `[retention]` and the operation's own override, as the tests use them.
+fn text() -> String {
+    config_for(
+        &[common::P("primary", "http://127.0.0.1:9", "")],
+        "retention = { succeeded = \"90m\" }",
+    ) + "\n[retention]\nsucceeded = \"2h\"\nfailed = \"3h\"\ncancelled = \"2h\"\n"
+}
+
+/// Admits a job of `operation` and marks its first attempt's message published.
+async fn job(store: &Store, key: &str, operation: &str) -> JobId {
+    let mut new = new_job("acct_r", key, "text");
+    new.intent.operation = operation.into();
+    let job_id = new.job_id;
+    match store.admit(&[new]).await.unwrap().remove(0) {
+        Admission::Created { publish, .. } => store.mark_published(&[publish.id]).await.unwrap(),
+        other => panic!("expected created, got {other:?}"),
+    }
+    job_id
+}
+
+/// Ends a job as `status` (its attempt too), `ago` in the past: what settling it
+/// then would have written. An `unknown` job's attempt is `unknown`.
+async fn end(store: &Store, job: JobId, status: &str, ago: Duration) {
+    let attempt_status = if status == "cancelled" {
+        "cancelled"
+    } else {
+        status
+    };
+    let secs = ago.as_secs_f64();
+    sqlx::query(
+        "UPDATE attempts SET status = $2, finished_at = now() - make_interval(secs => $3) WHERE job_id = $1",
+    )
+    .bind(job.0)
+    .bind(attempt_status)
+    .bind(secs)
+    .execute(store.pool())
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE jobs SET status = $2, version = version + 1,
+             completed_by = CASE WHEN $2 = 'succeeded' THEN (SELECT id FROM attempts WHERE job_id = $1) END,
+             result = CASE WHEN $2 = 'succeeded' THEN '{\"summary\": \"s\"}'::jsonb END,
+             updated_at = now() - make_interval(secs => $3)
+         WHERE id = $1",
+    )
+    .bind(job.0)
+    .bind(status)
+    .bind(secs)
+    .execute(store.pool())
+    .await
+    .unwrap();
+}
+
+async fn exists(store: &Store, job: JobId) -> (bool, i64) {
+    let (jobs, attempts): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM jobs WHERE id = $1), (SELECT count(*) FROM attempts WHERE job_id = $1)",
+    )
+    .bind(job.0)
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    (jobs == 1, attempts)
+}
+
+fn minutes(m: u64) -> Duration {
+    Duration::from_secs(m * 60)
+}
+
+#[tokio::test]
+async fn retention_prunes_just_outside_its_window_and_nothing_else() {
+    let (config, _file) = config(&text());
+    let env = TestEnv::new(&config).await;
+    let store = &env.store;
+    let policy = Policy::of(&config);
+
+    // summarize's own retention for succeeded jobs: 90 minutes.
+    let inside = job(store, "inside", "summarize").await;
+    end(store, inside, "succeeded", minutes(89)).await;
+    let outside = job(store, "outside", "summarize").await;
+    end(store, outside, "succeeded", minutes(91)).await;
+    // Failed and cancelled fall back to [retention]: 3 hours and 2 hours.
+    let failed_inside = job(store, "failed-inside", "summarize").await;
+    end(store, failed_inside, "failed", minutes(179)).await;
+    let failed_outside = job(store, "failed-outside", "summarize").await;
+    end(store, failed_outside, "failed", minutes(181)).await;
+    let cancelled_outside = job(store, "cancelled-outside", "summarize").await;
+    end(store, cancelled_outside, "cancelled", minutes(121)).await;
+    // An operation no longer configured: [retention] alone (2 hours).
+    let retired_inside = job(store, "retired-inside", "retired").await;
+    end(store, retired_inside, "succeeded", minutes(119)).await;
+    let retired_outside = job(store, "retired-outside", "retired").await;
+    end(store, retired_outside, "succeeded", minutes(121)).await;
+    // Never pruned, however old: unknown, queued, running.
+    let unknown = job(store, "unknown", "summarize").await;
+    end(
+        store,
+        unknown,
+        "unknown",
+        Duration::from_secs(400 * 24 * 3600),
+    )
+    .await;
+    let queued = job(store, "queued", "summarize").await;
+    sqlx::query("UPDATE jobs SET created_at = now() - interval '400 days', updated_at = now() - interval '400 days' WHERE id = $1")
+        .bind(queued.0)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let running = job(store, "running", "summarize").await;
+    sqlx::query("UPDATE jobs SET status = 'running', updated_at = now() - interval '400 days' WHERE id = $1")
+        .bind(running.0)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    // Past its retention, but its job.succeeded event is not published yet.
+    let unpublished = job(store, "unpublished", "summarize").await;
+    end(store, unpublished, "succeeded", minutes(200)).await;
+    let event: (i64,) = sqlx::query_as(
+        "INSERT INTO outbox (exchange, routing_key, message_id, body)
+         SELECT 'onejob.events', 'job.succeeded', id::text || ':' || version, '{}'::jsonb FROM jobs WHERE id = $1
+         RETURNING id",
+    )
+    .bind(unpublished.0)
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+
+    // A dry run counts, and deletes nothing.
+    let dry = store.prune_jobs(&policy, i64::MAX, true).await.unwrap();
+    assert_eq!((dry.pruned.jobs, dry.pruned.attempts), (4, 4));
+    let oldest = dry.oldest.expect("the oldest prunable job's age");
+    assert!(
+        oldest >= minutes(181) && oldest < minutes(183),
+        "{oldest:?}"
+    );
+    assert!(exists(store, outside).await.0);
+
+    // Pruned in batches of one, to the same four.
+    let pass = store
+        .prune_batches(&policy, 1, 100, Duration::ZERO, || false)
+        .await
+        .unwrap();
+    assert_eq!((pass.pruned.jobs, pass.pruned.attempts), (4, 4));
+    for gone in [outside, failed_outside, cancelled_outside, retired_outside] {
+        assert_eq!(
+            exists(store, gone).await,
+            (false, 0),
+            "{gone} pruned, attempts and all"
+        );
+    }
+    for kept in [
+        inside,
+        failed_inside,
+        retired_inside,
+        unknown,
+        queued,
+        running,
+        unpublished,
+    ] {
+        assert_eq!(exists(store, kept).await, (true, 1), "{kept} kept");
+    }
+    assert_eq!(
+        store
+            .prune_jobs(&policy, 100, false)
+            .await
+            .unwrap()
+            .pruned
+            .jobs,
+        0
+    );
+
+    // Once its event is published, the held job goes too.
+    store.mark_published(&[event.0]).await.unwrap();
+    assert_eq!(
+        store
+            .prune_jobs(&policy, 100, false)
+            .await
+            .unwrap()
+            .pruned
+            .jobs,
+        1
+    );
+    assert!(!exists(store, unpublished).await.0);
+
+    // A pruned identity makes a new job; a kept one is still a duplicate.
+    let again = new_job("acct_r", "outside", "text");
+    let new_id = again.job_id;
+    match store.admit(&[again]).await.unwrap().remove(0) {
+        Admission::Created { job_id, .. } => assert_eq!(job_id, new_id),
+        other => panic!("a pruned identity makes a new job, got {other:?}"),
+    }
+    match store
+        .admit(&[new_job("acct_r", "inside", "text")])
+        .await
+        .unwrap()
+        .remove(0)
+    {
+        Admission::Duplicate { job_id } => assert_eq!(job_id, inside),
+        other => panic!("inside its window an identity is a duplicate, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn the_cli_prunes_by_age_and_counts_first() {
+    let text = text();
+    let (config, file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let store = &env.store;
+    let old = job(store, "old", "summarize").await;
+    end(store, old, "succeeded", minutes(30)).await;
+    let recent = job(store, "recent", "summarize").await;
+    end(store, recent, "succeeded", minutes(5)).await;
+
+    // The configured retention (90 minutes) prunes neither.
+    let out = env.cli_ok(&file.path, &["jobs", "prune", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["jobs"], 0, "{v}");
+
+    let out = env.cli_ok(
+        &file.path,
+        &[
+            "jobs",
+            "prune",
+            "--older-than",
+            "10m",
+            "--dry-run",
+            "--json",
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (
+            v["dry_run"].as_bool(),
+            v["jobs"].as_u64(),
+            v["attempts"].as_u64()
+        ),
+        (Some(true), Some(1), Some(1)),
+        "{v}"
+    );
+    assert!(exists(store, old).await.0);
+
+    let out = env.cli_ok(&file.path, &["jobs", "prune", "--older-than", "10m"]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.starts_with("pruned 1 ended jobs and 1 attempts"),
+        "{said}"
+    );
+    assert!(!exists(store, old).await.0);
+    assert!(exists(store, recent).await.0);
+
+    let bad = env.cli(&file.path, &["jobs", "prune", "--older-than", "0s"]);
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--older-than"));
+    let bad = env.cli(&file.path, &["jobs", "prune", "--older-than", "soon"]);
+    assert_eq!(bad.status.code(), Some(2), "a bad duration is bad usage");
+}
+
+#[tokio::test]
+async fn the_reconciler_prunes_on_its_own() {
+    let (config, _file) = config(&text());
+    let env = TestEnv::new(&config).await;
+    let store = &env.store;
+    let old = job(store, "old", "summarize").await;
+    end(store, old, "succeeded", minutes(95)).await;
+    let kept = job(store, "kept", "summarize").await;
+    end(store, kept, "succeeded", minutes(85)).await;
+
+    let fleet = env
+        .fleet(config.clone(), vec![onejob::fleet::Role::Reconciler])
+        .await;
+    wait_for(
+        "the reconciler to prune the old job",
+        Duration::from_secs(30),
+        || async { (!exists(store, old).await.0).then_some(()) },
+    )
+    .await;
+    assert!(exists(store, kept).await.0);
+    // The worker context installed the recorder: the pass is counted.
+    let metrics = onejob::metrics::render();
+    fleet.stop().await;
+    assert!(
+        metrics.contains("onejob_pruned_total{table=\"jobs\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("onejob_oldest_prunable_job_seconds"),
+        "{metrics}"
+    );
+}
