@@ -125,14 +125,7 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
 
     // Recovery: the workers keep running (restarted if they exit) until no job is
     // queued or running, or two minutes pass.
-    let store = onejob::store::Store::connect(
-        &env.database_url,
-        4,
-        onejob::runtime::routes(&config),
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap();
+    let store = common::chaos::store(&env, &config).await;
     let confirmed = sent.keys();
     let settle_time = settle(&store, &mut workers, confirmed.len()).await;
     let log_dir = workers.stop();

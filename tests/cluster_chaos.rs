@@ -168,14 +168,7 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
         |p| nodes_from(p + 1, &env.name),
         &sent,
     );
-    let store = onejob::store::Store::connect(
-        &env.database_url,
-        4,
-        onejob::runtime::routes(&config),
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap();
+    let store = common::chaos::store(&env, &config).await;
 
     // Every queue the workers declared (each through its own node, at once) is
     // replicated on the three nodes.

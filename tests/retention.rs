@@ -64,6 +64,13 @@ async fn end(store: &Store, job: JobId, status: &str, ago: Duration) {
     .unwrap();
 }
 
+/// A job of `operation` that ended as `status`, `ago` in the past.
+async fn ended(store: &Store, key: &str, operation: &str, status: &str, ago: Duration) -> JobId {
+    let id = job(store, key, operation).await;
+    end(store, id, status, ago).await;
+    id
+}
+
 async fn exists(store: &Store, job: JobId) -> (bool, i64) {
     let (jobs, attempts): (i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM jobs WHERE id = $1), (SELECT count(*) FROM attempts WHERE job_id = $1)",
@@ -87,22 +94,36 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
     let policy = Policy::of(&config);
 
     // summarize's own retention for succeeded jobs: 90 minutes.
-    let inside = job(store, "inside", "summarize").await;
-    end(store, inside, "succeeded", minutes(89)).await;
-    let outside = job(store, "outside", "summarize").await;
-    end(store, outside, "succeeded", minutes(91)).await;
+    let inside = ended(store, "inside", "summarize", "succeeded", minutes(89)).await;
+    let outside = ended(store, "outside", "summarize", "succeeded", minutes(91)).await;
     // Failed and cancelled fall back to [retention]: 3 hours and 2 hours.
-    let failed_inside = job(store, "failed-inside", "summarize").await;
-    end(store, failed_inside, "failed", minutes(179)).await;
-    let failed_outside = job(store, "failed-outside", "summarize").await;
-    end(store, failed_outside, "failed", minutes(181)).await;
-    let cancelled_outside = job(store, "cancelled-outside", "summarize").await;
-    end(store, cancelled_outside, "cancelled", minutes(121)).await;
+    let failed_inside = ended(store, "failed-inside", "summarize", "failed", minutes(179)).await;
+    let failed_outside = ended(store, "failed-outside", "summarize", "failed", minutes(181)).await;
+    let cancelled_outside = ended(
+        store,
+        "cancelled-outside",
+        "summarize",
+        "cancelled",
+        minutes(121),
+    )
+    .await;
     // An operation no longer configured: [retention] alone (2 hours).
-    let retired_inside = job(store, "retired-inside", "retired").await;
-    end(store, retired_inside, "succeeded", minutes(119)).await;
-    let retired_outside = job(store, "retired-outside", "retired").await;
-    end(store, retired_outside, "succeeded", minutes(121)).await;
+    let retired_inside = ended(
+        store,
+        "retired-inside",
+        "retired",
+        "succeeded",
+        minutes(119),
+    )
+    .await;
+    let retired_outside = ended(
+        store,
+        "retired-outside",
+        "retired",
+        "succeeded",
+        minutes(121),
+    )
+    .await;
     // Never pruned, however old: unknown, queued, running.
     let unknown = job(store, "unknown", "summarize").await;
     end(
@@ -125,8 +146,7 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
         .await
         .unwrap();
     // Past its retention, but its job.succeeded event is not published yet.
-    let unpublished = job(store, "unpublished", "summarize").await;
-    end(store, unpublished, "succeeded", minutes(200)).await;
+    let unpublished = ended(store, "unpublished", "summarize", "succeeded", minutes(200)).await;
     let event: (i64,) = sqlx::query_as(
         "INSERT INTO outbox (exchange, routing_key, message_id, body)
          SELECT 'onejob.events', 'job.succeeded', id::text || ':' || version, '{}'::jsonb FROM jobs WHERE id = $1
@@ -171,27 +191,19 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
     ] {
         assert_eq!(exists(store, kept).await, (true, 1), "{kept} kept");
     }
-    assert_eq!(
+    let prune = || async {
         store
             .prune_jobs(&policy, 100, false)
             .await
             .unwrap()
             .pruned
-            .jobs,
-        0
-    );
+            .jobs
+    };
+    assert_eq!(prune().await, 0);
 
     // Once its event is published, the held job goes too.
     store.mark_published(&[event.0]).await.unwrap();
-    assert_eq!(
-        store
-            .prune_jobs(&policy, 100, false)
-            .await
-            .unwrap()
-            .pruned
-            .jobs,
-        1
-    );
+    assert_eq!(prune().await, 1);
     assert!(!exists(store, unpublished).await.0);
 
     // A pruned identity makes a new job; a kept one is still a duplicate.
@@ -218,10 +230,8 @@ async fn the_cli_prunes_by_age_and_counts_first() {
     let (config, file) = config(&text);
     let env = TestEnv::new(&config).await;
     let store = &env.store;
-    let old = job(store, "old", "summarize").await;
-    end(store, old, "succeeded", minutes(30)).await;
-    let recent = job(store, "recent", "summarize").await;
-    end(store, recent, "succeeded", minutes(5)).await;
+    let old = ended(store, "old", "summarize", "succeeded", minutes(30)).await;
+    let recent = ended(store, "recent", "summarize", "succeeded", minutes(5)).await;
 
     // The configured retention (90 minutes) prunes neither.
     let out = env.cli_ok(&file.path, &["jobs", "prune", "--json"]);
@@ -272,10 +282,8 @@ async fn the_reconciler_prunes_on_its_own() {
     let (config, _file) = config(&text());
     let env = TestEnv::new(&config).await;
     let store = &env.store;
-    let old = job(store, "old", "summarize").await;
-    end(store, old, "succeeded", minutes(95)).await;
-    let kept = job(store, "kept", "summarize").await;
-    end(store, kept, "succeeded", minutes(85)).await;
+    let old = ended(store, "old", "summarize", "succeeded", minutes(95)).await;
+    let kept = ended(store, "kept", "summarize", "succeeded", minutes(85)).await;
 
     let fleet = env
         .fleet(config.clone(), vec![onejob::fleet::Role::Reconciler])

@@ -240,6 +240,18 @@ pub fn start_producers(
         .collect()
 }
 
+/// A small pool on `env`'s database for the checks.
+pub async fn store(env: &TestEnv, config: &onejob::config::Config) -> onejob::store::Store {
+    onejob::store::Store::connect(
+        &env.database_url,
+        4,
+        onejob::runtime::routes(config),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap()
+}
+
 /// Waits until no job is queued or running and every confirmed key has a job
 /// (or two minutes pass), restarting workers that exit meanwhile; how long it
 /// took.
