@@ -142,9 +142,9 @@ pub async fn timed<T>(stage: &'static str, work: impl std::future::Future<Output
 
 /// A pruning batch deleted ended jobs past their retention, with their
 /// attempts.
-pub fn pruned(pruned: crate::store::Pruned) {
-    counter!("onejob_pruned_total", "table" => "jobs").increment(pruned.jobs);
-    counter!("onejob_pruned_total", "table" => "attempts").increment(pruned.attempts);
+pub fn pruned(jobs: u64, attempts: u64) {
+    counter!("onejob_pruned_total", "table" => "jobs").increment(jobs);
+    counter!("onejob_pruned_total", "table" => "attempts").increment(attempts);
 }
 
 /// How long ago the oldest ended job past its retention ended, as a pruning pass

@@ -159,7 +159,7 @@ impl Store {
         let mut total = Pass::default();
         for n in 0..max_batches {
             let pass = self.prune_jobs(policy, batch, false).await?;
-            crate::metrics::pruned(pass.pruned);
+            crate::metrics::pruned(pass.pruned.jobs, pass.pruned.attempts);
             if n == 0 {
                 total.oldest = pass.oldest;
             }
