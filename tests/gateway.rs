@@ -628,12 +628,12 @@ async fn a_request_in_flight_at_shutdown_gets_its_answer() {
     };
     let amqp = s.env.amqp().await;
     let channel = amqp.create_channel().await.unwrap();
-    wait_for(
+    common::wait_for_depth(
         "the intent to be published",
         Duration::from_secs(10),
-        || async {
-            (common::depth(&channel, onejob::broker::INTENTS_QUEUE).await == 1).then_some(())
-        },
+        &channel,
+        onejob::broker::INTENTS_QUEUE,
+        1,
     )
     .await;
     // SIGTERM now: the gateway stops taking connections but answers this one,

@@ -638,10 +638,12 @@ async fn dlq_replay_all_is_bounded_and_reports_each_letter() {
         FieldTable::default(),
     )
     .await;
-    wait_for(
+    common::wait_for_depth(
         "the bad intent's dead letter",
         Duration::from_secs(20),
-        || async { (common::depth(&ch, &dlq).await == 1).then_some(()) },
+        &ch,
+        &dlq,
+        1,
     )
     .await;
     // A good intent with its origin, and a letter that names no origin.
@@ -712,10 +714,12 @@ async fn dlq_replay_all_is_bounded_and_reports_each_letter() {
     )
     .await;
     assert_eq!(job.idempotency_key, "good");
-    wait_for(
+    common::wait_for_depth(
         "the bad intent to die again",
         Duration::from_secs(20),
-        || async { (common::depth(&ch, &dlq).await == 2).then_some(()) },
+        &ch,
+        &dlq,
+        2,
     )
     .await;
     let _ = conn.close(200, "done".into()).await;
@@ -1324,10 +1328,12 @@ async fn an_attempt_not_claimed_when_the_worker_stops_goes_back_to_its_queue() {
     let queue = onejob::broker::attempts_queue("primary");
     let ch = env.amqp().await.create_channel().await.unwrap();
     // Taken by the worker, which cannot claim it while Postgres is away.
-    wait_for(
+    common::wait_for_depth(
         "the worker to take the message",
         Duration::from_secs(10),
-        || async { (common::depth(&ch, &queue).await == 0).then_some(()) },
+        &ch,
+        &queue,
+        0,
     )
     .await;
     shutdown.trigger();
@@ -1338,10 +1344,12 @@ async fn an_attempt_not_claimed_when_the_worker_stops_goes_back_to_its_queue() {
         .unwrap();
 
     // The broker takes the returned message back on its own time.
-    wait_for(
+    common::wait_for_depth(
         "the unclaimed attempt's message to be back in its queue",
         Duration::from_secs(15),
-        || async { (common::depth(&ch, &queue).await == 1).then_some(()) },
+        &ch,
+        &queue,
+        1,
     )
     .await;
     path.restore();
@@ -1399,10 +1407,12 @@ async fn a_stopping_worker_starts_nothing_new() {
     assert_eq!(waiting.attempts[0].status, AttemptStatus::Queued);
     let ch = env.amqp().await.create_channel().await.unwrap();
     let queue = onejob::broker::attempts_queue("primary");
-    wait_for(
+    common::wait_for_depth(
         "the waiting attempt's message to be back in its queue",
         Duration::from_secs(15),
-        || async { (common::depth(&ch, &queue).await == 1).then_some(()) },
+        &ch,
+        &queue,
+        1,
     )
     .await;
 }

@@ -149,13 +149,13 @@ const AUTO_RETRIES: Duration = Duration::from_secs(80);
 /// users and vhosts are the cluster's, not a node's), so that a connection can
 /// move from one node to another.
 #[derive(Clone, Debug)]
-pub struct Nodes {
+pub(crate) struct Nodes {
     uris: Vec<AMQPUri>,
 }
 
 impl Nodes {
     /// Parses a list, naming (with every password masked) what is wrong with it.
-    pub fn parse(list: &str) -> Result<Nodes> {
+    pub(crate) fn parse(list: &str) -> Result<Nodes> {
         let texts: Vec<&str> = list.split(',').map(str::trim).collect();
         let count = texts.len();
         let mut uris: Vec<AMQPUri> = Vec::with_capacity(count);
@@ -200,14 +200,9 @@ impl Nodes {
         Ok(Nodes { uris })
     }
 
-    /// How many nodes the list names.
-    pub fn len(&self) -> usize {
+    /// How many nodes the list names (at least one, once parsed).
+    fn len(&self) -> usize {
         self.uris.len()
-    }
-
-    /// Whether the list is empty (never, once parsed).
-    pub fn is_empty(&self) -> bool {
-        self.uris.is_empty()
     }
 }
 

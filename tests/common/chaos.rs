@@ -103,10 +103,6 @@ impl Workers {
         self.children[i] = (self.spawn)(i);
     }
 
-    pub fn len(&self) -> usize {
-        self.children.len()
-    }
-
     /// Stops every worker; their logs stay until [`Workers::remove_logs`].
     pub fn stop(mut self) -> std::path::PathBuf {
         self.stop_all();

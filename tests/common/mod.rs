@@ -339,6 +339,21 @@ pub async fn depth(ch: &lapin::Channel, queue: &str) -> u32 {
     .message_count()
 }
 
+/// Waits until `queue` holds exactly `messages` (the broker counts on its own
+/// time), or panics naming `what` after `limit`.
+pub async fn wait_for_depth(
+    what: &str,
+    limit: Duration,
+    ch: &lapin::Channel,
+    queue: &str,
+    messages: u32,
+) {
+    wait_for(what, limit, || async {
+        (depth(ch, queue).await == messages).then_some(())
+    })
+    .await;
+}
+
 /// Polls `check` until it returns `Some`, or panics naming `what` after `limit`.
 pub async fn wait_for<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
 where
