@@ -147,6 +147,11 @@ pub fn pruned(jobs: u64, attempts: u64) {
     counter!("onejob_pruned_total", "table" => "attempts").increment(attempts);
 }
 
+/// onejob vacuumed one of its tables because the server runs no autovacuum.
+pub fn vacuumed(table: &str) {
+    counter!("onejob_vacuums_total", "table" => table.to_owned()).increment(1);
+}
+
 /// How long ago the oldest ended job past its retention ended, as a pruning pass
 /// found it (0: none was).
 pub fn oldest_prunable(oldest: Option<Duration>) {

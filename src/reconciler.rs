@@ -68,6 +68,15 @@ async fn prune_loop(ctx: Context, shutdown: Shutdown) {
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "pruning ended jobs failed; will retry"),
         }
+        match ctx.store.vacuum_if_due().await {
+            Ok(tables) => {
+                for table in tables {
+                    crate::metrics::vacuumed(&table);
+                    tracing::info!(%table, "vacuumed (the server runs no autovacuum)");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "vacuuming failed; will retry"),
+        }
         tokio::select! {
             () = shutdown.wait() => return,
             () = tokio::time::sleep(PRUNE_EVERY) => {}

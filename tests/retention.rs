@@ -307,3 +307,63 @@ async fn the_reconciler_prunes_on_its_own() {
         "{metrics}"
     );
 }
+
+/// Where the server runs no autovacuum (this machine's CI configuration says
+/// `autovacuum = off`), pruned rows would hold their space forever: onejob
+/// vacuums its own tables once their dead rows pass autovacuum's threshold.
+/// Where autovacuum runs, it leaves that to the server.
+#[tokio::test]
+async fn pruned_space_is_vacuumed_where_the_server_runs_no_autovacuum() {
+    let (config, _file) = config(&text());
+    let env = TestEnv::new(&config).await;
+    let store = &env.store;
+    let autovacuum: bool = sqlx::query_scalar("SELECT current_setting('autovacuum')::bool")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    // A fresh database has no dead rows: nothing to do.
+    assert_eq!(store.vacuum_if_due().await.unwrap(), Vec::<String>::new());
+
+    for i in 0..300 {
+        ended(
+            store,
+            &format!("old-{i}"),
+            "summarize",
+            "succeeded",
+            minutes(200),
+        )
+        .await;
+    }
+    let pass = store
+        .prune_jobs(&Policy::of(&config), 1000, false)
+        .await
+        .unwrap();
+    assert_eq!(pass.pruned.jobs, 300);
+    if autovacuum {
+        assert_eq!(store.vacuum_if_due().await.unwrap(), Vec::<String>::new());
+        return;
+    }
+    // A backend reports its statistics within ten seconds of going idle.
+    let vacuumed = wait_for(
+        "the pruned jobs' dead rows to pass the threshold",
+        Duration::from_secs(30),
+        || async {
+            let tables = store.vacuum_if_due().await.unwrap();
+            tables.contains(&"jobs".to_owned()).then_some(tables)
+        },
+    )
+    .await;
+    assert!(vacuumed.contains(&"attempts".to_owned()), "{vacuumed:?}");
+    // Each was vacuumed once, with its statistics (a vacuum reports at once).
+    let counts: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT relname::text, vacuum_count, analyze_count FROM pg_stat_user_tables
+         WHERE relname IN ('jobs', 'attempts') AND schemaname = current_schema() ORDER BY relname",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        counts,
+        vec![("attempts".to_owned(), 1, 1), ("jobs".to_owned(), 1, 1)]
+    );
+}

@@ -10,6 +10,11 @@
 //! it deletes only rows nobody else writes: an ended job's attempts are all
 //! ended, and no guarded statement matches them. An intent whose identity is
 //! being pruned waits for that commit and then makes a new job.
+//!
+//! Deleted rows free their space only once a `VACUUM` has run. Where the server
+//! runs autovacuum that is its job; where it does not (`autovacuum = off`),
+//! [`Store::vacuum_if_due`] does it for onejob's own tables, by autovacuum's
+//! rule, so that pruned space is reused instead of the tables growing forever.
 
 use std::time::Duration;
 
@@ -142,6 +147,29 @@ impl Store {
                 .filter(|s| s.is_finite() && *s >= 0.0)
                 .map(Duration::from_secs_f64),
         })
+    }
+
+    /// Where the server does not run autovacuum, vacuums (and analyzes) each of
+    /// onejob's busy tables (`jobs`, `attempts`, `outbox`) whose dead rows are
+    /// past autovacuum's own threshold (`autovacuum_vacuum_threshold` +
+    /// `autovacuum_vacuum_scale_factor` × its rows), skipping any another
+    /// session is vacuuming. The tables it vacuumed; none where autovacuum runs.
+    pub async fn vacuum_if_due(&self) -> Result<Vec<String>> {
+        let due = sqlx::query_scalar!(
+            r#"SELECT s.relname::text AS "table!" FROM pg_stat_user_tables s
+               JOIN pg_class c ON c.oid = s.relid
+               WHERE s.schemaname = current_schema()
+                 AND s.relname IN ('jobs', 'attempts', 'outbox')
+                 AND NOT current_setting('autovacuum')::bool
+                 AND s.n_dead_tup > current_setting('autovacuum_vacuum_threshold')::float8
+                     + current_setting('autovacuum_vacuum_scale_factor')::float8 * greatest(c.reltuples, 0)
+               ORDER BY s.relname"#
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        self.on_busy_tables("VACUUM (ANALYZE, SKIP_LOCKED)", &due)
+            .await?;
+        Ok(due)
     }
 
     /// Prunes batch after batch of `batch` jobs until one comes back short,

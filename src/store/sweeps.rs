@@ -194,14 +194,26 @@ impl Store {
         )
         .fetch_all(&self.pool)
         .await?;
-        for table in &stale {
-            let statement = match table.as_str() {
-                "jobs" => "ANALYZE jobs",
-                "attempts" => "ANALYZE attempts",
-                _ => "ANALYZE outbox",
-            };
-            sqlx::raw_sql(statement).execute(&self.pool).await?;
-        }
+        self.on_busy_tables("ANALYZE", &stale).await?;
         Ok(stale)
+    }
+
+    /// Runs `command` (`ANALYZE`, `VACUUM (…)`: commands that take a table's
+    /// name last and cannot run in a transaction) on each of `tables` that is
+    /// one of onejob's busy tables, one simple query each.
+    pub(super) async fn on_busy_tables(&self, command: &str, tables: &[String]) -> Result<()> {
+        for table in tables {
+            // Only these three fixed identifiers are ever spliced in.
+            let table = match table.as_str() {
+                "jobs" => "jobs",
+                "attempts" => "attempts",
+                "outbox" => "outbox",
+                _ => continue,
+            };
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("{command} {table}")))
+                .execute(&self.pool)
+                .await?;
+        }
+        Ok(())
     }
 }
