@@ -10,6 +10,7 @@ use std::time::Duration;
 use common::{TestEnv, config, config_for, new_job, wait_for};
 use onejob::domain::JobId;
 use onejob::store::{Admission, Policy, Store};
+use sqlx::Connection;
 
 /// `[retention]` and the operation's own override, as the tests use them.
 fn text() -> String {
@@ -366,4 +367,106 @@ async fn pruned_space_is_vacuumed_where_the_server_runs_no_autovacuum() {
         counts,
         vec![("attempts".to_owned(), 1, 1), ("jobs".to_owned(), 1, 1)]
     );
+}
+
+/// A pruning batch finds and deletes its jobs through indexes: it reads neither
+/// `jobs` nor `attempts` whole, however many there are. (Deleting a succeeded
+/// job's winning attempt makes the `completed_by` foreign key look for jobs that
+/// name it: without an index, one read of the whole jobs table per attempt, and
+/// a batch of a thousand ran for minutes on a million jobs.)
+#[tokio::test]
+async fn a_pruning_batch_reads_no_table_whole() {
+    let (config, _file) = config(&text());
+    let env = TestEnv::new(&config).await;
+    // Every connection that wrote is closed before the counters are read: a
+    // backend reports its counts when it exits (else up to ten seconds late).
+    env.store.pool().close().await;
+    let mut db = sqlx::PgConnection::connect(&env.database_url)
+        .await
+        .unwrap();
+    // Enough rows that reading a table whole costs more than its indexes.
+    let (jobs, attempts) = common::fill_jobs(
+        &mut db,
+        "old-",
+        20_000,
+        "mix",
+        86400.0,
+        86400.0,
+        "summarize",
+    )
+    .await;
+    // Pending outbox rows hold a few of them: events, an attempt message. (The
+    // fill's ids are known: no read of the tables to find them.)
+    sqlx::query(
+        "INSERT INTO outbox (exchange, routing_key, message_id, body)
+         SELECT 'onejob.events', 'job.succeeded', md5(k)::uuid::text || ':3', '{}'::jsonb
+         FROM unnest(ARRAY['old-5', 'old-6']) k
+         UNION ALL
+         SELECT 'onejob', 'attempts.primary', md5(md5('old-7')::uuid::text || '-1')::uuid::text, '{}'::jsonb",
+    )
+    .execute(&mut db)
+    .await
+    .unwrap();
+    sqlx::raw_sql("ANALYZE jobs, attempts, outbox")
+        .execute(&mut db)
+        .await
+        .unwrap();
+    db.close().await.unwrap();
+    let before = scans(&env.database_url, jobs, attempts, 0).await;
+    let store = Store::connect(
+        &env.database_url,
+        1,
+        onejob::runtime::routes(&config),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    let pass = store
+        .prune_jobs(&Policy::older_than(Duration::from_secs(3600)), 1000, false)
+        .await
+        .unwrap();
+    assert_eq!(pass.pruned.jobs, 1000);
+    store.pool().close().await;
+    let after = scans(&env.database_url, jobs, attempts, 1000).await;
+    assert_eq!(
+        after, before,
+        "sequential scans of (attempts, jobs) during one pruning batch"
+    );
+    let mut db = sqlx::PgConnection::connect(&env.database_url)
+        .await
+        .unwrap();
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM jobs WHERE idempotency_key IN ('old-5', 'old-6', 'old-7')",
+    )
+    .fetch_one(&mut db)
+    .await
+    .unwrap();
+    assert_eq!(held, 3, "the held jobs are kept");
+}
+
+/// Sequential scans of `attempts` and `jobs` so far, once the statistics count
+/// `jobs` and `attempts` rows inserted and at least `deleted` of each deleted.
+async fn scans(url: &str, jobs: i64, attempts: i64, deleted: i64) -> (i64, i64) {
+    wait_for(
+        "the statistics to count every write",
+        Duration::from_secs(30),
+        || async {
+            let mut stats = sqlx::PgConnection::connect(url).await.unwrap();
+            let rows: Vec<(String, i64, i64, i64)> = sqlx::query_as(
+                "SELECT relname::text, n_tup_ins, n_tup_del, seq_scan FROM pg_stat_user_tables
+                 WHERE relname IN ('attempts', 'jobs') AND schemaname = current_schema()
+                 ORDER BY relname",
+            )
+            .fetch_all(&mut stats)
+            .await
+            .unwrap();
+            stats.close().await.ok();
+            let counted = rows[0].1 == attempts
+                && rows[1].1 == jobs
+                && rows[0].2 >= deleted
+                && rows[1].2 >= deleted;
+            counted.then(|| (rows[0].3, rows[1].3))
+        },
+    )
+    .await
 }

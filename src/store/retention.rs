@@ -99,6 +99,19 @@ impl Store {
             r#"WITH policy AS (
                    SELECT * FROM unnest($1::text[], $2::text[], $3::float8[]) AS p(operation, status, secs)
                ),
+               -- Jobs with an outbox row still unpublished: an event (its id is
+               -- `job_id:version`) or an attempt message (the attempt's id). Few,
+               -- found from the outbox's pending rows, each by an index.
+               held AS MATERIALIZED (
+                   SELECT CASE WHEN split_part(ob.message_id, ':', 1) ~ '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
+                               THEN split_part(ob.message_id, ':', 1)::uuid END AS job_id
+                   FROM outbox ob WHERE ob.published_at IS NULL AND ob.message_id LIKE '%:%'
+                   UNION
+                   SELECT a.job_id FROM outbox ob
+                   JOIN attempts a ON a.id = CASE WHEN ob.message_id ~ '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
+                                                  THEN ob.message_id::uuid END
+                   WHERE ob.published_at IS NULL AND ob.message_id NOT LIKE '%:%'
+               ),
                doomed AS (
                    SELECT j.id, j.updated_at FROM jobs j
                    JOIN policy d ON d.operation = '' AND d.status = j.status
@@ -106,26 +119,23 @@ impl Store {
                    WHERE j.status IN ('succeeded', 'failed', 'cancelled')
                      AND j.updated_at < now() - make_interval(secs => $4)
                      AND j.updated_at < now() - make_interval(secs => COALESCE(o.secs, d.secs))
-                     AND NOT EXISTS (
-                         SELECT 1 FROM outbox ob
-                         WHERE ob.published_at IS NULL
-                           AND ob.message_id = j.id::text || ':' || j.version)
-                     AND NOT EXISTS (
-                         SELECT 1 FROM attempts a JOIN outbox ob ON ob.message_id = a.id::text
-                         WHERE a.job_id = j.id AND ob.published_at IS NULL)
+                     AND NOT EXISTS (SELECT 1 FROM held h WHERE h.job_id = j.id)
                    ORDER BY j.updated_at
                    LIMIT $5
                    FOR UPDATE OF j SKIP LOCKED
                ),
+               -- The deletes find their rows by the ids as one array: by their
+               -- indexes whatever the planner thinks of the tables' sizes.
+               ids AS (SELECT array_agg(id) AS ids FROM doomed),
                attempts_gone AS (
-                   DELETE FROM attempts a USING doomed d WHERE a.job_id = d.id AND NOT $6 RETURNING a.id
+                   DELETE FROM attempts a WHERE a.job_id = ANY((SELECT ids FROM ids)::uuid[]) AND NOT $6 RETURNING a.id
                ),
                jobs_gone AS (
-                   DELETE FROM jobs j USING doomed d WHERE j.id = d.id AND NOT $6 RETURNING j.id
+                   DELETE FROM jobs j WHERE j.id = ANY((SELECT ids FROM ids)::uuid[]) AND NOT $6 RETURNING j.id
                )
                SELECT CASE WHEN $6 THEN (SELECT count(*) FROM doomed)
                            ELSE (SELECT count(*) FROM jobs_gone) END AS "jobs!",
-                      CASE WHEN $6 THEN (SELECT count(*) FROM attempts a JOIN doomed d ON a.job_id = d.id)
+                      CASE WHEN $6 THEN (SELECT count(*) FROM attempts a WHERE a.job_id = ANY((SELECT ids FROM ids)::uuid[]))
                            ELSE (SELECT count(*) FROM attempts_gone) END AS "attempts!",
                       (SELECT extract(epoch FROM now() - min(updated_at))::float8 FROM doomed) AS "oldest_seconds""#,
             &policy.operations,

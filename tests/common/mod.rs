@@ -575,3 +575,66 @@ pub fn give_up(f: &onejob::store::FailedJob) -> onejob::store::NextStep {
         error: f.error.clone(),
     }
 }
+
+/// Inserts `n` jobs straight into the tables (as a bulk load would, past
+/// intake), keyed `prefix{i}` in one statement, each with the rows
+/// settling it would have left: `status` (or the mix), ended `age` to `age +
+/// spread` seconds ago, one attempt each (three for a failed job), a succeeded
+/// job's winner and result. Jobs and attempts made.
+pub async fn fill_jobs(
+    db: &mut PgConnection,
+    prefix: &str,
+    n: i64,
+    status: &str,
+    age: f64,
+    spread: f64,
+    operation: &str,
+) -> (i64, i64) {
+    sqlx::query_as(
+        r#"WITH made AS (
+               INSERT INTO jobs (id, owner_id, idempotency_key, request_fingerprint, operation, input,
+                                 status, version, completed_by, result, error, created_at, updated_at)
+               SELECT md5($1::text || i)::uuid, 'tenant-' || (i % 1000), $1::text || i, md5('fp' || $1::text || i), $6::text,
+                      jsonb_build_object('text', 'Summarize: ' || repeat(md5(i::text), 6)),
+                      s.status, 3,
+                      CASE WHEN s.status = 'succeeded' THEN md5(md5($1::text || i)::uuid::text || '-1')::uuid END,
+                      CASE WHEN s.status = 'succeeded'
+                           THEN jsonb_build_object('summary', repeat(md5((-i)::text), 4)) END,
+                      CASE WHEN s.status = 'failed' THEN 'the provider failed three times' END,
+                      t.at - interval '4 seconds', t.at
+               FROM generate_series(1, $2::bigint) i
+               CROSS JOIN LATERAL (SELECT CASE WHEN $3::text <> 'mix' THEN $3::text
+                                               WHEN i % 20 = 0 THEN 'cancelled'
+                                               WHEN i % 20 < 4 THEN 'failed'
+                                               ELSE 'succeeded' END AS status) s
+               CROSS JOIN LATERAL (SELECT now() - make_interval(secs => $4 + i * $5 / $2) AS at) t
+               RETURNING id, status, updated_at
+           ),
+           tries AS (
+               INSERT INTO attempts (id, job_id, number, provider, status, error, created_at, not_before,
+                                     started_at, deadline_at, finished_at, provider_request_id, usage)
+               SELECT md5(m.id::text || '-' || k)::uuid, m.id, k, 'primary',
+                      CASE m.status WHEN 'failed' THEN 'failed' WHEN 'cancelled' THEN 'cancelled'
+                                    WHEN 'unknown' THEN 'unknown' ELSE 'succeeded' END,
+                      CASE WHEN m.status = 'failed' THEN 'HTTP 500' END,
+                      m.updated_at - interval '4 seconds', m.updated_at - interval '4 seconds',
+                      m.updated_at - interval '3 seconds', m.updated_at + interval '57 seconds',
+                      CASE WHEN m.status <> 'unknown' THEN m.updated_at END,
+                      'req_' || md5(m.id::text || k),
+                      jsonb_build_object('prompt_tokens', 412, 'completion_tokens', 96)
+               FROM made m
+               CROSS JOIN generate_series(1, CASE WHEN m.status = 'failed' THEN 3 ELSE 1 END) k
+               RETURNING 1
+           )
+           SELECT (SELECT count(*) FROM made), (SELECT count(*) FROM tries)"#,
+    )
+    .bind(prefix)
+    .bind(n)
+    .bind(status)
+    .bind(age)
+    .bind(spread)
+    .bind(operation)
+    .fetch_one(db)
+    .await
+    .expect("fill")
+}
