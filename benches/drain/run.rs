@@ -92,7 +92,7 @@ pub struct Percentiles {
 }
 
 impl Percentiles {
-    fn of(mut samples: Vec<Duration>) -> Percentiles {
+    pub fn of(mut samples: Vec<Duration>) -> Percentiles {
         samples.sort();
         let at = |q: f64| -> f64 {
             if samples.is_empty() {
@@ -272,16 +272,24 @@ impl Report {
     }
 }
 
-fn say(what: &str) {
-    eprintln!("drain: {what}");
+pub fn say(what: &str) {
+    eprintln!("{}: {what}", bench_name());
 }
 
-fn bar(len: u64, what: &str) -> indicatif::ProgressBar {
+/// The running benchmark's name, for its progress lines (`growth` sets its own).
+pub static BENCH: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+fn bench_name() -> &'static str {
+    BENCH.get().copied().unwrap_or("drain")
+}
+
+pub fn bar(len: u64, what: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(len);
     bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "drain: {msg:<28} [{bar:30}] {pos}/{len} {per_sec} eta {eta}",
-        )
+        indicatif::ProgressStyle::with_template(&format!(
+            "{}: {{msg:<28}} [{{bar:30}}] {{pos}}/{{len}} {{per_sec}} eta {{eta}}",
+            bench_name()
+        ))
         .expect("progress template")
         .progress_chars("=> "),
     );
@@ -390,8 +398,14 @@ pub async fn drain(options: &Options) -> Report {
     let log = options.out.join("worker-latency.log");
     let mut worker = Worker::start(&env, &file.path, &log, Some(free_port()));
     worker.wait_ready().await;
-    let (latency, timings) =
-        open_loop(producer.clone(), &mut events, rate, options.latency_seconds).await;
+    let (latency, timings) = open_loop(
+        producer.clone(),
+        &mut events,
+        rate,
+        options.latency_seconds,
+        "l-",
+    )
+    .await;
     let worker_stages = worker.metrics().await.stages();
     worker.stop().await;
     let stages = stages(&env, &timings).await;
@@ -433,7 +447,7 @@ pub async fn drain(options: &Options) -> Report {
 }
 
 /// Cores, memory and the services' versions.
-async fn machine(env: &TestEnv) -> String {
+pub async fn machine(env: &TestEnv) -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo
         .lines()
@@ -688,14 +702,14 @@ async fn preload(producer: &Producer, n: usize, duplicates: usize) {
 }
 
 /// The `job.succeeded` events, as they arrive.
-struct Events {
+pub struct Events {
     succeeded: Arc<AtomicUsize>,
     other: Arc<AtomicUsize>,
     arrivals: tokio::sync::mpsc::UnboundedReceiver<(String, Instant)>,
 }
 
 impl Events {
-    async fn watch(env: &TestEnv) -> Events {
+    pub async fn watch(env: &TestEnv) -> Events {
         let conn = env.amqp().await;
         let (ch, queue) = env.watch_events(&conn).await;
         let mut consumer = no_ack_consumer(&ch, &queue).await;
@@ -738,11 +752,12 @@ impl Events {
 
 /// Publishes at `rate` per second for `seconds` on a fixed schedule and returns
 /// each job's latency from its intent's due time to its event.
-async fn open_loop(
+pub async fn open_loop(
     producer: Arc<Producer>,
     events: &mut Events,
     rate: f64,
     seconds: u64,
+    prefix: &str,
 ) -> (Percentiles, Vec<Timing>) {
     let count = ((rate * seconds as f64) as usize).max(1);
     let lead = Duration::from_millis(100);
@@ -750,14 +765,16 @@ async fn open_loop(
     let wall = std::time::SystemTime::now() + lead;
     let offset = move |i: usize| Duration::from_secs_f64(i as f64 / rate);
     let due = move |i: usize| start + offset(i);
+    let keys = prefix.to_owned();
     let generator = tokio::spawn(async move {
         let mut publishes = tokio::task::JoinSet::new();
         for i in 0..count {
             tokio::time::sleep_until(due(i)).await;
             let producer = producer.clone();
+            let key = format!("{keys}{i}");
             publishes.spawn(async move {
                 producer
-                    .publish_only(&intent("bench", &format!("l-{i}"), "x"))
+                    .publish_only(&intent("bench", &key, "x"))
                     .await
                     .expect("latency publish confirmed");
             });
@@ -779,7 +796,10 @@ async fn open_loop(
             .await
             .expect("latency events kept arriving")
             .expect("event watcher running");
-        let Some(i) = key.strip_prefix("l-").and_then(|i| i.parse::<usize>().ok()) else {
+        let Some(i) = key
+            .strip_prefix(prefix)
+            .and_then(|i| i.parse::<usize>().ok())
+        else {
             continue;
         };
         if seen.insert(i) {
@@ -800,10 +820,10 @@ async fn open_loop(
 
 /// When a latency job's intent was due and when its event arrived, in seconds
 /// since the epoch (the machine's one clock, which Postgres's `now()` reads too).
-struct Timing {
-    key: String,
-    due: f64,
-    arrived: f64,
+pub struct Timing {
+    pub key: String,
+    pub due: f64,
+    pub arrived: f64,
 }
 
 /// Where the latency goes, from the database's timestamps (each the start of the
@@ -851,11 +871,11 @@ async fn stages(env: &TestEnv, timings: &[Timing]) -> Vec<(String, Percentiles)>
 }
 
 /// A worker's `/metrics` text.
-struct Metrics(String);
+pub struct Metrics(String);
 
 impl Metrics {
     /// The value of the first line of `series` that carries `label` (if any).
-    fn value(&self, series: &str, label: &str) -> f64 {
+    pub fn value(&self, series: &str, label: &str) -> f64 {
         self.0
             .lines()
             .filter(|l| l.starts_with(series) && l.contains(label))
@@ -950,13 +970,13 @@ struct Usage {
 }
 
 /// A worker process with every role.
-struct Worker {
+pub struct Worker {
     child: Child,
     http: Option<u16>,
 }
 
 impl Worker {
-    fn start(env: &TestEnv, config: &Path, log: &Path, http: Option<u16>) -> Worker {
+    pub fn start(env: &TestEnv, config: &Path, log: &Path, http: Option<u16>) -> Worker {
         let log = std::fs::File::create(log).expect("create the worker log");
         let mut cmd = Command::new(worker_bin());
         cmd.env("DATABASE_URL", &env.database_url)
@@ -974,11 +994,11 @@ impl Worker {
         }
     }
 
-    fn running(&mut self) -> bool {
+    pub fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
 
-    async fn wait_ready(&mut self) {
+    pub async fn wait_ready(&mut self) {
         let port = self.http.expect("started with --http");
         let url = format!("http://127.0.0.1:{port}/readyz");
         let client = reqwest::Client::new();
@@ -999,7 +1019,7 @@ impl Worker {
     }
 
     /// The worker's `/metrics` text.
-    async fn metrics(&self) -> Metrics {
+    pub async fn metrics(&self) -> Metrics {
         let port = self.http.expect("started with --http");
         let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
             .await
@@ -1037,7 +1057,7 @@ impl Worker {
     }
 
     /// SIGTERM, and waits for the exit (SIGKILL after a minute).
-    async fn stop(mut self) {
+    pub async fn stop(mut self) {
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
@@ -1071,7 +1091,7 @@ fn clock_ticks() -> f64 {
         .unwrap_or(100.0)
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
