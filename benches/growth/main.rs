@@ -16,11 +16,12 @@ mod run;
 
 fn usage() -> ! {
     eprintln!(
-        "usage: growth [--n N] [--rate R] [--baseline-seconds S] [--window-seconds S] [--out DIR] [--smoke]\n\
+        "usage: growth [--n N] [--rate R] [--baseline-seconds S] [--window-seconds S] [--refills K] [--out DIR] [--smoke]\n\
          \n  --n N                  ended jobs in each of the two fills (default 1000000)\n\
          \x20 --rate R               intake, intents per second, while measuring (default 200)\n\
          \x20 --baseline-seconds S   the intake's baseline before pruning (default 60)\n\
          \x20 --window-seconds S     the pruning phase's windows (default 10)\n\
+         \x20 --refills K            fills after the first, each pruned before the next (default 2)\n\
          \x20 --out DIR              where growth.json and growth.md go (default target/bench)\n\
          \x20 --smoke                a run of a minute or so (N 3000), as the smoke test runs it"
     );
@@ -62,6 +63,7 @@ fn main() {
             }
             "--baseline-seconds" => options.baseline_seconds = number(&arg, value(&arg)),
             "--window-seconds" => options.window_seconds = number(&arg, value(&arg)),
+            "--refills" => options.refills = number(&arg, value(&arg)) as usize,
             "--out" => options.out = value("--out").into(),
             "-h" | "--help" => usage(),
             other => {

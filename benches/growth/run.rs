@@ -19,10 +19,16 @@
 //!    the run waits until no table is left with more dead rows than
 //!    autovacuum's threshold (the server's autovacuum, or, where it is off, the
 //!    pruner's own vacuum).
-//! 5. **Refill**: N more, pruned the same way, without intake: the space the
-//!    first N left must be reused, not added to.
+//! 5. **Refills**: N more, pruned the same way, without intake, twice (by
+//!    default): the space the N before left must be reused, not added to. The
+//!    first refill grows the indexes by the pages the last vacuum emptied but
+//!    could not yet hand out (a B-tree page is reusable only once no
+//!    transaction can still see it: at the next vacuum); from the second on,
+//!    a fill fits in what the one before it left.
 //! 6. **VACUUM FULL**, with the worker stopped: what returning the space to the
-//!    operating system costs, and that the floor is what is left.
+//!    operating system costs. Then the intake's own jobs (those that arrived
+//!    after the floor) are deleted and the tables are compacted again: they
+//!    must be back to their floor.
 //!
 //! Then it checks that every row of step 1, the intake's jobs and their attempts
 //! are exactly as they were, and that nothing of the N is left.
@@ -50,6 +56,8 @@ pub struct Options {
     pub baseline_seconds: u64,
     /// Length of each window of the pruning phase's intake.
     pub window_seconds: u64,
+    /// Fills after the first, each pruned before the next.
+    pub refills: usize,
     /// Where the report goes.
     pub out: PathBuf,
 }
@@ -61,6 +69,7 @@ impl Default for Options {
             rate: 200.0,
             baseline_seconds: 60,
             window_seconds: 10,
+            refills: 2,
             out: PathBuf::from("target/bench"),
         }
     }
@@ -137,13 +146,15 @@ pub struct Report {
     pub kept: i64,
     pub rate: f64,
     pub fill_seconds: f64,
-    pub refill_seconds: f64,
+    /// Each refill's statement.
+    pub refill_seconds: Vec<f64>,
     pub baseline: Percentiles,
     pub pruning: Percentiles,
     pub windows: Vec<Window>,
     /// From the pruning worker's readiness to its count reaching N.
     pub prune_seconds: f64,
-    pub refill_prune_seconds: f64,
+    /// From each refill to its last job pruned.
+    pub refill_prune_seconds: Vec<f64>,
     /// From the last job pruned to no table past autovacuum's threshold.
     pub vacuum_wait_seconds: f64,
     /// `onejob_vacuums_total` of the pruning worker, by table.
@@ -173,12 +184,29 @@ impl Report {
         self.pruning.p99_ms / self.baseline.p99_ms
     }
 
-    /// What the refill added to the pruned and vacuumed tables, as a share of
-    /// what the first fill added to the floor: 0 when the refill fit wholly in
-    /// the space the first fill's pruning freed, 1 when it took as much again.
-    pub fn refill_growth(&self) -> f64 {
-        (self.size(REFILLED) - self.size(PRUNED)) as f64
+    /// What refill `k` (from 1) added to the pruned and vacuumed tables
+    /// before it, as a share of what the first fill added to the floor: 0 when
+    /// it fit wholly in the space the fill before it left, 1 when it took as
+    /// much again.
+    pub fn refill_growth(&self, k: usize) -> f64 {
+        let before = if k == 1 {
+            PRUNED.to_owned()
+        } else {
+            repruned(k - 1)
+        };
+        (self.size(&refilled(k)) - self.size(&before)) as f64
             / (self.size(FILLED) - self.size(FLOOR)) as f64
+    }
+
+    /// The last refill's growth: what a fill costs once pruning has run a
+    /// while.
+    pub fn steady_growth(&self) -> f64 {
+        self.refill_growth(self.refill_seconds.len())
+    }
+
+    /// The tables compacted with only the floor's rows left, over the floor.
+    pub fn back_to_floor(&self) -> f64 {
+        self.size(BACK) as f64 / self.size(FLOOR) as f64
     }
 
     /// The report as markdown.
@@ -188,18 +216,19 @@ impl Report {
         let yes = |b: bool| if b { "yes" } else { "**no**" };
         let mut md = format!(
             "growth benchmark on {}\n\n\
-             {} ended jobs ({} attempts) filled twice beside {} kept rows; intake {:.0} intents/s; \
+             {} ended jobs ({} attempts) filled {} times beside {} kept rows; intake {:.0} intents/s; \
              autovacuum {}\n\n\
              | measure | value | target | met |\n|---|---|---|---|\n\
              | intake p99 while pruning / baseline p99, same run | {:.2} ({:.1} / {:.1} ms) | ≤ 2 | {} |\n\
-             | the refill's growth / the first fill's growth | {:.3} | ≤ 0.10 | {} |\n\
-             | VACUUM FULL'd tables / floor | {:.3} | ≤ 1.10 | {} |\n\
+             | growth of the last refill / the first fill's growth (each refill: {}) | {:.3} | ≤ 0.10 | {} |\n\
+             | compacted with the floor's rows alone / floor | {:.3} | ≤ 1.10 | {} |\n\
              | kept rows and intake jobs unchanged | {} | yes | {} |\n\
              | rows of the fills left | {} | 0 | {} |\n\
              | intake jobs found / published while pruning | {} / {} | all | {} |\n",
             self.machine,
             self.n,
             self.attempts_per_fill,
+            self.refill_seconds.len() + 1,
             self.kept,
             self.rate,
             if self.autovacuum {
@@ -211,10 +240,14 @@ impl Report {
             self.pruning.p99_ms,
             self.baseline.p99_ms,
             yes(self.p99_ratio() <= 2.0),
-            self.refill_growth(),
-            yes(self.refill_growth() <= 0.10),
-            self.size(FULL) as f64 / self.size(FLOOR) as f64,
-            yes(self.size(FULL) as f64 <= 1.10 * self.size(FLOOR) as f64),
+            (1..=self.refill_seconds.len())
+                .map(|k| format!("{:.3}", self.refill_growth(k)))
+                .collect::<Vec<_>>()
+                .join(", "),
+            self.steady_growth(),
+            yes(self.steady_growth() <= 0.10),
+            self.back_to_floor(),
+            yes(self.back_to_floor() <= 1.10),
             self.kept_unchanged,
             yes(self.kept_unchanged),
             self.fill_left,
@@ -226,9 +259,9 @@ impl Report {
         md.push_str(&format!(
             "\n| figure | value |\n|---|---|\n\
              | fill: {} jobs, one statement | {:.1} s |\n\
-             | refill | {:.1} s |\n\
+             | each refill | {} s |\n\
              | prune {} jobs while intake runs (worker ready → all gone) | {:.1} s ({:.0} jobs/s) |\n\
-             | prune the refill, no intake | {:.1} s |\n\
+             | prune each refill, no intake | {} s |\n\
              | last prune → no table past autovacuum's threshold | {:.1} s |\n\
              | vacuums by the pruning worker | {} |\n\
              | VACUUM FULL jobs, attempts, outbox (worker stopped) | {:.1} s |\n\
@@ -236,11 +269,11 @@ impl Report {
              | intake latency p50 / p99 / p99.9, while pruning | {} ms ({} jobs) |\n",
             self.n,
             self.fill_seconds,
-            self.refill_seconds,
+            seconds(&self.refill_seconds),
             self.n,
             self.prune_seconds,
             self.n as f64 / self.prune_seconds,
-            self.refill_prune_seconds,
+            seconds(&self.refill_prune_seconds),
             self.vacuum_wait_seconds,
             self.worker_vacuums
                 .iter()
@@ -294,9 +327,25 @@ impl Report {
 const FLOOR: &str = "floor";
 const FILLED: &str = "filled";
 const PRUNED: &str = "pruned, vacuumed";
-const REFILLED: &str = "refilled";
-const REPRUNED: &str = "refill pruned, vacuumed";
 const FULL: &str = "after VACUUM FULL";
+const BACK: &str = "the intake's jobs deleted, VACUUM FULL";
+
+fn refilled(k: usize) -> String {
+    format!("refill {k}")
+}
+
+fn repruned(k: usize) -> String {
+    format!("refill {k} pruned, vacuumed")
+}
+
+/// Figures in seconds, one decimal, comma-separated.
+fn seconds(figures: &[f64]) -> String {
+    figures
+        .iter()
+        .map(|s| format!("{s:.1}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// Runs the whole benchmark.
 pub async fn growth(options: &Options) -> Report {
@@ -359,6 +408,10 @@ pub async fn growth(options: &Options) -> Report {
     .await
     .expect("hold back the kept jobs' events");
     let mut sizes = vec![sizes_at(&mut db, FLOOR).await];
+    let floor_at: String = sqlx::query_scalar("SELECT now()::text")
+        .fetch_one(&mut db)
+        .await
+        .expect("read the time");
 
     say(&format!(
         "fill: {} ended jobs, 31 to 61 days old",
@@ -442,26 +495,32 @@ pub async fn growth(options: &Options) -> Report {
     let vacuum_wait_seconds = began.elapsed().as_secs_f64();
     sizes.push(sizes_at(&mut db, PRUNED).await);
 
-    say(&format!(
-        "refill: {} more, pruned without intake",
-        options.n
-    ));
-    let began = Instant::now();
-    fill_ended(&mut db, "g2-", options.n, &operation).await;
-    let refill_seconds = began.elapsed().as_secs_f64();
-    sizes.push(sizes_at(&mut db, REFILLED).await);
-    let began = Instant::now();
-    while pruned(&worker).await < 2 * options.n as u64 {
-        assert!(
-            began.elapsed() < limit,
-            "the refill was not pruned within {limit:?}"
-        );
-        assert!(worker.running(), "the pruning worker exited");
-        tokio::time::sleep(Duration::from_millis(250)).await;
+    let mut refill_seconds = Vec::new();
+    let mut refill_prune_seconds = Vec::new();
+    for k in 1..=options.refills {
+        say(&format!(
+            "refill {k}: {} more, pruned without intake",
+            options.n
+        ));
+        let began = Instant::now();
+        fill_ended(&mut db, &format!("g{}-", k + 1), options.n, &operation).await;
+        refill_seconds.push(began.elapsed().as_secs_f64());
+        sizes.push(sizes_at(&mut db, &refilled(k)).await);
+        let began = Instant::now();
+        let all = (k as u64 + 1) * options.n as u64;
+        while pruned(&worker).await < all {
+            assert!(
+                began.elapsed() < limit,
+                "refill {k} was not pruned within {limit:?}"
+            );
+            assert!(worker.running(), "the pruning worker exited");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        refill_prune_seconds.push(began.elapsed().as_secs_f64());
+        let fills = k as i64 + 1;
+        vacuumed(&mut db, fills * n, fills * attempts_per_fill, limit).await;
+        sizes.push(sizes_at(&mut db, &repruned(k)).await);
     }
-    let refill_prune_seconds = began.elapsed().as_secs_f64();
-    vacuumed(&mut db, 2 * n, 2 * attempts_per_fill, limit).await;
-    sizes.push(sizes_at(&mut db, REPRUNED).await);
     let metrics = worker.metrics().await;
     let worker_vacuums = ["jobs", "attempts", "outbox"]
         .iter()
@@ -473,12 +532,11 @@ pub async fn growth(options: &Options) -> Report {
     worker.stop().await;
 
     let after = kept_rows(&mut db).await;
-    let fill_left: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM jobs WHERE idempotency_key LIKE 'g1-%' OR idempotency_key LIKE 'g2-%'",
-    )
-    .fetch_one(&mut db)
-    .await
-    .expect("count the fills' rows");
+    let fill_left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE idempotency_key ~ '^g[0-9]+-'")
+            .fetch_one(&mut db)
+            .await
+            .expect("count the fills' rows");
     let intake_found: i64 =
         sqlx::query_scalar("SELECT count(*) FROM jobs WHERE idempotency_key ~ '^b[0-9]+-'")
             .fetch_one(&mut db)
@@ -493,6 +551,27 @@ pub async fn growth(options: &Options) -> Report {
         .expect("vacuum full");
     let vacuum_full_seconds = began.elapsed().as_secs_f64();
     sizes.push(sizes_at(&mut db, FULL).await);
+
+    // What is left beyond the floor is the intake's own jobs (the baseline's
+    // and the pruning phase's) and their outbox rows: without them, the
+    // compacted tables must be the floor again.
+    say("the intake's jobs deleted, VACUUM FULL");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "BEGIN;
+         DELETE FROM outbox WHERE created_at > '{floor_at}'::timestamptz;
+         DELETE FROM attempts a USING jobs j
+          WHERE a.job_id = j.id AND j.idempotency_key ~ '^(a|b[0-9]+)-';
+         DELETE FROM jobs WHERE idempotency_key ~ '^(a|b[0-9]+)-';
+         COMMIT;"
+    )))
+    .execute(&mut db)
+    .await
+    .expect("delete the intake's jobs");
+    sqlx::raw_sql("VACUUM FULL jobs, attempts, outbox")
+        .execute(&mut db)
+        .await
+        .expect("vacuum full");
+    sizes.push(sizes_at(&mut db, BACK).await);
     db.close().await.ok();
     if let Ok(producer) = Arc::try_unwrap(producer) {
         producer.close().await;
@@ -579,8 +658,7 @@ async fn kept_rows(db: &mut PgConnection) -> (i64, String) {
          LEFT JOIN LATERAL (
              SELECT string_agg(a.id::text || a.status || coalesce(a.finished_at::text, ''), ',' ORDER BY a.id) AS rows
              FROM attempts a WHERE a.job_id = j.id) a ON true
-         WHERE j.idempotency_key NOT LIKE 'g1-%' AND j.idempotency_key NOT LIKE 'g2-%'
-           AND j.idempotency_key !~ '^b[0-9]+-'",
+         WHERE j.idempotency_key !~ '^g[0-9]+-' AND j.idempotency_key !~ '^b[0-9]+-'",
     )
     .fetch_one(db)
     .await
