@@ -12,13 +12,13 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::broker::{self, Publisher};
+use crate::broker;
 use crate::config::Config;
 use crate::dlq;
 use crate::domain::{AttemptId, AttemptStatus, JobId};
 use crate::policy::Planner;
 use crate::runtime;
-use crate::store::{JobView, Refusal, Resolution, Settled, Store};
+use crate::store::{Actor, AuditEntry, JobView, Refusal, Resolution, Settled, Store};
 
 /// The default database URL.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/onejob";
@@ -86,6 +86,25 @@ enum Command {
     /// Check the configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Serve the operator console: jobs, unknowns, overview, in a browser.
+    /// Operators sign in with an operator token (`tokens create --operator`);
+    /// every action asks for a reason and is written to the audit table.
+    Console(ConsoleArgs),
+}
+
+#[derive(Args, Debug)]
+struct ConsoleArgs {
+    /// The address to listen on. Put it behind TLS (and --secure-cookies) when
+    /// it is reachable beyond this machine.
+    #[arg(long, default_value = crate::console::DEFAULT_LISTEN)]
+    listen: std::net::SocketAddr,
+    /// Mark the session cookie Secure (the console is served over TLS). A
+    /// request with `X-Forwarded-Proto: https` gets it anyway.
+    #[arg(long)]
+    secure_cookies: bool,
+    /// How long a sign-in lasts.
+    #[arg(long, default_value = "8h", value_parser = humantime::parse_duration)]
+    session_ttl: std::time::Duration,
 }
 
 #[derive(Subcommand, Debug)]
@@ -100,21 +119,33 @@ enum QueuesCommand {
 
 #[derive(Subcommand, Debug)]
 enum TokensCommand {
-    /// Make a bearer token for an owner and print it once (on stdout alone, so
-    /// `TOKEN=$(onejob tokens create --owner O)` works). Only its SHA-256 is
-    /// stored: a lost token cannot be shown again; revoke it and make another.
+    /// Make a bearer token and print it once (on stdout alone, so
+    /// `TOKEN=$(onejob tokens create --owner O)` works): a tenant's for the
+    /// gateway (`--owner`, `ojt_…`) or an operator's for the console
+    /// (`--operator`, `ojo_…`); neither is taken where the other is. Only its
+    /// SHA-256 is stored: a lost token cannot be shown again; revoke it and make
+    /// another.
+    #[command(group(clap::ArgGroup::new("who").required(true)))]
     Create {
-        /// The owner whose jobs the token may create and read.
-        #[arg(long)]
-        owner: String,
+        /// The owner whose jobs the token may create and read (a gateway token).
+        #[arg(long, group = "who")]
+        owner: Option<String>,
+        /// The operator the token signs in to the console (an operator token).
+        #[arg(long, group = "who")]
+        operator: Option<String>,
     },
-    /// List tokens: id, owner, when made and when revoked. Never the tokens.
+    /// List gateway tokens (or, with --operators, operator tokens): id, owner,
+    /// when made and when revoked. Never the tokens.
     List {
         /// Only this owner's.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "operators")]
         owner: Option<String>,
+        /// Operator tokens instead.
+        #[arg(long)]
+        operators: bool,
     },
-    /// Revoke a token: the gateway refuses it from its next request on.
+    /// Revoke a token (either kind): the gateway or the console refuses it from
+    /// its next request on.
     Revoke {
         /// The token's id, as `tokens list` shows it.
         token_id: Uuid,
@@ -165,9 +196,13 @@ enum JobsCommand {
     },
     /// Cancel a job: its version is bumped, queued and unknown attempts are
     /// cancelled, and any later result is discarded. Refused on a terminal job.
+    /// Recorded in the audit table, with who and why.
     Cancel {
         /// The job id.
         job_id: Uuid,
+        /// Why, for the audit table (`jobs show` prints it).
+        #[arg(long)]
+        reason: Option<String>,
     },
     /// Find the job of an identity.
     Find {
@@ -203,6 +238,9 @@ enum AttemptsCommand {
         /// How it ended.
         #[arg(long = "as", value_enum)]
         resolution: ResolveAs,
+        /// Why, for the audit table (`jobs show` prints it).
+        #[arg(long)]
+        reason: Option<String>,
     },
 }
 
@@ -281,7 +319,11 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
         Command::Attempts(AttemptsCommand::Resolve {
             attempt_id,
             resolution,
-        }) => resolve(c, attempt_id, resolution, json, out).await,
+            reason,
+        }) => {
+            let actor = Actor::cli(reason.as_deref());
+            resolve(c, attempt_id, resolution, &actor, json, out).await
+        }
         Command::Providers(ProvidersCommand::List) => providers_list(c, json, out).await,
         Command::Providers(ProvidersCommand::Qualify {
             provider,
@@ -312,7 +354,27 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
         }
         Command::Queues(QueuesCommand::Upgrade) => queues_upgrade(c, json, out).await,
         Command::Config(ConfigCommand::Check) => config_check(c, json, out).await,
+        Command::Console(args) => console(c, args).await,
     }
+}
+
+/// `onejob console`: serves until interrupted (Ctrl-C or SIGTERM).
+async fn console(c: &Connections, args: ConsoleArgs) -> Outcome {
+    let config = Arc::new(c.load_config()?);
+    let store = store(c, &config).await?;
+    let listener = crate::console::bind(args.listen).await.map_err(Failure)?;
+    let options = crate::console::Options {
+        amqp_url: c.amqp_url.clone(),
+        secure_cookies: args.secure_cookies,
+        session_ttl: args.session_ttl,
+    };
+    let addr = listener.local_addr().unwrap_or(args.listen);
+    eprintln!("onejob console listening on http://{addr}/ (sign in with an operator token)");
+    let console = crate::console::Console::new(store, config, options);
+    crate::console::serve(listener, console, crate::shutdown::wait_for_signal())
+        .await
+        .map_err(|e| Failure(format!("the console stopped: {e}")))?;
+    Ok(())
 }
 
 /// `onejob migrate`.
@@ -341,6 +403,7 @@ async fn resolve(
     c: &Connections,
     attempt_id: Uuid,
     resolution: ResolveAs,
+    actor: &Actor,
     json: bool,
     out: &mut impl Write,
 ) -> Outcome {
@@ -361,7 +424,7 @@ async fn resolve(
     let planner = Planner::load(&config, &store, [operation.as_str()]).await?;
     let plan = |f: &crate::store::FailedJob| planner.plan(f);
     let (settled, publish) = match store
-        .resolve(AttemptId(attempt_id), resolution, &plan)
+        .resolve(AttemptId(attempt_id), resolution, &plan, actor)
         .await?
     {
         Ok(r) => r,
@@ -667,14 +730,17 @@ async fn jobs(c: &Connections, command: JobsCommand, json: bool, out: &mut impl 
     match command {
         JobsCommand::Show { job_id } => {
             let config = c.load_config()?;
-            let job = store(c, &config).await?.job(JobId(job_id)).await?;
+            let store = store(c, &config).await?;
+            let job = store.job(JobId(job_id)).await?;
             let job = job.ok_or_else(|| Failure(format!("job {job_id} not found")))?;
-            print_job(out, &job, json)?;
+            let audit = store.audit_of_job(job.id).await?;
+            print_job(out, &job, &audit, json)?;
         }
-        JobsCommand::Cancel { job_id } => {
+        JobsCommand::Cancel { job_id, reason } => {
             let config = c.load_config()?;
             let store = store(c, &config).await?;
-            let publish = match store.cancel_job(JobId(job_id)).await? {
+            let actor = Actor::cli(reason.as_deref());
+            let publish = match store.cancel_job(JobId(job_id), &actor).await? {
                 Ok(p) => p,
                 Err(refusal) => return Err(Failure(refusal.to_string())),
             };
@@ -701,10 +767,12 @@ async fn jobs(c: &Connections, command: JobsCommand, json: bool, out: &mut impl 
         }
         JobsCommand::Find { owner, key } => {
             let config = c.load_config()?;
-            let job = store(c, &config).await?.find_job(&owner, &key).await?;
+            let store = store(c, &config).await?;
+            let job = store.find_job(&owner, &key).await?;
             let job =
                 job.ok_or_else(|| Failure(format!("no job for owner {owner:?} and key {key:?}")))?;
-            print_job(out, &job, json)?;
+            let audit = store.audit_of_job(job.id).await?;
+            print_job(out, &job, &audit, json)?;
         }
         JobsCommand::Prune {
             older_than,
@@ -786,7 +854,29 @@ async fn tokens_command(
 ) -> Result<(), TokenFailure> {
     use crate::token::Token;
     match command {
-        TokensCommand::Create { owner } => {
+        TokensCommand::Create {
+            operator: Some(operator),
+            ..
+        } => {
+            crate::intent::Intent::check_owner_id(&operator)
+                .map_err(|e| TokenFailure::Refused(Failure(format!("--operator: {e}"))))?;
+            let token = Token::generate_operator();
+            let id = store.create_operator_token(&operator, &token).await?;
+            if as_json {
+                writeln!(
+                    out,
+                    "{}",
+                    json!({ "operator": operator, "token": token.reveal() })
+                )?;
+            } else {
+                writeln!(out, "{}", token.reveal())?;
+                eprintln!(
+                    "operator token {id} for {operator}: shown this once, only its SHA-256 is stored"
+                );
+            }
+        }
+        TokensCommand::Create { owner, .. } => {
+            let owner = owner.unwrap_or_default();
             crate::intent::Intent::check_owner_id(&owner)
                 .map_err(|e| TokenFailure::Refused(Failure(format!("--owner: {e}"))))?;
             let token = Token::generate();
@@ -804,7 +894,28 @@ async fn tokens_command(
                 );
             }
         }
-        TokensCommand::List { owner } => {
+        TokensCommand::List {
+            operators: true, ..
+        } => {
+            let tokens = store.operator_tokens().await?;
+            if as_json {
+                writeln!(out, "{}", serde_json::to_value(&tokens).unwrap_or_default())?;
+            } else if tokens.is_empty() {
+                writeln!(out, "no operator tokens")?;
+            } else {
+                for t in &tokens {
+                    writeln!(
+                        out,
+                        "{}  operator {}  created {}  {}",
+                        t.id,
+                        t.operator,
+                        t.created_at.format("%Y-%m-%d %H:%M:%S UTC"),
+                        token_state(t.revoked_at)
+                    )?;
+                }
+            }
+        }
+        TokensCommand::List { owner, .. } => {
             let tokens = store.tokens(owner.as_deref()).await?;
             if as_json {
                 writeln!(out, "{}", serde_json::to_value(&tokens).unwrap_or_default())?;
@@ -812,50 +923,60 @@ async fn tokens_command(
                 writeln!(out, "no tokens")?;
             } else {
                 for t in &tokens {
-                    let state = match t.revoked_at {
-                        Some(at) => format!("revoked {}", at.format("%Y-%m-%d %H:%M:%S UTC")),
-                        None => "active".into(),
-                    };
                     writeln!(
                         out,
-                        "{}  owner {}  created {}  {state}",
+                        "{}  owner {}  created {}  {}",
                         t.id,
                         t.owner_id,
-                        t.created_at.format("%Y-%m-%d %H:%M:%S UTC")
+                        t.created_at.format("%Y-%m-%d %H:%M:%S UTC"),
+                        token_state(t.revoked_at)
                     )?;
                 }
             }
         }
         TokensCommand::Revoke { token_id } => {
-            let (revoked, already) = store.revoke_token(token_id).await?.ok_or_else(|| {
-                TokenFailure::Refused(Failure(format!("token {token_id} not found")))
-            })?;
+            let (value, whose, revoked_at, already) = match store.revoke_token(token_id).await? {
+                Some((t, already)) => (
+                    serde_json::to_value(&t).unwrap_or_default(),
+                    format!("of owner {}", t.owner_id),
+                    t.revoked_at,
+                    already,
+                ),
+                None => match store.revoke_operator_token(token_id).await? {
+                    Some((t, already)) => (
+                        serde_json::to_value(&t).unwrap_or_default(),
+                        format!("of operator {}", t.operator),
+                        t.revoked_at,
+                        already,
+                    ),
+                    None => {
+                        return Err(TokenFailure::Refused(Failure(format!(
+                            "token {token_id} not found"
+                        ))));
+                    }
+                },
+            };
             if as_json {
-                writeln!(
-                    out,
-                    "{}",
-                    serde_json::to_value(&revoked).unwrap_or_default()
-                )?;
+                writeln!(out, "{value}")?;
             } else if already {
-                let at = revoked
-                    .revoked_at
+                let at = revoked_at
                     .map(|at| format!(" on {}", at.format("%Y-%m-%d %H:%M:%S UTC")))
                     .unwrap_or_default();
-                writeln!(
-                    out,
-                    "token {token_id} of owner {} was already revoked{at}",
-                    revoked.owner_id
-                )?;
+                writeln!(out, "token {token_id} {whose} was already revoked{at}")?;
             } else {
-                writeln!(
-                    out,
-                    "token {token_id} of owner {} revoked",
-                    revoked.owner_id
-                )?;
+                writeln!(out, "token {token_id} {whose} revoked")?;
             }
         }
     }
     Ok(())
+}
+
+/// A token's state as `tokens list` prints it.
+fn token_state(revoked_at: Option<chrono::DateTime<chrono::Utc>>) -> String {
+    match revoked_at {
+        Some(at) => format!("revoked {}", at.format("%Y-%m-%d %H:%M:%S UTC")),
+        None => "active".into(),
+    }
 }
 
 async fn dlq_command(
@@ -1045,22 +1166,7 @@ fn report_replay(out: &mut impl Write, r: &crate::dlq::ReplayReport) -> std::io:
 }
 
 async fn broker_connection(c: &Connections, config: &Config) -> Result<lapin::Connection, String> {
-    let conn = broker::connect(&c.amqp_url, broker::Recovery::None)
-        .await
-        .map_err(|e| {
-            format!(
-                "cannot reach RabbitMQ at {}: {e}",
-                broker::redact_url(&c.amqp_url)
-            )
-        })?;
-    broker::declare_topology(
-        &conn,
-        &config.provider_names(),
-        config.worker.delivery_limit,
-    )
-    .await
-    .map_err(|e| e.to_string())?;
-    Ok(conn)
+    runtime::operator_connection(&c.amqp_url, config).await
 }
 
 async fn publish_now(
@@ -1069,21 +1175,23 @@ async fn publish_now(
     store: &Store,
     messages: &[crate::store::OutboxMessage],
 ) -> Result<(), String> {
-    if messages.is_empty() {
-        return Ok(());
-    }
-    let conn = broker_connection(c, config).await?;
-    let publisher = Publisher::open(&conn).await.map_err(|e| e.to_string())?;
-    let result = runtime::publish_outbox(&publisher, store, messages)
-        .await
-        .map_err(|e| e.to_string());
-    let _ = conn.close(200, "done".into()).await;
-    result
+    runtime::publish_now(&c.amqp_url, config, store, messages).await
 }
 
-fn print_job(out: &mut impl Write, job: &JobView, as_json: bool) -> std::io::Result<()> {
+fn print_job(
+    out: &mut impl Write,
+    job: &JobView,
+    audit: &[AuditEntry],
+    as_json: bool,
+) -> std::io::Result<()> {
     if as_json {
-        let value = serde_json::to_value(job).unwrap_or_default();
+        let mut value = serde_json::to_value(job).unwrap_or_default();
+        if let Some(fields) = value.as_object_mut() {
+            fields.insert(
+                "audit".into(),
+                serde_json::to_value(audit).unwrap_or_default(),
+            );
+        }
         return writeln!(out, "{value}");
     }
     writeln!(
@@ -1133,6 +1241,24 @@ fn print_job(out: &mut impl Write, job: &JobView, as_json: bool) -> std::io::Res
             out,
             "  note         {spent_elsewhere} attempt(s) besides the winner reported usage: duplicate or wasted spend"
         )?;
+    }
+    if !audit.is_empty() {
+        writeln!(out, "  audit        {}", audit.len())?;
+        for a in audit {
+            let touched = a.attempt_id.map(|id| format!(" {id}")).unwrap_or_default();
+            let why = if a.reason.is_empty() {
+                "(no reason given)".to_owned()
+            } else {
+                format!("{:?}", a.reason)
+            };
+            writeln!(
+                out,
+                "    {}  {}  {}{touched}  {why}",
+                a.at.format("%Y-%m-%d %H:%M:%S UTC"),
+                a.actor,
+                a.action
+            )?;
+        }
     }
     Ok(())
 }

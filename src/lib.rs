@@ -19,7 +19,8 @@
 //!
 //! | layer | modules |
 //! |---|---|
-//! | composition | [`fleet`] (the one module that names the roles: start, supervise, stop) · [`cli`] (the operator CLI) |
+//! | operator CLI | [`cli`] (the `onejob` command, the console's among them) |
+//! | composition | [`fleet`] (the one module that names the roles: start, supervise, stop) · [`console`] (the operator console: HTML over the store) |
 //! | roles | [`intake`] · `attempts` · `reconciler` (one maintenance pass per function, each a bounded batch) |
 //! | shared by the roles | [`runtime`] (context, consume, ack, retries, health) · `policy` (what follows a failure: planned once) · `qualify` · [`dlq`] |
 //! | edges | [`store`] (all SQL, one file per aggregate) · `provider` (HTTP to providers) · [`metrics`] |
@@ -40,6 +41,7 @@ pub use onejob_core::{broker, domain, intent};
 mod attempts;
 pub mod cli;
 pub mod config;
+pub mod console;
 pub mod dlq;
 pub mod fleet;
 pub mod intake;

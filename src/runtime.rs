@@ -824,6 +824,51 @@ pub fn health_router(ctx: Context) -> axum::Router {
         .with_state(ctx)
 }
 
+/// A broker connection for an operator's action (the CLI, the console): the
+/// topology declared, no recovery; an unreachable broker is an error that
+/// names it.
+pub async fn operator_connection(
+    amqp_url: &str,
+    config: &Config,
+) -> std::result::Result<lapin::Connection, String> {
+    let conn = broker::connect(amqp_url, broker::Recovery::None)
+        .await
+        .map_err(|e| {
+            format!(
+                "cannot reach RabbitMQ at {}: {e}",
+                broker::redact_url(amqp_url)
+            )
+        })?;
+    broker::declare_topology(
+        &conn,
+        &config.provider_names(),
+        config.worker.delivery_limit,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    Ok(conn)
+}
+
+/// Publishes what an operator's action wrote to the outbox, at once, on a
+/// connection of its own. On failure the rows stay for the reconciler's relay.
+pub async fn publish_now(
+    amqp_url: &str,
+    config: &Config,
+    store: &Store,
+    messages: &[OutboxMessage],
+) -> std::result::Result<(), String> {
+    if messages.is_empty() {
+        return Ok(());
+    }
+    let conn = operator_connection(amqp_url, config).await?;
+    let publisher = Publisher::open(&conn).await.map_err(|e| e.to_string())?;
+    let result = publish_outbox(&publisher, store, messages)
+        .await
+        .map_err(|e| e.to_string());
+    let _ = conn.close(200, "done".into()).await;
+    result
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,6 +1,7 @@
-//! Bearer tokens of the HTTP gateway: one owner each.
+//! Bearer tokens: the HTTP gateway's, one tenant (owner) each, and the
+//! operator console's, one operator each.
 //!
-//! A token is `ojt_` and 64 hex digits of randomness (256 bits). The database keeps
+//! A tenant token is `ojt_` and an operator token `ojo_`, then 64 hex digits of randomness (256 bits). The database keeps
 //! only its SHA-256, so a leaked database (or a backup) hands out no tokens and a
 //! token can be shown only once, when `onejob tokens create` makes it. Lookups go
 //! by that digest, so no comparison ever runs over the secret itself.
@@ -12,9 +13,13 @@ use sha2::{Digest, Sha256};
 
 use crate::domain::hex;
 
-/// Every token starts with this, so a token found in a log or a paste is
+/// Every tenant token starts with this, so a token found in a log or a paste is
 /// recognisable (and secret scanners can match it).
 pub const PREFIX: &str = "ojt_";
+
+/// Every operator token starts with this instead: the gateway does not take
+/// one (it is not `ojt_`), and the console takes nothing else.
+pub const OPERATOR_PREFIX: &str = "ojo_";
 
 const RANDOM_BYTES: usize = 32;
 
@@ -23,18 +28,35 @@ const RANDOM_BYTES: usize = 32;
 pub struct Token(String);
 
 impl Token {
-    /// A new random token.
+    /// A new random tenant token.
     pub fn generate() -> Token {
-        let mut bytes = [0u8; RANDOM_BYTES];
-        rand::rng().fill_bytes(&mut bytes);
-        Token(format!("{PREFIX}{}", hex(&bytes)))
+        Self::generate_with(PREFIX)
     }
 
-    /// Reads a token as a client presented it; `None` when it cannot be one of
-    /// ours (wrong prefix, length or alphabet), so such a value never reaches the
+    /// A new random operator token.
+    pub fn generate_operator() -> Token {
+        Self::generate_with(OPERATOR_PREFIX)
+    }
+
+    fn generate_with(prefix: &str) -> Token {
+        Token(format!("{prefix}{}", random_hex(RANDOM_BYTES)))
+    }
+
+    /// Reads a tenant token as a client presented it; `None` when it cannot be
+    /// one (wrong prefix, length or alphabet), so such a value never reaches the
     /// database.
     pub fn parse(text: &str) -> Option<Token> {
-        let digits = text.strip_prefix(PREFIX)?;
+        Self::parse_with(text, PREFIX)
+    }
+
+    /// Reads an operator token as an operator presented it; `None` when it
+    /// cannot be one (a tenant token among them).
+    pub fn parse_operator(text: &str) -> Option<Token> {
+        Self::parse_with(text, OPERATOR_PREFIX)
+    }
+
+    fn parse_with(text: &str, prefix: &str) -> Option<Token> {
+        let digits = text.strip_prefix(prefix)?;
         (digits.len() == RANDOM_BYTES * 2
             && digits
                 .bytes()
@@ -49,13 +71,25 @@ impl Token {
 
     /// The digest the database keeps.
     pub fn digest(&self) -> String {
-        hex(&Sha256::digest(self.0.as_bytes()))
+        sha256_hex(&self.0)
     }
+}
+
+/// `bytes` random bytes as lowercase hex: a session id, a form token.
+pub fn random_hex(bytes: usize) -> String {
+    let mut buf = vec![0u8; bytes];
+    rand::rng().fill_bytes(&mut buf);
+    hex(&buf)
+}
+
+/// The SHA-256 of `text`, as lowercase hex: what the database keeps of a secret.
+pub fn sha256_hex(text: &str) -> String {
+    hex(&Sha256::digest(text.as_bytes()))
 }
 
 impl fmt::Debug for Token {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Token(ojt_…)")
+        write!(f, "Token({}…)", &self.0[..PREFIX.len()])
     }
 }
 
@@ -90,6 +124,20 @@ mod tests {
         ] {
             assert_eq!(Token::parse(&bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn the_two_kinds_never_parse_as_each_other() {
+        let tenant = Token::generate();
+        let operator = Token::generate_operator();
+        assert!(operator.reveal().starts_with(OPERATOR_PREFIX));
+        assert_eq!(
+            Token::parse_operator(operator.reveal()),
+            Some(operator.clone())
+        );
+        assert_eq!(Token::parse(operator.reveal()), None);
+        assert_eq!(Token::parse_operator(tenant.reveal()), None);
+        assert_eq!(format!("{operator:?}"), "Token(ojo_…)");
     }
 
     #[test]

@@ -236,7 +236,11 @@ async fn a_timeout_after_the_job_ended_is_discarded() {
 
     // A job cancelled with a call in flight, whose call then times out.
     let (job_id, in_flight) = started(store, "cancelled").await;
-    store.cancel_job(job_id).await.unwrap().unwrap();
+    store
+        .cancel_job(job_id, &onejob::store::Actor::cli(None))
+        .await
+        .unwrap()
+        .unwrap();
     let (settled, _) = store
         .finalize(&[timed_out(&in_flight)], &common::give_up)
         .await
@@ -248,7 +252,11 @@ async fn a_timeout_after_the_job_ended_is_discarded() {
 
     // A worker that vanished mid-call on a job that has since ended.
     let (job_id, vanished) = started(store, "vanished").await;
-    store.cancel_job(job_id).await.unwrap().unwrap();
+    store
+        .cancel_job(job_id, &onejob::store::Actor::cli(None))
+        .await
+        .unwrap()
+        .unwrap();
     sqlx::query("UPDATE attempts SET deadline_at = now() - interval '1 hour' WHERE id = $1")
         .bind(vanished.attempt_id.0)
         .execute(store.pool())
@@ -539,7 +547,10 @@ async fn a_cancel_never_leaves_a_queued_attempt_behind() {
             let (st, b, job_id) = (store.clone(), barrier.clone(), *job_id);
             tasks.push(tokio::spawn(async move {
                 b.wait().await;
-                let _ = st.cancel_job(job_id).await.unwrap();
+                let _ = st
+                    .cancel_job(job_id, &onejob::store::Actor::cli(None))
+                    .await
+                    .unwrap();
             }));
             let (st, b) = (store.clone(), barrier.clone());
             let failed = finished(
@@ -1230,7 +1241,10 @@ async fn a_vanished_sweep_racing_a_cancel_leaves_no_unknown_behind() {
             let (s, b, job_id) = (store.clone(), barrier.clone(), *job_id);
             tasks.push(tokio::spawn(async move {
                 b.wait().await;
-                let _ = s.cancel_job(job_id).await.unwrap();
+                let _ = s
+                    .cancel_job(job_id, &onejob::store::Actor::cli(None))
+                    .await
+                    .unwrap();
             }));
         }
         let (s, b) = (store.clone(), barrier.clone());

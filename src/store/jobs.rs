@@ -188,7 +188,12 @@ impl Store {
     /// Cancels a job: the version is bumped, queued and unknown attempts are
     /// cancelled, and an attempt still in flight is left to finish, so that its late
     /// result is `discarded` by the compare-and-swap. Refused on a terminal job.
-    pub async fn cancel_job(&self, job: JobId) -> Result<Result<Vec<OutboxMessage>, Refusal>> {
+    /// The cancellation is recorded in the audit table, in its transaction.
+    pub async fn cancel_job(
+        &self,
+        job: JobId,
+        actor: &Actor,
+    ) -> Result<Result<Vec<OutboxMessage>, Refusal>> {
         let Some(status) = sqlx::query_scalar!(
             r#"SELECT status AS "status: JobStatus" FROM jobs WHERE id = $1"#,
             job.0
@@ -202,8 +207,13 @@ impl Store {
             return Ok(Err(Refusal::terminal_job(job, status)));
         }
         let reason = "cancelled: by an operator";
+        let action = Action {
+            action: "job.cancel",
+            job: Some(job),
+            ..Action::default()
+        };
         Ok(self
-            .retrying(|| self.cancel_once(job, None, reason))
+            .retrying(|| self.cancel_once(job, None, reason, (actor, &action)))
             .await?
             .ok_or_else(|| {
                 Refusal::Terminal(format!(
@@ -212,12 +222,14 @@ impl Store {
             }))
     }
 
-    /// One cancellation transaction; `None` if the job had already ended.
+    /// One cancellation transaction, recorded as `audit` says; `None` if the
+    /// job had already ended.
     pub(super) async fn cancel_once(
         &self,
         job: JobId,
         target: Option<AttemptId>,
         reason: &str,
+        audit: (&Actor, &Action<'_>),
     ) -> Result<Option<Vec<OutboxMessage>>> {
         let mut tx = self.pool.begin().await?;
         // The job first: once it is locked and cancelled, no retry or hedge can add
@@ -250,6 +262,7 @@ impl Store {
         )
         .execute(&mut *tx)
         .await?;
+        audit::record(&mut tx, audit.0, audit.1).await?;
         let draft = ended.draft(&self.routes);
         let publish = self.insert_outbox(&mut tx, &[draft]).await?;
         tx.commit().await?;

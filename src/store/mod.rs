@@ -34,6 +34,8 @@ use crate::token::Token;
 /// The migrations, embedded in every binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
+mod audit;
+mod console;
 mod gauges;
 mod jobs;
 mod outbox;
@@ -43,7 +45,10 @@ mod settle;
 mod sweeps;
 mod tokens;
 
+pub use audit::{Action, Actor, AuditEntry};
+pub use console::{JobFilter, JobLine, Overview, Session, Unknown};
 pub use retention::{Pass, Policy, Pruned};
+pub use tokens::OperatorTokenView;
 
 /// A storage failure.
 #[derive(Debug, thiserror::Error)]

@@ -349,6 +349,7 @@ impl Store {
         attempt: AttemptId,
         resolution: Resolution,
         plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
+        actor: &Actor,
     ) -> Result<Result<(Settled, Vec<OutboxMessage>), Refusal>> {
         let Some((job_id, status, job_status)) = self.attempt_state(attempt).await? else {
             return Ok(Err(Refusal::NotFound(format!("attempt {attempt}"))));
@@ -387,9 +388,24 @@ impl Store {
                             true,
                         )
                         .await?;
+                    let Some((_, settled)) = outcomes.pop() else {
+                        return Ok(None);
+                    };
+                    let next = match settled {
+                        Settled::Failed { next, .. } => next,
+                        _ => None,
+                    };
+                    let action = Action {
+                        action: "attempt.resolve_failed",
+                        job: Some(job_id),
+                        attempt: Some(attempt),
+                        detail: serde_json::json!({ "next_attempt": next }),
+                        ..Action::default()
+                    };
+                    audit::record(&mut tx, actor, &action).await?;
                     let publish = self.insert_outbox(&mut tx, &drafts).await?;
                     tx.commit().await?;
-                    Ok(outcomes.pop().map(|(_, s)| (s, publish)))
+                    Ok(Some((settled, publish)))
                 })
                 .await?
             }
@@ -397,7 +413,13 @@ impl Store {
                 let reason = format!(
                     "cancelled: attempt {attempt} was resolved as cancelled by an operator"
                 );
-                self.retrying(|| self.cancel_once(job_id, Some(attempt), &reason))
+                let action = Action {
+                    action: "attempt.resolve_cancelled",
+                    job: Some(job_id),
+                    attempt: Some(attempt),
+                    ..Action::default()
+                };
+                self.retrying(|| self.cancel_once(job_id, Some(attempt), &reason, (actor, &action)))
                     .await?
                     .map(|publish| (Settled::Stale, publish))
             }

@@ -67,3 +67,81 @@ impl Store {
         }))
     }
 }
+
+/// An operator token as listed: never the token itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct OperatorTokenView {
+    /// The token's id.
+    pub id: Uuid,
+    /// The operator it signs in.
+    pub operator: String,
+    /// When it was made.
+    pub created_at: DateTime<Utc>,
+    /// When it was revoked, if it was.
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
+impl Store {
+    /// Records a new operator token (only its digest) and returns its id.
+    pub async fn create_operator_token(&self, operator: &str, token: &Token) -> Result<Uuid> {
+        let id = Uuid::now_v7();
+        sqlx::query!(
+            "INSERT INTO operator_tokens (id, operator, token_sha256) VALUES ($1, $2, $3)",
+            id,
+            operator,
+            token.digest()
+        )
+        .execute(&self.pool)
+        .await?;
+        Ok(id)
+    }
+
+    /// The operator a presented operator token signs in, unless it is unknown
+    /// or revoked. Tenant tokens are not in this table.
+    pub async fn token_operator(&self, token: &Token) -> Result<Option<String>> {
+        Ok(sqlx::query_scalar!(
+            "SELECT operator FROM operator_tokens WHERE token_sha256 = $1 AND revoked_at IS NULL",
+            token.digest()
+        )
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    /// Operator tokens, oldest first.
+    pub async fn operator_tokens(&self) -> Result<Vec<OperatorTokenView>> {
+        Ok(sqlx::query_as!(
+            OperatorTokenView,
+            "SELECT id, operator, created_at, revoked_at FROM operator_tokens ORDER BY created_at, id"
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// Revokes an operator token at once (signed-in sessions end with it).
+    /// Whether it had already been revoked; `Ok(None)` when there is no such
+    /// token.
+    pub async fn revoke_operator_token(
+        &self,
+        id: Uuid,
+    ) -> Result<Option<(OperatorTokenView, bool)>> {
+        let row = sqlx::query!(
+            r#"UPDATE operator_tokens t SET revoked_at = coalesce(b.revoked_at, now())
+               FROM (SELECT id, revoked_at FROM operator_tokens WHERE id = $1 FOR UPDATE) b
+               WHERE t.id = b.id
+               RETURNING t.id, t.operator, t.created_at, t.revoked_at,
+                         b.revoked_at IS NOT NULL AS "already!""#,
+            id
+        )
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.map(|r| {
+            let view = OperatorTokenView {
+                id: r.id,
+                operator: r.operator,
+                created_at: r.created_at,
+                revoked_at: r.revoked_at,
+            };
+            (view, r.already)
+        }))
+    }
+}

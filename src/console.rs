@@ -1,0 +1,822 @@
+//! The operator console, `onejob console --listen ADDR`: server-rendered HTML
+//! over the same store the CLI uses. Every page reads without JavaScript; every
+//! action is a form that carries the session's CSRF token, goes through the
+//! store's guarded transitions (the same calls as the CLI's), and is written to
+//! the audit table with the operator's name and reason.
+//!
+//! Sign-in takes an operator token (`onejob tokens create --operator NAME`,
+//! `ojo_…`); a tenant's gateway token (`ojt_…`) is refused. The session cookie is
+//! `HttpOnly`, `SameSite=Strict`, and `Secure` behind TLS (`--secure-cookies`, or
+//! a request that says `X-Forwarded-Proto: https`). Only the session id's
+//! SHA-256 is stored; revoking the operator's token ends its sessions.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header, request::Parts};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Form, Router};
+use minijinja::{Environment, context};
+use serde::Deserialize;
+use uuid::Uuid;
+
+use crate::config::Config;
+use crate::domain::{AttemptId, JobId, JobStatus};
+use crate::policy::Planner;
+use crate::runtime;
+use crate::store::{Actor, FailedJob, JobFilter, NextStep, Refusal, Resolution, Store, StoreError};
+use crate::token::{Token, random_hex, sha256_hex};
+
+/// The session cookie's name.
+pub const COOKIE: &str = "onejob_console";
+/// Jobs on one page of the job list.
+pub const PAGE: i64 = 50;
+/// The longest reason an action takes.
+pub const MAX_REASON: usize = 2000;
+
+/// How the console runs.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The broker, for publishing what an action wrote.
+    pub amqp_url: String,
+    /// Mark the session cookie `Secure` always (the console is behind TLS).
+    pub secure_cookies: bool,
+    /// How long a sign-in lasts.
+    pub session_ttl: Duration,
+}
+
+struct Inner {
+    store: Store,
+    config: Arc<Config>,
+    options: Options,
+    pages: Environment<'static>,
+}
+
+/// The console's state, shared by its handlers.
+#[derive(Clone)]
+pub struct Console(Arc<Inner>);
+
+impl Console {
+    /// A console over `store` and `config`.
+    pub fn new(store: Store, config: Arc<Config>, options: Options) -> Console {
+        Console(Arc::new(Inner {
+            store,
+            config,
+            options,
+            pages: pages(),
+        }))
+    }
+
+    /// The console's routes.
+    pub fn router(self) -> Router {
+        Router::new()
+            .route("/login", get(login_page).post(login))
+            .route("/logout", post(logout))
+            .route("/", get(overview))
+            .route("/jobs", get(jobs))
+            .route("/jobs/{id}", get(job))
+            .route("/unknowns", get(unknowns))
+            .route("/attempts/{id}/resolve", get(confirm_resolve).post(resolve))
+            .route("/static/console.css", get(stylesheet))
+            .fallback(not_found)
+            .with_state(self)
+    }
+}
+
+/// Serves the console on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    console: Console,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, console.router())
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// The templates, compiled in. Names ending in `.html` are autoescaped.
+fn pages() -> Environment<'static> {
+    let mut env = Environment::new();
+    env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
+    for (name, text) in [
+        ("base.html", include_str!("console/base.html")),
+        ("login.html", include_str!("console/login.html")),
+        ("overview.html", include_str!("console/overview.html")),
+        ("jobs.html", include_str!("console/jobs.html")),
+        ("job.html", include_str!("console/job.html")),
+        ("unknowns.html", include_str!("console/unknowns.html")),
+        ("confirm.html", include_str!("console/confirm.html")),
+        ("message.html", include_str!("console/message.html")),
+    ] {
+        env.add_template(name, text)
+            .unwrap_or_else(|e| panic!("console template {name}: {e}"));
+    }
+    env
+}
+
+/// A failure as a page: its status and what to say.
+struct Failure(StatusCode, String);
+
+impl From<StoreError> for Failure {
+    fn from(e: StoreError) -> Self {
+        tracing::warn!(error = %e, "console: the store failed");
+        Failure(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the database failed: {e}"),
+        )
+    }
+}
+
+impl Console {
+    fn render(&self, name: &str, ctx: minijinja::Value) -> Response {
+        match self.0.pages.get_template(name).and_then(|t| t.render(ctx)) {
+            Ok(html) => {
+                ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], html).into_response()
+            }
+            Err(e) => {
+                tracing::error!(error = %e, page = name, "console: a page failed to render");
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the page failed to render",
+                )
+                    .into_response()
+            }
+        }
+    }
+
+    fn message(&self, who: Option<&Operator>, failure: Failure) -> Response {
+        let Failure(status, text) = failure;
+        let mut page = self.render(
+            "message.html",
+            context! {
+                title => status.canonical_reason().unwrap_or("Error"),
+                operator => who.map(|o| o.name.clone()),
+                csrf => who.map(|o| o.csrf.clone()),
+                text,
+            },
+        );
+        *page.status_mut() = status;
+        page
+    }
+}
+
+/// The signed-in operator of a request.
+struct Operator {
+    name: String,
+    csrf: String,
+    session: String,
+}
+
+/// The request has no live session: back to the sign-in page.
+struct SignIn;
+
+impl IntoResponse for SignIn {
+    fn into_response(self) -> Response {
+        Redirect::to("/login").into_response()
+    }
+}
+
+impl FromRequestParts<Console> for Operator {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, app: &Console) -> Result<Self, Response> {
+        let Some(secret) = cookie(&parts.headers, COOKIE) else {
+            return Err(SignIn.into_response());
+        };
+        let digest = sha256_hex(&secret);
+        match app.0.store.session(&digest).await {
+            Ok(Some(s)) => Ok(Operator {
+                name: s.operator,
+                csrf: s.csrf,
+                session: digest,
+            }),
+            Ok(None) => Err(SignIn.into_response()),
+            Err(e) => Err(app.message(None, e.into())),
+        }
+    }
+}
+
+impl Operator {
+    /// The refusal of a form whose CSRF token is missing or is not this
+    /// session's; `None` when it is.
+    fn refuses(&self, app: &Console, presented: Option<&str>) -> Option<Response> {
+        // Compared by digest: no early exit on the secret's own bytes.
+        match presented {
+            Some(p) if sha256_hex(p) == sha256_hex(&self.csrf) => None,
+            _ => Some(app.message(
+                Some(self),
+                Failure(
+                    StatusCode::FORBIDDEN,
+                    "This form's CSRF token is missing or is not this session's: nothing was \
+                     done. Reload the page and try again."
+                        .into(),
+                ),
+            )),
+        }
+    }
+}
+
+/// The value of the cookie `name`, if the request has it.
+fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.to_owned())
+        .filter(|v| !v.is_empty())
+}
+
+/// Whether the session cookie must be `Secure`.
+fn secure(app: &Console, headers: &HeaderMap) -> bool {
+    app.0.options.secure_cookies
+        || headers
+            .get("x-forwarded-proto")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.eq_ignore_ascii_case("https"))
+}
+
+fn session_cookie(value: &str, max_age: Duration, secure: bool) -> HeaderValue {
+    let secure = if secure { "; Secure" } else { "" };
+    HeaderValue::from_str(&format!(
+        "{COOKIE}={value}; Path=/; HttpOnly; SameSite=Strict; Max-Age={}{secure}",
+        max_age.as_secs()
+    ))
+    .unwrap_or_else(|_| HeaderValue::from_static("onejob_console=; Max-Age=0"))
+}
+
+async fn stylesheet() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        include_str!("console/console.css"),
+    )
+        .into_response()
+}
+
+async fn not_found(State(app): State<Console>) -> Response {
+    app.message(
+        None,
+        Failure(StatusCode::NOT_FOUND, "There is no such page.".into()),
+    )
+}
+
+async fn login_page(State(app): State<Console>) -> Response {
+    app.render(
+        "login.html",
+        context! { title => "Sign in", operator => None::<String>, error => None::<String> },
+    )
+}
+
+#[derive(Deserialize)]
+struct LoginForm {
+    #[serde(default)]
+    token: String,
+}
+
+async fn login(
+    State(app): State<Console>,
+    headers: HeaderMap,
+    Form(form): Form<LoginForm>,
+) -> Response {
+    let presented = form.token.trim();
+    let refuse = |text: &str| {
+        let mut page = app.render(
+            "login.html",
+            context! { title => "Sign in", operator => None::<String>, error => text },
+        );
+        *page.status_mut() = StatusCode::UNAUTHORIZED;
+        page
+    };
+    let Some(token) = Token::parse_operator(presented) else {
+        return if Token::parse(presented).is_some() {
+            refuse(
+                "That is a tenant's gateway token (ojt_…): the console takes only operator tokens (ojo_…), made by `onejob tokens create --operator NAME`.",
+            )
+        } else {
+            refuse("That is not an operator token: it starts with ojo_ and 64 hex digits follow.")
+        };
+    };
+    let secret = random_hex(32);
+    let csrf = random_hex(32);
+    let ttl = app.0.options.session_ttl;
+    match app
+        .0
+        .store
+        .sign_in(&token, &sha256_hex(&secret), &csrf, ttl)
+        .await
+    {
+        Ok(Some(operator)) => {
+            tracing::info!(%operator, "console: signed in");
+            let mut response = Redirect::to("/").into_response();
+            response.headers_mut().insert(
+                header::SET_COOKIE,
+                session_cookie(&secret, ttl, secure(&app, &headers)),
+            );
+            response
+        }
+        Ok(None) => refuse("This operator token is unknown or revoked."),
+        Err(e) => app.message(None, e.into()),
+    }
+}
+
+#[derive(Deserialize)]
+struct CsrfForm {
+    csrf: Option<String>,
+}
+
+async fn logout(
+    State(app): State<Console>,
+    who: Operator,
+    headers: HeaderMap,
+    Form(form): Form<CsrfForm>,
+) -> Response {
+    if let Some(refused) = who.refuses(&app, form.csrf.as_deref()) {
+        return refused;
+    }
+    if let Err(e) = app.0.store.sign_out(&who.session).await {
+        return app.message(Some(&who), e.into());
+    }
+    let mut response = Redirect::to("/login").into_response();
+    response.headers_mut().insert(
+        header::SET_COOKIE,
+        session_cookie("", Duration::ZERO, secure(&app, &headers)),
+    );
+    response
+}
+
+async fn overview(State(app): State<Console>, who: Operator) -> Response {
+    let o = match app.0.store.overview().await {
+        Ok(o) => o,
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
+    let peak = o
+        .created_per_minute
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let bars: Vec<_> = o
+        .created_per_minute
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let h = (*n as f64 / peak as f64 * 60.0).round();
+            context! { x => i * 5, y => 60.0 - h, h => h, n => n, ago => 60 - i }
+        })
+        .collect();
+    app.render(
+        "overview.html",
+        context! {
+            title => "Overview",
+            operator => who.name,
+            csrf => who.csrf,
+            jobs => o.jobs,
+            attempts => o.attempts_last_hour,
+            bars => bars,
+            peak => peak,
+            created_last_hour => o.created_per_minute.iter().sum::<i64>(),
+            oldest_unknown => o.oldest_unknown_seconds.map(age),
+            outbox_pending => o.outbox_pending,
+            outbox_lag => o.outbox_lag_seconds.map(age),
+        },
+    )
+}
+
+/// A duration in seconds as people read it: `42s`, `3m 5s`, `2h 1m`, `4d 3h`.
+fn age(seconds: f64) -> String {
+    let s = seconds.max(0.0) as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m {}s", s / 60, s % 60),
+        3600..86400 => format!("{}h {}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d {}h", s / 86400, s % 86400 / 3600),
+    }
+}
+
+#[derive(Deserialize, Default)]
+struct JobsQuery {
+    status: Option<String>,
+    owner: Option<String>,
+    operation: Option<String>,
+    provider: Option<String>,
+    since: Option<String>,
+    until: Option<String>,
+    after: Option<String>,
+}
+
+/// An empty form field is no filter.
+fn given(v: &Option<String>) -> Option<String> {
+    v.as_deref()
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(str::to_owned)
+}
+
+fn time(name: &str, v: &Option<String>) -> Result<Option<chrono::DateTime<chrono::Utc>>, String> {
+    let Some(v) = given(v) else { return Ok(None) };
+    chrono::DateTime::parse_from_rfc3339(&v)
+        .map(|t| Some(t.with_timezone(&chrono::Utc)))
+        .or_else(|_| {
+            chrono::NaiveDateTime::parse_from_str(&v, "%Y-%m-%dT%H:%M").map(|t| Some(t.and_utc()))
+        })
+        .map_err(|_| format!("{name}: {v:?} is not a time (2026-12-04T10:00, UTC, or RFC 3339)"))
+}
+
+async fn jobs(State(app): State<Console>, who: Operator, Query(q): Query<JobsQuery>) -> Response {
+    let status = match given(&q.status) {
+        None => None,
+        Some(s) => match s.parse::<JobStatus>().ok() {
+            Some(s) => Some(s),
+            None => {
+                let text = format!("status: {s:?} is not a job status");
+                return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text));
+            }
+        },
+    };
+    let (since, until) = match (time("since", &q.since), time("until", &q.until)) {
+        (Ok(s), Ok(u)) => (s, u),
+        (Err(e), _) | (_, Err(e)) => {
+            return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, e));
+        }
+    };
+    let after = match given(&q.after).map(|a| a.parse::<Uuid>()) {
+        None => None,
+        Some(Ok(a)) => Some(a),
+        Some(Err(_)) => {
+            let text = "after: not a job id".to_owned();
+            return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text));
+        }
+    };
+    let filter = JobFilter {
+        status,
+        owner: given(&q.owner),
+        operation: given(&q.operation),
+        provider: given(&q.provider),
+        since,
+        until,
+    };
+    let started = std::time::Instant::now();
+    let lines = match app.0.store.jobs_page(&filter, after, PAGE + 1).await {
+        Ok(l) => l,
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
+    let took_ms = started.elapsed().as_secs_f64() * 1000.0;
+    let more = lines.len() as i64 > PAGE;
+    let lines: Vec<_> = lines.into_iter().take(PAGE as usize).collect();
+    // The next page's link keeps the filters and moves the keyset past the
+    // last row shown.
+    let next = more.then(|| {
+        let mut link = url::form_urlencoded::Serializer::new(String::new());
+        for (k, v) in [
+            ("status", given(&q.status)),
+            ("owner", filter.owner.clone()),
+            ("operation", filter.operation.clone()),
+            ("provider", filter.provider.clone()),
+            ("since", given(&q.since)),
+            ("until", given(&q.until)),
+        ] {
+            if let Some(v) = v {
+                link.append_pair(k, &v);
+            }
+        }
+        if let Some(last) = lines.last() {
+            link.append_pair("after", &last.id.to_string());
+        }
+        format!("/jobs?{}", link.finish())
+    });
+    app.render(
+        "jobs.html",
+        context! {
+            title => "Jobs",
+            operator => who.name,
+            csrf => who.csrf,
+            jobs => minijinja::Value::from(minijinja::value::Serde(&lines)),
+            next => next,
+            took_ms => format!("{took_ms:.1}"),
+            statuses => ["queued", "running", "unknown", "succeeded", "failed", "cancelled"],
+            operations => app.0.config.operations.keys().cloned().collect::<Vec<_>>(),
+            providers => app.0.config.provider_names(),
+            q => context! {
+                status => given(&q.status).unwrap_or_default(),
+                owner => given(&q.owner).unwrap_or_default(),
+                operation => given(&q.operation).unwrap_or_default(),
+                provider => given(&q.provider).unwrap_or_default(),
+                since => given(&q.since).unwrap_or_default(),
+                until => given(&q.until).unwrap_or_default(),
+                paged => after.is_some(),
+            },
+        },
+    )
+}
+
+async fn job(State(app): State<Console>, who: Operator, Path(id): Path<String>) -> Response {
+    let Ok(id) = id.parse::<Uuid>() else {
+        let text = format!("{id:?} is not a job id");
+        return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text));
+    };
+    let store = &app.0.store;
+    let (job, audit) = match tokio::try_join!(store.job(JobId(id)), store.audit_of_job(JobId(id))) {
+        Ok((Some(job), audit)) => (job, audit),
+        Ok((None, _)) => {
+            let text =
+                format!("There is no job {id} (it may have been pruned after its retention).");
+            return app.message(Some(&who), Failure(StatusCode::NOT_FOUND, text));
+        }
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
+    // The timeline: each attempt's bar from its creation to its end (or now),
+    // on a scale from the job's creation to its last change.
+    let start = job.created_at;
+    let end = job
+        .attempts
+        .iter()
+        .filter_map(|a| a.finished_at)
+        .chain([job.updated_at])
+        .max()
+        .unwrap_or(job.updated_at)
+        .max(if job.status.is_terminal() {
+            job.updated_at
+        } else {
+            chrono::Utc::now()
+        });
+    let span = (end - start).num_milliseconds().max(1) as f64;
+    let at = |t: chrono::DateTime<chrono::Utc>| {
+        ((t - start).num_milliseconds() as f64 / span * 100.0).clamp(0.0, 100.0)
+    };
+    let attempts: Vec<_> = job
+        .attempts
+        .iter()
+        .map(|a| {
+            let from = at(a.started_at.unwrap_or(a.created_at));
+            let to = at(a.finished_at.unwrap_or(end));
+            context! {
+                id => a.id.to_string(),
+                number => a.number,
+                provider => a.provider.clone(),
+                status => a.status.as_str(),
+                winner => job.completed_by == Some(a.id),
+                error => a.error.clone(),
+                usage => a.usage.as_ref().map(|u| u.to_string()),
+                request_id => a.provider_request_id.clone(),
+                created => a.created_at.to_rfc3339(),
+                started => a.started_at.map(|t| t.to_rfc3339()),
+                finished => a.finished_at.map(|t| t.to_rfc3339()),
+                left => format!("{from:.2}"),
+                width => format!("{:.2}", (to - from).max(0.5)),
+                open => !a.status.is_terminal(),
+            }
+        })
+        .collect();
+    let pretty = |v: &serde_json::Value| serde_json::to_string_pretty(v).unwrap_or_default();
+    app.render(
+        "job.html",
+        context! {
+            title => format!("Job {id}"),
+            operator => who.name,
+            csrf => who.csrf,
+            job => context! {
+                id => job.id.to_string(),
+                owner_id => job.owner_id.clone(),
+                key => job.idempotency_key.clone(),
+                operation => job.operation.clone(),
+                status => job.status.as_str(),
+                version => job.version,
+                created => job.created_at.to_rfc3339(),
+                updated => job.updated_at.to_rfc3339(),
+                input => pretty(&job.input),
+                result => job.result.as_ref().map(pretty),
+                error => job.error.clone(),
+            },
+            attempts => attempts,
+            audit => minijinja::Value::from(minijinja::value::Serde(&audit)),
+        },
+    )
+}
+
+async fn unknowns(State(app): State<Console>, who: Operator) -> Response {
+    let list = match app.0.store.unknowns().await {
+        Ok(l) => l,
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
+    let rows: Vec<_> = list
+        .iter()
+        .map(|u| {
+            context! {
+                attempt_id => u.attempt_id.to_string(),
+                job_id => u.job_id.to_string(),
+                number => u.number,
+                provider => u.provider.clone(),
+                request_id => u.provider_request_id.clone(),
+                owner_id => u.owner_id.clone(),
+                operation => u.operation.clone(),
+                since => u.since.to_rfc3339(),
+                age => age(u.age_seconds),
+                error => u.error.clone(),
+            }
+        })
+        .collect();
+    app.render(
+        "unknowns.html",
+        context! { title => "Unknowns", operator => who.name, csrf => who.csrf, unknowns => rows },
+    )
+}
+
+#[derive(Deserialize)]
+struct ResolveQuery {
+    #[serde(rename = "as")]
+    resolution: Option<String>,
+}
+
+fn resolution(text: Option<&str>) -> Option<Resolution> {
+    match text {
+        Some("failed") => Some(Resolution::Failed),
+        Some("cancelled") => Some(Resolution::Cancelled),
+        _ => None,
+    }
+}
+
+/// What resolving `attempt` as `resolution` will do, in words: which provider
+/// the route rule picks next, or that the job ends.
+async fn consequence(
+    app: &Console,
+    attempt: Uuid,
+    resolution: Resolution,
+) -> Result<(crate::store::JobView, String), Failure> {
+    let store = &app.0.store;
+    let not_open = || {
+        Failure(
+            StatusCode::CONFLICT,
+            format!("Attempt {attempt} is not open any more: there is nothing to resolve."),
+        )
+    };
+    let job_id = store
+        .attempt_job(AttemptId(attempt))
+        .await?
+        .ok_or_else(|| {
+            Failure(
+                StatusCode::NOT_FOUND,
+                format!("There is no attempt {attempt}."),
+            )
+        })?;
+    let job = store.job(job_id).await?.ok_or_else(not_open)?;
+    let a = job
+        .attempts
+        .iter()
+        .find(|a| a.id.0 == attempt)
+        .ok_or_else(not_open)?;
+    if a.status.is_terminal() || job.status.is_terminal() {
+        return Err(not_open());
+    }
+    let text = match resolution {
+        Resolution::Cancelled => format!(
+            "Attempt #{} on {} becomes cancelled, and so does job {}: no attempt follows, \
+             and a result that still arrives is discarded.",
+            a.number, a.provider, job.id
+        ),
+        Resolution::Failed => {
+            let config = &app.0.config;
+            let planner = Planner::load(config, store, [job.operation.as_str()]).await?;
+            let failed = FailedJob {
+                job_id: job.id,
+                operation: job.operation.clone(),
+                failed_provider: a.provider.clone(),
+                attempts_made: u32::try_from(job.attempts.len()).unwrap_or(u32::MAX),
+                error: "resolved_failed: an operator resolved this attempt as failed".into(),
+                retryable: true,
+                retry_after: None,
+            };
+            let what = format!("Attempt #{} on {} becomes failed.", a.number, a.provider);
+            match planner.plan(&failed) {
+                NextStep::Retry { provider, delay } if delay.is_zero() => {
+                    format!(
+                        "{what} The route rule then starts attempt #{} on {provider}, at once.",
+                        job.attempts.len() + 1
+                    )
+                }
+                NextStep::Retry { provider, delay } => format!(
+                    "{what} The route rule then starts attempt #{} on {provider}, after a backoff of {}.",
+                    job.attempts.len() + 1,
+                    humantime::format_duration(Duration::from_secs(delay.as_secs().max(1)))
+                ),
+                NextStep::GiveUp { error } => {
+                    format!(
+                        "{what} No attempt follows: job {} fails with “{error}”.",
+                        job.id
+                    )
+                }
+            }
+        }
+    };
+    Ok((job, text))
+}
+
+async fn confirm_resolve(
+    State(app): State<Console>,
+    who: Operator,
+    Path(id): Path<String>,
+    Query(q): Query<ResolveQuery>,
+) -> Response {
+    let (Ok(attempt), Some(how)) = (id.parse::<Uuid>(), resolution(q.resolution.as_deref())) else {
+        let text = "Say which attempt (its id) and how: ?as=failed or ?as=cancelled.".to_owned();
+        return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text));
+    };
+    match consequence(&app, attempt, how).await {
+        Ok((job, text)) => app.render(
+            "confirm.html",
+            context! {
+                title => "Resolve an unknown attempt",
+                operator => who.name,
+                csrf => who.csrf,
+                attempt => attempt.to_string(),
+                job_id => job.id.to_string(),
+                how => q.resolution,
+                consequence => text,
+                error => None::<String>,
+            },
+        ),
+        Err(f) => app.message(Some(&who), f),
+    }
+}
+
+#[derive(Deserialize)]
+struct ResolveForm {
+    csrf: Option<String>,
+    #[serde(rename = "as")]
+    resolution: Option<String>,
+    #[serde(default)]
+    reason: String,
+}
+
+async fn resolve(
+    State(app): State<Console>,
+    who: Operator,
+    Path(id): Path<String>,
+    Form(form): Form<ResolveForm>,
+) -> Response {
+    if let Some(refused) = who.refuses(&app, form.csrf.as_deref()) {
+        return refused;
+    }
+    let (Ok(attempt), Some(how)) = (id.parse::<Uuid>(), resolution(form.resolution.as_deref()))
+    else {
+        let text = "Say which attempt (its id) and how: failed or cancelled.".to_owned();
+        return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text));
+    };
+    let reason = form.reason.trim();
+    if reason.is_empty() || reason.chars().count() > MAX_REASON || reason.contains('\0') {
+        let text = format!(
+            "Give a reason (1 to {MAX_REASON} characters): it goes in the audit table. Nothing was done."
+        );
+        return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text));
+    }
+    let store = &app.0.store;
+    let config = &app.0.config;
+    let job_id = match store.attempt_job(AttemptId(attempt)).await {
+        Ok(Some(j)) => j,
+        Ok(None) => {
+            let text = format!("There is no attempt {attempt}.");
+            return app.message(Some(&who), Failure(StatusCode::NOT_FOUND, text));
+        }
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
+    let operation = match store.job(job_id).await {
+        Ok(j) => j.map(|j| j.operation).unwrap_or_default(),
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
+    let planner = match Planner::load(config, store, [operation.as_str()]).await {
+        Ok(p) => p,
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
+    let plan = |f: &FailedJob| planner.plan(f);
+    let actor = Actor::operator(&who.name, reason);
+    let publish = match store.resolve(AttemptId(attempt), how, &plan, &actor).await {
+        Ok(Ok((_, publish))) => publish,
+        Ok(Err(refusal @ (Refusal::NotFound(_) | Refusal::Terminal(_)))) => {
+            let text = format!("{refusal}. Nothing was done.");
+            return app.message(Some(&who), Failure(StatusCode::CONFLICT, text));
+        }
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
+    // What the resolution wrote goes out now; if the broker is down, the
+    // reconciler's relay sends it once the outbox lease ends.
+    if let Err(e) = runtime::publish_now(&app.0.options.amqp_url, config, store, &publish).await {
+        tracing::warn!(error = %e, "console: publishing a resolution failed; the relay will");
+    }
+    tracing::info!(operator = %who.name, %attempt, "console: resolved an attempt");
+    Redirect::to(&format!("/jobs/{job_id}")).into_response()
+}
+
+/// The address the console listens on when `--listen` is not given.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8090";
+
+/// Binds `listen`, or says why it cannot.
+pub async fn bind(listen: SocketAddr) -> Result<tokio::net::TcpListener, String> {
+    tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| format!("cannot listen on {listen}: {e}"))
+}

@@ -1,0 +1,135 @@
+//! The audit table: who did what to which job, when, and why.
+
+use super::*;
+
+/// Who acts, and why: what an operator action is recorded with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Actor {
+    /// `operator:NAME` from the console, `cli:USER` from the CLI.
+    pub name: String,
+    /// Why, as the operator gave it (may be empty from the CLI).
+    pub reason: String,
+}
+
+impl Actor {
+    /// An operator signed in to the console.
+    pub fn operator(name: &str, reason: &str) -> Actor {
+        Actor {
+            name: format!("operator:{name}"),
+            reason: reason.to_owned(),
+        }
+    }
+
+    /// Someone at the CLI, by their login name (`$USER`, else `unknown`).
+    pub fn cli(reason: Option<&str>) -> Actor {
+        let user = std::env::var("USER")
+            .ok()
+            .filter(|u| !u.is_empty())
+            .unwrap_or_else(|| "unknown".into());
+        Actor {
+            name: format!("cli:{user}"),
+            reason: reason.unwrap_or_default().to_owned(),
+        }
+    }
+}
+
+/// One action to record.
+#[derive(Clone, Debug, Default)]
+pub struct Action<'a> {
+    /// What was done: `attempt.resolve_failed`, `attempt.resolve_cancelled`,
+    /// `job.cancel`, `dlq.replay`, `dlq.purge`, `provider.qualify`.
+    pub action: &'a str,
+    /// The job it touched, if one.
+    pub job: Option<JobId>,
+    /// The attempt it touched, if one.
+    pub attempt: Option<AttemptId>,
+    /// Anything else it touched (a queue, a message id, a provider).
+    pub target: Option<String>,
+    /// What came of it.
+    pub detail: Value,
+}
+
+/// An audit row.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AuditEntry {
+    /// The row's id.
+    pub id: Uuid,
+    /// When.
+    pub at: DateTime<Utc>,
+    /// Who ([`Actor::name`]).
+    pub actor: String,
+    /// What ([`Action::action`]).
+    pub action: String,
+    /// The job it touched.
+    pub job_id: Option<Uuid>,
+    /// The attempt it touched.
+    pub attempt_id: Option<Uuid>,
+    /// Anything else it touched.
+    pub target: Option<String>,
+    /// Why.
+    pub reason: String,
+    /// What came of it.
+    pub detail: Value,
+}
+
+/// Records an action inside the transaction that does it, so the two commit
+/// together.
+pub(super) async fn record(
+    tx: &mut PgConnection,
+    actor: &Actor,
+    action: &Action<'_>,
+) -> Result<()> {
+    let detail = if action.detail.is_null() {
+        Value::Object(Default::default())
+    } else {
+        action.detail.clone()
+    };
+    sqlx::query!(
+        "INSERT INTO audit (id, actor, action, job_id, attempt_id, target, reason, detail)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        Uuid::now_v7(),
+        actor.name,
+        action.action,
+        action.job.map(|j| j.0) as Option<Uuid>,
+        action.attempt.map(|a| a.0) as Option<Uuid>,
+        action.target,
+        actor.reason,
+        detail
+    )
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
+impl Store {
+    /// Records an action that is not a database write of its own (a replay, a
+    /// purge, a qualification), after it was done.
+    pub async fn audit(&self, actor: &Actor, action: &Action<'_>) -> Result<()> {
+        let mut conn = self.pool.acquire().await?;
+        record(&mut conn, actor, action).await
+    }
+
+    /// The audit rows of a job, oldest first.
+    pub async fn audit_of_job(&self, job: JobId) -> Result<Vec<AuditEntry>> {
+        Ok(sqlx::query_as!(
+            AuditEntry,
+            "SELECT id, at, actor, action, job_id, attempt_id, target, reason, detail
+             FROM audit WHERE job_id = $1 ORDER BY at, id",
+            job.0
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// The latest audit rows, newest first.
+    pub async fn audit_recent(&self, limit: i64) -> Result<Vec<AuditEntry>> {
+        Ok(sqlx::query_as!(
+            AuditEntry,
+            "SELECT id, at, actor, action, job_id, attempt_id, target, reason, detail
+             FROM audit ORDER BY at DESC, id DESC LIMIT $1",
+            limit
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
+}
