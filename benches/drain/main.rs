@@ -75,16 +75,10 @@ fn main() {
         eprintln!("drain: --n must be at least 1");
         usage()
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    let report = runtime.block_on(run::drain(&options));
-    println!("{}", report.markdown());
-    report.write(&options.out);
-    println!(
-        "wrote {0}/drain.json and {0}/drain.md",
-        options.out.display()
+    run::run_and_report(
+        run::drain(&options),
+        |r| r.markdown(),
+        |r, out| r.write(out),
+        &options.out,
     );
 }

@@ -72,16 +72,10 @@ fn main() {
             }
         }
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    let report = runtime.block_on(run::growth(&options));
-    println!("{}", report.markdown());
-    report.write(&options.out);
-    println!(
-        "wrote {0}/growth.json and {0}/growth.md",
-        options.out.display()
+    drain::run_and_report(
+        run::growth(&options),
+        |r| r.markdown(),
+        |r, out| r.write(out),
+        &options.out,
     );
 }
