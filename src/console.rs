@@ -23,11 +23,15 @@ use minijinja::{Environment, context};
 use serde::Deserialize;
 use uuid::Uuid;
 
+use crate::broker;
 use crate::config::Config;
+use crate::dlq;
 use crate::domain::{AttemptId, JobId, JobStatus};
 use crate::policy::Planner;
 use crate::runtime;
-use crate::store::{Actor, FailedJob, JobFilter, NextStep, Refusal, Resolution, Store, StoreError};
+use crate::store::{
+    Action, Actor, FailedJob, JobFilter, NextStep, Refusal, Resolution, Store, StoreError,
+};
 use crate::token::{Token, random_hex, sha256_hex};
 
 /// The session cookie's name.
@@ -80,6 +84,10 @@ impl Console {
             .route("/jobs/{id}", get(job))
             .route("/unknowns", get(unknowns))
             .route("/attempts/{id}/resolve", get(confirm_resolve).post(resolve))
+            .route("/dead-letters", get(dead_letters))
+            .route("/dead-letters/confirm", get(confirm_dead_letters))
+            .route("/dead-letters/replay", post(replay_dead_letters))
+            .route("/dead-letters/purge", post(purge_dead_letters))
             .route("/static/console.css", get(stylesheet))
             .fallback(not_found)
             .with_state(self)
@@ -109,6 +117,14 @@ fn pages() -> Environment<'static> {
         ("job.html", include_str!("console/job.html")),
         ("unknowns.html", include_str!("console/unknowns.html")),
         ("confirm.html", include_str!("console/confirm.html")),
+        (
+            "dead_letters.html",
+            include_str!("console/dead_letters.html"),
+        ),
+        (
+            "confirm_dead_letters.html",
+            include_str!("console/confirm_dead_letters.html"),
+        ),
         ("message.html", include_str!("console/message.html")),
     ] {
         env.add_template(name, text)
@@ -206,15 +222,17 @@ impl Operator {
         // Compared by digest: no early exit on the secret's own bytes.
         match presented {
             Some(p) if sha256_hex(p) == sha256_hex(&self.csrf) => None,
-            _ => Some(app.message(
-                Some(self),
-                Failure(
-                    StatusCode::FORBIDDEN,
-                    "This form's CSRF token is missing or is not this session's: nothing was \
+            _ => Some(
+                app.message(
+                    Some(self),
+                    Failure(
+                        StatusCode::FORBIDDEN,
+                        "This form's CSRF token is missing or is not this session's: nothing was \
                      done. Reload the page and try again."
-                        .into(),
+                            .into(),
+                    ),
                 ),
-            )),
+            ),
         }
     }
 }
@@ -469,9 +487,9 @@ async fn jobs(State(app): State<Console>, who: Operator, Query(q): Query<JobsQue
     let took_ms = started.elapsed().as_secs_f64() * 1000.0;
     let more = lines.len() as i64 > PAGE;
     let lines: Vec<_> = lines.into_iter().take(PAGE as usize).collect();
-    // The next page's link keeps the filters and moves the keyset past the
+    // The pages' links keep the filters; the next moves the keyset past the
     // last row shown.
-    let next = more.then(|| {
+    let link = |after: Option<Uuid>| {
         let mut link = url::form_urlencoded::Serializer::new(String::new());
         for (k, v) in [
             ("status", given(&q.status)),
@@ -480,16 +498,16 @@ async fn jobs(State(app): State<Console>, who: Operator, Query(q): Query<JobsQue
             ("provider", filter.provider.clone()),
             ("since", given(&q.since)),
             ("until", given(&q.until)),
+            ("after", after.map(|a| a.to_string())),
         ] {
             if let Some(v) = v {
                 link.append_pair(k, &v);
             }
         }
-        if let Some(last) = lines.last() {
-            link.append_pair("after", &last.id.to_string());
-        }
         format!("/jobs?{}", link.finish())
-    });
+    };
+    let next = more.then(|| link(lines.last().map(|l| l.id)));
+    let first = link(None);
     app.render(
         "jobs.html",
         context! {
@@ -498,6 +516,7 @@ async fn jobs(State(app): State<Console>, who: Operator, Query(q): Query<JobsQue
             csrf => who.csrf,
             jobs => minijinja::Value::from(minijinja::value::Serde(&lines)),
             next => next,
+            first => first,
             took_ms => format!("{took_ms:.1}"),
             statuses => ["queued", "running", "unknown", "succeeded", "failed", "cancelled"],
             operations => app.0.config.operations.keys().cloned().collect::<Vec<_>>(),
@@ -767,13 +786,10 @@ async fn resolve(
         let text = "Say which attempt (its id) and how: failed or cancelled.".to_owned();
         return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text));
     };
-    let reason = form.reason.trim();
-    if reason.is_empty() || reason.chars().count() > MAX_REASON || reason.contains('\0') {
-        let text = format!(
-            "Give a reason (1 to {MAX_REASON} characters): it goes in the audit table. Nothing was done."
-        );
-        return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text));
-    }
+    let reason = match reason_of(&app, &who, &form.reason) {
+        Ok(r) => r,
+        Err(page) => return *page,
+    };
     let store = &app.0.store;
     let config = &app.0.config;
     let job_id = match store.attempt_job(AttemptId(attempt)).await {
@@ -809,6 +825,328 @@ async fn resolve(
     }
     tracing::info!(operator = %who.name, %attempt, "console: resolved an attempt");
     Redirect::to(&format!("/jobs/{job_id}")).into_response()
+}
+
+/// A broker connection for one page or action, or the page that says why
+/// there is none.
+async fn broker_for(app: &Console, who: &Operator) -> Result<lapin::Connection, Box<Response>> {
+    runtime::operator_connection(&app.0.options.amqp_url, &app.0.config)
+        .await
+        .map_err(|e| Box::new(app.message(Some(who), Failure(StatusCode::SERVICE_UNAVAILABLE, e))))
+}
+
+#[derive(Deserialize, Default)]
+struct DoneQuery {
+    replayed: Option<u32>,
+    skipped: Option<u32>,
+    purged: Option<u32>,
+    queue: Option<String>,
+}
+
+async fn dead_letters(
+    State(app): State<Console>,
+    who: Operator,
+    Query(done): Query<DoneQuery>,
+) -> Response {
+    let conn = match broker_for(&app, &who).await {
+        Ok(c) => c,
+        Err(page) => return *page,
+    };
+    let mut queues = Vec::new();
+    for q in dlq::queues(&app.0.config) {
+        let letters = match dlq::browse(&conn, &q, dlq::DEFAULT_LIMIT).await {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = conn.close(200, "done".into()).await;
+                let text = format!("browsing {q} failed: {e}");
+                return app.message(Some(&who), Failure(StatusCode::SERVICE_UNAVAILABLE, text));
+            }
+        };
+        let rows: Vec<_> = letters
+            .iter()
+            .map(|d| {
+                let deaths: Vec<String> = d
+                    .deaths
+                    .iter()
+                    .map(|x| format!("{} ×{} in {}", x.reason, x.count, x.queue))
+                    .collect();
+                let origin = format!(
+                    "{}/{}",
+                    d.original_exchange.as_deref().unwrap_or("?"),
+                    d.original_routing_key.as_deref().unwrap_or("?")
+                );
+                let replay = d
+                    .message_id
+                    .as_deref()
+                    .map(|id| confirm_link(&[("action", "replay"), ("queue", &q), ("id", id)]));
+                context! {
+                    position => d.position,
+                    id => d.message_id.clone(),
+                    replay,
+                    reason => d.reason.clone(),
+                    deaths,
+                    origin,
+                    age => d.age_seconds.map(|a| age(a as f64)),
+                    preview => d.body_preview.clone(),
+                    bytes => d.body_bytes,
+                }
+            })
+            .collect();
+        queues.push(context! {
+            replay_all => confirm_link(&[("action", "replay"), ("queue", &q)]),
+            purge => confirm_link(&[("action", "purge"), ("queue", &q)]),
+            name => q,
+            full => rows.len() >= dlq::DEFAULT_LIMIT,
+            letters => rows,
+        });
+    }
+    let _ = conn.close(200, "done".into()).await;
+    let queue = done.queue.unwrap_or_default();
+    let done = match (done.replayed, done.skipped, done.purged) {
+        (Some(r), s, _) => Some(format!(
+            "{queue}: {r} dead letter(s) replayed, {} skipped.",
+            s.unwrap_or(0)
+        )),
+        (_, _, Some(p)) => Some(format!("{queue}: {p} dead letter(s) purged.")),
+        _ => None,
+    };
+    app.render(
+        "dead_letters.html",
+        context! { title => "Dead letters", operator => who.name, csrf => who.csrf, queues, done },
+    )
+}
+
+#[derive(Deserialize)]
+struct DeadLetterQuery {
+    action: Option<String>,
+    queue: Option<String>,
+    id: Option<String>,
+}
+
+/// The dead-letter queue an operator named, if it is one of this
+/// configuration's.
+fn dead_letter_queue(app: &Console, queue: Option<&str>) -> Result<String, Failure> {
+    let named = queue
+        .map(str::trim)
+        .filter(|q| !q.is_empty())
+        .ok_or_else(|| {
+            Failure(
+                StatusCode::BAD_REQUEST,
+                "Say which dead-letter queue.".into(),
+            )
+        })?;
+    match dlq::select_queues(&app.0.config, Some(named)) {
+        Ok(mut q) if q.len() == 1 => Ok(q.remove(0)),
+        Ok(_) => Err(Failure(
+            StatusCode::BAD_REQUEST,
+            format!("{named:?}: name one queue"),
+        )),
+        Err(e) => Err(Failure(StatusCode::BAD_REQUEST, e.to_string())),
+    }
+}
+
+async fn confirm_dead_letters(
+    State(app): State<Console>,
+    who: Operator,
+    Query(q): Query<DeadLetterQuery>,
+) -> Response {
+    let queue = match dead_letter_queue(&app, q.queue.as_deref()) {
+        Ok(queue) => queue,
+        Err(f) => return app.message(Some(&who), f),
+    };
+    let conn = match broker_for(&app, &who).await {
+        Ok(c) => c,
+        Err(page) => return *page,
+    };
+    let depth = broker::depth(&conn, &queue).await;
+    let _ = conn.close(200, "done".into()).await;
+    let depth = match depth {
+        Ok(d) => d,
+        Err(e) => {
+            let text = format!("counting {queue} failed: {e}");
+            return app.message(Some(&who), Failure(StatusCode::SERVICE_UNAVAILABLE, text));
+        }
+    };
+    let id = given(&q.id);
+    let (action, what) = match (q.action.as_deref(), &id) {
+        (Some("replay"), Some(id)) => (
+            "replay",
+            format!(
+                "Republish the dead letter {id} of {queue} to the exchange and routing key it was \
+                 first published to (with a confirm), then remove it from {queue}."
+            ),
+        ),
+        (Some("replay"), None) => (
+            "replay",
+            format!(
+                "Republish each of the {depth} dead letter(s) in {queue} to where it was first \
+                 published (each with a confirm), then remove it. A letter without an origin is \
+                 left in place."
+            ),
+        ),
+        (Some("purge"), _) => (
+            "purge",
+            format!("Delete the {depth} dead letter(s) in {queue}. They cannot be recovered."),
+        ),
+        _ => {
+            let text =
+                "Say what to do: action=replay (with an id, or all) or action=purge.".to_owned();
+            return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text));
+        }
+    };
+    app.render(
+        "confirm_dead_letters.html",
+        context! {
+            title => "Confirm", operator => who.name, csrf => who.csrf,
+            action, queue, id, what,
+        },
+    )
+}
+
+#[derive(Deserialize)]
+struct DeadLetterForm {
+    csrf: Option<String>,
+    queue: Option<String>,
+    id: Option<String>,
+    #[serde(default)]
+    reason: String,
+}
+
+/// The reason an action's form gave, or the page that says it is missing.
+fn reason_of<'a>(app: &Console, who: &Operator, reason: &'a str) -> Result<&'a str, Box<Response>> {
+    let reason = reason.trim();
+    if reason.is_empty() || reason.chars().count() > MAX_REASON || reason.contains('\0') {
+        let text = format!(
+            "Give a reason (1 to {MAX_REASON} characters): it goes in the audit table. Nothing was done."
+        );
+        return Err(Box::new(
+            app.message(Some(who), Failure(StatusCode::BAD_REQUEST, text)),
+        ));
+    }
+    Ok(reason)
+}
+
+/// What a dead-letter action's form names, checked: the queue and the reason,
+/// or the page that refuses it.
+fn dead_letter_action<'a>(
+    app: &Console,
+    who: &Operator,
+    form: &'a DeadLetterForm,
+) -> Result<(String, &'a str), Box<Response>> {
+    if let Some(refused) = who.refuses(app, form.csrf.as_deref()) {
+        return Err(Box::new(refused));
+    }
+    let reason = reason_of(app, who, &form.reason)?;
+    let queue = dead_letter_queue(app, form.queue.as_deref())
+        .map_err(|f| Box::new(app.message(Some(who), f)))?;
+    Ok((queue, reason))
+}
+
+async fn replay_dead_letters(
+    State(app): State<Console>,
+    who: Operator,
+    Form(form): Form<DeadLetterForm>,
+) -> Response {
+    let (queue, reason) = match dead_letter_action(&app, &who, &form) {
+        Ok(checked) => checked,
+        Err(page) => return *page,
+    };
+    let conn = match broker_for(&app, &who).await {
+        Ok(c) => c,
+        Err(page) => return *page,
+    };
+    let id = given(&form.id);
+    let selection = id.clone().map_or(dlq::Selection::All, dlq::Selection::Id);
+    let (mut replayed, mut skipped) = (0u32, 0u32);
+    let result = dlq::replay(&conn, &queue, &selection, |r| match r.outcome {
+        dlq::ReplayOutcome::Replayed => replayed += 1,
+        dlq::ReplayOutcome::Skipped { .. } => skipped += 1,
+    })
+    .await;
+    let _ = conn.close(200, "done".into()).await;
+    let action = Action {
+        action: "dlq.replay",
+        target: Some(queue.clone()),
+        detail: serde_json::json!({ "message_id": id, "replayed": replayed, "skipped": skipped }),
+        ..Action::default()
+    };
+    // What was replayed is recorded even when the rest failed.
+    if replayed + skipped > 0
+        && let Err(e) = app
+            .0
+            .store
+            .audit(&Actor::operator(&who.name, reason), &action)
+            .await
+    {
+        return app.message(Some(&who), e.into());
+    }
+    if let Err(e) = result {
+        let text = format!("replaying from {queue} failed after {replayed} replayed: {e}");
+        return app.message(Some(&who), Failure(StatusCode::SERVICE_UNAVAILABLE, text));
+    }
+    if let (Some(id), 0) = (&id, replayed + skipped) {
+        let text =
+            format!("There is no dead letter {id:?} in {queue} (any more). Nothing was done.");
+        return app.message(Some(&who), Failure(StatusCode::NOT_FOUND, text));
+    }
+    done(&queue, &[("replayed", replayed), ("skipped", skipped)])
+}
+
+async fn purge_dead_letters(
+    State(app): State<Console>,
+    who: Operator,
+    Form(form): Form<DeadLetterForm>,
+) -> Response {
+    let (queue, reason) = match dead_letter_action(&app, &who, &form) {
+        Ok(checked) => checked,
+        Err(page) => return *page,
+    };
+    let conn = match broker_for(&app, &who).await {
+        Ok(c) => c,
+        Err(page) => return *page,
+    };
+    let purged = dlq::purge(&conn, &queue).await;
+    let _ = conn.close(200, "done".into()).await;
+    let purged = match purged {
+        Ok(n) => n,
+        Err(e) => {
+            let text = format!("purging {queue} failed: {e}");
+            return app.message(Some(&who), Failure(StatusCode::SERVICE_UNAVAILABLE, text));
+        }
+    };
+    let action = Action {
+        action: "dlq.purge",
+        target: Some(queue.clone()),
+        detail: serde_json::json!({ "purged": purged }),
+        ..Action::default()
+    };
+    if let Err(e) = app
+        .0
+        .store
+        .audit(&Actor::operator(&who.name, reason), &action)
+        .await
+    {
+        return app.message(Some(&who), e.into());
+    }
+    done(&queue, &[("purged", purged)])
+}
+
+/// The confirmation page of a dead-letter action, as a link.
+fn confirm_link(pairs: &[(&str, &str)]) -> String {
+    let mut link = url::form_urlencoded::Serializer::new(String::new());
+    link.extend_pairs(pairs);
+    format!("/dead-letters/confirm?{}", link.finish())
+}
+
+/// Back to the dead letters, saying what was done (a reload does not do it
+/// again).
+fn done(queue: &str, counts: &[(&str, u32)]) -> Response {
+    let mut back = url::form_urlencoded::Serializer::new(String::new());
+    back.append_pair("queue", queue);
+    for (k, n) in counts {
+        back.append_pair(k, &n.to_string());
+    }
+    Redirect::to(&format!("/dead-letters?{}", back.finish())).into_response()
 }
 
 /// The address the console listens on when `--listen` is not given.

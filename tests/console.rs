@@ -542,3 +542,140 @@ async fn the_cli_makes_operator_tokens_and_audits_its_resolve_and_cancel() {
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(env.store.audit_of_job(job_id).await.unwrap().len(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_operator_browses_replays_and_purges_dead_letters() {
+    use lapin::options::BasicPublishOptions;
+    use lapin::types::{AMQPValue, FieldTable, LongString};
+
+    let (config, _file) = config(&text());
+    let env = TestEnv::new(&config).await;
+    let fleet = env
+        .fleet(config.clone(), vec![onejob::fleet::Role::Intake])
+        .await;
+    let served = serve(&env, config, false).await;
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let dlq = onejob::broker::dead_letter_queue(onejob::broker::INTENTS_QUEUE);
+    // A good intent with its origin, dead-lettered, and a letter without one.
+    let mut origin = FieldTable::default();
+    for (k, v) in [
+        ("x-onejob-original-exchange", onejob::broker::EXCHANGE),
+        ("x-onejob-original-routing-key", onejob::broker::INTENTS_KEY),
+        ("x-onejob-error", "invalid: a test put it here"),
+    ] {
+        origin.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
+    }
+    let good = serde_json::to_vec(&common::intent("acct_d", "good", "replayed")).unwrap();
+    for (id, body, headers) in [
+        ("good-1", good, origin),
+        ("orphan-1", b"{}".to_vec(), FieldTable::default()),
+    ] {
+        ch.basic_publish(
+            onejob::broker::DLX.into(),
+            onejob::broker::INTENTS_QUEUE.into(),
+            BasicPublishOptions::default(),
+            &body,
+            onejob::broker::json_properties()
+                .with_message_id(id.into())
+                .with_headers(headers),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    assert_eq!(common::depth(&ch, &dlq).await, 2);
+    let session = served.sign_in(&env.store, "ada").await;
+
+    // Browsing shows both, with the reason, and consumes nothing.
+    let (status, page) = served.get(&session.cookie, "/dead-letters").await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    assert!(
+        page.contains("good-1") && page.contains("orphan-1"),
+        "{page}"
+    );
+    assert!(page.contains("invalid: a test put it here"), "{page}");
+    assert_eq!(common::depth(&ch, &dlq).await, 2);
+
+    // Replay the good one: its link leads to a confirmation that says what
+    // happens, and the form replays it.
+    let start = page.find("class=\"replay-one\" href=\"").unwrap() + 25;
+    let link = unescape(&page[start..start + page[start..].find('"').unwrap()]);
+    assert!(link.contains("good-1"), "{link}");
+    let (status, confirm) = served.get(&session.cookie, &link).await;
+    assert_eq!(status, StatusCode::OK, "{confirm}");
+    assert!(
+        confirm.contains("Republish the dead letter good-1"),
+        "{confirm}"
+    );
+    let form = [
+        ("csrf", field(&confirm, "csrf")),
+        ("queue", unescape(&field(&confirm, "queue"))),
+        ("id", unescape(&field(&confirm, "id"))),
+        ("reason", "the intake bug is fixed".to_owned()),
+    ];
+    let form: Vec<(&str, &str)> = form.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let answer = served
+        .post(&session.cookie, "/dead-letters/replay", &form)
+        .await;
+    assert_eq!(answer.status(), StatusCode::SEE_OTHER);
+    let back = answer.headers()[LOCATION].to_str().unwrap().to_owned();
+    assert!(
+        back.contains("replayed=1") && back.contains("skipped=0"),
+        "{back}"
+    );
+    common::wait_for(
+        "the replayed intent's job",
+        Duration::from_secs(20),
+        || async { env.store.find_job("acct_d", "good").await.unwrap() },
+    )
+    .await;
+    common::wait_for_depth("the orphan alone", Duration::from_secs(20), &ch, &dlq, 1).await;
+
+    // Purging without the session's CSRF token does nothing; with it, the
+    // queue is empty.
+    let answer = served
+        .post(
+            &session.cookie,
+            "/dead-letters/purge",
+            &[("queue", &dlq), ("reason", "junk")],
+        )
+        .await;
+    assert_eq!(answer.status(), StatusCode::FORBIDDEN);
+    assert_eq!(common::depth(&ch, &dlq).await, 1);
+    let (_, confirm) = served
+        .get(
+            &session.cookie,
+            &format!("/dead-letters/confirm?action=purge&queue={dlq}"),
+        )
+        .await;
+    assert!(confirm.contains("Delete the 1 dead letter(s)"), "{confirm}");
+    let answer = served
+        .post(
+            &session.cookie,
+            "/dead-letters/purge",
+            &[("queue", &dlq), ("reason", "junk"), ("csrf", &session.csrf)],
+        )
+        .await;
+    assert_eq!(answer.status(), StatusCode::SEE_OTHER);
+    assert_eq!(common::depth(&ch, &dlq).await, 0);
+
+    // Both actions are audited, with who and why.
+    let audit = env.store.audit_recent(10).await.unwrap();
+    let actions: Vec<(&str, &str, &str)> = audit
+        .iter()
+        .map(|a| (a.action.as_str(), a.actor.as_str(), a.reason.as_str()))
+        .collect();
+    assert_eq!(
+        actions,
+        vec![
+            ("dlq.purge", "operator:ada", "junk"),
+            ("dlq.replay", "operator:ada", "the intake bug is fixed"),
+        ]
+    );
+    assert_eq!(audit[1].detail["message_id"], "good-1");
+    assert_eq!(audit[0].target.as_deref(), Some(dlq.as_str()));
+    fleet.stop().await;
+}
