@@ -54,5 +54,7 @@ CREATE INDEX audit_at ON audit (at);
 
 -- The console's job list pages by id (ids are UUIDv7: time-ordered), newest
 -- first, filtered by status: this index keeps a page of a rare status fast on
--- millions of jobs.
-CREATE INDEX jobs_status_id ON jobs (status, id);
+-- millions of jobs. IF NOT EXISTS: on a large table, build it first by hand
+-- with CREATE INDEX CONCURRENTLY under this name, and the migration takes no
+-- lock.
+CREATE INDEX IF NOT EXISTS jobs_status_id ON jobs (status, id);

@@ -26,7 +26,7 @@ use uuid::Uuid;
 use crate::broker;
 use crate::config::Config;
 use crate::dlq;
-use crate::domain::{AttemptId, JobId, JobStatus};
+use crate::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
 use crate::policy::Planner;
 use crate::runtime;
 use crate::store::{
@@ -689,8 +689,17 @@ async fn consequence(
         .iter()
         .find(|a| a.id.0 == attempt)
         .ok_or_else(not_open)?;
-    if a.status.is_terminal() || job.status.is_terminal() {
-        return Err(not_open());
+    // Only an unknown attempt: resolving one in flight would fail a call that
+    // may yet answer and start another beside it. (An unknown attempt only
+    // ever moves to a terminal state, so this cannot go stale but to refuse.)
+    if a.status != AttemptStatus::Unknown || job.status.is_terminal() {
+        return Err(Failure(
+            StatusCode::CONFLICT,
+            format!(
+                "Attempt {attempt} is {}, not unknown: only an unknown attempt is resolved here.",
+                a.status
+            ),
+        ));
     }
     let text = match resolution {
         Resolution::Cancelled => format!(
@@ -792,16 +801,16 @@ async fn resolve(
     };
     let store = &app.0.store;
     let config = &app.0.config;
+    let operation = match consequence(&app, attempt, how).await {
+        Ok((job, _)) => job.operation,
+        Err(f) => return app.message(Some(&who), f),
+    };
     let job_id = match store.attempt_job(AttemptId(attempt)).await {
         Ok(Some(j)) => j,
         Ok(None) => {
             let text = format!("There is no attempt {attempt}.");
             return app.message(Some(&who), Failure(StatusCode::NOT_FOUND, text));
         }
-        Err(e) => return app.message(Some(&who), e.into()),
-    };
-    let operation = match store.job(job_id).await {
-        Ok(j) => j.map(|j| j.operation).unwrap_or_default(),
         Err(e) => return app.message(Some(&who), e.into()),
     };
     let planner = match Planner::load(config, store, [operation.as_str()]).await {
@@ -1067,11 +1076,17 @@ async fn replay_dead_letters(
     let action = Action {
         action: "dlq.replay",
         target: Some(queue.clone()),
-        detail: serde_json::json!({ "message_id": id, "replayed": replayed, "skipped": skipped }),
+        detail: serde_json::json!({
+            "message_id": id,
+            "replayed": replayed,
+            "skipped": skipped,
+            "error": result.as_ref().err().map(ToString::to_string),
+        }),
         ..Action::default()
     };
-    // What was replayed is recorded even when the rest failed.
-    if replayed + skipped > 0
+    // A replay that failed part-way is recorded too: a letter may have been
+    // republished before the failure.
+    if (replayed + skipped > 0 || result.is_err())
         && let Err(e) = app
             .0
             .store

@@ -679,3 +679,40 @@ async fn an_operator_browses_replays_and_purges_dead_letters() {
     assert_eq!(audit[0].target.as_deref(), Some(dlq.as_str()));
     fleet.stop().await;
 }
+
+#[tokio::test]
+async fn only_an_unknown_attempt_can_be_resolved_from_the_console() {
+    let (config, _file) = config(&text());
+    let env = TestEnv::new(&config).await;
+    let served = serve(&env, config, false).await;
+    let session = served.sign_in(&env.store, "ada").await;
+    // An attempt in flight: resolving it would start a second provider call.
+    let new = common::new_job("acct_c", "running-1", "running");
+    let (job_id, first) = (new.job_id, new.attempt_id);
+    env.store.admit(&[new]).await.unwrap();
+    env.store
+        .start("primary", &[first], Duration::from_secs(30))
+        .await
+        .unwrap();
+    let path = format!("/attempts/{first}/resolve");
+    let (status, _) = served
+        .get(&session.cookie, &format!("{path}?as=failed"))
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    let answer = served
+        .post(
+            &session.cookie,
+            &path,
+            &[
+                ("as", "failed"),
+                ("reason", "hand-made"),
+                ("csrf", &session.csrf),
+            ],
+        )
+        .await;
+    assert_eq!(answer.status(), StatusCode::CONFLICT);
+    let job = env.store.job(job_id).await.unwrap().unwrap();
+    assert_eq!(job.attempts.len(), 1);
+    assert_eq!(job.attempts[0].status, AttemptStatus::Started);
+    assert!(env.store.audit_of_job(job_id).await.unwrap().is_empty());
+}
