@@ -15,12 +15,10 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use common::{TestEnv, config, config_text, fill_jobs};
-use onejob::console::{Console, Options};
 use onejob::store::JobFilter;
-use onejob::token::Token;
 use sqlx::Connection;
 
 const ROUNDS: usize = 50;
@@ -70,44 +68,9 @@ async fn main() {
             .await
             .expect("a middle id");
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let base = format!("http://{}", listener.local_addr().expect("address"));
-    let options = Options {
-        amqp_url: env.amqp_url.clone(),
-        secure_cookies: false,
-        session_ttl: Duration::from_secs(3600),
-    };
-    let console = Console::new(env.store.clone(), config.clone(), options);
-    tokio::spawn(onejob::console::serve(
-        listener,
-        console,
-        std::future::pending(),
-    ));
-    let http = reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .build()
-        .expect("client");
-    let token = Token::generate_operator();
-    env.store
-        .create_operator_token("bench", &token)
-        .await
-        .expect("token");
-    let signed = http
-        .post(format!("{base}/login"))
-        .header("content-type", "application/x-www-form-urlencoded")
-        .body(format!("token={}", token.reveal()))
-        .send()
-        .await
-        .expect("sign in");
-    let cookie = signed.headers()["set-cookie"]
-        .to_str()
-        .expect("cookie")
-        .split(';')
-        .next()
-        .expect("cookie value")
-        .to_owned();
+    let served = common::console::serve(&env, config.clone(), false).await;
+    let cookie = served.sign_in(&env.store, "bench").await.cookie;
+    let (http, base) = (served.http.clone(), served.base.clone());
     let get = |path: String| {
         let http = http.clone();
         let cookie = cookie.clone();

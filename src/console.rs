@@ -88,6 +88,8 @@ impl Console {
             .route("/dead-letters/confirm", get(confirm_dead_letters))
             .route("/dead-letters/replay", post(replay_dead_letters))
             .route("/dead-letters/purge", post(purge_dead_letters))
+            .route("/providers", get(providers))
+            .route("/providers/qualify", get(confirm_qualify).post(qualify))
             .route("/static/console.css", get(stylesheet))
             .fallback(not_found)
             .with_state(self)
@@ -126,6 +128,11 @@ fn pages() -> Environment<'static> {
             include_str!("console/confirm_dead_letters.html"),
         ),
         ("message.html", include_str!("console/message.html")),
+        ("providers.html", include_str!("console/providers.html")),
+        (
+            "confirm_qualify.html",
+            include_str!("console/confirm_qualify.html"),
+        ),
     ] {
         env.add_template(name, text)
             .unwrap_or_else(|e| panic!("console template {name}: {e}"));
@@ -379,6 +386,7 @@ async fn overview(State(app): State<Console>, who: Operator) -> Response {
         .max()
         .unwrap_or(0)
         .max(1);
+    let dead_letters = dead_letter_depths(&app).await;
     let bars: Vec<_> = o
         .created_per_minute
         .iter()
@@ -402,8 +410,28 @@ async fn overview(State(app): State<Console>, who: Operator) -> Response {
             oldest_unknown => o.oldest_unknown_seconds.map(age),
             outbox_pending => o.outbox_pending,
             outbox_lag => o.outbox_lag_seconds.map(age),
+            dead_letters,
         },
     )
+}
+
+/// Each dead-letter queue's depth, or, when the broker cannot be asked, why
+/// not (the rest of the overview comes from Postgres and still shows).
+async fn dead_letter_depths(app: &Console) -> minijinja::Value {
+    let conn = match runtime::operator_connection(&app.0.options.amqp_url, &app.0.config).await {
+        Ok(c) => c,
+        Err(e) => return context! { error => format!("the broker cannot be asked: {e}") },
+    };
+    let mut queues = Vec::new();
+    for q in dlq::queues(&app.0.config) {
+        let depth = broker::depth(&conn, &q).await;
+        queues.push(match depth {
+            Ok(n) => context! { name => q, depth => n },
+            Err(e) => context! { name => q, error => e.to_string() },
+        });
+    }
+    let _ = conn.close(200, "done".into()).await;
+    context! { queues }
 }
 
 /// A duration in seconds as people read it: `42s`, `3m 5s`, `2h 1m`, `4d 3h`.
@@ -549,6 +577,10 @@ async fn job(State(app): State<Console>, who: Operator, Path(id): Path<String>) 
         }
         Err(e) => return app.message(Some(&who), e.into()),
     };
+    let messages = match store.job_messages(&job).await {
+        Ok(m) => m,
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
     // The timeline: each attempt's bar from its creation to its end (or now),
     // on a scale from the job's creation to its last change.
     let start = job.created_at;
@@ -568,30 +600,59 @@ async fn job(State(app): State<Console>, who: Operator, Path(id): Path<String>) 
     let at = |t: chrono::DateTime<chrono::Utc>| {
         ((t - start).num_milliseconds() as f64 / span * 100.0).clamp(0.0, 100.0)
     };
-    let attempts: Vec<_> = job
-        .attempts
-        .iter()
-        .map(|a| {
-            let from = at(a.started_at.unwrap_or(a.created_at));
-            let to = at(a.finished_at.unwrap_or(end));
-            context! {
-                id => a.id.to_string(),
-                number => a.number,
-                provider => a.provider.clone(),
-                status => a.status.as_str(),
-                winner => job.completed_by == Some(a.id),
-                error => a.error.clone(),
-                usage => a.usage.as_ref().map(|u| u.to_string()),
-                request_id => a.provider_request_id.clone(),
-                created => a.created_at.to_rfc3339(),
-                started => a.started_at.map(|t| t.to_rfc3339()),
-                finished => a.finished_at.map(|t| t.to_rfc3339()),
-                left => format!("{from:.2}"),
-                width => format!("{:.2}", (to - from).max(0.5)),
-                open => !a.status.is_terminal(),
-            }
-        })
-        .collect();
+    // Lanes: an attempt goes on the first lane whose last attempt had ended
+    // when it was made. A retry follows its predecessor on the same lane; a
+    // hedge, made while another attempt was still open, opens a lane of its own.
+    let mut lane_ends: Vec<Option<chrono::DateTime<chrono::Utc>>> = Vec::new();
+    let mut lanes: Vec<Vec<minijinja::Value>> = Vec::new();
+    let mut attempts = Vec::new();
+    for a in &job.attempts {
+        let hedge = job
+            .attempts
+            .iter()
+            .any(|b| b.number < a.number && b.finished_at.is_none_or(|f| a.created_at < f));
+        let lane = lane_ends
+            .iter()
+            .position(|end| end.is_some_and(|e| e <= a.created_at))
+            .unwrap_or_else(|| {
+                lane_ends.push(None);
+                lanes.push(Vec::new());
+                lane_ends.len() - 1
+            });
+        lane_ends[lane] = Some(
+            a.finished_at
+                .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC),
+        );
+        let from = at(a.started_at.unwrap_or(a.created_at));
+        let to = at(a.finished_at.unwrap_or(end));
+        let view = context! {
+            id => a.id.to_string(),
+            number => a.number,
+            provider => a.provider.clone(),
+            status => a.status.as_str(),
+            winner => job.completed_by == Some(a.id),
+            hedge,
+            lane => lane + 1,
+            error => a.error.clone(),
+            usage => a.usage.as_ref().map(|u| u.to_string()),
+            request_id => a.provider_request_id.clone(),
+            created => a.created_at.to_rfc3339(),
+            started => a.started_at.map(|t| t.to_rfc3339()),
+            finished => a.finished_at.map(|t| t.to_rfc3339()),
+            left => format!("{from:.2}"),
+            width => format!("{:.2}", (to - from).max(0.5)),
+            // A bar too narrow for its label has it beside it instead.
+            label => match ((to - from) < 15.0, from > 60.0) {
+                (false, _) => "inside",
+                (true, false) => "after",
+                (true, true) => "before",
+            },
+            open => !a.status.is_terminal(),
+        };
+        lanes[lane].push(view.clone());
+        attempts.push(view);
+    }
+    let events = job_events(&job, &audit, &messages);
     let pretty = |v: &serde_json::Value| serde_json::to_string_pretty(v).unwrap_or_default();
     app.render(
         "job.html",
@@ -612,10 +673,98 @@ async fn job(State(app): State<Console>, who: Operator, Path(id): Path<String>) 
                 result => job.result.as_ref().map(pretty),
                 error => job.error.clone(),
             },
-            attempts => attempts,
+            attempts,
+            lanes,
+            events,
             audit => minijinja::Value::from(minijinja::value::Serde(&audit)),
         },
     )
+}
+
+/// A job's history, oldest first: its creation, each attempt's queueing,
+/// start and end, every operator action, and each message the outbox still
+/// keeps for it (an attempt's message or a job event) with whether it went out.
+fn job_events(
+    job: &crate::store::JobView,
+    audit: &[crate::store::AuditEntry],
+    messages: &[crate::store::JobMessage],
+) -> Vec<minijinja::Value> {
+    type At = chrono::DateTime<chrono::Utc>;
+    let mut events: Vec<(At, u8, String, String)> = vec![(
+        job.created_at,
+        0,
+        "job".into(),
+        format!("created for {} ({})", job.owner_id, job.operation),
+    )];
+    for a in &job.attempts {
+        let delay = if a.not_before > a.created_at {
+            format!(", not before {}", a.not_before.format("%H:%M:%S%.3f"))
+        } else {
+            String::new()
+        };
+        events.push((
+            a.created_at,
+            1,
+            "attempt".into(),
+            format!("#{} queued for {}{delay}", a.number, a.provider),
+        ));
+        if let Some(t) = a.started_at {
+            events.push((
+                t,
+                2,
+                "attempt".into(),
+                format!("#{} started on {}", a.number, a.provider),
+            ));
+        }
+        if let Some(t) = a.finished_at {
+            let why = a
+                .error
+                .as_deref()
+                .map(|e| format!(": {e}"))
+                .unwrap_or_default();
+            events.push((
+                t,
+                3,
+                "attempt".into(),
+                format!("#{} ended {}{why}", a.number, a.status),
+            ));
+        }
+    }
+    for e in audit {
+        let why = if e.reason.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", e.reason)
+        };
+        events.push((
+            e.at,
+            4,
+            "operator".into(),
+            format!("{} did {}{why}", e.actor, e.action),
+        ));
+    }
+    for m in messages {
+        let what = if m.exchange.ends_with(".events") || m.routing_key.starts_with("job.") {
+            format!("event {} ({})", m.routing_key, m.message_id)
+        } else {
+            format!("message to {} for attempt {}", m.routing_key, m.message_id)
+        };
+        let state = match m.published_at {
+            Some(t) => format!("published at {}", t.format("%H:%M:%S%.3f")),
+            None => "waiting in the outbox".into(),
+        };
+        events.push((
+            m.created_at,
+            5,
+            "message".into(),
+            format!("{what} written, {state}"),
+        ));
+    }
+    events.sort_by_key(|e| (e.0, e.1));
+    events
+        .into_iter()
+        .map(|(at, _, kind, what)| context! { at => at.to_rfc3339(), kind, what })
+        .collect()
 }
 
 async fn unknowns(State(app): State<Console>, who: Operator) -> Response {
@@ -1144,6 +1293,230 @@ async fn purge_dead_letters(
         return app.message(Some(&who), e.into());
     }
     done(&queue, &[("purged", purged)])
+}
+
+#[derive(Deserialize, Default)]
+struct ProvidersQuery {
+    provider: Option<String>,
+    operation: Option<String>,
+    passed: Option<u32>,
+    cases: Option<u32>,
+}
+
+async fn providers(
+    State(app): State<Console>,
+    who: Operator,
+    Query(q): Query<ProvidersQuery>,
+) -> Response {
+    let config = &app.0.config;
+    let store = &app.0.store;
+    let pairs: Vec<(String, String)> = config
+        .operations
+        .values()
+        .flat_map(|o| o.route.iter().map(|p| (p.clone(), o.name.clone())))
+        .collect();
+    let (states, runs) = match tokio::try_join!(
+        crate::qualify::states(config, store),
+        store.latest_runs(&pairs)
+    ) {
+        Ok(both) => both,
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
+    let rows: Vec<_> = config
+        .providers
+        .values()
+        .map(|p| {
+            let operations: Vec<_> = config
+                .operations
+                .values()
+                .filter_map(|o| {
+                    let position = o.route.iter().position(|r| *r == p.name)?;
+                    let key = (p.name.clone(), o.name.clone());
+                    let state = states
+                        .get(&key)
+                        .copied()
+                        .unwrap_or(crate::qualify::State::NeverQualified);
+                    let run = runs.get(&key);
+                    let mut link = url::form_urlencoded::Serializer::new(String::new());
+                    link.append_pair("provider", &p.name);
+                    link.append_pair("operation", &o.name);
+                    Some(context! {
+                        operation => o.name.clone(),
+                        role => if position == 0 { "primary" } else { "failover" },
+                        position => position + 1,
+                        state => serde_json::to_value(state).ok()
+                            .and_then(|v| v.as_str().map(|s| s.replace('_', " "))),
+                        eligible => position == 0 || state == crate::qualify::State::Qualified,
+                        cases => o.cases.len(),
+                        last_run => run.map(|r| context! {
+                            at => r.at.to_rfc3339(),
+                            ago => age((chrono::Utc::now() - r.at).num_milliseconds() as f64 / 1000.0),
+                            passed => r.passed,
+                            cases => r.cases,
+                            contract => r.contract_hash.chars().take(12).collect::<String>(),
+                        }),
+                        qualify => format!("/providers/qualify?{}", link.finish()),
+                    })
+                })
+                .collect();
+            context! {
+                name => p.name.clone(),
+                base_url => p.base_url.as_str(),
+                model => p.model.clone(),
+                timeout => humantime::format_duration(p.timeout).to_string(),
+                concurrency => p.concurrency,
+                operations,
+            }
+        })
+        .collect();
+    let done = match (given(&q.provider), given(&q.operation), q.passed, q.cases) {
+        (Some(p), Some(o), Some(passed), Some(cases)) => Some(format!(
+            "{p} for {o}: {} ({passed} of {cases} case(s) passed).",
+            if passed == cases && cases > 0 {
+                "qualified"
+            } else {
+                "not qualified"
+            }
+        )),
+        _ => None,
+    };
+    app.render(
+        "providers.html",
+        context! {
+            title => "Providers", operator => who.name, csrf => who.csrf,
+            providers => rows, done,
+        },
+    )
+}
+
+/// The provider and operation a qualify request names, if both are
+/// configured and the operation routes to the provider.
+fn qualify_pair<'a>(
+    app: &'a Console,
+    provider: Option<&str>,
+    operation: Option<&str>,
+) -> Result<(&'a crate::config::Provider, &'a crate::config::Operation), Failure> {
+    let bad = |text: String| Failure(StatusCode::BAD_REQUEST, text);
+    let config = &app.0.config;
+    let provider = provider.map(str::trim).unwrap_or_default();
+    let operation = operation.map(str::trim).unwrap_or_default();
+    let p = config
+        .providers
+        .get(provider)
+        .ok_or_else(|| bad(format!("{provider:?} is not a configured provider.")))?;
+    let o = config
+        .operations
+        .get(operation)
+        .ok_or_else(|| bad(format!("{operation:?} is not a configured operation.")))?;
+    if !o.route.contains(&p.name) {
+        return Err(bad(format!(
+            "{operation} does not route to {provider}: there is nothing to qualify it for."
+        )));
+    }
+    Ok((p, o))
+}
+
+async fn confirm_qualify(
+    State(app): State<Console>,
+    who: Operator,
+    Query(q): Query<ProvidersQuery>,
+) -> Response {
+    let (p, o) = match qualify_pair(&app, q.provider.as_deref(), q.operation.as_deref()) {
+        Ok(pair) => pair,
+        Err(f) => return app.message(Some(&who), f),
+    };
+    let what = if o.cases.is_empty() {
+        format!(
+            "{} has no golden cases: the run records that {} did not qualify for it. Add \
+             [[operations.{}.cases]] to the configuration first.",
+            o.name, p.name, o.name
+        )
+    } else {
+        format!(
+            "Send the {} golden case(s) of {} to {} (model {}, {}) now, one after another, and \
+             check each answer against the operation's output schema. The run is recorded \
+             against contract {}: if every case passes, {} may take failovers and hedges of {}; \
+             if one fails, it may not until a later run passes. The provider bills these calls.",
+            o.cases.len(),
+            o.name,
+            p.name,
+            p.model,
+            p.base_url,
+            &crate::qualify::contract_hash(o, p)[..12],
+            p.name,
+            o.name
+        )
+    };
+    app.render(
+        "confirm_qualify.html",
+        context! {
+            title => "Qualify a provider", operator => who.name, csrf => who.csrf,
+            provider => p.name.clone(), operation => o.name.clone(), what,
+        },
+    )
+}
+
+#[derive(Deserialize)]
+struct QualifyForm {
+    csrf: Option<String>,
+    provider: Option<String>,
+    operation: Option<String>,
+    #[serde(default)]
+    reason: String,
+}
+
+async fn qualify(
+    State(app): State<Console>,
+    who: Operator,
+    Form(form): Form<QualifyForm>,
+) -> Response {
+    if let Some(refused) = who.refuses(&app, form.csrf.as_deref()) {
+        return refused;
+    }
+    let reason = match reason_of(&app, &who, &form.reason) {
+        Ok(r) => r,
+        Err(page) => return *page,
+    };
+    let (p, o) = match qualify_pair(&app, form.provider.as_deref(), form.operation.as_deref()) {
+        Ok(pair) => pair,
+        Err(f) => return app.message(Some(&who), f),
+    };
+    let report = crate::qualify::qualify(&app.0.config, p, o).await;
+    let store = &app.0.store;
+    let run = match store.record_qualification(&report).await {
+        Ok(run) => run,
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
+    let passed = report.cases.iter().filter(|c| c.passed).count();
+    let action = Action {
+        action: "provider.qualify",
+        target: Some(format!("{}/{}", p.name, o.name)),
+        detail: serde_json::json!({
+            "run_id": run,
+            "contract_hash": report.contract_hash,
+            "qualified": report.passed,
+            "cases": report.cases.len(),
+            "passed": passed,
+            "failures": report.cases.iter().filter(|c| !c.passed)
+                .map(|c| serde_json::json!({ "case": c.index, "detail": c.detail }))
+                .collect::<Vec<_>>(),
+        }),
+        ..Action::default()
+    };
+    if let Err(e) = store
+        .audit(&Actor::operator(&who.name, reason), &action)
+        .await
+    {
+        return app.message(Some(&who), e.into());
+    }
+    tracing::info!(operator = %who.name, provider = %p.name, operation = %o.name,
+        qualified = report.passed, "console: qualified a provider");
+    let mut back = url::form_urlencoded::Serializer::new(String::new());
+    back.append_pair("provider", &p.name);
+    back.append_pair("operation", &o.name);
+    back.append_pair("passed", &passed.to_string());
+    back.append_pair("cases", &report.cases.len().to_string());
+    Redirect::to(&format!("/providers?{}", back.finish())).into_response()
 }
 
 /// The confirmation page of a dead-letter action, as a link.

@@ -5,192 +5,19 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{P, TestEnv, config, config_for};
-use onejob::config::Config;
-use onejob::console::{Console, Options};
-use onejob::domain::{AttemptStatus, JobId, JobStatus};
-use onejob::store::{Admission, Finished, Started, Store, Verdict};
+use common::console::{FORM, encode, field, serve, two_providers, unescape, unknown_job};
+use common::{TestEnv, config};
+use onejob::domain::{AttemptStatus, JobStatus};
 use onejob::token::Token;
 use reqwest::StatusCode;
-use reqwest::header::{CONTENT_TYPE, COOKIE, LOCATION, SET_COOKIE};
+use reqwest::header::{CONTENT_TYPE, LOCATION, SET_COOKIE};
 use sqlx::Connection;
-
-/// A console served on a free port of this machine.
-struct Served {
-    base: String,
-    http: reqwest::Client,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-async fn serve(env: &TestEnv, config: Arc<Config>, secure_cookies: bool) -> Served {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let options = Options {
-        amqp_url: env.amqp_url.clone(),
-        secure_cookies,
-        session_ttl: Duration::from_secs(600),
-    };
-    let console = Console::new(env.store.clone(), config, options);
-    let task = tokio::spawn(onejob::console::serve(
-        listener,
-        console,
-        std::future::pending(),
-    ));
-    let http = reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .build()
-        .unwrap();
-    Served { base, http, task }
-}
-
-fn text() -> String {
-    config_for(
-        &[
-            P("primary", "http://127.0.0.1:9", ""),
-            P("fallback", "http://127.0.0.1:9", ""),
-        ],
-        "",
-    )
-}
-
-const FORM: &str = "application/x-www-form-urlencoded";
-
-/// A form's fields as a browser sends them.
-fn encode(fields: &[(&str, &str)]) -> String {
-    url::form_urlencoded::Serializer::new(String::new())
-        .extend_pairs(fields)
-        .finish()
-}
-
-/// A signed-in session: its cookie header and its form token.
-struct Session {
-    cookie: String,
-    csrf: String,
-}
-
-impl Served {
-    async fn login(&self, token: &str) -> reqwest::Response {
-        self.http
-            .post(format!("{}/login", self.base))
-            .header(CONTENT_TYPE, FORM)
-            .body(encode(&[("token", token)]))
-            .send()
-            .await
-            .unwrap()
-    }
-
-    async fn sign_in(&self, store: &Store, operator: &str) -> Session {
-        let token = Token::generate_operator();
-        store.create_operator_token(operator, &token).await.unwrap();
-        let answer = self.login(token.reveal()).await;
-        assert_eq!(answer.status(), StatusCode::SEE_OTHER);
-        let set = answer.headers()[SET_COOKIE].to_str().unwrap().to_owned();
-        let cookie = set.split(';').next().unwrap().to_owned();
-        let page = self.get(&cookie, "/").await;
-        assert_eq!(page.0, StatusCode::OK, "{}", page.1);
-        let csrf = field(&page.1, "csrf");
-        Session { cookie, csrf }
-    }
-
-    async fn get(&self, cookie: &str, path: &str) -> (StatusCode, String) {
-        let answer = self
-            .http
-            .get(format!("{}{path}", self.base))
-            .header(COOKIE, cookie)
-            .send()
-            .await
-            .unwrap();
-        (answer.status(), answer.text().await.unwrap())
-    }
-
-    async fn post(&self, cookie: &str, path: &str, form: &[(&str, &str)]) -> reqwest::Response {
-        self.http
-            .post(format!("{}{path}", self.base))
-            .header(COOKIE, cookie)
-            .header(CONTENT_TYPE, FORM)
-            .body(encode(form))
-            .send()
-            .await
-            .unwrap()
-    }
-}
-
-/// The value of the first hidden input named `name` in a page.
-fn field(page: &str, name: &str) -> String {
-    let marker = format!("name=\"{name}\" value=\"");
-    let start = page
-        .find(&marker)
-        .unwrap_or_else(|| panic!("no {name} field in:\n{page}"))
-        + marker.len();
-    page[start..].split('"').next().unwrap().to_owned()
-}
-
-/// An attribute's value as the browser reads it (the templates escape `&`, `/`,
-/// `=` and quotes).
-fn unescape(html: &str) -> String {
-    html.replace("&#x2f;", "/")
-        .replace("&#x3d;", "=")
-        .replace("&#x27;", "'")
-        .replace("&quot;", "\"")
-        .replace("&lt;", "<")
-        .replace("&gt;", ">")
-        .replace("&amp;", "&")
-}
-
-/// Admits a job for the primary, starts its attempt and times it out: the job
-/// is `unknown`, waiting for an operator.
-async fn unknown_job(store: &Store, key: &str) -> (JobId, Started) {
-    let new = common::new_job("acct_c", key, key);
-    let (job_id, first) = (new.job_id, new.attempt_id);
-    match store.admit(&[new]).await.unwrap().remove(0) {
-        Admission::Created { publish, .. } => store.mark_published(&[publish.id]).await.unwrap(),
-        other => panic!("expected created, got {other:?}"),
-    }
-    let s = store
-        .start("primary", &[first], Duration::from_secs(30))
-        .await
-        .unwrap()
-        .remove(0);
-    let timed_out = Finished {
-        attempt_id: s.attempt_id,
-        job_id: s.job_id,
-        version: s.version,
-        provider_request_id: None,
-        usage: None,
-        verdict: Verdict::Unknown {
-            error: "outcome_unknown: timed out after the request was sent".into(),
-        },
-    };
-    store
-        .finalize(&[timed_out], &common::give_up)
-        .await
-        .unwrap();
-    // A timeout has no answer to take a request id from; the provider's own
-    // id (as a proxy's timeout page may name it) is what an operator looks up.
-    sqlx::query("UPDATE attempts SET provider_request_id = 'req_console_1' WHERE id = $1")
-        .bind(s.attempt_id.0)
-        .execute(store.pool())
-        .await
-        .unwrap();
-    assert_eq!(
-        store.job(job_id).await.unwrap().unwrap().status,
-        JobStatus::Unknown
-    );
-    (job_id, s)
-}
 
 #[tokio::test]
 async fn only_a_live_operator_token_signs_in() {
-    let (config, _file) = config(&text());
+    let (config, _file) = config(&two_providers());
     let env = TestEnv::new(&config).await;
     let served = serve(&env, config, false).await;
 
@@ -276,7 +103,7 @@ async fn only_a_live_operator_token_signs_in() {
 
 #[tokio::test]
 async fn an_action_without_its_csrf_token_is_refused_and_does_nothing() {
-    let (config, _file) = config(&text());
+    let (config, _file) = config(&two_providers());
     let env = TestEnv::new(&config).await;
     let served = serve(&env, config, false).await;
     let (job_id, s) = unknown_job(&env.store, "csrf-1").await;
@@ -328,7 +155,7 @@ async fn an_action_without_its_csrf_token_is_refused_and_does_nothing() {
 
 #[tokio::test]
 async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appears() {
-    let (config, _file) = config(&text());
+    let (config, _file) = config(&two_providers());
     let env = TestEnv::new(&config).await;
     let served = serve(&env, config, false).await;
     let (job_id, s) = unknown_job(&env.store, "resolve-1").await;
@@ -420,7 +247,7 @@ async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appe
 
 #[tokio::test]
 async fn the_job_list_pages_by_keyset_with_its_filters() {
-    let (config, _file) = config(&text());
+    let (config, _file) = config(&two_providers());
     let env = TestEnv::new(&config).await;
     let served = serve(&env, config, false).await;
     let session = served.sign_in(&env.store, "ada").await;
@@ -477,7 +304,7 @@ async fn the_job_list_pages_by_keyset_with_its_filters() {
 
 #[tokio::test]
 async fn the_cli_makes_operator_tokens_and_audits_its_resolve_and_cancel() {
-    let (config, file) = config(&text());
+    let (config, file) = config(&two_providers());
     let env = TestEnv::new(&config).await;
 
     // An operator token: printed once, ojo_, listed apart, revocable.
@@ -545,10 +372,7 @@ async fn the_cli_makes_operator_tokens_and_audits_its_resolve_and_cancel() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_operator_browses_replays_and_purges_dead_letters() {
-    use lapin::options::BasicPublishOptions;
-    use lapin::types::{AMQPValue, FieldTable, LongString};
-
-    let (config, _file) = config(&text());
+    let (config, _file) = config(&two_providers());
     let env = TestEnv::new(&config).await;
     let fleet = env
         .fleet(config.clone(), vec![onejob::fleet::Role::Intake])
@@ -556,36 +380,10 @@ async fn an_operator_browses_replays_and_purges_dead_letters() {
     let served = serve(&env, config, false).await;
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(Default::default()).await.unwrap();
     let dlq = onejob::broker::dead_letter_queue(onejob::broker::INTENTS_QUEUE);
     // A good intent with its origin, dead-lettered, and a letter without one.
-    let mut origin = FieldTable::default();
-    for (k, v) in [
-        ("x-onejob-original-exchange", onejob::broker::EXCHANGE),
-        ("x-onejob-original-routing-key", onejob::broker::INTENTS_KEY),
-        ("x-onejob-error", "invalid: a test put it here"),
-    ] {
-        origin.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
-    }
-    let good = serde_json::to_vec(&common::intent("acct_d", "good", "replayed")).unwrap();
-    for (id, body, headers) in [
-        ("good-1", good, origin),
-        ("orphan-1", b"{}".to_vec(), FieldTable::default()),
-    ] {
-        ch.basic_publish(
-            onejob::broker::DLX.into(),
-            onejob::broker::INTENTS_QUEUE.into(),
-            BasicPublishOptions::default(),
-            &body,
-            onejob::broker::json_properties()
-                .with_message_id(id.into())
-                .with_headers(headers),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    }
+    common::console::dead_letter_intent(&env, "good-1", "acct_d", "good").await;
+    common::console::dead_letter(&env, "orphan-1", b"{}", false).await;
     assert_eq!(common::depth(&ch, &dlq).await, 2);
     let session = served.sign_in(&env.store, "ada").await;
 
@@ -682,7 +480,7 @@ async fn an_operator_browses_replays_and_purges_dead_letters() {
 
 #[tokio::test]
 async fn only_an_unknown_attempt_can_be_resolved_from_the_console() {
-    let (config, _file) = config(&text());
+    let (config, _file) = config(&two_providers());
     let env = TestEnv::new(&config).await;
     let served = serve(&env, config, false).await;
     let session = served.sign_in(&env.store, "ada").await;
@@ -715,4 +513,91 @@ async fn only_an_unknown_attempt_can_be_resolved_from_the_console() {
     assert_eq!(job.attempts.len(), 1);
     assert_eq!(job.attempts[0].status, AttemptStatus::Started);
     assert!(env.store.audit_of_job(job_id).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn qualify_now_checks_its_form_and_records_a_failed_run() {
+    use onejob::mock::{Misbehaviour, MockOptions};
+
+    let prose = common::mock(MockOptions {
+        misbehave: Some(Misbehaviour::Prose),
+        ..MockOptions::default()
+    })
+    .await;
+    let url = prose.base_url();
+    let (config, _file) = config(&common::config_for(
+        &[
+            common::P("primary", &url, ""),
+            common::P("fallback", &url, ""),
+        ],
+        "",
+    ));
+    let env = TestEnv::new(&config).await;
+    let served = serve(&env, config, false).await;
+    let session = served.sign_in(&env.store, "ada").await;
+    let runs = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(DISTINCT run_id) FROM provider_qualifications")
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap()
+    };
+
+    // The confirmation names the contract and the cost.
+    let (status, page) = served
+        .get(
+            &session.cookie,
+            "/providers/qualify?provider=fallback&operation=summarize",
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    assert!(page.contains("The provider bills these calls"), "{page}");
+
+    // Refused, with nothing run: no CSRF token, no reason, a provider that is
+    // not configured, an operation that does not route to it.
+    let good = [
+        ("csrf", session.csrf.as_str()),
+        ("provider", "fallback"),
+        ("operation", "summarize"),
+        ("reason", "a new fallback"),
+    ];
+    let without = |key: &str, value: &'static str| -> Vec<(&str, &str)> {
+        good.iter()
+            .map(|(k, v)| (*k, if *k == key { value } else { *v }))
+            .collect()
+    };
+    for (form, expected) in [
+        (without("csrf", ""), StatusCode::FORBIDDEN),
+        (without("reason", " "), StatusCode::BAD_REQUEST),
+        (without("provider", "nobody"), StatusCode::BAD_REQUEST),
+        (without("operation", "translate"), StatusCode::BAD_REQUEST),
+    ] {
+        let answer = served
+            .post(&session.cookie, "/providers/qualify", &form)
+            .await;
+        assert_eq!(answer.status(), expected, "{form:?}");
+    }
+    assert_eq!(runs().await, 0, "nothing ran");
+    assert!(env.store.audit_recent(10).await.unwrap().is_empty());
+
+    // A provider that answers in prose fails its golden case: the run is
+    // recorded, audited with the failure, and the page says so.
+    let answer = served
+        .post(&session.cookie, "/providers/qualify", &good)
+        .await;
+    assert_eq!(answer.status(), StatusCode::SEE_OTHER);
+    let back = answer.headers()[LOCATION].to_str().unwrap().to_owned();
+    let (_, page) = served.get(&session.cookie, &back).await;
+    assert!(
+        page.contains("fallback for summarize: not qualified (0 of 1 case(s) passed)"),
+        "{page}"
+    );
+    assert!(page.contains("q-failed"), "{page}");
+    assert_eq!(runs().await, 1);
+    let audit = env.store.audit_recent(10).await.unwrap();
+    assert_eq!(audit.len(), 1);
+    assert_eq!(audit[0].action, "provider.qualify");
+    assert_eq!(audit[0].actor, "operator:ada");
+    assert_eq!(audit[0].target.as_deref(), Some("fallback/summarize"));
+    assert_eq!(audit[0].detail["qualified"], false);
+    assert_eq!(audit[0].detail["failures"].as_array().unwrap().len(), 1);
 }

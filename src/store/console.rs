@@ -272,3 +272,96 @@ impl Store {
         })
     }
 }
+
+/// A message the outbox wrote for a job: an attempt's message or a job event.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct JobMessage {
+    /// Its message id: the attempt's id, or `JOB:VERSION` for an event.
+    pub message_id: String,
+    /// The exchange it goes to.
+    pub exchange: String,
+    /// Its routing key (`job.succeeded`, or the provider's attempts key).
+    pub routing_key: String,
+    /// When it was written.
+    pub created_at: DateTime<Utc>,
+    /// Not published before this (an attempt's backoff).
+    pub not_before: DateTime<Utc>,
+    /// When the broker confirmed it; `None` while it waits.
+    pub published_at: Option<DateTime<Utc>>,
+}
+
+/// The latest qualification run of one provider for one operation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QualificationRun {
+    /// The run.
+    pub run_id: Uuid,
+    /// When it ran.
+    pub at: DateTime<Utc>,
+    /// The contract it ran against.
+    pub contract_hash: String,
+    /// Its cases.
+    pub cases: i64,
+    /// How many of them passed.
+    pub passed: i64,
+}
+
+impl Store {
+    /// The outbox rows still kept for `job`: its attempts' messages and its
+    /// events (published ones go after `outbox_retention`). Found by message
+    /// id, through the `outbox_message_id` index.
+    pub async fn job_messages(&self, job: &JobView) -> Result<Vec<JobMessage>> {
+        let mut ids: Vec<String> = job.attempts.iter().map(|a| a.id.to_string()).collect();
+        // An event's id is the job's id and the version it was written at.
+        ids.extend((1..=job.version.min(10_000)).map(|v| format!("{}:{v}", job.id)));
+        Ok(sqlx::query_as!(
+            JobMessage,
+            "SELECT message_id, exchange, routing_key, created_at, not_before, published_at
+             FROM outbox WHERE message_id = ANY($1) ORDER BY id",
+            &ids
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// Each `(provider, operation)` pair's latest qualification run, whatever
+    /// contract it ran against.
+    pub async fn latest_runs(
+        &self,
+        pairs: &[(String, String)],
+    ) -> Result<HashMap<(String, String), QualificationRun>> {
+        let providers: Vec<String> = pairs.iter().map(|p| p.0.clone()).collect();
+        let operations: Vec<String> = pairs.iter().map(|p| p.1.clone()).collect();
+        let rows = sqlx::query!(
+            r#"WITH latest AS (
+                   SELECT DISTINCT ON (q.provider, q.operation) q.provider, q.operation, q.run_id
+                   FROM provider_qualifications q
+                   JOIN unnest($1::text[], $2::text[]) AS k(provider, operation)
+                     ON q.provider = k.provider AND q.operation = k.operation
+                   ORDER BY q.provider, q.operation, q.created_at DESC, q.id DESC)
+               SELECT l.provider AS "provider!", l.operation AS "operation!", l.run_id AS "run_id!",
+                      max(q.created_at) AS "at!", max(q.contract_hash) AS "contract_hash!",
+                      count(*) AS "cases!", count(*) FILTER (WHERE q.passed) AS "passed!"
+               FROM latest l JOIN provider_qualifications q ON q.run_id = l.run_id
+               GROUP BY l.provider, l.operation, l.run_id"#,
+            &providers,
+            &operations
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| {
+                (
+                    (r.provider, r.operation),
+                    QualificationRun {
+                        run_id: r.run_id,
+                        at: r.at,
+                        contract_hash: r.contract_hash,
+                        cases: r.cases,
+                        passed: r.passed,
+                    },
+                )
+            })
+            .collect())
+    }
+}

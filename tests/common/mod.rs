@@ -5,7 +5,9 @@
 
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod browser;
 pub mod chaos;
+pub mod console;
 
 use std::future::Future;
 use std::process::Command;

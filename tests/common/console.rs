@@ -1,0 +1,226 @@
+//! The console's test harness: a console served over real HTTP on a free
+//! port, signed-in sessions, forms as a browser sends them, and a job blocked
+//! on an unknown attempt.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use onejob::config::Config;
+use onejob::console::{Console, Options};
+use onejob::domain::{JobId, JobStatus};
+use onejob::store::{Admission, Finished, Started, Store, Verdict};
+use onejob::token::Token;
+use reqwest::StatusCode;
+use reqwest::header::{CONTENT_TYPE, COOKIE, SET_COOKIE};
+
+use super::{P, TestEnv, config_for};
+
+/// A console served on a free port of this machine.
+pub struct Served {
+    pub base: String,
+    pub http: reqwest::Client,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+pub async fn serve(env: &TestEnv, config: Arc<Config>, secure_cookies: bool) -> Served {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let options = Options {
+        amqp_url: env.amqp_url.clone(),
+        secure_cookies,
+        session_ttl: Duration::from_secs(600),
+    };
+    let console = Console::new(env.store.clone(), config, options);
+    let task = tokio::spawn(onejob::console::serve(
+        listener,
+        console,
+        std::future::pending(),
+    ));
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    Served { base, http, task }
+}
+
+pub fn two_providers() -> String {
+    config_for(
+        &[
+            P("primary", "http://127.0.0.1:9", ""),
+            P("fallback", "http://127.0.0.1:9", ""),
+        ],
+        "",
+    )
+}
+
+pub const FORM: &str = "application/x-www-form-urlencoded";
+
+/// A form's fields as a browser sends them.
+pub fn encode(fields: &[(&str, &str)]) -> String {
+    url::form_urlencoded::Serializer::new(String::new())
+        .extend_pairs(fields)
+        .finish()
+}
+
+/// A signed-in session: its cookie header and its form token.
+pub struct Session {
+    pub cookie: String,
+    pub csrf: String,
+}
+
+impl Served {
+    pub async fn login(&self, token: &str) -> reqwest::Response {
+        self.http
+            .post(format!("{}/login", self.base))
+            .header(CONTENT_TYPE, FORM)
+            .body(encode(&[("token", token)]))
+            .send()
+            .await
+            .unwrap()
+    }
+
+    pub async fn sign_in(&self, store: &Store, operator: &str) -> Session {
+        let token = Token::generate_operator();
+        store.create_operator_token(operator, &token).await.unwrap();
+        let answer = self.login(token.reveal()).await;
+        assert_eq!(answer.status(), StatusCode::SEE_OTHER);
+        let set = answer.headers()[SET_COOKIE].to_str().unwrap().to_owned();
+        let cookie = set.split(';').next().unwrap().to_owned();
+        let page = self.get(&cookie, "/").await;
+        assert_eq!(page.0, StatusCode::OK, "{}", page.1);
+        let csrf = field(&page.1, "csrf");
+        Session { cookie, csrf }
+    }
+
+    pub async fn get(&self, cookie: &str, path: &str) -> (StatusCode, String) {
+        let answer = self
+            .http
+            .get(format!("{}{path}", self.base))
+            .header(COOKIE, cookie)
+            .send()
+            .await
+            .unwrap();
+        (answer.status(), answer.text().await.unwrap())
+    }
+
+    pub async fn post(&self, cookie: &str, path: &str, form: &[(&str, &str)]) -> reqwest::Response {
+        self.http
+            .post(format!("{}{path}", self.base))
+            .header(COOKIE, cookie)
+            .header(CONTENT_TYPE, FORM)
+            .body(encode(form))
+            .send()
+            .await
+            .unwrap()
+    }
+}
+
+/// The value of the first hidden input named `name` in a page.
+pub fn field(page: &str, name: &str) -> String {
+    let marker = format!("name=\"{name}\" value=\"");
+    let start = page
+        .find(&marker)
+        .unwrap_or_else(|| panic!("no {name} field in:\n{page}"))
+        + marker.len();
+    page[start..].split('"').next().unwrap().to_owned()
+}
+
+/// An attribute's value as the browser reads it (the templates escape `&`, `/`,
+/// `=` and quotes).
+pub fn unescape(html: &str) -> String {
+    html.replace("&#x2f;", "/")
+        .replace("&#x3d;", "=")
+        .replace("&#x27;", "'")
+        .replace("&quot;", "\"")
+        .replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&amp;", "&")
+}
+
+/// Admits a job for the primary, starts its attempt and times it out: the job
+/// is `unknown`, waiting for an operator.
+pub async fn unknown_job(store: &Store, key: &str) -> (JobId, Started) {
+    let new = super::new_job("acct_c", key, key);
+    let (job_id, first) = (new.job_id, new.attempt_id);
+    match store.admit(&[new]).await.unwrap().remove(0) {
+        Admission::Created { publish, .. } => store.mark_published(&[publish.id]).await.unwrap(),
+        other => panic!("expected created, got {other:?}"),
+    }
+    let s = store
+        .start("primary", &[first], Duration::from_secs(30))
+        .await
+        .unwrap()
+        .remove(0);
+    let timed_out = Finished {
+        attempt_id: s.attempt_id,
+        job_id: s.job_id,
+        version: s.version,
+        provider_request_id: None,
+        usage: None,
+        verdict: Verdict::Unknown {
+            error: "outcome_unknown: timed out after the request was sent".into(),
+        },
+    };
+    store.finalize(&[timed_out], &super::give_up).await.unwrap();
+    // A timeout has no answer to take a request id from; the provider's own
+    // id (as a proxy's timeout page may name it) is what an operator looks up.
+    sqlx::query("UPDATE attempts SET provider_request_id = 'req_console_1' WHERE id = $1")
+        .bind(s.attempt_id.0)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        store.job(job_id).await.unwrap().unwrap().status,
+        JobStatus::Unknown
+    );
+    (job_id, s)
+}
+
+/// Dead-letters an intent from `owner` with `key`, as the intake does with one
+/// it refused: on the intents' dead-letter queue, with message id `id` and the
+/// origin a replay sends it back to.
+pub async fn dead_letter_intent(env: &TestEnv, id: &str, owner: &str, key: &str) {
+    let body = serde_json::to_vec(&super::intent(owner, key, "replayed")).unwrap();
+    dead_letter(env, id, &body, true).await;
+}
+
+/// Puts `body` on the intents' dead-letter queue as message `id`, with the
+/// origin headers a replay needs when `origin`.
+pub async fn dead_letter(env: &TestEnv, id: &str, body: &[u8], origin: bool) {
+    use lapin::options::BasicPublishOptions;
+    use lapin::types::{AMQPValue, FieldTable, LongString};
+
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let mut headers = FieldTable::default();
+    if origin {
+        for (k, v) in [
+            ("x-onejob-original-exchange", onejob::broker::EXCHANGE),
+            ("x-onejob-original-routing-key", onejob::broker::INTENTS_KEY),
+            ("x-onejob-error", "invalid: a test put it here"),
+        ] {
+            headers.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
+        }
+    }
+    ch.basic_publish(
+        onejob::broker::DLX.into(),
+        onejob::broker::INTENTS_QUEUE.into(),
+        BasicPublishOptions::default(),
+        body,
+        onejob::broker::json_properties()
+            .with_message_id(id.into())
+            .with_headers(headers),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let _ = conn.close(200, "done".into()).await;
+}
