@@ -290,17 +290,40 @@ async fn not_found(State(app): State<Console>) -> Response {
     )
 }
 
-async fn login_page(State(app): State<Console>) -> Response {
-    app.render(
+/// The sign-in form's cookie: set by the sign-in page alone, for `/login`
+/// alone, and matched against the form's `login_csrf` field. A sign-in posted
+/// from another site has no such cookie (`SameSite=Strict`), so an attacker
+/// cannot sign a victim's browser in as themselves (login CSRF).
+pub const LOGIN_COOKIE: &str = "onejob_login";
+/// How long a sign-in form stays good.
+const LOGIN_FORM_TTL: Duration = Duration::from_secs(3600);
+
+/// The sign-in page, with a fresh form token in its field and its cookie.
+fn sign_in_page(app: &Console, headers: &HeaderMap, error: Option<&str>) -> Response {
+    let form = random_hex(32);
+    let mut page = app.render(
         "login.html",
-        context! { title => "Sign in", operator => None::<String>, error => None::<String> },
-    )
+        context! { title => "Sign in", operator => None::<String>, error, login_csrf => form.clone() },
+    );
+    let secure = if secure(app, headers) { "; Secure" } else { "" };
+    if let Ok(v) = HeaderValue::from_str(&format!(
+        "{LOGIN_COOKIE}={form}; Path=/login; HttpOnly; SameSite=Strict; Max-Age={}{secure}",
+        LOGIN_FORM_TTL.as_secs()
+    )) {
+        page.headers_mut().append(header::SET_COOKIE, v);
+    }
+    page
+}
+
+async fn login_page(State(app): State<Console>, headers: HeaderMap) -> Response {
+    sign_in_page(&app, &headers, None)
 }
 
 #[derive(Deserialize)]
 struct LoginForm {
     #[serde(default)]
     token: String,
+    login_csrf: Option<String>,
 }
 
 async fn login(
@@ -309,14 +332,24 @@ async fn login(
     Form(form): Form<LoginForm>,
 ) -> Response {
     let presented = form.token.trim();
-    let refuse = |text: &str| {
-        let mut page = app.render(
-            "login.html",
-            context! { title => "Sign in", operator => None::<String>, error => text },
-        );
-        *page.status_mut() = StatusCode::UNAUTHORIZED;
+    let refuse_with = |status: StatusCode, text: &str| {
+        let mut page = sign_in_page(&app, &headers, Some(text));
+        *page.status_mut() = status;
         page
     };
+    let refuse = |text: &str| refuse_with(StatusCode::UNAUTHORIZED, text);
+    // The form must be the one this browser got from the sign-in page.
+    let from_our_form = match (cookie(&headers, LOGIN_COOKIE), form.login_csrf.as_deref()) {
+        (Some(c), Some(f)) => sha256_hex(&c) == sha256_hex(f),
+        _ => false,
+    };
+    if !from_our_form {
+        return refuse_with(
+            StatusCode::FORBIDDEN,
+            "This sign-in did not come from this console's own sign-in form (or the form is \
+             over an hour old): nothing was done. Please reload the sign-in page and sign in again.",
+        );
+    }
     let Some(token) = Token::parse_operator(presented) else {
         return if Token::parse(presented).is_some() {
             refuse(
@@ -341,6 +374,11 @@ async fn login(
             response.headers_mut().insert(
                 header::SET_COOKIE,
                 session_cookie(&secret, ttl, secure(&app, &headers)),
+            );
+            // The form's token is spent.
+            response.headers_mut().append(
+                header::SET_COOKIE,
+                HeaderValue::from_static("onejob_login=; Path=/login; Max-Age=0"),
             );
             response
         }

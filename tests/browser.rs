@@ -190,7 +190,11 @@ async fn a_tenant_token_does_not_sign_in() {
         .wait_for_text("the console takes only operator tokens")
         .await;
     assert!(page.contains("That is a tenant's gateway token"), "{page}");
-    assert!(browser.cookies().await.is_empty(), "no session cookie");
+    let cookies = browser.cookies().await;
+    assert!(
+        cookies.iter().all(|c| c["name"] != onejob::console::COOKIE),
+        "no session cookie: {cookies:?}"
+    );
 
     // Every page still sends it back to sign in.
     browser.goto(&format!("{}/unknowns", served.base)).await;

@@ -7,7 +7,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::console::{FORM, encode, field, serve, two_providers, unescape, unknown_job};
+use common::console::{
+    FORM, encode, field, serve, session_set, two_providers, unescape, unknown_job,
+};
 use common::{TestEnv, config};
 use onejob::domain::{AttemptStatus, JobStatus};
 use onejob::token::Token;
@@ -26,7 +28,7 @@ async fn only_a_live_operator_token_signs_in() {
     env.store.create_token("acct_c", &tenant).await.unwrap();
     let answer = served.login(tenant.reveal()).await;
     assert_eq!(answer.status(), StatusCode::UNAUTHORIZED);
-    assert!(answer.headers().get(SET_COOKIE).is_none());
+    assert!(session_set(&answer).is_none());
     assert!(answer.text().await.unwrap().contains("tenant"));
 
     // So are an operator token nobody made, and garbage.
@@ -37,7 +39,7 @@ async fn only_a_live_operator_token_signs_in() {
     ] {
         let answer = served.login(&bad).await;
         assert_eq!(answer.status(), StatusCode::UNAUTHORIZED, "{bad:?}");
-        assert!(answer.headers().get(SET_COOKIE).is_none());
+        assert!(session_set(&answer).is_none());
     }
 
     // Without a session every page sends the browser to sign in.
@@ -64,7 +66,7 @@ async fn only_a_live_operator_token_signs_in() {
         .unwrap();
     let answer = served.login(token.reveal()).await;
     assert_eq!(answer.status(), StatusCode::SEE_OTHER);
-    let set = answer.headers()[SET_COOKIE].to_str().unwrap().to_owned();
+    let set = session_set(&answer).unwrap();
     assert!(
         set.contains("HttpOnly") && set.contains("SameSite=Strict"),
         "{set}"
@@ -77,20 +79,10 @@ async fn only_a_live_operator_token_signs_in() {
 
     // Behind TLS the cookie is Secure.
     let answer = served
-        .http
-        .post(format!("{}/login", served.base))
-        .header("x-forwarded-proto", "https")
-        .header(CONTENT_TYPE, FORM)
-        .body(encode(&[("token", token.reveal())]))
-        .send()
-        .await
-        .unwrap();
-    assert!(
-        answer.headers()[SET_COOKIE]
-            .to_str()
-            .unwrap()
-            .contains("Secure")
-    );
+        .login_with(token.reveal(), &[("x-forwarded-proto", "https")])
+        .await;
+    assert_eq!(answer.status(), StatusCode::SEE_OTHER);
+    assert!(session_set(&answer).unwrap().contains("Secure"));
 
     // Revoking the token ends its sessions at once.
     env.store.revoke_operator_token(id).await.unwrap().unwrap();
@@ -600,4 +592,82 @@ async fn qualify_now_checks_its_form_and_records_a_failed_run() {
     assert_eq!(audit[0].target.as_deref(), Some("fallback/summarize"));
     assert_eq!(audit[0].detail["qualified"], false);
     assert_eq!(audit[0].detail["failures"].as_array().unwrap().len(), 1);
+}
+
+/// Login CSRF: a page of another site could post the sign-in form with the
+/// attacker's own operator token and sign the victim's browser in as the
+/// attacker (whose actions the victim would then take). The form carries a
+/// token that matches a cookie only the console's own sign-in page sets.
+#[tokio::test]
+async fn a_sign_in_not_from_the_consoles_own_form_is_refused() {
+    let (config, _file) = config(&two_providers());
+    let env = TestEnv::new(&config).await;
+    let served = serve(&env, config, false).await;
+    let token = Token::generate_operator();
+    env.store
+        .create_operator_token("mallory", &token)
+        .await
+        .unwrap();
+    let sessions = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM operator_sessions")
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap()
+    };
+
+    // The sign-in page's own form: a field, and a cookie for /login alone.
+    let page = served
+        .http
+        .get(format!("{}/login", served.base))
+        .send()
+        .await
+        .unwrap();
+    let set = page.headers()[SET_COOKIE].to_str().unwrap().to_owned();
+    assert!(set.starts_with("onejob_login="), "{set}");
+    for flag in ["HttpOnly", "SameSite=Strict", "Path=/login"] {
+        assert!(set.contains(flag), "{flag} in {set}");
+    }
+    let cookie = set.split(';').next().unwrap().to_owned();
+    let field_value = field(&page.text().await.unwrap(), "login_csrf");
+
+    // Posted without the cookie (as from another site), with another form's
+    // token, or with none: refused, and no session begins.
+    for (cookie, form_token) in [
+        (None, Some(field_value.as_str())),
+        (Some(cookie.as_str()), Some(&"0".repeat(64)[..])),
+        (Some(cookie.as_str()), None),
+    ] {
+        let mut form = vec![("token", token.reveal())];
+        if let Some(t) = form_token {
+            form.push(("login_csrf", t));
+        }
+        let mut request = served
+            .http
+            .post(format!("{}/login", served.base))
+            .header(CONTENT_TYPE, FORM)
+            .body(encode(&form));
+        if let Some(c) = cookie {
+            request = request.header(reqwest::header::COOKIE, c);
+        }
+        let answer = request.send().await.unwrap();
+        assert_eq!(
+            answer.status(),
+            StatusCode::FORBIDDEN,
+            "{cookie:?} {form_token:?}"
+        );
+        assert!(session_set(&answer).is_none(), "no session cookie");
+        assert!(
+            answer
+                .text()
+                .await
+                .unwrap()
+                .contains("reload the sign-in page")
+        );
+    }
+    assert_eq!(sessions().await, 0);
+
+    // The console's own form signs in.
+    let answer = served.login(token.reveal()).await;
+    assert_eq!(answer.status(), StatusCode::SEE_OTHER);
+    assert_eq!(sessions().await, 1);
 }

@@ -75,11 +75,42 @@ pub struct Session {
 }
 
 impl Served {
+    /// Posts `token` through the sign-in page's own form: its form token and
+    /// the cookie that goes with it.
     pub async fn login(&self, token: &str) -> reqwest::Response {
+        self.login_with(token, &[]).await
+    }
+
+    /// [`Served::login`], with `headers` on the sign-in's requests.
+    pub async fn login_with(&self, token: &str, headers: &[(&str, &str)]) -> reqwest::Response {
+        let mut map = reqwest::header::HeaderMap::new();
+        for (k, v) in headers {
+            map.insert(
+                reqwest::header::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        let page = self
+            .http
+            .get(format!("{}/login", self.base))
+            .headers(map.clone())
+            .send()
+            .await
+            .unwrap();
+        let cookie = page.headers()[SET_COOKIE]
+            .to_str()
+            .unwrap()
+            .split(';')
+            .next()
+            .unwrap()
+            .to_owned();
+        let form = field(&page.text().await.unwrap(), "login_csrf");
         self.http
             .post(format!("{}/login", self.base))
+            .headers(map)
             .header(CONTENT_TYPE, FORM)
-            .body(encode(&[("token", token)]))
+            .header(COOKIE, cookie)
+            .body(encode(&[("token", token), ("login_csrf", &form)]))
             .send()
             .await
             .unwrap()
@@ -90,7 +121,7 @@ impl Served {
         store.create_operator_token(operator, &token).await.unwrap();
         let answer = self.login(token.reveal()).await;
         assert_eq!(answer.status(), StatusCode::SEE_OTHER);
-        let set = answer.headers()[SET_COOKIE].to_str().unwrap().to_owned();
+        let set = session_set(&answer).expect("a session cookie");
         let cookie = set.split(';').next().unwrap().to_owned();
         let page = self.get(&cookie, "/").await;
         assert_eq!(page.0, StatusCode::OK, "{}", page.1);
@@ -119,6 +150,17 @@ impl Served {
             .await
             .unwrap()
     }
+}
+
+/// The session cookie a response sets (its whole `Set-Cookie` line), if any.
+pub fn session_set(answer: &reqwest::Response) -> Option<String> {
+    answer
+        .headers()
+        .get_all(SET_COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find(|v| v.starts_with(&format!("{}=", onejob::console::COOKIE)))
+        .map(str::to_owned)
 }
 
 /// The value of the first hidden input named `name` in a page.
