@@ -18,7 +18,7 @@ use crate::dlq;
 use crate::domain::{AttemptId, AttemptStatus, JobId};
 use crate::policy::Planner;
 use crate::runtime;
-use crate::store::{Actor, AuditEntry, JobView, Refusal, Resolution, Settled, Store};
+use crate::store::{Action, Actor, AuditEntry, JobView, Refusal, Resolution, Settled, Store};
 
 /// The default database URL.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/onejob";
@@ -175,6 +175,9 @@ enum DlqCommand {
         /// Replay every dead letter.
         #[arg(long, group = "which")]
         all: bool,
+        /// Why, for the audit table (written before anything is replayed).
+        #[arg(long)]
+        reason: Option<String>,
     },
     /// Delete the dead letters of a queue (of every dead-letter queue without
     /// QUEUE). Needs --yes.
@@ -184,6 +187,9 @@ enum DlqCommand {
         /// Confirm the deletion.
         #[arg(long)]
         yes: bool,
+        /// Why, for the audit table (written before anything is deleted).
+        #[arg(long)]
+        reason: Option<String>,
     },
 }
 
@@ -331,8 +337,16 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
         }) => providers_qualify(c, provider, operation, json, out).await,
         Command::Dlq(command) => {
             let config = c.load_config()?;
+            // A replay or a purge is recorded in the audit table before it is
+            // done: it needs the database as well as the broker.
+            let audit = match &command {
+                DlqCommand::List { .. } => None,
+                DlqCommand::Replay { .. } | DlqCommand::Purge { .. } => {
+                    Some(store(c, &config).await?)
+                }
+            };
             let conn = broker_connection(c, &config).await.map_err(Failure)?;
-            let result = dlq_command(&config, &conn, command, json, out).await;
+            let result = dlq_command(&config, &conn, audit.as_ref(), command, json, out).await;
             let _ = conn.close(200, "done".into()).await;
             result?;
             Ok(())
@@ -982,20 +996,76 @@ fn token_state(revoked_at: Option<chrono::DateTime<chrono::Utc>>) -> String {
 async fn dlq_command(
     config: &Config,
     conn: &lapin::Connection,
+    store: Option<&Store>,
     command: DlqCommand,
     as_json: bool,
     out: &mut impl Write,
 ) -> Outcome {
-    match command {
-        DlqCommand::List { queue, limit } => {
+    match (command, store) {
+        (DlqCommand::List { queue, limit }, _) => {
             dlq_list(config, conn, queue.as_deref(), limit, as_json, out).await
         }
-        DlqCommand::Replay { queue, id, .. } => {
-            dlq_replay(config, conn, queue.as_deref(), id, as_json, out).await
+        (
+            DlqCommand::Replay {
+                queue, id, reason, ..
+            },
+            Some(store),
+        ) => {
+            let queues = dlq::select_queues(config, queue.as_deref())?;
+            let action = Action {
+                action: "dlq.replay",
+                target: Some(queues.join(",")),
+                detail: json!({ "message_id": id }),
+                ..Action::default()
+            };
+            let audit = store
+                .audit_begin(&Actor::cli(reason.as_deref()), &action)
+                .await?;
+            let mut counts = (0, 0);
+            let result = dlq_replay(conn, &queues, id, &mut counts, as_json, out).await;
+            let detail = json!({ "replayed": counts.0, "skipped": counts.1,
+                "error": result.as_ref().err().map(|e| e.0.clone()) });
+            finish_audit(store, audit, result.is_err(), &detail).await;
+            result
         }
-        DlqCommand::Purge { queue, yes } => {
-            dlq_purge(config, conn, queue.as_deref(), yes, as_json, out).await
+        (DlqCommand::Purge { queue, yes, reason }, Some(store)) => {
+            let queues = dlq::select_queues(config, queue.as_deref())?;
+            if !yes {
+                return Err(Failure(format!(
+                    "refusing to delete the dead letters of {} without --yes",
+                    queues.join(", ")
+                )));
+            }
+            let action = Action {
+                action: "dlq.purge",
+                target: Some(queues.join(",")),
+                ..Action::default()
+            };
+            let audit = store
+                .audit_begin(&Actor::cli(reason.as_deref()), &action)
+                .await?;
+            let mut purged = serde_json::Map::new();
+            let result = dlq_purge(conn, queues, &mut purged, as_json, out).await;
+            let detail = json!({ "purged": purged,
+                "error": result.as_ref().err().map(|e| e.0.clone()) });
+            finish_audit(store, audit, result.is_err(), &detail).await;
+            result
         }
+        (DlqCommand::Replay { .. } | DlqCommand::Purge { .. }, None) => Err(Failure(
+            "a replay or a purge is recorded in the audit table first: the database is needed"
+                .into(),
+        )),
+    }
+}
+
+/// Writes what came of an action begun with [`Store::audit_begin`]; if that
+/// fails, says so (the row stays `pending`) but the action stands.
+async fn finish_audit(store: &Store, audit: Uuid, failed: bool, detail: &serde_json::Value) {
+    let outcome = if failed { "failed" } else { "done" };
+    if let Err(e) = store.audit_outcome(audit, outcome, detail).await {
+        eprintln!(
+            "warning: the outcome was not written to audit row {audit} (it stays pending): {e}"
+        );
     }
 }
 
@@ -1057,10 +1127,10 @@ fn write_letter(out: &mut impl Write, d: &dlq::DeadLetter) -> std::io::Result<()
 
 /// `onejob dlq replay`: one letter by id, or every letter present at the start.
 async fn dlq_replay(
-    config: &Config,
     conn: &lapin::Connection,
-    queue: Option<&str>,
+    queues: &[String],
     id: Option<String>,
+    counts: &mut (usize, usize),
     as_json: bool,
     out: &mut impl Write,
 ) -> Outcome {
@@ -1070,13 +1140,13 @@ async fn dlq_replay(
         None => dlq::Selection::All,
     };
     let mut reports = Vec::new();
-    let (mut replayed, mut skipped) = (0usize, 0usize);
-    for q in dlq::select_queues(config, queue)? {
+    let (replayed, skipped) = (&mut counts.0, &mut counts.1);
+    for q in queues {
         let mut written = Ok(());
-        dlq::replay(conn, &q, &selection, |r| {
+        dlq::replay(conn, q, &selection, |r| {
             match &r.outcome {
-                dlq::ReplayOutcome::Replayed => replayed += 1,
-                dlq::ReplayOutcome::Skipped { .. } => skipped += 1,
+                dlq::ReplayOutcome::Replayed => *replayed += 1,
+                dlq::ReplayOutcome::Skipped { .. } => *skipped += 1,
             }
             if as_json {
                 reports.push(r);
@@ -1086,10 +1156,11 @@ async fn dlq_replay(
         })
         .await?;
         written?;
-        if matches!(selection, dlq::Selection::Id(_)) && replayed + skipped > 0 {
+        if matches!(selection, dlq::Selection::Id(_)) && *replayed + *skipped > 0 {
             break;
         }
     }
+    let (replayed, skipped) = (*replayed, *skipped);
     if let dlq::Selection::Id(id) = &selection
         && replayed + skipped == 0
     {
@@ -1112,23 +1183,15 @@ async fn dlq_replay(
     Ok(())
 }
 
-/// `onejob dlq purge`: deletes, only with `--yes`.
+/// `onejob dlq purge`: deletes (the caller has checked `--yes`), counting
+/// into `purged` as it goes.
 async fn dlq_purge(
-    config: &Config,
     conn: &lapin::Connection,
-    queue: Option<&str>,
-    yes: bool,
+    queues: Vec<String>,
+    purged: &mut serde_json::Map<String, serde_json::Value>,
     as_json: bool,
     out: &mut impl Write,
 ) -> Outcome {
-    let queues = dlq::select_queues(config, queue)?;
-    if !yes {
-        return Err(Failure(format!(
-            "refusing to delete the dead letters of {} without --yes",
-            queues.join(", ")
-        )));
-    }
-    let mut purged = serde_json::Map::new();
     for q in queues {
         let n = dlq::purge(conn, &q).await?;
         if !as_json {

@@ -1238,6 +1238,44 @@ fn dead_letter_action<'a>(
     Ok((queue, reason))
 }
 
+/// Records a dead-letter action before it is done (nothing is done if that
+/// fails), or the page that says why not.
+async fn begin_dead_letter_action(
+    app: &Console,
+    who: &Operator,
+    reason: &str,
+    action: &Action<'_>,
+) -> Result<Uuid, Box<Response>> {
+    app.0
+        .store
+        .audit_begin(&Actor::operator(&who.name, reason), action)
+        .await
+        .map_err(|e| {
+            let Failure(status, text) = e.into();
+            Box::new(app.message(
+                Some(who),
+                Failure(
+                    status,
+                    format!("{text}. Nothing was done: the action could not be recorded first."),
+                ),
+            ))
+        })
+}
+
+/// Writes what came of a recorded dead-letter action. If that fails, the row
+/// stays `pending` (and the log says so): the action itself stands.
+async fn finish_dead_letter_action(
+    app: &Console,
+    audit: Uuid,
+    failed: bool,
+    detail: serde_json::Value,
+) {
+    let outcome = if failed { "failed" } else { "done" };
+    if let Err(e) = app.0.store.audit_outcome(audit, outcome, &detail).await {
+        tracing::warn!(error = %e, %audit, "console: the outcome of a dead-letter action was not recorded; its audit row stays pending");
+    }
+}
+
 async fn replay_dead_letters(
     State(app): State<Console>,
     who: Operator,
@@ -1252,6 +1290,19 @@ async fn replay_dead_letters(
         Err(page) => return *page,
     };
     let id = given(&form.id);
+    let action = Action {
+        action: "dlq.replay",
+        target: Some(queue.clone()),
+        detail: serde_json::json!({ "message_id": id }),
+        ..Action::default()
+    };
+    let audit = match begin_dead_letter_action(&app, &who, reason, &action).await {
+        Ok(a) => a,
+        Err(page) => {
+            let _ = conn.close(200, "done".into()).await;
+            return *page;
+        }
+    };
     let selection = id.clone().map_or(dlq::Selection::All, dlq::Selection::Id);
     let (mut replayed, mut skipped) = (0u32, 0u32);
     let result = dlq::replay(&conn, &queue, &selection, |r| match r.outcome {
@@ -1260,28 +1311,19 @@ async fn replay_dead_letters(
     })
     .await;
     let _ = conn.close(200, "done".into()).await;
-    let action = Action {
-        action: "dlq.replay",
-        target: Some(queue.clone()),
-        detail: serde_json::json!({
-            "message_id": id,
+    // A replay that failed part-way is recorded as such: a letter may have
+    // been republished before the failure.
+    finish_dead_letter_action(
+        &app,
+        audit,
+        result.is_err(),
+        serde_json::json!({
             "replayed": replayed,
             "skipped": skipped,
             "error": result.as_ref().err().map(ToString::to_string),
         }),
-        ..Action::default()
-    };
-    // A replay that failed part-way is recorded too: a letter may have been
-    // republished before the failure.
-    if (replayed + skipped > 0 || result.is_err())
-        && let Err(e) = app
-            .0
-            .store
-            .audit(&Actor::operator(&who.name, reason), &action)
-            .await
-    {
-        return app.message(Some(&who), e.into());
-    }
+    )
+    .await;
     if let Err(e) = result {
         let text = format!("replaying from {queue} failed after {replayed} replayed: {e}");
         return app.message(Some(&who), Failure(StatusCode::SERVICE_UNAVAILABLE, text));
@@ -1307,30 +1349,37 @@ async fn purge_dead_letters(
         Ok(c) => c,
         Err(page) => return *page,
     };
-    let purged = dlq::purge(&conn, &queue).await;
-    let _ = conn.close(200, "done".into()).await;
-    let purged = match purged {
-        Ok(n) => n,
-        Err(e) => {
-            let text = format!("purging {queue} failed: {e}");
-            return app.message(Some(&who), Failure(StatusCode::SERVICE_UNAVAILABLE, text));
-        }
-    };
     let action = Action {
         action: "dlq.purge",
         target: Some(queue.clone()),
-        detail: serde_json::json!({ "purged": purged }),
         ..Action::default()
     };
-    if let Err(e) = app
-        .0
-        .store
-        .audit(&Actor::operator(&who.name, reason), &action)
-        .await
-    {
-        return app.message(Some(&who), e.into());
+    let audit = match begin_dead_letter_action(&app, &who, reason, &action).await {
+        Ok(a) => a,
+        Err(page) => {
+            let _ = conn.close(200, "done".into()).await;
+            return *page;
+        }
+    };
+    let purged = dlq::purge(&conn, &queue).await;
+    let _ = conn.close(200, "done".into()).await;
+    finish_dead_letter_action(
+        &app,
+        audit,
+        purged.is_err(),
+        match &purged {
+            Ok(n) => serde_json::json!({ "purged": n }),
+            Err(e) => serde_json::json!({ "error": e.to_string() }),
+        },
+    )
+    .await;
+    match purged {
+        Ok(n) => done(&queue, &[("purged", n)]),
+        Err(e) => {
+            let text = format!("purging {queue} failed: {e}");
+            app.message(Some(&who), Failure(StatusCode::SERVICE_UNAVAILABLE, text))
+        }
     }
-    done(&queue, &[("purged", purged)])
 }
 
 #[derive(Deserialize, Default)]

@@ -466,7 +466,10 @@ async fn an_operator_browses_replays_and_purges_dead_letters() {
         ]
     );
     assert_eq!(audit[1].detail["message_id"], "good-1");
+    assert_eq!(audit[1].detail["outcome"], "done");
+    assert_eq!(audit[1].detail["replayed"], 1);
     assert_eq!(audit[0].target.as_deref(), Some(dlq.as_str()));
+    assert_eq!(audit[0].detail["outcome"], "done");
     fleet.stop().await;
 }
 
@@ -670,4 +673,53 @@ async fn a_sign_in_not_from_the_consoles_own_form_is_refused() {
     let answer = served.login(token.reveal()).await;
     assert_eq!(answer.status(), StatusCode::SEE_OTHER);
     assert_eq!(sessions().await, 1);
+}
+
+/// A replay or a purge touches the broker, not the database, so its audit row
+/// cannot commit with it: it is written first, and if it cannot be, nothing is
+/// done (an action without its record would be worse than none).
+#[tokio::test]
+async fn a_dead_letter_action_that_cannot_be_recorded_is_not_done() {
+    let (config, _file) = config(&two_providers());
+    let env = TestEnv::new(&config).await;
+    let served = serve(&env, config, false).await;
+    let session = served.sign_in(&env.store, "ada").await;
+    common::console::dead_letter_intent(&env, "kept-1", "acct_k", "kept").await;
+    let dlq = onejob::broker::dead_letter_queue(onejob::broker::INTENTS_QUEUE);
+    // The audit table refuses every row from now on.
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN RAISE EXCEPTION 'the audit table refuses rows'; END $$;
+         CREATE TRIGGER refuse BEFORE INSERT ON audit FOR EACH ROW EXECUTE FUNCTION refuse();",
+    )
+    .execute(env.store.pool())
+    .await
+    .unwrap();
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    for (path, extra) in [
+        ("/dead-letters/replay", Some("kept-1")),
+        ("/dead-letters/replay", None),
+        ("/dead-letters/purge", None),
+    ] {
+        let mut form = vec![
+            ("csrf", session.csrf.as_str()),
+            ("queue", dlq.as_str()),
+            ("reason", "tried while the audit is down"),
+        ];
+        if let Some(id) = extra {
+            form.push(("id", id));
+        }
+        let answer = served.post(&session.cookie, path, &form).await;
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE, "{path}");
+        assert!(
+            answer.text().await.unwrap().contains("Nothing was done"),
+            "{path}"
+        );
+        assert_eq!(
+            common::depth(&ch, &dlq).await,
+            1,
+            "{path}: the letter stays"
+        );
+    }
 }

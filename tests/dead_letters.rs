@@ -146,12 +146,33 @@ async fn dlq_list_browses_without_consuming_and_purge_needs_yes() {
         Some(2),
         "--id or --all"
     );
+    assert!(
+        env.store.audit_recent(10).await.unwrap().is_empty(),
+        "refused commands record nothing"
+    );
     let purged = json(&env.cli(
         &file.path,
-        &["dlq", "purge", "onejob.intents.dlq", "--yes", "--json"],
+        &[
+            "dlq",
+            "purge",
+            "onejob.intents.dlq",
+            "--yes",
+            "--json",
+            "--reason",
+            "junk from a test",
+        ],
     ));
     assert_eq!(purged["purged"]["onejob.intents.dlq"], 2);
     assert_eq!(depth(&ch, &dlq).await, 0);
+    // Audited: who, why, and what came of it.
+    let audit = env.store.audit_recent(10).await.unwrap();
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(audit[0].action, "dlq.purge");
+    assert!(audit[0].actor.starts_with("cli:"), "{:?}", audit[0]);
+    assert_eq!(audit[0].reason, "junk from a test");
+    assert_eq!(audit[0].target.as_deref(), Some("onejob.intents.dlq"));
+    assert_eq!(audit[0].detail["outcome"], "done");
+    assert_eq!(audit[0].detail["purged"]["onejob.intents.dlq"], 2);
 
     producer.close().await;
     fleet.stop().await;
@@ -201,6 +222,15 @@ async fn a_poison_attempt_is_dead_lettered_then_replayed() {
         depth(&ch, &dlq).await,
         0,
         "removed after the confirmed republish"
+    );
+    let audit = env.store.audit_recent(10).await.unwrap();
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(audit[0].action, "dlq.replay");
+    assert_eq!(audit[0].reason, "", "no --reason given");
+    assert_eq!(audit[0].detail["message_id"], publish.message_id.as_str());
+    assert_eq!(
+        (&audit[0].detail["outcome"], &audit[0].detail["replayed"]),
+        (&serde_json::json!("done"), &serde_json::json!(1))
     );
     wait_for_status(&env, job_id, JobStatus::Succeeded).await;
     let missing = env.cli(&file.path, &["dlq", "replay", &dlq, "--id", "nope"]);

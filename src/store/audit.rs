@@ -78,7 +78,8 @@ pub(super) async fn record(
     tx: &mut PgConnection,
     actor: &Actor,
     action: &Action<'_>,
-) -> Result<()> {
+) -> Result<Uuid> {
+    let id = Uuid::now_v7();
     let detail = if action.detail.is_null() {
         Value::Object(Default::default())
     } else {
@@ -87,7 +88,7 @@ pub(super) async fn record(
     sqlx::query!(
         "INSERT INTO audit (id, actor, action, job_id, attempt_id, target, reason, detail)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        Uuid::now_v7(),
+        id,
         actor.name,
         action.action,
         action.job.map(|j| j.0) as Option<Uuid>,
@@ -98,15 +99,52 @@ pub(super) async fn record(
     )
     .execute(tx)
     .await?;
-    Ok(())
+    Ok(id)
 }
 
 impl Store {
-    /// Records an action that is not a database write of its own (a replay, a
-    /// purge, a qualification), after it was done.
+    /// Records an action that is not a database write of its own (a
+    /// qualification), after it was done.
     pub async fn audit(&self, actor: &Actor, action: &Action<'_>) -> Result<()> {
         let mut conn = self.pool.acquire().await?;
-        record(&mut conn, actor, action).await
+        record(&mut conn, actor, action).await.map(|_| ())
+    }
+
+    /// Records an action on something outside the database (a dead-letter
+    /// replay or purge) *before* it is done, so that no such action goes
+    /// unrecorded: its detail says `"outcome": "pending"` until
+    /// [`Store::audit_outcome`] fills in what came of it. A row left pending
+    /// is an action whose outcome was never written (the process or the
+    /// database failed mid-way): look at the queue.
+    pub async fn audit_begin(&self, actor: &Actor, action: &Action<'_>) -> Result<Uuid> {
+        let mut action = action.clone();
+        let mut detail = match action.detail {
+            Value::Object(map) => map,
+            _ => serde_json::Map::new(),
+        };
+        detail.insert("outcome".into(), Value::from("pending"));
+        action.detail = Value::Object(detail);
+        let mut conn = self.pool.acquire().await?;
+        record(&mut conn, actor, &action).await
+    }
+
+    /// Fills in what came of an action recorded by [`Store::audit_begin`]:
+    /// `outcome` (`done` or `failed`) and the rest of `detail`, merged into the
+    /// row's detail.
+    pub async fn audit_outcome(&self, id: Uuid, outcome: &str, detail: &Value) -> Result<()> {
+        let mut merged = match detail {
+            Value::Object(map) => map.clone(),
+            _ => serde_json::Map::new(),
+        };
+        merged.insert("outcome".into(), Value::from(outcome));
+        sqlx::query!(
+            "UPDATE audit SET detail = detail || $2 WHERE id = $1",
+            id,
+            Value::Object(merged)
+        )
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     /// The audit rows of a job, oldest first.
