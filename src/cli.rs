@@ -341,6 +341,15 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
             // done: it needs the database as well as the broker.
             let audit = match &command {
                 DlqCommand::List { .. } => None,
+                DlqCommand::Purge {
+                    queue, yes: false, ..
+                } => {
+                    let queues = dlq::select_queues(&config, queue.as_deref())?;
+                    return Err(Failure(format!(
+                        "refusing to delete the dead letters of {} without --yes",
+                        queues.join(", ")
+                    )));
+                }
                 DlqCommand::Replay { .. } | DlqCommand::Purge { .. } => {
                     Some(store(c, &config).await?)
                 }
@@ -1021,11 +1030,11 @@ async fn dlq_command(
             let audit = store
                 .audit_begin(&Actor::cli(reason.as_deref()), &action)
                 .await?;
-            let mut counts = (0, 0);
+            let mut counts = Counts::default();
             let result = dlq_replay(conn, &queues, id, &mut counts, as_json, out).await;
-            let detail = json!({ "replayed": counts.0, "skipped": counts.1,
-                "error": result.as_ref().err().map(|e| e.0.clone()) });
-            finish_audit(store, audit, result.is_err(), &detail).await;
+            let detail = json!({ "replayed": counts.replayed, "skipped": counts.skipped,
+                "error": counts.broker_error });
+            finish_audit(store, audit, counts.broker_error.is_some(), &detail).await;
             result
         }
         (DlqCommand::Purge { queue, yes, reason }, Some(store)) => {
@@ -1045,10 +1054,11 @@ async fn dlq_command(
                 .audit_begin(&Actor::cli(reason.as_deref()), &action)
                 .await?;
             let mut purged = serde_json::Map::new();
-            let result = dlq_purge(conn, queues, &mut purged, as_json, out).await;
-            let detail = json!({ "purged": purged,
-                "error": result.as_ref().err().map(|e| e.0.clone()) });
-            finish_audit(store, audit, result.is_err(), &detail).await;
+            let mut broker_error = None;
+            let result =
+                dlq_purge(conn, queues, &mut purged, &mut broker_error, as_json, out).await;
+            let detail = json!({ "purged": purged, "error": broker_error });
+            finish_audit(store, audit, broker_error.is_some(), &detail).await;
             result
         }
         (DlqCommand::Replay { .. } | DlqCommand::Purge { .. }, None) => Err(Failure(
@@ -1056,6 +1066,15 @@ async fn dlq_command(
                 .into(),
         )),
     }
+}
+
+/// What a replay did, for its audit row: the broker's error is what makes it
+/// `failed` (a letter not found, one skipped, or a closed stdout does not).
+#[derive(Default)]
+struct Counts {
+    replayed: usize,
+    skipped: usize,
+    broker_error: Option<String>,
 }
 
 /// Writes what came of an action begun with [`Store::audit_begin`]; if that
@@ -1130,7 +1149,7 @@ async fn dlq_replay(
     conn: &lapin::Connection,
     queues: &[String],
     id: Option<String>,
-    counts: &mut (usize, usize),
+    counts: &mut Counts,
     as_json: bool,
     out: &mut impl Write,
 ) -> Outcome {
@@ -1140,10 +1159,10 @@ async fn dlq_replay(
         None => dlq::Selection::All,
     };
     let mut reports = Vec::new();
-    let (replayed, skipped) = (&mut counts.0, &mut counts.1);
+    let (replayed, skipped) = (&mut counts.replayed, &mut counts.skipped);
     for q in queues {
         let mut written = Ok(());
-        dlq::replay(conn, q, &selection, |r| {
+        let replay = dlq::replay(conn, q, &selection, |r| {
             match &r.outcome {
                 dlq::ReplayOutcome::Replayed => *replayed += 1,
                 dlq::ReplayOutcome::Skipped { .. } => *skipped += 1,
@@ -1154,7 +1173,11 @@ async fn dlq_replay(
                 written = report_replay(out, &r);
             }
         })
-        .await?;
+        .await;
+        if let Err(e) = replay {
+            counts.broker_error = Some(e.to_string());
+            return Err(e.into());
+        }
         written?;
         if matches!(selection, dlq::Selection::Id(_)) && *replayed + *skipped > 0 {
             break;
@@ -1189,15 +1212,22 @@ async fn dlq_purge(
     conn: &lapin::Connection,
     queues: Vec<String>,
     purged: &mut serde_json::Map<String, serde_json::Value>,
+    broker_error: &mut Option<String>,
     as_json: bool,
     out: &mut impl Write,
 ) -> Outcome {
     for q in queues {
-        let n = dlq::purge(conn, &q).await?;
+        let n = match dlq::purge(conn, &q).await {
+            Ok(n) => n,
+            Err(e) => {
+                *broker_error = Some(e.to_string());
+                return Err(e.into());
+            }
+        };
+        purged.insert(q.clone(), json!(n));
         if !as_json {
             writeln!(out, "{q}: {n} dead letter(s) deleted")?;
         }
-        purged.insert(q, json!(n));
     }
     if as_json {
         writeln!(out, "{}", json!({ "purged": purged }))?;

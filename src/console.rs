@@ -191,6 +191,17 @@ struct Operator {
     name: String,
     csrf: String,
     session: String,
+    /// The browser says the request came from a page of another origin.
+    cross_site: bool,
+}
+
+/// Whether the browser says a request came from a page of another origin
+/// (`Sec-Fetch-Site`, which pages cannot set). Clients that send no such
+/// header are judged by the form token alone.
+fn cross_site(headers: &HeaderMap) -> bool {
+    headers
+        .get("sec-fetch-site")
+        .is_some_and(|v| v.as_bytes() != b"same-origin")
 }
 
 /// The request has no live session: back to the sign-in page.
@@ -215,6 +226,7 @@ impl FromRequestParts<Console> for Operator {
                 name: s.operator,
                 csrf: s.csrf,
                 session: digest,
+                cross_site: cross_site(&parts.headers),
             }),
             Ok(None) => Err(SignIn.into_response()),
             Err(e) => Err(app.message(None, e.into())),
@@ -228,7 +240,7 @@ impl Operator {
     fn refuses(&self, app: &Console, presented: Option<&str>) -> Option<Response> {
         // Compared by digest: no early exit on the secret's own bytes.
         match presented {
-            Some(p) if sha256_hex(p) == sha256_hex(&self.csrf) => None,
+            Some(p) if !self.cross_site && sha256_hex(p) == sha256_hex(&self.csrf) => None,
             _ => Some(
                 app.message(
                     Some(self),
@@ -339,8 +351,11 @@ async fn login(
     };
     let refuse = |text: &str| refuse_with(StatusCode::UNAUTHORIZED, text);
     // The form must be the one this browser got from the sign-in page.
+    // (A cookie planted by a sibling host could match a field of the
+    // attacker's; the browser's own word on where the form came from cannot
+    // be planted.)
     let from_our_form = match (cookie(&headers, LOGIN_COOKIE), form.login_csrf.as_deref()) {
-        (Some(c), Some(f)) => sha256_hex(&c) == sha256_hex(f),
+        (Some(c), Some(f)) => !cross_site(&headers) && sha256_hex(&c) == sha256_hex(f),
         _ => false,
     };
     if !from_our_form {
@@ -1033,10 +1048,7 @@ async fn broker_for(app: &Console, who: &Operator) -> Result<lapin::Connection, 
 
 #[derive(Deserialize, Default)]
 struct DoneQuery {
-    replayed: Option<u32>,
-    skipped: Option<u32>,
-    purged: Option<u32>,
-    queue: Option<String>,
+    done: Option<Uuid>,
 }
 
 async fn dead_letters(
@@ -1097,15 +1109,7 @@ async fn dead_letters(
         });
     }
     let _ = conn.close(200, "done".into()).await;
-    let queue = done.queue.unwrap_or_default();
-    let done = match (done.replayed, done.skipped, done.purged) {
-        (Some(r), s, _) => Some(format!(
-            "{queue}: {r} dead letter(s) replayed, {} skipped.",
-            s.unwrap_or(0)
-        )),
-        (_, _, Some(p)) => Some(format!("{queue}: {p} dead letter(s) purged.")),
-        _ => None,
-    };
+    let done = done_banner(&app, done.done).await;
     app.render(
         "dead_letters.html",
         context! { title => "Dead letters", operator => who.name, csrf => who.csrf, queues, done },
@@ -1333,7 +1337,7 @@ async fn replay_dead_letters(
             format!("There is no dead letter {id:?} in {queue} (any more). Nothing was done.");
         return app.message(Some(&who), Failure(StatusCode::NOT_FOUND, text));
     }
-    done(&queue, &[("replayed", replayed), ("skipped", skipped)])
+    done(audit)
 }
 
 async fn purge_dead_letters(
@@ -1374,7 +1378,7 @@ async fn purge_dead_letters(
     )
     .await;
     match purged {
-        Ok(n) => done(&queue, &[("purged", n)]),
+        Ok(_) => done(audit),
         Err(e) => {
             let text = format!("purging {queue} failed: {e}");
             app.message(Some(&who), Failure(StatusCode::SERVICE_UNAVAILABLE, text))
@@ -1386,8 +1390,38 @@ async fn purge_dead_letters(
 struct ProvidersQuery {
     provider: Option<String>,
     operation: Option<String>,
-    passed: Option<u32>,
-    cases: Option<u32>,
+    done: Option<Uuid>,
+}
+
+/// What an action did, in words, from its audit row (never from the link that
+/// leads back to the page, which anyone could write).
+async fn done_banner(app: &Console, done: Option<Uuid>) -> Option<String> {
+    let entry = app.0.store.audit_entry(done?).await.ok()??;
+    let d = &entry.detail;
+    let target = entry.target.clone().unwrap_or_default();
+    let n = |k: &str| d[k].as_u64().unwrap_or(0);
+    match (entry.action.as_str(), d["outcome"].as_str()) {
+        ("provider.qualify", Some("done")) => Some(format!(
+            "{}: {} ({} of {} case(s) passed).",
+            target.replace('/', " for "),
+            if d["qualified"] == true {
+                "qualified"
+            } else {
+                "not qualified"
+            },
+            n("passed"),
+            n("cases")
+        )),
+        ("dlq.replay", Some("done")) => Some(format!(
+            "{target}: {} dead letter(s) replayed, {} skipped.",
+            n("replayed"),
+            n("skipped")
+        )),
+        ("dlq.purge", Some("done")) => {
+            Some(format!("{target}: {} dead letter(s) purged.", n("purged")))
+        }
+        _ => None,
+    }
 }
 
 async fn providers(
@@ -1456,17 +1490,7 @@ async fn providers(
             }
         })
         .collect();
-    let done = match (given(&q.provider), given(&q.operation), q.passed, q.cases) {
-        (Some(p), Some(o), Some(passed), Some(cases)) => Some(format!(
-            "{p} for {o}: {} ({passed} of {cases} case(s) passed).",
-            if passed == cases && cases > 0 {
-                "qualified"
-            } else {
-                "not qualified"
-            }
-        )),
-        _ => None,
-    };
+    let done = done_banner(&app, q.done).await;
     app.render(
         "providers.html",
         context! {
@@ -1568,42 +1592,56 @@ async fn qualify(
         Ok(pair) => pair,
         Err(f) => return app.message(Some(&who), f),
     };
-    let report = crate::qualify::qualify(&app.0.config, p, o).await;
-    let store = &app.0.store;
-    let run = match store.record_qualification(&report).await {
-        Ok(run) => run,
-        Err(e) => return app.message(Some(&who), e.into()),
-    };
-    let passed = report.cases.iter().filter(|c| c.passed).count();
+    // Recorded first: the provider bills these calls, so none goes unrecorded.
+    let store = app.0.store.clone();
+    let actor = Actor::operator(&who.name, reason);
     let action = Action {
         action: "provider.qualify",
         target: Some(format!("{}/{}", p.name, o.name)),
-        detail: serde_json::json!({
-            "run_id": run,
-            "contract_hash": report.contract_hash,
+        detail: serde_json::json!({ "contract_hash": crate::qualify::contract_hash(o, p) }),
+        ..Action::default()
+    };
+    let audit = match store.audit_begin(&actor, &action).await {
+        Ok(a) => a,
+        Err(e) => {
+            let Failure(status, text) = e.into();
+            let text = format!("{text}. Nothing was run: the run could not be recorded first.");
+            return app.message(Some(&who), Failure(status, text));
+        }
+    };
+    // The calls run in a task of their own: a browser that goes away does not
+    // cut a paid run short of its record.
+    let (config, provider, operation) = (app.0.config.clone(), p.name.clone(), o.name.clone());
+    let run = tokio::spawn(async move {
+        let (p, o) = (&config.providers[&provider], &config.operations[&operation]);
+        let report = crate::qualify::qualify(&config, p, o).await;
+        let recorded = store.record_qualification(&report).await;
+        let passed = report.cases.iter().filter(|c| c.passed).count();
+        let detail = serde_json::json!({
+            "run_id": recorded.as_ref().ok(),
             "qualified": report.passed,
             "cases": report.cases.len(),
             "passed": passed,
             "failures": report.cases.iter().filter(|c| !c.passed)
                 .map(|c| serde_json::json!({ "case": c.index, "detail": c.detail }))
                 .collect::<Vec<_>>(),
-        }),
-        ..Action::default()
-    };
-    if let Err(e) = store
-        .audit(&Actor::operator(&who.name, reason), &action)
-        .await
-    {
-        return app.message(Some(&who), e.into());
+            "error": recorded.as_ref().err().map(ToString::to_string),
+        });
+        let outcome = if recorded.is_ok() { "done" } else { "failed" };
+        if let Err(e) = store.audit_outcome(audit, outcome, &detail).await {
+            tracing::warn!(error = %e, %audit, "console: a qualification's outcome was not recorded; its audit row stays pending");
+        }
+        tracing::info!(%provider, %operation, qualified = report.passed, "console: qualified a provider");
+        recorded.map(|_| ())
+    });
+    match run.await {
+        Ok(Ok(())) => Redirect::to(&format!("/providers?done={audit}")).into_response(),
+        Ok(Err(e)) => app.message(Some(&who), e.into()),
+        Err(e) => {
+            let text = format!("the qualification run failed: {e}");
+            app.message(Some(&who), Failure(StatusCode::INTERNAL_SERVER_ERROR, text))
+        }
     }
-    tracing::info!(operator = %who.name, provider = %p.name, operation = %o.name,
-        qualified = report.passed, "console: qualified a provider");
-    let mut back = url::form_urlencoded::Serializer::new(String::new());
-    back.append_pair("provider", &p.name);
-    back.append_pair("operation", &o.name);
-    back.append_pair("passed", &passed.to_string());
-    back.append_pair("cases", &report.cases.len().to_string());
-    Redirect::to(&format!("/providers?{}", back.finish())).into_response()
 }
 
 /// The confirmation page of a dead-letter action, as a link.
@@ -1613,15 +1651,10 @@ fn confirm_link(pairs: &[(&str, &str)]) -> String {
     format!("/dead-letters/confirm?{}", link.finish())
 }
 
-/// Back to the dead letters, saying what was done (a reload does not do it
-/// again).
-fn done(queue: &str, counts: &[(&str, u32)]) -> Response {
-    let mut back = url::form_urlencoded::Serializer::new(String::new());
-    back.append_pair("queue", queue);
-    for (k, n) in counts {
-        back.append_pair(k, &n.to_string());
-    }
-    Redirect::to(&format!("/dead-letters?{}", back.finish())).into_response()
+/// Back to the dead letters, saying what was done (from its audit row; a
+/// reload does not do it again).
+fn done(audit: Uuid) -> Response {
+    Redirect::to(&format!("/dead-letters?done={audit}")).into_response()
 }
 
 /// The address the console listens on when `--listen` is not given.

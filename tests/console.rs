@@ -114,6 +114,25 @@ async fn an_action_without_its_csrf_token_is_refused_and_does_nothing() {
         assert_eq!(answer.status(), StatusCode::FORBIDDEN, "{csrf:?}");
         assert!(answer.text().await.unwrap().contains("CSRF"));
     }
+    // The right token, in a form the browser says another site's page sent
+    // (a page cannot set Sec-Fetch-Site): refused too.
+    for site in ["cross-site", "same-site"] {
+        let answer = served
+            .http
+            .post(format!("{}{path}", served.base))
+            .header(reqwest::header::COOKIE, &session.cookie)
+            .header("sec-fetch-site", site)
+            .header(CONTENT_TYPE, FORM)
+            .body(encode(&[
+                ("as", "failed"),
+                ("reason", "from a sibling host"),
+                ("csrf", &session.csrf),
+            ]))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::FORBIDDEN, "{site}");
+    }
     // Signing out needs it too.
     let answer = served.post(&session.cookie, "/logout", &[]).await;
     assert_eq!(answer.status(), StatusCode::FORBIDDEN);
@@ -412,9 +431,10 @@ async fn an_operator_browses_replays_and_purges_dead_letters() {
         .await;
     assert_eq!(answer.status(), StatusCode::SEE_OTHER);
     let back = answer.headers()[LOCATION].to_str().unwrap().to_owned();
+    let (_, page) = served.get(&session.cookie, &back).await;
     assert!(
-        back.contains("replayed=1") && back.contains("skipped=0"),
-        "{back}"
+        page.contains("1 dead letter(s) replayed, 0 skipped"),
+        "{back}: {page}"
     );
     common::wait_for(
         "the replayed intent's job",
@@ -587,6 +607,18 @@ async fn qualify_now_checks_its_form_and_records_a_failed_run() {
         "{page}"
     );
     assert!(page.contains("q-failed"), "{page}");
+    assert!(back.starts_with("/providers?done="), "{back}");
+    // The banner comes from the audit row the link names, never from the
+    // link's own words.
+    for forged in [
+        format!("/providers?done={}", uuid::Uuid::now_v7()),
+        "/providers?provider=fallback&operation=summarize&passed=1&cases=1".to_owned(),
+        "/dead-letters?queue=onejob.intents.dlq&replayed=9".to_owned(),
+    ] {
+        let (status, page) = served.get(&session.cookie, &forged).await;
+        assert_eq!(status, StatusCode::OK, "{forged}");
+        assert!(!page.contains("id=\"done\""), "{forged}: {page}");
+    }
     assert_eq!(runs().await, 1);
     let audit = env.store.audit_recent(10).await.unwrap();
     assert_eq!(audit.len(), 1);
@@ -669,6 +701,25 @@ async fn a_sign_in_not_from_the_consoles_own_form_is_refused() {
     }
     assert_eq!(sessions().await, 0);
 
+    // The right pair, but the browser says another site's page posted it (a
+    // sibling host can plant a cookie; it cannot make the browser say
+    // same-origin): refused.
+    let answer = served
+        .http
+        .post(format!("{}/login", served.base))
+        .header(CONTENT_TYPE, FORM)
+        .header(reqwest::header::COOKIE, &cookie)
+        .header("sec-fetch-site", "same-site")
+        .body(encode(&[
+            ("token", token.reveal()),
+            ("login_csrf", &field_value),
+        ]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), StatusCode::FORBIDDEN);
+    assert_eq!(sessions().await, 0);
+
     // The console's own form signs in.
     let answer = served.login(token.reveal()).await;
     assert_eq!(answer.status(), StatusCode::SEE_OTHER);
@@ -722,4 +773,25 @@ async fn a_dead_letter_action_that_cannot_be_recorded_is_not_done() {
             "{path}: the letter stays"
         );
     }
+}
+
+/// The overview's chart reads the creation minute out of UUIDv7 job ids. A
+/// row whose id is not one (another program wrote it) must neither count nor
+/// fail the page: its "minute" overflowed, and the overview answered 503.
+#[tokio::test]
+async fn the_overview_stands_jobs_whose_ids_are_not_uuidv7() {
+    let (config, _file) = config(&two_providers());
+    let env = TestEnv::new(&config).await;
+    let served = serve(&env, config, false).await;
+    let mut db = sqlx::PgConnection::connect(&env.database_url)
+        .await
+        .unwrap();
+    // md5-made ids: random bits where a UUIDv7 keeps its time.
+    common::fill_jobs(&mut db, "not-v7-", 20, "mix", 60.0, 60.0, "summarize").await;
+    let session = served.sign_in(&env.store, "ada").await;
+    let (status, page) = served.get(&session.cookie, "/").await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    let overview = env.store.overview().await.unwrap();
+    assert_eq!(overview.created_per_minute.iter().sum::<i64>(), 0);
+    assert_eq!(overview.jobs.iter().map(|(_, n)| n).sum::<i64>(), 20);
 }

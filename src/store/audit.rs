@@ -159,6 +159,18 @@ impl Store {
         .await?)
     }
 
+    /// One audit row, by its id.
+    pub async fn audit_entry(&self, id: Uuid) -> Result<Option<AuditEntry>> {
+        Ok(sqlx::query_as!(
+            AuditEntry,
+            "SELECT id, at, actor, action, job_id, attempt_id, target, reason, detail
+             FROM audit WHERE id = $1",
+            id
+        )
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
     /// The latest audit rows, newest first.
     pub async fn audit_recent(&self, limit: i64) -> Result<Vec<AuditEntry>> {
         Ok(sqlx::query_as!(

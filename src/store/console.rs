@@ -234,13 +234,17 @@ impl Store {
         // milliseconds, so the last hour is a range of the primary key.
         let start_ms = Utc::now().timestamp_millis() - 3_600_000;
         let floor = Uuid::from_u128(u128::from(start_ms.max(0) as u64) << 80);
+        // And no later than the next minute: an id that is not a UUIDv7 (a
+        // row another program wrote) must not count, nor overflow the minute.
+        let ceiling = Uuid::from_u128(u128::from((start_ms + 3_660_000).max(0) as u64) << 80);
         let mut created_per_minute = vec![0i64; 60];
         for r in sqlx::query!(
             r#"SELECT ((('x' || left(replace(j.id::text, '-', ''), 12))::bit(48)::bigint - $1) / 60000)::int AS "minute!",
                       count(*) AS "n!"
-               FROM jobs j WHERE j.id >= $2 GROUP BY 1"#,
+               FROM jobs j WHERE j.id >= $2 AND j.id < $3 GROUP BY 1"#,
             start_ms,
-            floor
+            floor,
+            ceiling
         )
         .fetch_all(&self.pool)
         .await?
@@ -311,8 +315,9 @@ impl Store {
     /// id, through the `outbox_message_id` index.
     pub async fn job_messages(&self, job: &JobView) -> Result<Vec<JobMessage>> {
         let mut ids: Vec<String> = job.attempts.iter().map(|a| a.id.to_string()).collect();
-        // An event's id is the job's id and the version it was written at.
-        ids.extend((1..=job.version.min(10_000)).map(|v| format!("{}:{v}", job.id)));
+        // An event's id is the job's id and the version it was written at;
+        // the newest 1,000 versions (a job's event is written when it ends).
+        ids.extend(((job.version - 999).max(1)..=job.version).map(|v| format!("{}:{v}", job.id)));
         Ok(sqlx::query_as!(
             JobMessage,
             "SELECT message_id, exchange, routing_key, created_at, not_before, published_at

@@ -28,6 +28,39 @@ pub struct Browser {
     session: String,
     process: Option<tokio::process::Child>,
     port: u16,
+    profile: std::path::PathBuf,
+}
+
+/// Whether the ChromeDriver just started on `port` answers as ready, while it
+/// still runs (another process could be answering on that port).
+async fn ready(http: &reqwest::Client, port: u16, process: &mut tokio::process::Child) -> bool {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < deadline {
+        if process.try_wait().ok().flatten().is_some() {
+            return false;
+        }
+        if let Ok(answer) = http
+            .get(format!("http://127.0.0.1:{port}/status"))
+            .send()
+            .await
+            && let Ok(status) = answer.json::<Value>().await
+            && status["value"]["ready"] == true
+        {
+            return process.try_wait().ok().flatten().is_none();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// Ends a process group: ChromeDriver and every Chromium process it started.
+fn kill_group(process: &tokio::process::Child) {
+    if let Some(pid) = process.id() {
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", "--", &format!("-{pid}")])
+            .stderr(Stdio::null())
+            .status();
+    }
 }
 
 /// An element of the current page.
@@ -45,6 +78,7 @@ impl Browser {
     /// Starts ChromeDriver on a free port and opens a headless Chromium
     /// session, 1280×1000, that waits up to 10 s for an element to appear.
     pub async fn start() -> Browser {
+        let http = reqwest::Client::new();
         let chromedriver = program("ONEJOB_CHROMEDRIVER", "/usr/bin/chromedriver");
         let chromium = program("ONEJOB_CHROMIUM", "/usr/bin/chromium");
         for (what, path) in [("chromedriver", &chromedriver), ("chromium", &chromium)] {
@@ -54,37 +88,51 @@ impl Browser {
                  and chromium-driver), or say where it is with ONEJOB_CHROMEDRIVER / ONEJOB_CHROMIUM"
             );
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let process = tokio::process::Command::new(&chromedriver)
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {chromedriver}: {e}"));
-        let driver = format!("http://127.0.0.1:{port}");
-        let http = reqwest::Client::new();
-        super::wait_for("chromedriver to answer", Duration::from_secs(30), || {
-            let (http, url) = (http.clone(), format!("{driver}/status"));
-            async move {
-                let answer = http.get(url).send().await.ok()?;
-                let status: Value = answer.json().await.ok()?;
-                (status["value"]["ready"] == true).then_some(())
+        // A free port is only free until someone takes it: if ChromeDriver
+        // could not have it (it exits), try another.
+        let mut started = None;
+        for _ in 0..5 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            // Its own process group, so that ending it ends the Chromium it
+            // started as well.
+            let mut process = tokio::process::Command::new(&chromedriver)
+                .arg(format!("--port={port}"))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .process_group(0)
+                .kill_on_drop(true)
+                .spawn()
+                .unwrap_or_else(|e| panic!("starting {chromedriver}: {e}"));
+            if ready(&http, port, &mut process).await {
+                started = Some((port, process));
+                break;
             }
-        })
-        .await;
+            let _ = process.kill().await;
+        }
+        let (port, process) = started.expect("chromedriver never answered on a port of its own");
+        let driver = format!("http://127.0.0.1:{port}");
+        // A profile of its own, removed when the browser ends: no cookie of
+        // an earlier run is ever seen.
+        let profile = std::env::temp_dir().join(format!(
+            "onejob-chromium-{}-{port}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
         let mut browser = Browser {
             http,
             driver,
             session: String::new(),
             process: Some(process),
             port,
+            profile: profile.clone(),
         };
-        let profile = std::env::temp_dir().join(format!("onejob-chromium-{port}"));
         let created = browser
             .command(
                 reqwest::Method::POST,
@@ -359,15 +407,17 @@ impl Browser {
         let _ = self.command(reqwest::Method::DELETE, "", Value::Null).await;
         self.session.clear();
         if let Some(mut p) = self.process.take() {
+            kill_group(&p);
             let _ = p.kill().await;
         }
+        let _ = std::fs::remove_dir_all(&self.profile);
     }
 }
 
 impl Drop for Browser {
     /// A test that failed before [`Browser::quit`]: end the session by a plain
     /// blocking request (no runtime to await on here), so Chromium exits with
-    /// its driver instead of staying behind.
+    /// its driver, then end the driver's whole process group in any case.
     fn drop(&mut self) {
         if !self.session.is_empty()
             && let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.port))
@@ -381,7 +431,9 @@ impl Drop for Browser {
             let _ = std::io::Read::read(&mut stream, &mut [0u8; 512]);
         }
         if let Some(p) = self.process.as_mut() {
+            kill_group(p);
             let _ = p.start_kill();
         }
+        let _ = std::fs::remove_dir_all(&self.profile);
     }
 }
