@@ -795,3 +795,57 @@ async fn the_overview_stands_jobs_whose_ids_are_not_uuidv7() {
     assert_eq!(overview.created_per_minute.iter().sum::<i64>(), 0);
     assert_eq!(overview.jobs.iter().map(|(_, n)| n).sum::<i64>(), 20);
 }
+
+/// The provider filter pages from the provider's attempts: every job that has
+/// one on it, once (however many attempts it made there), newest first, with
+/// the other filters applied, and nothing else.
+#[tokio::test]
+async fn the_provider_filter_pages_every_matching_job_once() {
+    use onejob::store::JobFilter;
+
+    let (config, _file) = config(&two_providers());
+    let env = TestEnv::new(&config).await;
+    let mut db = sqlx::PgConnection::connect(&env.database_url)
+        .await
+        .unwrap();
+    common::fill_jobs(&mut db, "pf-", 400, "mix", 60.0, 600.0, "summarize").await;
+    // One attempt in seven moves to the fallback, and some jobs get a second
+    // attempt there too.
+    sqlx::raw_sql(
+        "UPDATE attempts SET provider = 'fallback' WHERE abs(hashtext(id::text)) % 7 = 0;
+         INSERT INTO attempts (id, job_id, number, provider, status, created_at, not_before)
+         SELECT gen_random_uuid(), job_id, number + 100, 'fallback', 'failed', now(), now()
+         FROM attempts WHERE provider = 'fallback' AND abs(hashtext(id::text)) % 2 = 0;",
+    )
+    .execute(&mut db)
+    .await
+    .unwrap();
+    for status in [None, Some(JobStatus::Failed)] {
+        let truth: Vec<uuid::Uuid> = sqlx::query_scalar(
+            "SELECT j.id FROM jobs j WHERE EXISTS (SELECT 1 FROM attempts a
+                 WHERE a.job_id = j.id AND a.provider = 'fallback')
+               AND ($1::text IS NULL OR j.status = $1) ORDER BY j.id DESC",
+        )
+        .bind(status.map(|s| s.as_str()))
+        .fetch_all(&mut db)
+        .await
+        .unwrap();
+        assert!(truth.len() > 20, "{} jobs", truth.len());
+        let filter = JobFilter {
+            provider: Some("fallback".into()),
+            status,
+            ..JobFilter::default()
+        };
+        let mut seen = Vec::new();
+        let mut after = None;
+        loop {
+            let page = env.store.jobs_page(&filter, after, 7).await.unwrap();
+            seen.extend(page.iter().map(|l| l.id));
+            match page.last() {
+                Some(last) if page.len() == 7 => after = Some(last.id),
+                _ => break,
+            }
+        }
+        assert_eq!(seen, truth, "{status:?}");
+    }
+}

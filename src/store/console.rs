@@ -161,8 +161,24 @@ impl Store {
     ) -> Result<Vec<JobLine>> {
         let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new(
             "SELECT j.id, j.owner_id, j.idempotency_key, j.operation, j.status, j.created_at, \
-             j.updated_at FROM jobs j WHERE true",
+             j.updated_at FROM ",
         );
+        match &filter.provider {
+            // Driven from the provider's attempts, newest job first, through
+            // `attempts_provider_job`: a provider that few jobs used reads only
+            // those, where walking the jobs and asking each would read them all.
+            Some(provider) => {
+                q.push("(SELECT DISTINCT a.job_id FROM attempts a WHERE a.provider = ")
+                    .push_bind(provider.clone());
+                if let Some(after) = after {
+                    q.push(" AND a.job_id < ").push_bind(after);
+                }
+                q.push(" ORDER BY a.job_id DESC) p JOIN jobs j ON j.id = p.job_id WHERE true");
+            }
+            None => {
+                q.push("jobs j WHERE true");
+            }
+        }
         if let Some(status) = filter.status {
             q.push(" AND j.status = ").push_bind(status.as_str());
         }
@@ -171,11 +187,6 @@ impl Store {
         }
         if let Some(operation) = &filter.operation {
             q.push(" AND j.operation = ").push_bind(operation.clone());
-        }
-        if let Some(provider) = &filter.provider {
-            q.push(" AND EXISTS (SELECT 1 FROM attempts a WHERE a.job_id = j.id AND a.provider = ")
-                .push_bind(provider.clone())
-                .push(")");
         }
         if let Some(since) = filter.since {
             q.push(" AND j.created_at >= ").push_bind(since);
