@@ -1003,17 +1003,9 @@ async fn resolve(
     };
     let store = &app.0.store;
     let config = &app.0.config;
-    let operation = match consequence(&app, attempt, how).await {
-        Ok((job, _)) => job.operation,
+    let (job_id, operation) = match consequence(&app, attempt, how).await {
+        Ok((job, _)) => (job.id, job.operation),
         Err(f) => return app.message(Some(&who), f),
-    };
-    let job_id = match store.attempt_job(AttemptId(attempt)).await {
-        Ok(Some(j)) => j,
-        Ok(None) => {
-            let text = format!("There is no attempt {attempt}.");
-            return app.message(Some(&who), Failure(StatusCode::NOT_FOUND, text));
-        }
-        Err(e) => return app.message(Some(&who), e.into()),
     };
     let planner = match Planner::load(config, store, [operation.as_str()]).await {
         Ok(p) => p,
