@@ -989,17 +989,14 @@ async fn resolve(
     Path(id): Path<String>,
     Form(form): Form<ResolveForm>,
 ) -> Response {
-    if let Some(refused) = who.refuses(&app, form.csrf.as_deref()) {
-        return refused;
-    }
+    let reason = match authorised(&app, &who, form.csrf.as_deref(), &form.reason) {
+        Ok(r) => r,
+        Err(page) => return *page,
+    };
     let (Ok(attempt), Some(how)) = (id.parse::<Uuid>(), resolution(form.resolution.as_deref()))
     else {
         let text = "Say which attempt (its id) and how: failed or cancelled.".to_owned();
         return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text));
-    };
-    let reason = match reason_of(&app, &who, &form.reason) {
-        Ok(r) => r,
-        Err(page) => return *page,
     };
     let store = &app.0.store;
     let config = &app.0.config;
@@ -1204,6 +1201,20 @@ struct DeadLetterForm {
     reason: String,
 }
 
+/// What every action's form must pass before anything is looked at: the
+/// session's CSRF token, then a reason. The reason, or the refusal's page.
+fn authorised<'a>(
+    app: &Console,
+    who: &Operator,
+    csrf: Option<&str>,
+    reason: &'a str,
+) -> Result<&'a str, Box<Response>> {
+    if let Some(refused) = who.refuses(app, csrf) {
+        return Err(Box::new(refused));
+    }
+    reason_of(app, who, reason)
+}
+
 /// The reason an action's form gave, or the page that says it is missing.
 fn reason_of<'a>(app: &Console, who: &Operator, reason: &'a str) -> Result<&'a str, Box<Response>> {
     let reason = reason.trim();
@@ -1225,10 +1236,7 @@ fn dead_letter_action<'a>(
     who: &Operator,
     form: &'a DeadLetterForm,
 ) -> Result<(String, &'a str), Box<Response>> {
-    if let Some(refused) = who.refuses(app, form.csrf.as_deref()) {
-        return Err(Box::new(refused));
-    }
-    let reason = reason_of(app, who, &form.reason)?;
+    let reason = authorised(app, who, form.csrf.as_deref(), &form.reason)?;
     let queue = dead_letter_queue(app, form.queue.as_deref())
         .map_err(|f| Box::new(app.message(Some(who), f)))?;
     Ok((queue, reason))
@@ -1573,10 +1581,7 @@ async fn qualify(
     who: Operator,
     Form(form): Form<QualifyForm>,
 ) -> Response {
-    if let Some(refused) = who.refuses(&app, form.csrf.as_deref()) {
-        return refused;
-    }
-    let reason = match reason_of(&app, &who, &form.reason) {
+    let reason = match authorised(&app, &who, form.csrf.as_deref(), &form.reason) {
         Ok(r) => r,
         Err(page) => return *page,
     };
