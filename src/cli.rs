@@ -1037,14 +1037,9 @@ async fn dlq_command(
             finish_audit(store, audit, counts.broker_error.is_some(), &detail).await;
             result
         }
-        (DlqCommand::Purge { queue, yes, reason }, Some(store)) => {
+        // (Without --yes it was refused before the database was asked.)
+        (DlqCommand::Purge { queue, reason, .. }, Some(store)) => {
             let queues = dlq::select_queues(config, queue.as_deref())?;
-            if !yes {
-                return Err(Failure(format!(
-                    "refusing to delete the dead letters of {} without --yes",
-                    queues.join(", ")
-                )));
-            }
             let action = Action {
                 action: "dlq.purge",
                 target: Some(queues.join(",")),
@@ -1080,8 +1075,7 @@ struct Counts {
 /// Writes what came of an action begun with [`Store::audit_begin`]; if that
 /// fails, says so (the row stays `pending`) but the action stands.
 async fn finish_audit(store: &Store, audit: Uuid, failed: bool, detail: &serde_json::Value) {
-    let outcome = if failed { "failed" } else { "done" };
-    if let Err(e) = store.audit_outcome(audit, outcome, detail).await {
+    if let Err(e) = store.audit_outcome(audit, failed, detail).await {
         eprintln!(
             "warning: the outcome was not written to audit row {audit} (it stays pending): {e}"
         );

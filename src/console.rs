@@ -862,13 +862,12 @@ fn resolution(text: Option<&str>) -> Option<Resolution> {
     }
 }
 
-/// What resolving `attempt` as `resolution` will do, in words: which provider
-/// the route rule picks next, or that the job ends.
-async fn consequence(
+/// The job of `attempt`, if the attempt is one an operator may resolve here:
+/// it exists and is `unknown`. The refusal otherwise.
+async fn unknown_attempt(
     app: &Console,
     attempt: Uuid,
-    resolution: Resolution,
-) -> Result<(crate::store::JobView, String), Failure> {
+) -> Result<(crate::store::JobView, usize), Failure> {
     let store = &app.0.store;
     let not_open = || {
         Failure(
@@ -886,11 +885,12 @@ async fn consequence(
             )
         })?;
     let job = store.job(job_id).await?.ok_or_else(not_open)?;
-    let a = job
+    let index = job
         .attempts
         .iter()
-        .find(|a| a.id.0 == attempt)
+        .position(|a| a.id.0 == attempt)
         .ok_or_else(not_open)?;
+    let a = &job.attempts[index];
     // Only an unknown attempt: resolving one in flight would fail a call that
     // may yet answer and start another beside it. (An unknown attempt only
     // ever moves to a terminal state, so this cannot go stale but to refuse.)
@@ -903,6 +903,19 @@ async fn consequence(
             ),
         ));
     }
+    Ok((job, index))
+}
+
+/// What resolving `attempt` as `resolution` will do, in words: which provider
+/// the route rule picks next, or that the job ends.
+async fn consequence(
+    app: &Console,
+    attempt: Uuid,
+    resolution: Resolution,
+) -> Result<(crate::store::JobView, String), Failure> {
+    let store = &app.0.store;
+    let (job, index) = unknown_attempt(app, attempt).await?;
+    let a = &job.attempts[index];
     let text = match resolution {
         Resolution::Cancelled => format!(
             "Attempt #{} on {} becomes cancelled, and so does job {}: no attempt follows, \
@@ -1000,7 +1013,7 @@ async fn resolve(
     };
     let store = &app.0.store;
     let config = &app.0.config;
-    let (job_id, operation) = match consequence(&app, attempt, how).await {
+    let (job_id, operation) = match unknown_attempt(&app, attempt).await {
         Ok((job, _)) => (job.id, job.operation),
         Err(f) => return app.message(Some(&who), f),
     };
@@ -1229,22 +1242,9 @@ fn reason_of<'a>(app: &Console, who: &Operator, reason: &'a str) -> Result<&'a s
     Ok(reason)
 }
 
-/// What a dead-letter action's form names, checked: the queue and the reason,
-/// or the page that refuses it.
-fn dead_letter_action<'a>(
-    app: &Console,
-    who: &Operator,
-    form: &'a DeadLetterForm,
-) -> Result<(String, &'a str), Box<Response>> {
-    let reason = authorised(app, who, form.csrf.as_deref(), &form.reason)?;
-    let queue = dead_letter_queue(app, form.queue.as_deref())
-        .map_err(|f| Box::new(app.message(Some(who), f)))?;
-    Ok((queue, reason))
-}
-
-/// Records a dead-letter action before it is done (nothing is done if that
-/// fails), or the page that says why not.
-async fn begin_dead_letter_action(
+/// Records an action before it is done, so that none goes unrecorded; if the
+/// row cannot be written, the page that says nothing was done.
+async fn begin_action(
     app: &Console,
     who: &Operator,
     reason: &str,
@@ -1266,17 +1266,47 @@ async fn begin_dead_letter_action(
         })
 }
 
-/// Writes what came of a recorded dead-letter action. If that fails, the row
-/// stays `pending` (and the log says so): the action itself stands.
-async fn finish_dead_letter_action(
-    app: &Console,
+/// Writes what came of an action [`begin_action`] recorded. If that fails,
+/// the row stays `pending` (and the log says so): the action itself stands.
+async fn finish_action(store: &Store, audit: Uuid, failed: bool, detail: serde_json::Value) {
+    if let Err(e) = store.audit_outcome(audit, failed, &detail).await {
+        tracing::warn!(error = %e, %audit, "console: the outcome of an action was not recorded; its audit row stays pending");
+    }
+}
+
+/// A dead-letter action, checked (CSRF token, reason, queue), with a broker
+/// connection, and recorded before anything is done.
+struct DeadLetterAction {
+    queue: String,
+    conn: lapin::Connection,
     audit: Uuid,
-    failed: bool,
-    detail: serde_json::Value,
-) {
-    let outcome = if failed { "failed" } else { "done" };
-    if let Err(e) = app.0.store.audit_outcome(audit, outcome, &detail).await {
-        tracing::warn!(error = %e, %audit, "console: the outcome of a dead-letter action was not recorded; its audit row stays pending");
+}
+
+impl DeadLetterAction {
+    async fn begin(
+        app: &Console,
+        who: &Operator,
+        form: &DeadLetterForm,
+        action: &'static str,
+        detail: serde_json::Value,
+    ) -> Result<DeadLetterAction, Box<Response>> {
+        let reason = authorised(app, who, form.csrf.as_deref(), &form.reason)?;
+        let queue = dead_letter_queue(app, form.queue.as_deref())
+            .map_err(|f| Box::new(app.message(Some(who), f)))?;
+        let conn = broker_for(app, who).await?;
+        let record = Action {
+            action,
+            target: Some(queue.clone()),
+            detail,
+            ..Action::default()
+        };
+        match begin_action(app, who, reason, &record).await {
+            Ok(audit) => Ok(DeadLetterAction { queue, conn, audit }),
+            Err(page) => {
+                let _ = conn.close(200, "done".into()).await;
+                Err(page)
+            }
+        }
     }
 }
 
@@ -1285,28 +1315,13 @@ async fn replay_dead_letters(
     who: Operator,
     Form(form): Form<DeadLetterForm>,
 ) -> Response {
-    let (queue, reason) = match dead_letter_action(&app, &who, &form) {
-        Ok(checked) => checked,
-        Err(page) => return *page,
-    };
-    let conn = match broker_for(&app, &who).await {
-        Ok(c) => c,
-        Err(page) => return *page,
-    };
     let id = given(&form.id);
-    let action = Action {
-        action: "dlq.replay",
-        target: Some(queue.clone()),
-        detail: serde_json::json!({ "message_id": id }),
-        ..Action::default()
-    };
-    let audit = match begin_dead_letter_action(&app, &who, reason, &action).await {
-        Ok(a) => a,
-        Err(page) => {
-            let _ = conn.close(200, "done".into()).await;
-            return *page;
-        }
-    };
+    let detail = serde_json::json!({ "message_id": id });
+    let DeadLetterAction { queue, conn, audit } =
+        match DeadLetterAction::begin(&app, &who, &form, "dlq.replay", detail).await {
+            Ok(begun) => begun,
+            Err(page) => return *page,
+        };
     let selection = id.clone().map_or(dlq::Selection::All, dlq::Selection::Id);
     let (mut replayed, mut skipped) = (0u32, 0u32);
     let result = dlq::replay(&conn, &queue, &selection, |r| match r.outcome {
@@ -1317,8 +1332,8 @@ async fn replay_dead_letters(
     let _ = conn.close(200, "done".into()).await;
     // A replay that failed part-way is recorded as such: a letter may have
     // been republished before the failure.
-    finish_dead_letter_action(
-        &app,
+    finish_action(
+        &app.0.store,
         audit,
         result.is_err(),
         serde_json::json!({
@@ -1345,30 +1360,22 @@ async fn purge_dead_letters(
     who: Operator,
     Form(form): Form<DeadLetterForm>,
 ) -> Response {
-    let (queue, reason) = match dead_letter_action(&app, &who, &form) {
-        Ok(checked) => checked,
+    let DeadLetterAction { queue, conn, audit } = match DeadLetterAction::begin(
+        &app,
+        &who,
+        &form,
+        "dlq.purge",
+        serde_json::Value::Null,
+    )
+    .await
+    {
+        Ok(begun) => begun,
         Err(page) => return *page,
-    };
-    let conn = match broker_for(&app, &who).await {
-        Ok(c) => c,
-        Err(page) => return *page,
-    };
-    let action = Action {
-        action: "dlq.purge",
-        target: Some(queue.clone()),
-        ..Action::default()
-    };
-    let audit = match begin_dead_letter_action(&app, &who, reason, &action).await {
-        Ok(a) => a,
-        Err(page) => {
-            let _ = conn.close(200, "done".into()).await;
-            return *page;
-        }
     };
     let purged = dlq::purge(&conn, &queue).await;
     let _ = conn.close(200, "done".into()).await;
-    finish_dead_letter_action(
-        &app,
+    finish_action(
+        &app.0.store,
         audit,
         purged.is_err(),
         match &purged {
@@ -1430,17 +1437,8 @@ async fn providers(
     Query(q): Query<ProvidersQuery>,
 ) -> Response {
     let config = &app.0.config;
-    let store = &app.0.store;
-    let pairs: Vec<(String, String)> = config
-        .operations
-        .values()
-        .flat_map(|o| o.route.iter().map(|p| (p.clone(), o.name.clone())))
-        .collect();
-    let (states, runs) = match tokio::try_join!(
-        crate::qualify::states(config, store),
-        store.latest_runs(&pairs)
-    ) {
-        Ok(both) => both,
+    let standing = match crate::qualify::standing_of_routes(config, &app.0.store).await {
+        Ok(s) => s,
         Err(e) => return app.message(Some(&who), e.into()),
     };
     let rows: Vec<_> = config
@@ -1452,12 +1450,11 @@ async fn providers(
                 .values()
                 .filter_map(|o| {
                     let position = o.route.iter().position(|r| *r == p.name)?;
-                    let key = (p.name.clone(), o.name.clone());
-                    let state = states
-                        .get(&key)
-                        .copied()
-                        .unwrap_or(crate::qualify::State::NeverQualified);
-                    let run = runs.get(&key);
+                    let (state, run) = standing
+                        .get(&(p.name.clone(), o.name.clone()))
+                        .map_or((crate::qualify::State::NeverQualified, None), |(s, r)| {
+                            (*s, r.as_ref())
+                        });
                     let mut link = url::form_urlencoded::Serializer::new(String::new());
                     link.append_pair("provider", &p.name);
                     link.append_pair("operation", &o.name);
@@ -1591,20 +1588,15 @@ async fn qualify(
     };
     // Recorded first: the provider bills these calls, so none goes unrecorded.
     let store = app.0.store.clone();
-    let actor = Actor::operator(&who.name, reason);
     let action = Action {
         action: "provider.qualify",
         target: Some(format!("{}/{}", p.name, o.name)),
         detail: serde_json::json!({ "contract_hash": crate::qualify::contract_hash(o, p) }),
         ..Action::default()
     };
-    let audit = match store.audit_begin(&actor, &action).await {
+    let audit = match begin_action(&app, &who, reason, &action).await {
         Ok(a) => a,
-        Err(e) => {
-            let Failure(status, text) = e.into();
-            let text = format!("{text}. Nothing was run: the run could not be recorded first.");
-            return app.message(Some(&who), Failure(status, text));
-        }
+        Err(page) => return *page,
     };
     // The calls run in a task of their own: a browser that goes away does not
     // cut a paid run short of its record.
@@ -1624,10 +1616,7 @@ async fn qualify(
                 .collect::<Vec<_>>(),
             "error": recorded.as_ref().err().map(ToString::to_string),
         });
-        let outcome = if recorded.is_ok() { "done" } else { "failed" };
-        if let Err(e) = store.audit_outcome(audit, outcome, &detail).await {
-            tracing::warn!(error = %e, %audit, "console: a qualification's outcome was not recorded; its audit row stays pending");
-        }
+        finish_action(&store, audit, recorded.is_err(), detail).await;
         tracing::info!(%provider, %operation, qualified = report.passed, "console: qualified a provider");
         recorded.map(|_| ())
     });

@@ -16,7 +16,7 @@ use crate::config::{Config, Operation, Provider, Rendered};
 use crate::domain::AttemptId;
 pub(crate) use crate::domain::{CaseResult, Qualification};
 use crate::provider::Client;
-use crate::store::{Store, StoreError};
+use crate::store::{QualificationRun, Store, StoreError};
 
 /// Where a provider stands for one operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -168,31 +168,66 @@ async fn run_case(
     result
 }
 
+/// Where a provider stands given its latest run and the current contract.
+fn state_of(run: Option<&QualificationRun>, contract: &str) -> State {
+    match run {
+        None => State::NeverQualified,
+        Some(r) if r.contract_hash != contract => State::Stale,
+        Some(r) if r.cases > 0 && r.passed == r.cases => State::Qualified,
+        Some(_) => State::Failed,
+    }
+}
+
+/// The latest runs of `(provider, operation)` pairs, each with where it leaves
+/// the provider: one query for all of them.
+async fn standings(
+    store: &Store,
+    pairs: Vec<(&Provider, &Operation)>,
+) -> Result<BTreeMap<(String, String), (State, Option<QualificationRun>)>, StoreError> {
+    let keys: Vec<(String, String)> = pairs
+        .iter()
+        .map(|(p, o)| (p.name.clone(), o.name.clone()))
+        .collect();
+    let mut runs = store.latest_runs(&keys).await?;
+    Ok(pairs
+        .into_iter()
+        .zip(keys)
+        .map(|((p, o), key)| {
+            let run = runs.remove(&key);
+            let state = state_of(run.as_ref(), &contract_hash(o, p));
+            (key, (state, run))
+        })
+        .collect())
+}
+
+/// Each `(provider, operation)` pair of the configuration's routes with its
+/// state and its latest run.
+pub(crate) async fn standing_of_routes(
+    config: &Config,
+    store: &Store,
+) -> Result<BTreeMap<(String, String), (State, Option<QualificationRun>)>, StoreError> {
+    let pairs = config
+        .operations
+        .values()
+        .flat_map(|op| {
+            op.route
+                .iter()
+                .filter_map(|p| config.providers.get(p))
+                .map(move |p| (p, op))
+        })
+        .collect();
+    standings(store, pairs).await
+}
+
 /// Each `(provider, operation)` pair of the configuration's routes with its state.
 pub(crate) async fn states(
     config: &Config,
     store: &Store,
 ) -> Result<BTreeMap<(String, String), State>, StoreError> {
-    let mut pairs = Vec::new();
-    for op in config.operations.values() {
-        for p in &op.route {
-            if let Some(provider) = config.providers.get(p) {
-                pairs.push((p.clone(), op.name.clone(), contract_hash(op, provider)));
-            }
-        }
-    }
-    let latest = store.latest_qualifications(&pairs).await?;
-    Ok(pairs
+    Ok(standing_of_routes(config, store)
+        .await?
         .into_iter()
-        .map(|(p, o, hash)| {
-            let state = match latest.get(&(p.clone(), o.clone())) {
-                None => State::NeverQualified,
-                Some((h, _)) if *h != hash => State::Stale,
-                Some((_, true)) => State::Qualified,
-                Some((_, false)) => State::Failed,
-            };
-            ((p, o), state)
-        })
+        .map(|(key, (state, _))| (key, state))
         .collect())
 }
 
@@ -206,17 +241,16 @@ pub(crate) async fn eligible(
     let Some(op) = config.operations.get(operation) else {
         return Ok(HashSet::new());
     };
-    let mut pairs = Vec::new();
-    for p in &op.route[1..] {
-        if let Some(provider) = config.providers.get(p) {
-            pairs.push((p.clone(), op.name.clone(), contract_hash(op, provider)));
-        }
-    }
-    let latest = store.latest_qualifications(&pairs).await?;
-    let mut out: HashSet<String> = pairs
+    let pairs = op.route[1..]
+        .iter()
+        .filter_map(|p| config.providers.get(p))
+        .map(|p| (p, op))
+        .collect();
+    let mut out: HashSet<String> = standings(store, pairs)
+        .await?
         .into_iter()
-        .filter(|(p, o, hash)| matches!(latest.get(&(p.clone(), o.clone())), Some((h, true)) if h == hash))
-        .map(|(p, _, _)| p)
+        .filter(|(_, (state, _))| *state == State::Qualified)
+        .map(|((p, _), _)| p)
         .collect();
     out.insert(op.route[0].clone());
     Ok(out)

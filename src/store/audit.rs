@@ -129,13 +129,14 @@ impl Store {
     }
 
     /// Fills in what came of an action recorded by [`Store::audit_begin`]:
-    /// `outcome` (`done` or `failed`) and the rest of `detail`, merged into the
-    /// row's detail.
-    pub async fn audit_outcome(&self, id: Uuid, outcome: &str, detail: &Value) -> Result<()> {
+    /// `outcome` (`failed`, or else `done`) and the rest of `detail`, merged
+    /// into the row's detail.
+    pub async fn audit_outcome(&self, id: Uuid, failed: bool, detail: &Value) -> Result<()> {
         let mut merged = match detail {
             Value::Object(map) => map.clone(),
             _ => serde_json::Map::new(),
         };
+        let outcome = if failed { "failed" } else { "done" };
         merged.insert("outcome".into(), Value::from(outcome));
         sqlx::query!(
             "UPDATE audit SET detail = detail || $2 WHERE id = $1",

@@ -305,21 +305,6 @@ pub struct JobMessage {
     pub published_at: Option<DateTime<Utc>>,
 }
 
-/// The latest qualification run of one provider for one operation.
-#[derive(Clone, Debug, PartialEq)]
-pub struct QualificationRun {
-    /// The run.
-    pub run_id: Uuid,
-    /// When it ran.
-    pub at: DateTime<Utc>,
-    /// The contract it ran against.
-    pub contract_hash: String,
-    /// Its cases.
-    pub cases: i64,
-    /// How many of them passed.
-    pub passed: i64,
-}
-
 impl Store {
     /// The outbox rows still kept for `job`: its attempts' messages and its
     /// events (published ones go after `outbox_retention`). Found by message
@@ -337,47 +322,5 @@ impl Store {
         )
         .fetch_all(&self.pool)
         .await?)
-    }
-
-    /// Each `(provider, operation)` pair's latest qualification run, whatever
-    /// contract it ran against.
-    pub async fn latest_runs(
-        &self,
-        pairs: &[(String, String)],
-    ) -> Result<HashMap<(String, String), QualificationRun>> {
-        let providers: Vec<String> = pairs.iter().map(|p| p.0.clone()).collect();
-        let operations: Vec<String> = pairs.iter().map(|p| p.1.clone()).collect();
-        let rows = sqlx::query!(
-            r#"WITH latest AS (
-                   SELECT DISTINCT ON (q.provider, q.operation) q.provider, q.operation, q.run_id
-                   FROM provider_qualifications q
-                   JOIN unnest($1::text[], $2::text[]) AS k(provider, operation)
-                     ON q.provider = k.provider AND q.operation = k.operation
-                   ORDER BY q.provider, q.operation, q.created_at DESC, q.id DESC)
-               SELECT l.provider AS "provider!", l.operation AS "operation!", l.run_id AS "run_id!",
-                      max(q.created_at) AS "at!", max(q.contract_hash) AS "contract_hash!",
-                      count(*) AS "cases!", count(*) FILTER (WHERE q.passed) AS "passed!"
-               FROM latest l JOIN provider_qualifications q ON q.run_id = l.run_id
-               GROUP BY l.provider, l.operation, l.run_id"#,
-            &providers,
-            &operations
-        )
-        .fetch_all(&self.pool)
-        .await?;
-        Ok(rows
-            .into_iter()
-            .map(|r| {
-                (
-                    (r.provider, r.operation),
-                    QualificationRun {
-                        run_id: r.run_id,
-                        at: r.at,
-                        contract_hash: r.contract_hash,
-                        cases: r.cases,
-                        passed: r.passed,
-                    },
-                )
-            })
-            .collect())
     }
 }

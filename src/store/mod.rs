@@ -46,7 +46,8 @@ mod sweeps;
 mod tokens;
 
 pub use audit::{Action, Actor, AuditEntry};
-pub use console::{JobFilter, JobLine, JobMessage, Overview, QualificationRun, Session, Unknown};
+pub use console::{JobFilter, JobLine, JobMessage, Overview, Session, Unknown};
+pub use qualifications::QualificationRun;
 pub use retention::{Pass, Policy, Pruned};
 pub use tokens::OperatorTokenView;
 
