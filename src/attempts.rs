@@ -40,10 +40,28 @@ use crate::store::{FailedJob, Finished, OutboxMessage, Settled, Started, Verdict
 
 pub(crate) use crate::domain::AttemptMessage;
 
-/// A claim's answer: the attempt, started; `None` when it did not start.
-type Claimed = std::result::Result<Option<Started>, String>;
-/// A settlement's answer: `Err` when it was not committed.
-type Committed = std::result::Result<(), String>;
+/// A claim's answer, or why the claim was not made.
+type Claimed = std::result::Result<ClaimAnswer, String>;
+/// A settlement's answer: `Ok(false)` when its rows were held under someone
+/// else's lock (nothing written: settle it again later), `Err` when it was not
+/// committed.
+type Committed = std::result::Result<bool, String>;
+
+/// What a claim did with one attempt.
+#[derive(Debug)]
+enum ClaimAnswer {
+    /// Started: call its provider.
+    Started(Started),
+    /// Its job row was held under someone else's lock: claim it again later.
+    Busy,
+    /// Not started (a duplicate delivery, a blocked or ended job, no attempt).
+    NotStarted,
+}
+
+/// The longest pause between two tries of a claim or settlement whose rows
+/// are held: the wait grows from [`HELD_PAUSE_MIN`] to this.
+const HELD_PAUSE_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+const HELD_PAUSE_MIN: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Runs the consumer for `provider` until shutdown.
 pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> Result<()> {
@@ -171,12 +189,7 @@ impl Consumer {
                 return self.dead_letter(delivery, &reason).await;
             }
         };
-        let unsettled = |e: String| WorkerError::Unsettled(e);
-        let claimed = self.claims.submit(message.attempt_id).await;
-        let Some(started) = claimed
-            .unwrap_or_else(|| Err("the claims stopped".into()))
-            .map_err(unsettled)?
-        else {
+        let Some(started) = self.claim(message.attempt_id).await? else {
             drop(slot);
             return self.not_started(delivery, &message).await;
         };
@@ -186,11 +199,97 @@ impl Consumer {
         )
         .await;
         drop(slot);
-        self.settlements
-            .submit((started, finished))
-            .await
-            .unwrap_or_else(|| Err("the completer stopped".into()))
-            .map_err(unsettled)
+        self.settle(started, finished).await
+    }
+
+    /// Claims the attempt through the claim group commit. While its job row
+    /// is held under someone else's lock it waits and claims again (the
+    /// delivery stays with this worker meanwhile); `None` when it did not start.
+    async fn claim(&self, attempt: AttemptId) -> Result<Option<Started>> {
+        let mut pause = HELD_PAUSE_MIN;
+        loop {
+            let claimed = self.claims.submit(attempt).await;
+            match claimed.unwrap_or_else(|| Err("the claims stopped".into())) {
+                Ok(ClaimAnswer::Started(started)) => return Ok(Some(started)),
+                Ok(ClaimAnswer::NotStarted) => return Ok(None),
+                Ok(ClaimAnswer::Busy) => {}
+                Err(e) => return Err(WorkerError::Unsettled(e)),
+            }
+            tracing::debug!(attempt_id = %attempt, "attempt's job row is held under another lock; claiming it again shortly");
+            self.pause(&mut pause).await.map_err(|()| {
+                WorkerError::Unsettled(
+                    "the worker is stopping while this attempt's job row is held".into(),
+                )
+            })?;
+        }
+    }
+
+    /// Settles a finished call through the settle group commit. An answer is
+    /// kept until it is settled: while its rows are held under someone else's
+    /// lock it waits and settles again, and before anything could hand its
+    /// delivery back (a stop, a failed flush) the answer is written onto its
+    /// attempt, where the reconciler settles it ([`crate::store::Store::keep_answer`]).
+    ///
+    /// The answers waiting this way are bounded by the consumer's prefetch
+    /// (`attempt_prefetch`): each holds its delivery, so at the bound the
+    /// consumer takes no new delivery, and no new call is made, until the
+    /// database lets settlements through again.
+    async fn settle(&self, started: Started, finished: Finished) -> Result<()> {
+        let mut pause = HELD_PAUSE_MIN;
+        let mut kept = false;
+        loop {
+            let committed = self
+                .settlements
+                .submit((started.clone(), finished.clone()))
+                .await
+                .unwrap_or_else(|| Err("the completer stopped".into()));
+            let why = match committed {
+                Ok(true) => return Ok(()),
+                Ok(false) => None,
+                Err(e) => Some(e),
+            };
+            if !kept {
+                kept = self.keep(&finished).await;
+            }
+            if let Some(e) = why {
+                return Err(WorkerError::Unsettled(e));
+            }
+            if self.pause(&mut pause).await.is_err() {
+                return Err(WorkerError::Unsettled(format!(
+                    "the worker is stopping while this attempt's rows are held; its answer {}",
+                    if kept {
+                        "is kept on the attempt for the reconciler to settle"
+                    } else {
+                        "could not be kept"
+                    }
+                )));
+            }
+        }
+    }
+
+    /// Writes the answer onto its attempt; whether it was kept.
+    async fn keep(&self, finished: &Finished) -> bool {
+        match self.ctx.store.keep_answer(finished).await {
+            Ok(kept) => kept,
+            Err(e) => {
+                tracing::warn!(attempt_id = %finished.attempt_id, error = %e, "could not keep an unsettled answer on its attempt");
+                false
+            }
+        }
+    }
+
+    /// Waits `pause` (doubling it, up to [`HELD_PAUSE_MAX`]); `Err` when the
+    /// worker is stopping.
+    async fn pause(&self, pause: &mut std::time::Duration) -> std::result::Result<(), ()> {
+        if self.shutdown.is_triggered() {
+            return Err(());
+        }
+        let wait = *pause;
+        *pause = (*pause * 2).min(HELD_PAUSE_MAX);
+        tokio::select! {
+            () = self.shutdown.wait() => Err(()),
+            () = tokio::time::sleep(wait) => Ok(()),
+        }
     }
 
     /// A message whose attempt did not start: a duplicate delivery, an attempt
@@ -244,20 +343,44 @@ async fn claim(
 ) -> Vec<Claimed> {
     let provider = client.provider();
     crate::metrics::attempt_batch(&provider.name, "claim", ids.len());
-    let started = with_retries(shutdown, "starting attempts", || async {
+    // One token for every try of this claim: a try whose commit took effect
+    // unseen is found again by the next (Store::claim).
+    let token = uuid::Uuid::now_v7();
+    let claimed = with_retries(shutdown, "starting attempts", || async {
         Ok(ctx
             .store
-            .start(&provider.name, &ids, provider.timeout)
+            .claim(&provider.name, &ids, provider.timeout, token)
             .await?)
     })
     .await;
-    match started {
-        Ok(started) => {
-            let mut started: HashMap<AttemptId, Started> =
-                started.into_iter().map(|s| (s.attempt_id, s)).collect();
-            ids.iter().map(|id| Ok(started.remove(id))).collect()
+    match claimed {
+        Ok(claim) => {
+            let busy: BTreeSet<AttemptId> = claim.busy.into_iter().collect();
+            let mut started: HashMap<AttemptId, Started> = claim
+                .started
+                .into_iter()
+                .map(|s| (s.attempt_id, s))
+                .collect();
+            ids.iter()
+                .map(|id| {
+                    Ok(match started.remove(id) {
+                        Some(s) => ClaimAnswer::Started(s),
+                        None if busy.contains(id) => ClaimAnswer::Busy,
+                        None => ClaimAnswer::NotStarted,
+                    })
+                })
+                .collect()
         }
         Err(e) => {
+            // Whether a try took effect is not known: what it may have started
+            // goes back to `queued`, so no attempt is left started with no call.
+            let handed_back = with_retries(shutdown, "handing back a claim", || async {
+                Ok(ctx.store.unclaim(token).await?)
+            })
+            .await;
+            if let Err(back) = handed_back {
+                tracing::error!(error = %back, %token, "a failed claim could not be handed back; the vanished sweep will find its attempts");
+            }
             let why = e.to_string();
             ids.iter().map(|_| Err(why.clone())).collect()
         }
@@ -296,7 +419,8 @@ async fn settle(
             crate::metrics::attempt_settled(provider, settled_label(&outcome));
             match outcome {
                 Settled::Refused { error } => Err(error),
-                _ => Ok(()),
+                Settled::Busy => Ok(false),
+                _ => Ok(true),
             }
         })
         .collect();
@@ -347,6 +471,7 @@ fn settled_label(settled: &Settled) -> &'static str {
         Settled::Unknown => "unknown",
         Settled::Stale => "unchanged",
         Settled::Refused { .. } => "refused",
+        Settled::Busy => "busy",
     }
 }
 
@@ -471,6 +596,11 @@ fn log_settled(started: &Started, finished: &Finished, settled: &Settled) {
                 "attempt failed"
             )
         }
+        (Settled::Busy, _) => tracing::info!(
+            job_id = %started.job_id,
+            attempt_id = %started.attempt_id,
+            "the job's rows are held under another lock; the answer waits and is settled again shortly"
+        ),
         (Settled::Refused { error }, _) => tracing::error!(
             job_id = %started.job_id,
             attempt_id = %started.attempt_id,

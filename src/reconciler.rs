@@ -6,6 +6,9 @@
 //! - **Vanished workers**: `started` attempts silent past their deadline plus a
 //!   grace period become `unknown` (never `failed` by time alone: the provider may
 //!   still be working).
+//! - **Kept answers**: an answer whose rows were held under someone else's lock
+//!   when it arrived was kept on its attempt; it is settled here, as a live
+//!   answer would be.
 //! - **Lost messages**: `queued` attempts that never started long after their
 //!   message was published are republished, then failed with a reason after
 //!   `max_republish` tries.
@@ -31,7 +34,7 @@ use crate::domain::{self, GiveUp};
 use crate::policy::Planner;
 use crate::runtime::{Context, Result};
 use crate::shutdown::Shutdown;
-use crate::store::FailedJob;
+use crate::store::{FailedJob, Settled};
 
 /// Outbox rows one relay pass takes at most.
 const RELAY_BATCH: i64 = 256;
@@ -167,11 +170,57 @@ pub(crate) async fn relay_once(ctx: &Context) -> Result<usize> {
 
 /// One pass of the vanished-worker, lost-message and hedging checks.
 pub(crate) async fn sweep_once(ctx: &Context) -> Result<()> {
-    let w = &ctx.config.worker;
-    for id in ctx.store.expire_vanished(w.vanished_grace).await? {
+    // Each pass on its own: one that fails (a row held past a lock timeout, say)
+    // is logged and tried again next sweep, and never skips the passes after it.
+    let passes = [
+        ("vanished workers", vanished_once(ctx).await),
+        ("kept answers", settle_kept_once(ctx).await),
+        ("lost messages", lost_once(ctx).await),
+        ("hedging", hedge_once(ctx).await),
+    ];
+    let mut first = None;
+    for (pass, outcome) in passes {
+        if let Err(e) = outcome {
+            tracing::warn!(%pass, error = %e, "reconciler pass failed; will retry");
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+/// Started attempts silent past their deadline plus the grace become `unknown`.
+async fn vanished_once(ctx: &Context) -> Result<()> {
+    let grace = ctx.config.worker.vanished_grace;
+    for id in ctx.store.expire_vanished(grace).await? {
         tracing::warn!(attempt_id = %id, "worker vanished mid-call: attempt and job are now unknown");
     }
+    Ok(())
+}
 
+/// Settles the answers that were kept on their attempts because their rows
+/// were held when they arrived ([`crate::store::Store::keep_answer`]): by the
+/// same settlement as a live answer, so a job that ended meanwhile discards
+/// it with its usage kept. Rows still held are left for the next pass.
+pub(crate) async fn settle_kept_once(ctx: &Context) -> Result<()> {
+    let kept = ctx.store.kept_answers(100).await?;
+    if kept.is_empty() {
+        return Ok(());
+    }
+    let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
+    let plan = |f: &FailedJob| planner.plan(f);
+    let (settled, publish) = ctx.store.finalize(&kept, &plan).await?;
+    for (finished, settled) in kept.iter().zip(&settled) {
+        if *settled != Settled::Busy {
+            tracing::info!(attempt_id = %finished.attempt_id, job_id = %finished.job_id, ?settled, "a kept answer was settled");
+        }
+    }
+    ctx.publish_outbox(&publish).await?;
+    Ok(())
+}
+
+/// Queued attempts whose message seems lost are republished, then failed.
+async fn lost_once(ctx: &Context) -> Result<()> {
+    let w = &ctx.config.worker;
     let max = i32::try_from(w.max_republish).unwrap_or(i32::MAX);
     let backlogged = backlogged(ctx).await;
     let (republish, lost) = ctx
@@ -190,8 +239,7 @@ pub(crate) async fn sweep_once(ctx: &Context) -> Result<()> {
         let (_, publish) = ctx.store.fail_queued(&lost, &plan).await?;
         ctx.publish_outbox(&publish).await?;
     }
-
-    hedge_once(ctx).await
+    Ok(())
 }
 
 /// The providers whose attempts queue holds messages now. An attempt of theirs

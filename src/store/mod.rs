@@ -38,6 +38,7 @@ mod audit;
 mod console;
 mod gauges;
 mod jobs;
+mod kept;
 mod outbox;
 mod qualifications;
 mod retention;
@@ -131,6 +132,26 @@ impl StoreError {
             StoreError::Db(sqlx::Error::Io(_)) => "io".to_owned(),
             _ => "other".to_owned(),
         }
+    }
+
+    /// Contention over rows, not a fault of the data nor of the server: a lock
+    /// that could not be had in time (55P03, under a `lock_timeout`), a statement
+    /// cancelled by `statement_timeout` (57014), a deadlock (40P01) or a
+    /// serialization failure (40001). It costs the statement that met it a later
+    /// try, never the work batched beside it.
+    pub fn is_contention(&self) -> bool {
+        matches!(self, StoreError::Db(sqlx::Error::Database(db))
+            if matches!(db.code().as_deref(), Some("55P03" | "57014" | "40P01" | "40001")))
+    }
+
+    /// The connection broke or none could be had: the statement may or may not
+    /// have taken effect, so only a statement that is safe to run twice is run
+    /// again on it.
+    fn is_connection_lost(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Db(sqlx::Error::PoolTimedOut | sqlx::Error::Io(_))
+        )
     }
 
     /// Deadlocks and serialization failures: the transaction can simply run again.
@@ -231,7 +252,8 @@ pub struct Started {
 }
 
 /// How an attempt ended, as its worker saw it.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+#[serde(tag = "kind", content = "detail", rename_all = "snake_case")]
 pub enum Verdict {
     /// A valid answer.
     Succeeded(Value),
@@ -297,6 +319,22 @@ pub enum Settled {
         /// Postgres's reason.
         error: String,
     },
+    /// Its job or attempt row was held under someone else's lock (or the
+    /// database timed the settlement out): nothing of it was written, the
+    /// settlements batched with it were written without it, and it is to be
+    /// settled again later, never dropped.
+    Busy,
+}
+
+/// What one claim statement did with the attempts it was given.
+#[derive(Clone, Debug, Default)]
+pub struct Claim {
+    /// The attempts it moved `queued → started` (or had moved, when the same
+    /// claim runs again after its reply was lost).
+    pub started: Vec<Started>,
+    /// Queued attempts whose job row was held under someone else's lock: not
+    /// started, to be claimed again later.
+    pub busy: Vec<AttemptId>,
 }
 
 /// A job whose attempt just failed definitely, for the caller to plan what follows.
@@ -670,8 +708,18 @@ impl Store {
         Ok(())
     }
 
-    /// Runs `f` again when it fails with a deadlock or serialization failure.
+    /// Runs `f` again when it fails with a deadlock or serialization failure,
+    /// or its connection broke: for statements that are safe to run twice.
     async fn retrying<T, F, Fut>(&self, f: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        self.retrying_when(f, StoreError::is_transient).await
+    }
+
+    /// Runs `f` again when `when` says its failure is worth another try.
+    async fn retrying_when<T, F, Fut>(&self, f: F, when: fn(&StoreError) -> bool) -> Result<T>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
@@ -683,7 +731,7 @@ impl Store {
                 .with_max_times(10)
                 .with_jitter(),
         )
-        .when(StoreError::is_transient)
+        .when(when)
         .notify(|e, d| {
             crate::metrics::db_retry(&e.retry_code());
             tracing::debug!(error = %e, retry_in = ?d, "transient database error; retrying")

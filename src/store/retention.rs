@@ -2,13 +2,15 @@
 //! kept for as long as their operation's retention says for how they ended.
 //! `unknown`, `queued` and `running` jobs are never touched, nor is a job any of
 //! whose outbox rows (its `job.*` event, an attempt message) is still
-//! unpublished. A job's published outbox rows are gone already: every retention
+//! unpublished, nor an ended job with an attempt still open (a cancelled job
+//! whose call is in flight: its answer is settled `discarded`, its usage
+//! kept, before the job may go). A job's published outbox rows are gone already: every retention
 //! is at least `outbox_retention` (the configuration checks it).
 //!
 //! Each pass is one statement over a bounded batch. It takes the jobs with
 //! `FOR UPDATE SKIP LOCKED`, so it never waits for intake or a settlement, and
-//! it deletes only rows nobody else writes: an ended job's attempts are all
-//! ended, and no guarded statement matches them. An intent whose identity is
+//! it deletes only rows nobody else writes: the attempts of the jobs it takes
+//! are all ended, and no guarded statement matches them. An intent whose identity is
 //! being pruned waits for that commit and then makes a new job.
 //!
 //! Deleted rows free their space only once a `VACUUM` has run. Where the server
@@ -120,6 +122,12 @@ impl Store {
                      AND j.updated_at < now() - make_interval(secs => $4)
                      AND j.updated_at < now() - make_interval(secs => COALESCE(o.secs, d.secs))
                      AND NOT EXISTS (SELECT 1 FROM held h WHERE h.job_id = j.id)
+                     -- An attempt still calling its provider (a cancelled job's,
+                     -- a hedge's) keeps its job: its answer ends it `discarded`,
+                     -- its usage kept.
+                     AND NOT EXISTS (SELECT 1 FROM attempts x
+                                     WHERE x.job_id = j.id
+                                       AND x.status IN ('queued', 'started', 'unknown'))
                    ORDER BY j.updated_at
                    LIMIT $5
                    FOR UPDATE OF j SKIP LOCKED

@@ -6,13 +6,38 @@ use super::*;
 
 impl Store {
     /// Moves queued attempts to `started` with one guarded statement and marks their
-    /// jobs `running`. An id missing from the result was a duplicate delivery (the
-    /// attempt had already left `queued`), belongs to a job that has ended, or to a
-    /// job blocked by an `unknown` attempt ([`Store::attempt_state`] tells which).
+    /// jobs `running`, under a claim of its own ([`Store::claim`]). An id missing
+    /// from the result was a duplicate delivery (the attempt had already left
+    /// `queued`), belongs to a job that has ended, to a job blocked by an
+    /// `unknown` attempt ([`Store::attempt_state`] tells which), or to a job row
+    /// held under someone else's lock.
+    pub async fn start(
+        &self,
+        provider: &str,
+        ids: &[AttemptId],
+        timeout: Duration,
+    ) -> Result<Vec<Started>> {
+        Ok(self
+            .claim(provider, ids, timeout, Uuid::now_v7())
+            .await?
+            .started)
+    }
+
+    /// Moves queued attempts to `started` with one guarded statement and marks
+    /// their jobs `running`; `token` names this claim on the rows it starts.
+    ///
+    /// The same claim run again returns the attempts it has already started:
+    /// a claim whose commit took effect although its reply was lost (the
+    /// connection broke after the server ran it) is retried with the same
+    /// token and finds its attempts its own, so the calls go ahead. Without the
+    /// token such attempts would look like another worker's, be dropped as
+    /// duplicates, and stay `started` with no call.
     ///
     /// The jobs are locked first and their status checked under the lock, so a
     /// timeout that commits meanwhile is seen: a job that just became `unknown` is
-    /// never written back to `running`, and no attempt of it starts.
+    /// never written back to `running`, and no attempt of it starts. A job row
+    /// held under someone else's lock is skipped, not waited for: its attempts
+    /// come back in [`Claim::busy`], and the rest of the claim goes ahead.
     ///
     /// Attempts are found by primary key. A status test that implies the
     /// predicate of the partial index `attempts_one_open_per_lane` is written
@@ -21,35 +46,41 @@ impl Store {
     /// whole index, whose entries for attempts that closed a moment ago are
     /// dead until vacuum, and under load those dead entries cost more than the
     /// rest of the statement.
-    pub async fn start(
+    pub async fn claim(
         &self,
         provider: &str,
         ids: &[AttemptId],
         timeout: Duration,
-    ) -> Result<Vec<Started>> {
+        token: Uuid,
+    ) -> Result<Claim> {
         if ids.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Claim::default());
         }
         let ids: Vec<Uuid> = ids.iter().map(|a| a.0).collect();
         let rows = self
             .retrying(|| {
                 sqlx::query_as!(
-                    StartedRow,
-                    r#"WITH claimed AS (
+                    ClaimRow,
+                    r#"WITH candidates AS (
+                         SELECT id, job_id FROM attempts
+                         WHERE id = ANY($1) AND provider = $2
+                           AND ((status = 'queued') IS TRUE
+                                OR (status = 'started' AND claim = $4) IS TRUE)
+                     ), claimed AS (
                          SELECT j.id FROM jobs j
-                         WHERE j.id IN (SELECT job_id FROM attempts
-                                        WHERE id = ANY($1) AND (status = 'queued') IS TRUE
-                                          AND provider = $2)
+                         WHERE j.id IN (SELECT job_id FROM candidates)
                            AND j.status IN ('queued', 'running')
                          ORDER BY j.id
-                         FOR UPDATE
+                         FOR UPDATE SKIP LOCKED
                      ), started AS (
                          UPDATE attempts a
-                         SET status = 'started', started_at = now(),
-                             deadline_at = now() + make_interval(secs => $3)
+                         SET status = 'started', claim = $4,
+                             started_at = COALESCE(a.started_at, now()),
+                             deadline_at = COALESCE(a.deadline_at, now() + make_interval(secs => $3))
                          FROM claimed c
-                         WHERE a.id = ANY($1) AND a.job_id = c.id AND (a.status = 'queued') IS TRUE
-                           AND a.provider = $2
+                         WHERE a.id = ANY($1) AND a.job_id = c.id AND a.provider = $2
+                           AND ((a.status = 'queued') IS TRUE
+                                OR (a.status = 'started' AND a.claim = $4) IS TRUE)
                          RETURNING a.id, a.job_id, a.number
                      ), running AS (
                          UPDATE jobs j SET status = 'running', updated_at = now()
@@ -59,32 +90,64 @@ impl Store {
                      )
                      SELECT s.id AS "attempt_id!: AttemptId", s.job_id AS "job_id!: JobId",
                             s.number AS "number!", r.version AS "version!",
-                            r.operation AS "operation!", r.input AS "input!"
-                     FROM started s JOIN running r ON r.id = s.job_id"#,
+                            r.operation AS "operation!", r.input AS "input!",
+                            false AS "busy!"
+                     FROM started s JOIN running r ON r.id = s.job_id
+                     UNION ALL
+                     -- Queued attempts of open jobs that the lock skipped.
+                     SELECT c.id, c.job_id, 0, 0, '', '{}'::jsonb, true
+                     FROM candidates c JOIN jobs j ON j.id = c.job_id
+                     WHERE j.status IN ('queued', 'running')
+                       AND c.job_id NOT IN (SELECT id FROM claimed)"#,
                     &ids,
                     provider,
                     timeout.as_secs_f64(),
+                    token,
                 )
                 .fetch_all(&self.pool)
                 .map_err(StoreError::from)
             })
             .await?;
-        rows.into_iter()
-            .map(|r| {
-                let input = match r.input {
-                    Value::Object(m) => m,
-                    other => return Err(corrupt(format!("job input is not an object: {other}"))),
-                };
-                Ok(Started {
-                    attempt_id: r.attempt_id,
-                    job_id: r.job_id,
-                    number: r.number,
-                    version: r.version,
-                    operation: r.operation,
-                    input,
-                })
-            })
-            .collect()
+        let mut claim = Claim::default();
+        for r in rows {
+            if r.busy {
+                claim.busy.push(r.attempt_id);
+                continue;
+            }
+            let input = match r.input {
+                Value::Object(m) => m,
+                other => return Err(corrupt(format!("job input is not an object: {other}"))),
+            };
+            claim.started.push(Started {
+                attempt_id: r.attempt_id,
+                job_id: r.job_id,
+                number: r.number,
+                version: r.version,
+                operation: r.operation,
+                input,
+            });
+        }
+        Ok(claim)
+    }
+
+    /// Hands back what the claim `token` started: its attempts go back to
+    /// `queued`, for their redelivered messages to claim again. For a claim
+    /// whose caller gave up without knowing whether it took effect: an attempt
+    /// it did start would otherwise stay `started` with no call, until the
+    /// vanished sweep made it `unknown`. Returns how many it handed back.
+    pub async fn unclaim(&self, token: Uuid) -> Result<u64> {
+        self.retrying(|| async {
+            let back = sqlx::query!(
+                "UPDATE attempts SET status = 'queued', claim = NULL, started_at = NULL,
+                     deadline_at = NULL
+                 WHERE claim = $1 AND status = 'started'",
+                token
+            )
+            .execute(&self.pool)
+            .await?;
+            Ok(back.rows_affected())
+        })
+        .await
     }
 
     /// Settles finished attempts in one transaction: successes race through the
@@ -92,9 +155,15 @@ impl Store {
     /// with `plan`. Returns what happened to each, in input order, and the outbox
     /// rows to publish now.
     ///
-    /// One settlement's bad data never fails its neighbours: when Postgres
-    /// refuses the batch's data, each is settled in a transaction of its own,
-    /// and the one refused comes out as [`Settled::Refused`].
+    /// One settlement never costs its neighbours: the flush takes its rows with
+    /// `SKIP LOCKED`, so a job or attempt row held under someone else's lock
+    /// comes out as [`Settled::Busy`] while the rest settle; and when Postgres
+    /// refuses the flush (its data, a lock or statement timeout, a deadlock),
+    /// each is settled in a transaction of its own, the one refused coming out
+    /// as [`Settled::Refused`] (its data) or [`Settled::Busy`] (contention).
+    /// A flush whose connection broke runs again whole: every step of it is
+    /// guarded, so a flush that had committed unseen changes nothing the second
+    /// time, and its outbox rows are the relay's.
     pub async fn finalize(
         &self,
         finished: &[Finished],
@@ -103,17 +172,30 @@ impl Store {
         if finished.is_empty() {
             return Ok((Vec::new(), Vec::new()));
         }
-        match self.retrying(|| self.finalize_once(finished, plan)).await {
-            Err(e) if e.is_data_error() => {}
+        let settle = |batch| {
+            self.retrying_when(
+                move || self.finalize_once(batch, plan),
+                StoreError::is_connection_lost,
+            )
+        };
+        match settle(finished).await {
+            Err(e) if e.is_data_error() || e.is_contention() => {
+                tracing::info!(error = %e, settlements = finished.len(), "Postgres refused a settlement flush; settling each apart");
+            }
             other => return other,
         }
         let mut settled = Vec::with_capacity(finished.len());
         let mut publish = Vec::new();
         for one in finished.chunks(1) {
-            match self.retrying(|| self.finalize_once(one, plan)).await {
+            match settle(one).await {
                 Ok((outcome, rows)) => {
                     settled.extend(outcome);
                     publish.extend(rows);
+                }
+                Err(e) if e.is_contention() => {
+                    tracing::info!(attempt_id = %one[0].attempt_id, error = %e, "a settlement met contention; it is settled again later");
+                    crate::metrics::db_retry(&e.retry_code());
+                    settled.push(Settled::Busy);
                 }
                 Err(e) if e.is_data_error() => {
                     tracing::error!(attempt_id = %one[0].attempt_id, error = %e, "Postgres refused a settlement; its neighbours were settled without it");
@@ -132,16 +214,26 @@ impl Store {
 
     async fn finalize_once(
         &self,
-        finished: &[Finished],
+        all: &[Finished],
         plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
     ) -> Result<(Vec<Settled>, Vec<OutboxMessage>)> {
         let mut tx = self.pool.begin().await?;
         let mut settled: HashMap<AttemptId, Settled> = HashMap::new();
+        let rows: Vec<(AttemptId, JobId)> = all.iter().map(|f| (f.attempt_id, f.job_id)).collect();
+        let busy = take_rows(&mut tx, &rows).await?;
+        let finished: Vec<&Finished> = all
+            .iter()
+            .filter(|f| !busy.contains(&f.attempt_id))
+            .collect();
+        for id in &busy {
+            settled.insert(*id, Settled::Busy);
+        }
         let mut drafts = Vec::new();
         let mut won = Vec::new();
 
         let wins: Vec<&Finished> = finished
             .iter()
+            .copied()
             .filter(|f| matches!(f.verdict, Verdict::Succeeded(_)))
             .collect();
         if !wins.is_empty() {
@@ -203,7 +295,7 @@ impl Store {
         // waited for the job, without a round trip of its own.
         let publish = self.insert_outbox_closing(&mut tx, &drafts, &won).await?;
         tx.commit().await?;
-        let outcomes = finished
+        let outcomes = all
             .iter()
             .map(|f| settled.remove(&f.attempt_id).unwrap_or(Settled::Stale))
             .collect();
@@ -465,14 +557,81 @@ impl Store {
     }
 }
 
-/// A row of [`Store::start`]: an attempt that left `queued`, with its job.
-struct StartedRow {
+/// A row of [`Store::claim`]: an attempt that left `queued`, with its job, or
+/// (`busy`) a queued attempt whose job row was held.
+struct ClaimRow {
     attempt_id: AttemptId,
     job_id: JobId,
     number: i32,
     version: i64,
     operation: String,
     input: Value,
+    busy: bool,
+}
+
+/// How long a settlement waits for a row it did not take at its start (another
+/// attempt of a job it won, say) before it gives up and is settled again
+/// later. A shorter `lock_timeout` set on the role or database is kept.
+const SETTLEMENT_LOCK_PATIENCE: Duration = Duration::from_secs(1);
+
+/// Takes the settlement's rows, jobs first, with `SKIP LOCKED`: a settlement
+/// never waits for a row someone else holds (an operator's open transaction, a
+/// migration, another worker settling a hedge of the same job). Returns the
+/// attempts whose job or attempt row was held: they are not settled now. An
+/// attempt that does not exist at all is not held: its settlement finds
+/// nothing to change.
+///
+/// The same statement caps the transaction's `lock_timeout`
+/// ([`SETTLEMENT_LOCK_PATIENCE`]), so that what is left to wait for (closing a
+/// won job's other attempts) fails the flush in time rather than hang it.
+pub(super) async fn take_rows(
+    tx: &mut PgConnection,
+    rows: &[(AttemptId, JobId)],
+) -> Result<BTreeSet<AttemptId>> {
+    let attempts: Vec<Uuid> = rows.iter().map(|r| r.0.0).collect();
+    let jobs: Vec<Uuid> = rows
+        .iter()
+        .map(|r| r.1.0)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let patience = i64::try_from(SETTLEMENT_LOCK_PATIENCE.as_millis()).unwrap_or(i64::MAX);
+    let taken: BTreeSet<AttemptId> = sqlx::query_scalar!(
+        r#"WITH patience AS (
+               SELECT CASE WHEN current_setting('lock_timeout')::interval = interval '0'
+                             OR current_setting('lock_timeout')::interval > make_interval(secs => $3::bigint / 1000.0)
+                           THEN set_config('lock_timeout', $3::bigint::text, true) END AS lock_timeout
+           ), jobs_taken AS (
+               SELECT id FROM jobs WHERE id = ANY($2) ORDER BY id FOR UPDATE SKIP LOCKED
+           )
+           SELECT a.id AS "id!: AttemptId" FROM attempts a, patience
+           WHERE a.id = ANY($1) AND a.job_id IN (SELECT id FROM jobs_taken)
+           ORDER BY a.id
+           FOR UPDATE OF a SKIP LOCKED"#,
+        &attempts,
+        &jobs,
+        patience,
+    )
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .collect();
+    if taken.len() == rows.len() {
+        return Ok(BTreeSet::new());
+    }
+    let missing: Vec<Uuid> = rows
+        .iter()
+        .filter(|r| !taken.contains(&r.0))
+        .map(|r| r.0.0)
+        .collect();
+    Ok(sqlx::query_scalar!(
+        r#"SELECT id AS "id!: AttemptId" FROM attempts WHERE id = ANY($1)"#,
+        &missing
+    )
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .collect())
 }
 
 /// Creates the planned attempts; a job that was `unknown` runs again.

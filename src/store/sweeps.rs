@@ -1,7 +1,7 @@
 //! What the reconciler's passes ask of the tables: vanished workers, stuck
 //! queued attempts, and hedging.
 
-use super::settle::mark_unknown;
+use super::settle::{mark_unknown, take_rows};
 use super::*;
 
 impl Store {
@@ -104,23 +104,34 @@ impl Store {
     /// `discarded`, with the reason.
     pub async fn expire_vanished(&self, grace: Duration) -> Result<Vec<AttemptId>> {
         let mut tx = self.pool.begin().await?;
-        let vanished = sqlx::query_scalar!(
-            r#"SELECT id AS "id: AttemptId" FROM attempts
+        // An attempt with a kept answer has not vanished: its answer is
+        // settled by its own pass. Rows held under someone else's lock are
+        // left for the next sweep, so one held row never fails the sweep.
+        let vanished: Vec<(AttemptId, JobId)> = sqlx::query!(
+            r#"SELECT id AS "id: AttemptId", job_id AS "job_id: JobId" FROM attempts
                WHERE status = 'started' AND deadline_at + make_interval(secs => $1) < now()
+                 AND answer IS NULL
                ORDER BY id
                LIMIT 500"#,
             grace.as_secs_f64()
         )
         .fetch_all(&mut *tx)
-        .await?;
+        .await?
+        .into_iter()
+        .map(|r| (r.id, r.job_id))
+        .collect();
         if vanished.is_empty() {
             return Ok(Vec::new());
         }
+        let held = take_rows(&mut tx, &vanished).await?;
         // Decided as for any timeout: under the attempts' and jobs' locks, so a
         // job that ended meanwhile gets a discarded attempt, never an unknown one.
         let error = "worker_vanished: no outcome by the deadline plus the grace period";
-        let unknowns: Vec<(AttemptId, String)> =
-            vanished.iter().map(|id| (*id, error.to_owned())).collect();
+        let unknowns: Vec<(AttemptId, String)> = vanished
+            .iter()
+            .filter(|(id, _)| !held.contains(id))
+            .map(|(id, _)| (*id, error.to_owned()))
+            .collect();
         let marked = mark_unknown(&mut tx, &unknowns).await?;
         tx.commit().await?;
         Ok(marked
@@ -134,7 +145,8 @@ impl Store {
     /// attempt. Guarded in one statement under the job's row lock: the job must be
     /// `running` with exactly one open attempt, `started`, in the main lane, and no
     /// attempt `unknown`. Returns the new attempt and its message to publish, or
-    /// `None` when the guard refused.
+    /// `None` when the guard refused or the job row is held under someone
+    /// else's lock (the next pass looks again).
     pub async fn hedge(
         &self,
         job: JobId,
@@ -143,7 +155,8 @@ impl Store {
         let id = AttemptId::new();
         let mut tx = self.pool.begin().await?;
         let locked = sqlx::query_scalar!(
-            r#"SELECT status AS "status: JobStatus" FROM jobs WHERE id = $1 FOR UPDATE"#,
+            r#"SELECT status AS "status: JobStatus" FROM jobs WHERE id = $1
+               FOR UPDATE SKIP LOCKED"#,
             job.0
         )
         .fetch_optional(&mut *tx)

@@ -1,0 +1,436 @@
+//! The database's everyday behaviour never costs a paid answer: a row held
+//! under someone else's lock (an operator's open transaction, a migration, a
+//! long report) costs only the settlement that needs it a later try, never its
+//! neighbours nor the answer; a claim whose reply was lost is found again by
+//! its own token; and a job whose calls are still in flight is never pruned.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{P, TestEnv, config, config_for, mock, new_job, store_env, submit, wait_for};
+use futures_util::future::join_all;
+use onejob::domain::{AttemptStatus, JobId, JobStatus};
+use onejob::mock::MockOptions;
+use onejob::store::{Actor, Admission, Finished, Settled, Started, Store, Verdict};
+use onejob_producer::Producer;
+use serde_json::json;
+use sqlx::{Connection, Executor, PgConnection};
+
+/// A session like an operator's `psql` that holds one job row `FOR UPDATE`
+/// until it is dropped or [`Holder::release`]d.
+struct Holder(PgConnection);
+
+impl Holder {
+    async fn hold(url: &str, job: JobId) -> Holder {
+        let mut conn = PgConnection::connect(url).await.expect("holder connects");
+        conn.execute("BEGIN").await.expect("begin");
+        sqlx::query("SELECT id FROM jobs WHERE id = $1 FOR UPDATE")
+            .bind(job.0)
+            .fetch_one(&mut conn)
+            .await
+            .expect("lock the job row");
+        Holder(conn)
+    }
+
+    async fn release(mut self) {
+        self.0.execute("ROLLBACK").await.expect("release");
+        self.0.close().await.ok();
+    }
+}
+
+/// Admits `n` jobs and starts their first attempts.
+async fn started(store: &Store, prefix: &str, n: usize) -> Vec<Started> {
+    let news: Vec<_> = (0..n)
+        .map(|i| new_job("acct_db", &format!("{prefix}-{i}"), "text"))
+        .collect();
+    let attempts: Vec<_> = news.iter().map(|n| n.attempt_id).collect();
+    for admitted in store.admit(&news).await.unwrap() {
+        assert!(matches!(admitted, Admission::Created { .. }));
+    }
+    let started = store
+        .start("primary", &attempts, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(started.len(), n);
+    started
+}
+
+fn success(s: &Started) -> Finished {
+    Finished {
+        attempt_id: s.attempt_id,
+        job_id: s.job_id,
+        version: s.version,
+        provider_request_id: Some(format!("req-{}", s.attempt_id)),
+        usage: Some(json!({"total_tokens": 10})),
+        verdict: Verdict::Succeeded(json!({ "summary": s.attempt_id.to_string() })),
+    }
+}
+
+fn give_up(f: &onejob::store::FailedJob) -> onejob::store::NextStep {
+    common::give_up(f)
+}
+
+/// Sets a `lock_timeout` on the test's database, as a production role or
+/// database often has, and connects a store whose sessions have it.
+async fn with_lock_timeout(env: &TestEnv) -> Store {
+    env.store
+        .pool()
+        .execute(sqlx::AssertSqlSafe(format!(
+            "ALTER DATABASE {} SET lock_timeout = '300ms'",
+            env.name
+        )))
+        .await
+        .unwrap();
+    let (config, _file) = config(&common::config_text("http://127.0.0.1:9/v1", None, ""));
+    Store::connect(
+        &env.database_url,
+        4,
+        onejob::runtime::routes(&config),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap()
+}
+
+/// Fails the test, instead of hanging it, when `f` waits for a lock.
+async fn soon<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(10), f)
+        .await
+        .unwrap_or_else(|_| panic!("{what} waited for a held row"))
+}
+
+async fn attempt_status(store: &Store, job: JobId) -> AttemptStatus {
+    store.job(job).await.unwrap().unwrap().attempts[0].status
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_job_row_makes_only_its_own_settlement_wait_under_a_lock_timeout() {
+    let env = store_env().await;
+    let store = with_lock_timeout(&env).await;
+    let jobs = started(&store, "held", 12).await;
+    let held = Holder::hold(&env.database_url, jobs[3].job_id).await;
+
+    // Every kind of settlement in one flush, one of them on the held job.
+    let mut finished: Vec<Finished> = jobs.iter().map(success).collect();
+    finished[5].verdict = Verdict::Failed {
+        error: "provider_error: HTTP 500".into(),
+        retryable: true,
+        retry_after: None,
+    };
+    finished[7].verdict = Verdict::Unknown {
+        error: "outcome_unknown: timed out".into(),
+    };
+    let (settled, _) = store.finalize(&finished, &give_up).await.unwrap();
+    for (i, s) in settled.iter().enumerate() {
+        let want = match i {
+            3 => Settled::Busy,
+            5 => Settled::Failed {
+                next: None,
+                job_failed: true,
+            },
+            7 => Settled::Unknown,
+            _ => Settled::Won,
+        };
+        assert_eq!(s, &want, "settlement {i}");
+    }
+    // Nothing of the held one was written; it is still open, its answer unspent.
+    assert_eq!(
+        attempt_status(&store, jobs[3].job_id).await,
+        AttemptStatus::Started
+    );
+    // Still held: asked again, it waits again, and never becomes anything else.
+    let (again, _) = store
+        .finalize(std::slice::from_ref(&finished[3]), &give_up)
+        .await
+        .unwrap();
+    assert_eq!(again, vec![Settled::Busy]);
+
+    held.release().await;
+    let (after, _) = store
+        .finalize(std::slice::from_ref(&finished[3]), &give_up)
+        .await
+        .unwrap();
+    assert_eq!(after, vec![Settled::Won]);
+    let job = store.job(jobs[3].job_id).await.unwrap().unwrap();
+    assert_eq!(job.status, JobStatus::Succeeded);
+    assert_eq!(job.completed_by, Some(jobs[3].attempt_id));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_job_row_makes_only_its_own_claim_wait_and_the_sweeps_go_on() {
+    let env = store_env().await;
+    let news: Vec<_> = (0..4)
+        .map(|i| new_job("acct_db", &format!("claim-{i}"), "text"))
+        .collect();
+    let attempts: Vec<_> = news.iter().map(|n| n.attempt_id).collect();
+    let held_job = news[1].job_id;
+    env.store.admit(&news).await.unwrap();
+    let held = Holder::hold(&env.database_url, held_job).await;
+
+    let token = uuid::Uuid::now_v7();
+    let claim = soon(
+        "the claim",
+        env.store
+            .claim("primary", &attempts, Duration::from_secs(30), token),
+    )
+    .await
+    .unwrap();
+    assert_eq!(claim.busy, vec![attempts[1]]);
+    let mut started: Vec<_> = claim.started.iter().map(|s| s.attempt_id).collect();
+    started.sort();
+    let mut want = vec![attempts[0], attempts[2], attempts[3]];
+    want.sort();
+    assert_eq!(started, want);
+    assert_eq!(
+        attempt_status(&env.store, held_job).await,
+        AttemptStatus::Queued
+    );
+
+    // The vanished sweep skips a held job and still marks the others.
+    sqlx::query(
+        "UPDATE attempts SET deadline_at = now() - interval '1 hour' WHERE status = 'started'",
+    )
+    .execute(env.store.pool())
+    .await
+    .unwrap();
+    held.release().await;
+    let held = Holder::hold(&env.database_url, news[0].job_id).await;
+    let marked = soon(
+        "the vanished sweep",
+        env.store.expire_vanished(Duration::from_secs(1)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(marked.len(), 2, "the two attempts whose jobs are free");
+    assert!(!marked.contains(&attempts[0]));
+    held.release().await;
+
+    // Released, the held claim goes through.
+    let claim = env
+        .store
+        .claim("primary", &[attempts[1]], Duration::from_secs(30), token)
+        .await
+        .unwrap();
+    assert_eq!(claim.started.len(), 1);
+    assert!(claim.busy.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_run_again_after_a_lost_reply_finds_its_own_attempts() {
+    let env = store_env().await;
+    let news: Vec<_> = (0..3)
+        .map(|i| new_job("acct_db", &format!("lost-{i}"), "text"))
+        .collect();
+    let attempts: Vec<_> = news.iter().map(|n| n.attempt_id).collect();
+    env.store.admit(&news).await.unwrap();
+    let token = uuid::Uuid::now_v7();
+    let first = env
+        .store
+        .claim("primary", &attempts, Duration::from_secs(30), token)
+        .await
+        .unwrap();
+    assert_eq!(first.started.len(), 3);
+    // The reply was lost: the same claim runs again and finds them its own.
+    let again = env
+        .store
+        .claim("primary", &attempts, Duration::from_secs(30), token)
+        .await
+        .unwrap();
+    let mut ids: Vec<_> = again.started.iter().map(|s| s.attempt_id).collect();
+    ids.sort();
+    let mut want = attempts.clone();
+    want.sort();
+    assert_eq!(ids, want);
+    // Another claim (a redelivery to another worker) does not.
+    let other = env
+        .store
+        .claim(
+            "primary",
+            &attempts,
+            Duration::from_secs(30),
+            uuid::Uuid::now_v7(),
+        )
+        .await
+        .unwrap();
+    assert!(other.started.is_empty() && other.busy.is_empty());
+    // A claim given up is handed back: queued again, for its redelivery.
+    assert_eq!(env.store.unclaim(token).await.unwrap(), 3);
+    for new in &news {
+        assert_eq!(
+            attempt_status(&env.store, new.job_id).await,
+            AttemptStatus::Queued
+        );
+    }
+    let retaken = env
+        .store
+        .claim(
+            "primary",
+            &attempts,
+            Duration::from_secs(30),
+            uuid::Uuid::now_v7(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(retaken.started.len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cancelled_job_whose_calls_are_in_flight_is_not_pruned() {
+    let env = store_env().await;
+    let jobs = started(&env.store, "prune", 2).await;
+    let (busy, idle) = (&jobs[0], &jobs[1]);
+    for s in [busy, idle] {
+        env.store
+            .cancel_job(s.job_id, &Actor::cli(Some("test")))
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    // The idle job's call has ended; the busy job's is still in flight.
+    let (settled, _) = env
+        .store
+        .finalize(&[success(idle)], &give_up)
+        .await
+        .unwrap();
+    assert!(matches!(settled[0], Settled::Discarded { .. }));
+    // Ended an hour ago (the guard that keeps ended jobs unchanged is off for it).
+    let mut tx = env.store.pool().begin().await.unwrap();
+    tx.execute("SET LOCAL session_replication_role = replica")
+        .await
+        .unwrap();
+    tx.execute("UPDATE jobs SET updated_at = now() - interval '1 hour'")
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    sqlx::query("UPDATE outbox SET published_at = now()")
+        .execute(env.store.pool())
+        .await
+        .unwrap();
+    let policy = onejob::store::Policy::uniform(onejob::config::Retention {
+        succeeded: Duration::from_secs(1),
+        failed: Duration::from_secs(1),
+        cancelled: Duration::from_secs(1),
+    });
+    let pass = env.store.prune_jobs(&policy, 100, false).await.unwrap();
+    assert_eq!(
+        pass.pruned.jobs, 1,
+        "only the job whose calls have all ended"
+    );
+    assert!(env.store.job(idle.job_id).await.unwrap().is_none());
+    // Its answer arrives a moment later: it is discarded, its spend kept.
+    let (settled, _) = env
+        .store
+        .finalize(&[success(busy)], &give_up)
+        .await
+        .unwrap();
+    assert!(
+        matches!(settled[0], Settled::Discarded { .. }),
+        "{settled:?}"
+    );
+    let job = env.store.job(busy.job_id).await.unwrap().unwrap();
+    assert_eq!(job.status, JobStatus::Cancelled);
+    assert_eq!(job.attempts[0].status, AttemptStatus::Discarded);
+    assert_eq!(job.attempts[0].usage, Some(json!({"total_tokens": 10})));
+    // Now every call has ended, it may go.
+    let pass = env.store.prune_jobs(&policy, 100, false).await.unwrap();
+    assert_eq!(pass.pruned.jobs, 1);
+}
+
+/// Through the whole fleet, as the fault was met: with a `lock_timeout` on the
+/// database, one job row is held while its answer and its neighbours' arrive.
+/// The neighbours all succeed while it is held; its answer is kept, never
+/// turned `unknown`; released, the job succeeds with that answer, and the
+/// provider was called once per job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_job_row_under_a_lock_timeout_loses_no_answer_and_holds_up_no_neighbour() {
+    let primary = mock(MockOptions {
+        delay: Duration::from_millis(800),
+        ..MockOptions::default()
+    })
+    .await;
+    let (config, _file) = config(&config_for(
+        &[P("primary", &primary.base_url(), "timeout = \"20s\"")],
+        "",
+    ));
+    let env = TestEnv::new(&config).await;
+    env.store
+        .pool()
+        .execute(sqlx::AssertSqlSafe(format!(
+            "ALTER DATABASE {} SET lock_timeout = '300ms'",
+            env.name
+        )))
+        .await
+        .unwrap();
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Arc::new(Producer::connect(&env.amqp_url).await.unwrap());
+
+    let first = submit(&producer, "acct_db", "held-0", "held").await;
+    let attempt = wait_for(
+        "the held job's attempt to start",
+        Duration::from_secs(20),
+        || async {
+            let job = env.store.job(first).await.unwrap()?;
+            (job.attempts[0].status == AttemptStatus::Started).then_some(job.attempts[0].id)
+        },
+    )
+    .await;
+    let held = Holder::hold(&env.database_url, first).await;
+    let others: Vec<JobId> = join_all((1..30).map(|i| {
+        let producer = producer.clone();
+        async move { submit(&producer, "acct_db", &format!("held-{i}"), "neighbour").await }
+    }))
+    .await;
+
+    // While the row is held: every neighbour succeeds, and the held job's
+    // answer, arrived, is kept on its attempt, which stays open.
+    wait_for(
+        "the 29 neighbours to succeed while the row is held",
+        Duration::from_secs(20),
+        || async {
+            let mut done = 0;
+            for job in &others {
+                if env.store.job(*job).await.unwrap()?.status == JobStatus::Succeeded {
+                    done += 1;
+                }
+            }
+            (done == others.len()).then_some(())
+        },
+    )
+    .await;
+    wait_for(
+        "the held job's answer to be kept",
+        Duration::from_secs(20),
+        || async {
+            let kept: Option<bool> =
+                sqlx::query_scalar("SELECT answer IS NOT NULL FROM attempts WHERE id = $1")
+                    .bind(attempt.0)
+                    .fetch_one(env.store.pool())
+                    .await
+                    .ok();
+            (kept == Some(true)).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        attempt_status(&env.store, first).await,
+        AttemptStatus::Started,
+        "an answer received is never turned unknown while its row is held"
+    );
+
+    held.release().await;
+    let job = common::wait_for_status(&env, first, JobStatus::Succeeded).await;
+    assert_eq!(job.completed_by, Some(attempt));
+    assert_eq!(job.attempts.len(), 1);
+    assert_eq!(
+        job.result.as_ref().and_then(|r| r["summary"].as_str()),
+        Some("mock answer: Summarize: held")
+    );
+    assert_eq!(
+        primary.stats.requests(),
+        30,
+        "one call per job, none repeated"
+    );
+    fleet.stop().await;
+}
