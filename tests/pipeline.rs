@@ -6,9 +6,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use common::{
-    TestEnv, config, config_text, intent, mock, submit, wait_for_messages, wait_for_status,
-};
+use common::{TestEnv, config, config_text, intent, mock, submit, wait_for_status};
 use futures_util::future::join_all;
 use onejob::domain::{AttemptStatus, JobStatus};
 use onejob::intent::Outcome;
@@ -60,9 +58,10 @@ async fn a_published_intent_becomes_one_succeeded_job() {
         vec![attempt.id.to_string()]
     );
 
-    // Exactly one job.succeeded event, identified by job id and version.
-    let got = wait_for_messages(&env, &events, &events_queue).await;
-    assert_eq!(got.len(), 1);
+    // Exactly one job.succeeded event, identified by job id and version: the
+    // outbox all published, and the relay run twice more, no second copy came.
+    let got = common::events_once_settled(&env, &events, &events_queue).await;
+    assert_eq!(got.len(), 1, "one event, no second");
     assert_eq!(got[0].routing_key.as_str(), "job.succeeded");
     let event: serde_json::Value = serde_json::from_slice(&got[0].data).unwrap();
     assert_eq!(event["event_id"], format!("{job_id}:1"));

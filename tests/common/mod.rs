@@ -375,6 +375,135 @@ where
     }
 }
 
+/// Inserts an outbox row published a century ago: the reconciler's next outbox
+/// pruning deletes it whatever the retention. Its id.
+async fn sweep_marker(store: &Store) -> i64 {
+    sqlx::query_scalar(
+        "INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, published_at)
+         VALUES ('onejob.events', 'test.sweep-marker', 'sweep-marker', '{}',
+                 now() - interval '100 years', now() - interval '100 years')
+         RETURNING id",
+    )
+    .fetch_one(store.pool())
+    .await
+    .expect("insert a sweep marker")
+}
+
+async fn marker_pruned(store: &Store, id: i64) -> bool {
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE id = $1")
+        .bind(id)
+        .fetch_one(store.pool())
+        .await
+        .expect("look for the sweep marker");
+    left == 0
+}
+
+/// Runs `check` over and over (every 50 ms, and once more at the end) until at
+/// least `at_least` has passed and the reconciler has made `passes` whole
+/// sweeps that began after this call: a window shown to have covered the
+/// sweeps' chances to act (vanished workers, lost messages, hedging, the
+/// relay). A sweep is seen through a later step of the same pass: the outbox
+/// pruning that follows it deletes a marker row published a century ago. Marker
+/// `k + 1` is inserted once marker `k` is gone, so the pass that prunes it began
+/// its sweep after marker `k` was gone; the first marker's pass may have begun
+/// before the call, and is not counted. Panics naming `what` if the sweeps do
+/// not come (no reconciler runs).
+pub async fn through_sweeps<F, Fut>(
+    store: &Store,
+    passes: usize,
+    at_least: Duration,
+    what: &str,
+    mut check: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let start = Instant::now();
+    let limit = at_least + Duration::from_secs(30) + Duration::from_secs(5) * passes as u32;
+    let mut marker = sweep_marker(store).await;
+    let mut pruned = 0;
+    loop {
+        check().await;
+        if pruned <= passes && marker_pruned(store, marker).await {
+            pruned += 1;
+            if pruned <= passes {
+                marker = sweep_marker(store).await;
+            }
+        }
+        if pruned > passes && start.elapsed() >= at_least {
+            check().await;
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "{what}: timed out after {limit:?} with {} of {passes} reconciler sweeps seen",
+            pruned.saturating_sub(1)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until the reconciler has made `passes` whole sweeps that began after
+/// this call (see [`through_sweeps`]).
+pub async fn sweeps_ran(store: &Store, passes: usize, what: &str) {
+    through_sweeps(store, passes, Duration::ZERO, what, || async {}).await;
+}
+
+/// Every message `queue` (bound to the events exchange) holds once there is
+/// nothing left to publish: every outbox row is published (each publish was
+/// confirmed, so its copy is in the queue) and the reconciler has made two
+/// more whole passes, each relaying the outbox before its sweep. A second copy
+/// of an event, published again by the relay or by a redelivered settlement,
+/// would be in the queue by then.
+pub async fn events_once_settled(
+    env: &TestEnv,
+    ch: &lapin::Channel,
+    queue: &str,
+) -> Vec<lapin::message::Delivery> {
+    let mut got = env.drain(ch, queue).await;
+    wait_for(
+        "every outbox row to be published",
+        Duration::from_secs(20),
+        || async {
+            let unpublished: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+                    .fetch_one(env.store.pool())
+                    .await
+                    .expect("count unpublished outbox rows");
+            (unpublished == 0).then_some(())
+        },
+    )
+    .await;
+    sweeps_ran(&env.store, 2, "the relay after the outbox was published").await;
+    got.extend(env.drain(ch, queue).await);
+    got
+}
+
+/// A queue's messages ready for delivery and delivered but not yet acked, as
+/// `rabbitmqctl` sees them (a passive declare sees only the ready ones); `None`
+/// when the queue is not listed.
+pub fn queue_counts(vhost: &str, queue: &str) -> Option<(u64, u64)> {
+    let out = Command::new("rabbitmqctl")
+        .args([
+            "list_queues",
+            "-q",
+            "-p",
+            vhost,
+            "name",
+            "messages_ready",
+            "messages_unacknowledged",
+        ])
+        .output()
+        .expect("rabbitmqctl list_queues");
+    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
+        let mut cols = l.split_whitespace();
+        if cols.next() != Some(queue) {
+            return None;
+        }
+        Some((cols.next()?.parse().ok()?, cols.next()?.parse().ok()?))
+    })
+}
+
 /// Waits until the job reaches `status`, and returns it.
 pub async fn wait_for_status(
     env: &TestEnv,
@@ -463,6 +592,7 @@ pub struct Cuttable {
     pub addr: std::net::SocketAddr,
     cut: Arc<std::sync::atomic::AtomicBool>,
     stalled: Arc<std::sync::atomic::AtomicBool>,
+    refused: Arc<std::sync::atomic::AtomicUsize>,
     links: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
     accept: tokio::task::JoinHandle<()>,
 }
@@ -498,14 +628,17 @@ impl Cuttable {
         let addr = listener.local_addr().expect("addr");
         let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let stalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let links: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
         let target = target.to_owned();
         let accept = {
             let (cut, stalled, links) = (cut.clone(), stalled.clone(), links.clone());
+            let refused = refused.clone();
             tokio::spawn(async move {
                 while let Ok((inbound, _)) = listener.accept().await {
                     if cut.load(std::sync::atomic::Ordering::SeqCst) {
                         drop(inbound);
+                        refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         continue;
                     }
                     let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
@@ -527,9 +660,16 @@ impl Cuttable {
             addr,
             cut,
             stalled,
+            refused,
             links,
             accept,
         }
+    }
+
+    /// How many connections it has refused while cut so far: each one a
+    /// client's try to reach the service.
+    pub fn refused(&self) -> usize {
+        self.refused.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Drops every connection through it and refuses new ones.
