@@ -61,6 +61,28 @@ fn success(s: &Started) -> Finished {
     )
 }
 
+/// Settles `batch` as the attempt path does: a settlement that comes back
+/// `Busy` (its rows were held by another transaction, and nothing of it was
+/// written) is settled again, alone, until it is not. What each came to, in
+/// input order.
+async fn settle(store: &Store, batch: &[Finished]) -> Vec<Settled> {
+    let mut settled = store.finalize(batch, &common::give_up).await.unwrap().0;
+    loop {
+        let busy: Vec<usize> = (0..settled.len())
+            .filter(|&i| settled[i] == Settled::Busy)
+            .collect();
+        if busy.is_empty() {
+            return settled;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let again: Vec<Finished> = busy.iter().map(|&i| batch[i].clone()).collect();
+        let outcomes = store.finalize(&again, &common::give_up).await.unwrap().0;
+        for (i, outcome) in busy.into_iter().zip(outcomes) {
+            settled[i] = outcome;
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_later_of_two_reversed_attempts_is_discarded() {
     let env = common::store_env().await;
@@ -144,12 +166,7 @@ async fn concurrent_finishers_have_exactly_one_winner() {
             let barrier = barrier.clone();
             tokio::spawn(async move {
                 barrier.wait().await;
-                store
-                    .finalize(&[success(&s)], &common::give_up)
-                    .await
-                    .unwrap()
-                    .0
-                    .remove(0)
+                settle(&store, &[success(&s)]).await.remove(0)
             })
         };
         let (ra, rb) = tokio::join!(run(a.clone()), run(b.clone()));
@@ -231,7 +248,7 @@ async fn racing_flushes_have_exactly_one_winner_per_job() {
             let (store, barrier) = (store.clone(), barrier.clone());
             tokio::spawn(async move {
                 barrier.wait().await;
-                let settled = store.finalize(&flush, &common::give_up).await.unwrap().0;
+                let settled = settle(&store, &flush).await;
                 flush
                     .iter()
                     .map(|f| f.attempt_id)
@@ -354,10 +371,17 @@ fn random_interleavings_never_have_two_winners() {
         .unwrap();
     let env = rt.block_on(common::store_env());
     let store = Arc::new(env.store.clone());
-    let cases: u32 = std::env::var("ONEJOB_CAS_CASES")
-        .ok()
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(2000);
+    let cases: u32 = match std::env::var("ONEJOB_CAS_CASES") {
+        Err(_) => 2000,
+        Ok(c) => c
+            .parse()
+            .unwrap_or_else(|e| panic!("ONEJOB_CAS_CASES={c:?} is not a number of cases ({e})")),
+    };
+    // Zero cases would pass without running one interleaving.
+    assert!(
+        cases > 0,
+        "ONEJOB_CAS_CASES=0 runs no case and proves nothing: give at least 1 (default 2000)"
+    );
     let mut runner = TestRunner::new(ProptestConfig {
         cases,
         failure_persistence: None,
@@ -395,15 +419,24 @@ fn random_interleavings_never_have_two_winners() {
                         let store = store.clone();
                         tokio::spawn(async move {
                             tokio::time::sleep(Duration::from_micros(delay)).await;
-                            let (settled, _) = store.finalize(&batch, &common::give_up).await.unwrap();
-                            batch.iter().map(|f| f.attempt_id).zip(settled).collect::<Vec<_>>()
+                            let settled = settle(&store, &batch).await;
+                            batch
+                                .iter()
+                                .map(|f| (f.attempt_id, matches!(f.verdict, Verdict::Succeeded(_))))
+                                .zip(settled)
+                                .map(|((a, success), s)| (a, success, s))
+                                .collect::<Vec<_>>()
                         })
                     })
                     .collect();
-                let mut outcomes = Vec::new();
+                // Each finisher's attempt, whether it offered a success, and
+                // what settling it did.
+                let mut offered = Vec::new();
                 for t in tasks {
-                    outcomes.extend(t.await.unwrap());
+                    offered.extend(t.await.unwrap());
                 }
+                let outcomes: Vec<(AttemptId, Settled)> =
+                    offered.iter().map(|(a, _, s)| (*a, s.clone())).collect();
                 let winners: Vec<AttemptId> = outcomes
                     .iter()
                     .filter(|(_, s)| *s == Settled::Won)
@@ -426,9 +459,28 @@ fn random_interleavings_never_have_two_winners() {
                         assert_eq!(job.completed_by, None, "{ctx}");
                         assert_eq!(job.result, None, "{ctx}");
                         assert_ne!(job.status, JobStatus::Succeeded, "{ctx}");
+                        assert!(job.attempts.iter().all(|x| x.status != AttemptStatus::Succeeded), "{ctx}");
                         // With no winner, nothing can have been discarded: a success
                         // that found its attempt open would have won.
                         assert!(!outcomes.iter().any(|(_, s)| matches!(s, Settled::Discarded { .. })), "{ctx}");
+                        // So every success offered came too late for its attempt:
+                        // a definite failure of that same attempt had closed it
+                        // (`started` and `unknown` are both open to a success). Its
+                        // outcome says it changed nothing, and the attempt is
+                        // `failed` in the database.
+                        for (attempt, success, settled) in &offered {
+                            if !*success {
+                                continue;
+                            }
+                            assert_eq!(*settled, Settled::Stale, "{ctx}: a success of {attempt} that did not win");
+                            let row = job.attempts.iter().find(|x| x.id == *attempt).expect("the attempt's row");
+                            assert_eq!(row.status, AttemptStatus::Failed, "{ctx}: a success of {attempt} that did not win");
+                            let index = usize::from(*attempt != attempts[0].attempt_id);
+                            assert!(
+                                finishers.iter().any(|f| f.attempt == index && matches!(f.kind, Kind::Failure)),
+                                "{ctx}: {attempt} was closed without a failure"
+                            );
+                        }
                     }
                 }
                 // Every discarded attempt names the winner.
