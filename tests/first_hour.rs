@@ -27,11 +27,16 @@ fn stderr_lines(out: &std::process::Output) -> Vec<String> {
         .collect()
 }
 
-/// A bad AMQP password gets one line from the producer CLI and the operator CLI,
-/// naming the broker with the password masked: no lapin recovery logs around it.
-#[test]
-fn a_bad_broker_password_is_one_line() {
-    let url = "amqp://guest:not-the-password@127.0.0.1:5672/%2f";
+/// What the broker's refusal of a login says (RabbitMQ's ACCESS_REFUSED); a
+/// broker that is not there says none of it ("Connection refused" is the
+/// operating system's, not a login's).
+fn says_login_refused(line: &str) -> bool {
+    line.contains("ACCESS_REFUSED") || line.contains("Login was refused")
+}
+
+/// Runs the producer CLI's publish and the operator CLI's `dlq list` against
+/// `url`.
+fn broker_commands(url: &str) -> [std::process::Output; 2] {
     let producer = Command::new(sibling("onejob-producer"))
         .args([
             "publish",
@@ -53,12 +58,34 @@ fn a_bad_broker_password_is_one_line() {
         .env_remove("RUST_LOG")
         .output()
         .unwrap();
-    for out in [producer, cli] {
+    [producer, cli]
+}
+
+/// A bad AMQP password gets one line from the producer CLI and the operator CLI,
+/// naming the broker with the password masked, and saying the login was
+/// refused: no lapin recovery logs around it. With no broker there, the same
+/// commands say something else, so the line is the broker's answer.
+#[test]
+fn a_bad_broker_password_is_one_line() {
+    let url = "amqp://guest:not-the-password@127.0.0.1:5672/%2f";
+    for out in broker_commands(url) {
         assert_eq!(out.status.code(), Some(1));
         let lines = stderr_lines(&out);
         assert_eq!(lines.len(), 1, "{lines:?}");
         assert!(lines[0].contains("127.0.0.1:5672"), "{lines:?}");
         assert!(!lines[0].contains("not-the-password"), "{lines:?}");
+        assert!(
+            says_login_refused(&lines[0]),
+            "the line must say the broker refused the login: {lines:?}"
+        );
+    }
+    // Nothing listens on port 1: no login was ever tried.
+    let unreachable = "amqp://guest:not-the-password@127.0.0.1:1/%2f";
+    for out in broker_commands(unreachable) {
+        assert_eq!(out.status.code(), Some(1));
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(text.contains("127.0.0.1:1"), "{text}");
+        assert!(!says_login_refused(&text), "{text}");
     }
 }
 
