@@ -339,12 +339,16 @@ async fn a_cancelled_job_whose_calls_are_in_flight_is_not_pruned() {
 }
 
 /// Through the whole fleet, as the fault was met: with a `lock_timeout` on the
-/// database, one job row is held while its answer and its neighbours' arrive.
-/// The neighbours all succeed while it is held; its answer is kept, never
-/// turned `unknown`; released, the job succeeds with that answer, and the
-/// provider was called once per job.
+/// database, job rows are held while their answers and their neighbours'
+/// arrive. The neighbours all succeed while the rows are held; the held jobs'
+/// answers are kept, never turned `unknown`; released, the jobs succeed with
+/// those answers, and the provider was called once per job.
+///
+/// Three rows of the first wave of calls (the provider's eight slots) are
+/// held: answers that arrive together are settled together, so at least two
+/// of them meet their lock in a flush with neighbours.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_held_job_row_under_a_lock_timeout_loses_no_answer_and_holds_up_no_neighbour() {
+async fn held_job_rows_under_a_lock_timeout_lose_no_answer_and_hold_up_no_neighbour() {
     let primary = mock(MockOptions {
         delay: Duration::from_millis(800),
         ..MockOptions::default()
@@ -366,67 +370,87 @@ async fn a_held_job_row_under_a_lock_timeout_loses_no_answer_and_holds_up_no_nei
     let fleet = env.fleet(config.clone(), vec![]).await;
     let producer = Arc::new(Producer::connect(&env.amqp_url).await.unwrap());
 
-    let first = submit(&producer, "acct_db", "held-0", "held").await;
-    let attempt = wait_for(
-        "the held job's attempt to start",
+    let submitting = tokio::spawn(join_all((0..30).map(move |i| {
+        let producer = producer.clone();
+        async move { submit(&producer, "acct_db", &format!("held-{i}"), "held").await }
+    })));
+    let first_wave = wait_for(
+        "the first wave of calls",
         Duration::from_secs(20),
         || async {
-            let job = env.store.job(first).await.unwrap()?;
-            (job.attempts[0].status == AttemptStatus::Started).then_some(job.attempts[0].id)
+            let started: Vec<(uuid::Uuid, uuid::Uuid)> = sqlx::query_as(
+                "SELECT job_id, id FROM attempts WHERE status = 'started' ORDER BY id",
+            )
+            .fetch_all(env.store.pool())
+            .await
+            .unwrap();
+            (started.len() >= 8).then_some(started)
         },
     )
     .await;
-    let held = Holder::hold(&env.database_url, first).await;
-    let others: Vec<JobId> = join_all((1..30).map(|i| {
-        let producer = producer.clone();
-        async move { submit(&producer, "acct_db", &format!("held-{i}"), "neighbour").await }
-    }))
-    .await;
+    let mut holders = Vec::new();
+    let mut held = Vec::new();
+    for (job, attempt) in first_wave.into_iter().step_by(3).take(3) {
+        holders.push(Holder::hold(&env.database_url, JobId(job)).await);
+        held.push((JobId(job), onejob::domain::AttemptId(attempt)));
+    }
+    let others: Vec<JobId> = submitting
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|j| held.iter().all(|(h, _)| h != j))
+        .collect();
+    assert_eq!(others.len(), 27);
 
-    // While the row is held: every neighbour succeeds, and the held job's
-    // answer, arrived, is kept on its attempt, which stays open.
+    // While the rows are held: every neighbour succeeds, and the held jobs'
+    // answers, arrived, are kept on their attempts, which stay open.
     wait_for(
-        "the 29 neighbours to succeed while the row is held",
+        "the 27 neighbours to succeed while the rows are held",
         Duration::from_secs(20),
         || async {
-            let mut done = 0;
             for job in &others {
-                if env.store.job(*job).await.unwrap()?.status == JobStatus::Succeeded {
-                    done += 1;
+                if env.store.job(*job).await.unwrap()?.status != JobStatus::Succeeded {
+                    return None;
                 }
             }
-            (done == others.len()).then_some(())
+            Some(())
         },
     )
     .await;
-    wait_for(
-        "the held job's answer to be kept",
-        Duration::from_secs(20),
-        || async {
-            let kept: Option<bool> =
-                sqlx::query_scalar("SELECT answer IS NOT NULL FROM attempts WHERE id = $1")
-                    .bind(attempt.0)
-                    .fetch_one(env.store.pool())
-                    .await
-                    .ok();
-            (kept == Some(true)).then_some(())
-        },
-    )
-    .await;
-    assert_eq!(
-        attempt_status(&env.store, first).await,
-        AttemptStatus::Started,
-        "an answer received is never turned unknown while its row is held"
-    );
+    for (job, attempt) in &held {
+        wait_for(
+            "a held job's answer to be kept",
+            Duration::from_secs(20),
+            || async {
+                let kept: Option<bool> =
+                    sqlx::query_scalar("SELECT answer IS NOT NULL FROM attempts WHERE id = $1")
+                        .bind(attempt.0)
+                        .fetch_one(env.store.pool())
+                        .await
+                        .ok();
+                (kept == Some(true)).then_some(())
+            },
+        )
+        .await;
+        assert_eq!(
+            attempt_status(&env.store, *job).await,
+            AttemptStatus::Started,
+            "an answer received is never turned unknown while its row is held"
+        );
+    }
 
-    held.release().await;
-    let job = common::wait_for_status(&env, first, JobStatus::Succeeded).await;
-    assert_eq!(job.completed_by, Some(attempt));
-    assert_eq!(job.attempts.len(), 1);
-    assert_eq!(
-        job.result.as_ref().and_then(|r| r["summary"].as_str()),
-        Some("mock answer: Summarize: held")
-    );
+    for holder in holders {
+        holder.release().await;
+    }
+    for (job, attempt) in &held {
+        let job = common::wait_for_status(&env, *job, JobStatus::Succeeded).await;
+        assert_eq!(job.completed_by, Some(*attempt));
+        assert_eq!(job.attempts.len(), 1);
+        assert_eq!(
+            job.result.as_ref().and_then(|r| r["summary"].as_str()),
+            Some("mock answer: Summarize: held")
+        );
+    }
     assert_eq!(
         primary.stats.requests(),
         30,
