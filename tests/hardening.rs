@@ -807,39 +807,100 @@ async fn published_outbox_rows_are_pruned() {
 
 /// Item 15: an attempt that has not started because its message waits behind a
 /// backlog is not republished, nor failed as lost, while its queue holds messages.
+/// Beside it, a control attempt on another provider whose message was lost
+/// (its queue is empty) is stuck for as long: the sweep that republishes the
+/// control, and the one after that fails it, each had the backlogged attempt
+/// in the same statement, and left it alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_stuck_sweep_leaves_attempts_waiting_in_a_backlog() {
-    let text = config_text("http://127.0.0.1:9/v1", None, "").replace(
-        "[worker]\n",
-        "[worker]\nstuck_after = \"200ms\"\nmax_republish = 1\n",
-    );
+    // One attempt per job, so that the failed control leaves nothing behind it.
+    let text = config_text("http://127.0.0.1:9/v1", Some("http://127.0.0.1:9/v1"), "")
+        .replace(
+            "[worker]\n",
+            "[worker]\nstuck_after = \"200ms\"\nmax_republish = 1\n",
+        )
+        .replace("max_attempts = 3", "max_attempts = 1");
     let (config, _file) = config(&text);
     let env = TestEnv::new(&config).await;
     let ctx = env.context(config.clone()).await;
     let (job_id, publish) = env.admit(&ctx, "acct_b", "backlog", "backlog").await;
+    // The control, admitted after it (so stuck no sooner), pinned to the fallback.
+    let mut pinned = common::intent("acct_b", "lost", "lost");
+    pinned.provider = Some("fallback".into());
+    let body = serde_json::to_vec(&pinned).unwrap();
+    let new = onejob::intake::validate(&ctx, &body).expect("valid intent");
+    let control = new.job_id;
+    let control_publish = match env.store.admit(&[new]).await.unwrap().remove(0) {
+        onejob::store::Admission::Created { publish, .. } => publish,
+        other => panic!("expected created, got {other:?}"),
+    };
     // Its message is in the queue, behind nothing, with no consumer: a backlog.
-    ctx.publish_outbox(std::slice::from_ref(&publish))
+    // The control's message is published, then lost (taken off its queue).
+    ctx.publish_outbox(&[publish, control_publish])
         .await
         .unwrap();
-    let fleet = env
-        .fleet(config.clone(), vec![onejob::fleet::Role::Reconciler])
-        .await;
     let ch = ctx.connection.create_channel().await.unwrap();
     let queue = onejob::broker::attempts_queue("primary");
-    // Ten times stuck_after, with a sweep every relay_interval: the sweep would
-    // have republished and then failed it long before.
-    let window = Duration::from_secs(2);
-    let start = std::time::Instant::now();
-    while start.elapsed() < window {
+    let fallback_queue = onejob::broker::attempts_queue("fallback");
+    assert_eq!(env.drain(&ch, &fallback_queue).await.len(), 1);
+    let republished = |job: onejob::domain::JobId| {
+        let pool = env.store.pool().clone();
+        async move {
+            let (n,): (i32,) = sqlx::query_as("SELECT republished FROM attempts WHERE job_id = $1")
+                .bind(job.0)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            n
+        }
+    };
+    let left_alone = || async {
         let job = env.store.job(job_id).await.unwrap().unwrap();
+        assert_eq!(job.attempts.len(), 1, "{job:?}");
         assert_eq!(job.attempts[0].status, AttemptStatus::Queued, "{job:?}");
+        assert_eq!(republished(job_id).await, 0, "republished from the backlog");
         assert_eq!(
             common::depth(&ch, &queue).await,
             1,
             "republished into the backlog"
         );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    };
+
+    let fleet = env
+        .fleet(config.clone(), vec![onejob::fleet::Role::Reconciler])
+        .await;
+    // The first sweep to find the control stuck republishes it...
+    wait_for(
+        "the control to be republished",
+        Duration::from_secs(20),
+        || async {
+            left_alone().await;
+            (republished(control).await == 1).then_some(())
+        },
+    )
+    .await;
+    left_alone().await;
+    // ...and, its message lost again, a later one fails it as lost.
+    common::wait_for_messages(&env, &ch, &fallback_queue).await;
+    let failed = wait_for(
+        "the control to be failed as lost",
+        Duration::from_secs(20),
+        || async {
+            left_alone().await;
+            let job = env.store.job(control).await.unwrap().unwrap();
+            (job.attempts[0].status == AttemptStatus::Failed).then_some(job)
+        },
+    )
+    .await;
+    assert!(
+        failed.attempts[0]
+            .error
+            .as_deref()
+            .unwrap_or("")
+            .starts_with("attempt_lost"),
+        "{failed:?}"
+    );
+    left_alone().await;
     fleet.stop().await;
     let _ = ctx.connection.close(200, "done".into()).await;
 }
@@ -1095,15 +1156,42 @@ async fn a_database_outage_costs_no_delivery_and_loses_nothing() {
         !ctx.store.ping().await,
         "the worker sees the outage (/readyz: postgres down)"
     );
-    // Held long enough for several rounds of retries and returns, had there been any.
-    tokio::time::sleep(Duration::from_secs(8)).await;
     let ch = env.amqp().await.create_channel().await.unwrap();
     let dlq = onejob::broker::dead_letter_queue(onejob::broker::INTENTS_QUEUE);
-    assert_eq!(
-        common::depth(&ch, &dlq).await,
-        0,
-        "nothing dead-lettered during the outage"
-    );
+    let intents = onejob::broker::INTENTS_QUEUE;
+    // Every intent was delivered to the worker, which holds it unacked.
+    wait_for(
+        "the worker to hold every intent of the outage",
+        Duration::from_secs(20),
+        || async { (common::queue_counts(&env.name, intents) == Some((0, 20))).then_some(()) },
+    )
+    .await;
+    // Held through the outage: for at least 8 s, and until the worker has tried
+    // Postgres again and again (each try a chance to give up and hand the
+    // deliveries back, which with a delivery limit of 1 dead-letters them on
+    // the second return), the deliveries stay with it and nothing is
+    // dead-lettered.
+    let tries_before = path.refused();
+    let held_since = std::time::Instant::now();
+    wait_for(
+        "the worker to keep trying Postgres through the outage",
+        Duration::from_secs(60),
+        || async {
+            assert_eq!(
+                common::queue_counts(&env.name, intents),
+                Some((0, 20)),
+                "every intent stays delivered and unacked"
+            );
+            assert_eq!(
+                common::depth(&ch, &dlq).await,
+                0,
+                "nothing dead-lettered during the outage"
+            );
+            (held_since.elapsed() >= Duration::from_secs(8) && path.refused() >= tries_before + 10)
+                .then_some(())
+        },
+    )
+    .await;
     path.restore();
 
     for key in &keys {
