@@ -534,12 +534,33 @@ async fn bad_requests_get_specific_errors_and_publish_nothing() {
             );
         }
     }
-    // Nothing reached the fleet: no job, no dead letter.
-    let (jobs,): (i64,) = sqlx::query_as("SELECT count(*) FROM jobs")
-        .fetch_one(s.env.store.pool())
+    // Nothing reached the fleet: no job, no dead letter. A good request after
+    // them is answered once intake made its job; then intake is left to settle
+    // every message published before it (the intents queue holds none, ready
+    // or unacked: each was admitted or dead-lettered, and acked), and only
+    // then is the fleet's work counted.
+    let marker = s
+        .post(Some(&token), Some("after-the-bad-ones"), SUMMARIZE)
+        .await;
+    assert_eq!(marker.status, StatusCode::CREATED, "{marker:?}");
+    wait_for(
+        "intake to settle every intent published",
+        Duration::from_secs(20),
+        || async {
+            (common::queue_counts(&s.env.name, onejob::broker::INTENTS_QUEUE) == Some((0, 0)))
+                .then_some(())
+        },
+    )
+    .await;
+    let jobs: Vec<(uuid::Uuid,)> = sqlx::query_as("SELECT id FROM jobs")
+        .fetch_all(s.env.store.pool())
         .await
         .unwrap();
-    assert_eq!(jobs, 0);
+    assert_eq!(
+        jobs,
+        vec![(marker.job_id().0,)],
+        "only the good request's job"
+    );
     let out = s.env.cli_ok(
         &s.file.path,
         &["dlq", "list", "onejob.intents.dlq", "--json"],
