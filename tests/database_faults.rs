@@ -458,3 +458,82 @@ async fn held_job_rows_under_a_lock_timeout_lose_no_answer_and_hold_up_no_neighb
     );
     fleet.stop().await;
 }
+
+/// Replies lost after Postgres ran a statement (a connection reset between
+/// the server's commit and the client hearing of it), through the whole fleet:
+/// every intent ends as one succeeded job, every attempt's provider was called
+/// exactly once, and no attempt is left `started` or `unknown` without a call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replies_lost_after_commits_leave_no_attempt_without_its_call() {
+    const JOBS: usize = 200;
+    let primary = mock(MockOptions {
+        delay: Duration::from_millis(20),
+        jitter: Duration::from_millis(30),
+        ..MockOptions::default()
+    })
+    .await;
+    let (config, _file) = config(&config_for(
+        &[P("primary", &primary.base_url(), "timeout = \"20s\"")],
+        "",
+    ));
+    let env = TestEnv::new(&config).await;
+    let pg = common::pg_base();
+    let server = pg
+        .rsplit('@')
+        .next()
+        .expect("a host in the Postgres URL")
+        .to_owned();
+    // One committed reply in 8 is lost, 50 in all.
+    let lossy = common::lossy::LossyPostgres::to(&server, 8, 50).await;
+    let ctx = onejob::runtime::Context::connect(config.clone(), &lossy.url(&env.name), &env.amqp_url)
+        .await
+        .expect("worker context through the lossy path");
+    let shutdown = onejob::shutdown::Shutdown::new();
+    let fleet = tokio::spawn(onejob::fleet::run(ctx, vec![], shutdown.clone()));
+    lossy.start_losing();
+    let producer = Arc::new(Producer::connect(&env.amqp_url).await.unwrap());
+
+    let jobs: Vec<JobId> = join_all((0..JOBS).map(|i| {
+        let producer = producer.clone();
+        async move { submit(&producer, "acct_lossy", &format!("lossy-{i}"), "lossy").await }
+    }))
+    .await;
+    let distinct: std::collections::BTreeSet<_> = jobs.iter().collect();
+    assert_eq!(distinct.len(), JOBS, "one job per intent");
+
+    wait_for("every job to succeed", Duration::from_secs(90), || async {
+        let done: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE status = 'succeeded'")
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap();
+        (done == JOBS as i64).then_some(())
+    })
+    .await;
+    let lost = lossy.lost();
+    lossy.stop_losing();
+    assert!(lost >= 10, "the fault happened: {lost} replies lost");
+
+    let attempts: Vec<(uuid::Uuid, String)> =
+        sqlx::query_as("SELECT id, status FROM attempts ORDER BY id")
+            .fetch_all(env.store.pool())
+            .await
+            .unwrap();
+    assert_eq!(attempts.len(), JOBS, "one attempt per job: {attempts:?}");
+    assert!(
+        attempts.iter().all(|(_, s)| s == "succeeded"),
+        "every attempt succeeded: {attempts:?}"
+    );
+    let mut calls = primary.stats.idempotency_keys();
+    calls.sort();
+    let mut want: Vec<String> = attempts.iter().map(|(id, _)| id.to_string()).collect();
+    want.sort();
+    assert_eq!(calls, want, "each attempt's provider called exactly once");
+    eprintln!("lossy Postgres: {JOBS} jobs, {lost} replies lost after commits, 0 lost, 0 duplicate calls, 0 unknown");
+
+    shutdown.trigger();
+    tokio::time::timeout(Duration::from_secs(30), fleet)
+        .await
+        .expect("fleet stops")
+        .expect("fleet task")
+        .expect("fleet ran without errors");
+}

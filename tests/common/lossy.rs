@@ -1,0 +1,162 @@
+//! A TCP path to the real Postgres that loses replies: every `every`-th reply
+//! to a statement that took effect (the server committed it and is idle
+//! again) is withheld and the connection reset, as when a network path or a
+//! proxy drops a connection just after the server ran a statement. The client
+//! never hears; the database holds the change. Postgres itself is untouched,
+//! so tests running beside this one see nothing.
+//!
+//! Server messages are framed (a type byte and a length). The proxy buffers a
+//! reply until its `ReadyForQuery`: when that says idle (`I`) and the reply
+//! carries a `CommandComplete`, the statement committed, and this reply may be
+//! the one lost. Connect with `sslmode=disable` so that the stream is framed
+//! from the first byte.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+pub struct LossyPostgres {
+    pub addr: SocketAddr,
+    lost: Arc<AtomicU64>,
+    losing: Arc<AtomicBool>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+/// What the proxy shares between its connections.
+struct Rule {
+    every: u64,
+    max: u64,
+    committed: AtomicU64,
+    lost: Arc<AtomicU64>,
+    losing: Arc<AtomicBool>,
+}
+
+impl Rule {
+    /// Whether this committed reply is the one to lose.
+    fn lose(&self) -> bool {
+        if !self.losing.load(Ordering::SeqCst) {
+            return false;
+        }
+        let n = self.committed.fetch_add(1, Ordering::SeqCst) + 1;
+        if n % self.every != 0 {
+            return false;
+        }
+        let lost = self.lost.fetch_add(1, Ordering::SeqCst);
+        if lost >= self.max {
+            self.lost.fetch_sub(1, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+}
+
+impl LossyPostgres {
+    /// Forwards a free local port to `target` (`host:port`), losing one in
+    /// `every` committed replies, `max` in all, once [`LossyPostgres::start_losing`].
+    pub async fn to(target: &str, every: u64, max: u64) -> LossyPostgres {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let lost = Arc::new(AtomicU64::new(0));
+        let losing = Arc::new(AtomicBool::new(false));
+        let rule = Arc::new(Rule {
+            every: every.max(1),
+            max,
+            committed: AtomicU64::new(0),
+            lost: lost.clone(),
+            losing: losing.clone(),
+        });
+        let target = target.to_owned();
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(&target).await else {
+                    continue;
+                };
+                tokio::spawn(link(client, server, rule.clone()));
+            }
+        });
+        LossyPostgres {
+            addr,
+            lost,
+            losing,
+            accept,
+        }
+    }
+
+    /// A URL to database `db` through this proxy.
+    pub fn url(&self, db: &str) -> String {
+        format!("postgres://postgres@{}/{db}?sslmode=disable", self.addr)
+    }
+
+    /// How many replies it has lost.
+    pub fn lost(&self) -> u64 {
+        self.lost.load(Ordering::SeqCst)
+    }
+
+    /// Loses replies from now on.
+    pub fn start_losing(&self) {
+        self.losing.store(true, Ordering::SeqCst);
+    }
+
+    /// Loses nothing from now on.
+    pub fn stop_losing(&self) {
+        self.losing.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for LossyPostgres {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+/// One client connection: requests pass as they are; replies pass a whole
+/// reply at a time, or the connection is reset instead.
+async fn link(client: TcpStream, server: TcpStream, rule: Arc<Rule>) {
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let requests = tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+    });
+    let mut pending: Vec<u8> = Vec::new();
+    let mut reply: Vec<u8> = Vec::new();
+    let mut completed = false;
+    let mut buf = vec![0u8; 64 * 1024];
+    'read: loop {
+        let n = match server_read.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        pending.extend_from_slice(&buf[..n]);
+        // Whole messages only: a type byte, then a length that counts itself.
+        while pending.len() >= 5 {
+            let len = u32::from_be_bytes([pending[1], pending[2], pending[3], pending[4]]) as usize;
+            if pending.len() < 1 + len {
+                break;
+            }
+            let message: Vec<u8> = pending.drain(..1 + len).collect();
+            match message[0] {
+                b'C' => completed = true,
+                b'Z' => {
+                    let idle = message.get(5) == Some(&b'I');
+                    reply.extend_from_slice(&message);
+                    if idle && completed && rule.lose() {
+                        break 'read;
+                    }
+                    if client_write.write_all(&reply).await.is_err() {
+                        break 'read;
+                    }
+                    reply.clear();
+                    completed = false;
+                    continue;
+                }
+                _ => {}
+            }
+            reply.extend_from_slice(&message);
+        }
+    }
+    requests.abort();
+    let _ = client_write.shutdown().await;
+}
