@@ -335,3 +335,67 @@ async fn a_dead_lettered_attempt_is_reflected_on_its_row() {
     fleet.stop().await;
     let _ = ctx.connection.close(200, "done".into()).await;
 }
+
+/// The chaos tests' invariant checker (`tests/common/chaos.rs`) on a valid
+/// intent dead-lettered by the delivery limit: its key has no job, so it is
+/// lost, whatever the dead-letter queue holds; and a dead-lettered re-send of
+/// a key that has its job is still counted as a valid intent dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_chaos_checker_counts_dead_lettered_valid_intents() {
+    let primary = mock(MockOptions::default()).await;
+    let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
+    let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
+    env.admit(&ctx, "acct_chaos", "made", "made").await;
+    // No intake runs: a worker crashing on each delivery, as `poison` plays it,
+    // until the broker dead-letters both.
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    for key in ["dead", "made"] {
+        producer
+            .publish_only(&common::intent("acct_chaos", key, key))
+            .await
+            .unwrap();
+    }
+    let amqp = env.amqp().await;
+    let ch = amqp.create_channel().await.unwrap();
+    let mut deliveries = 0;
+    while let Some(got) = ch
+        .basic_get(
+            broker::INTENTS_QUEUE.into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await
+        .unwrap()
+    {
+        deliveries += 1;
+        got.delivery
+            .acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..BasicNackOptions::default()
+            })
+            .await
+            .unwrap();
+        assert!(
+            deliveries < 100,
+            "the delivery limit never dead-lettered them"
+        );
+    }
+    let dlq = broker::dead_letter_queue(broker::INTENTS_QUEUE);
+    wait_for(
+        "the dead letters",
+        std::time::Duration::from_secs(20),
+        || async { (depth(&ch, &dlq).await == 2).then_some(()) },
+    )
+    .await;
+
+    let confirmed = ["dead".to_owned(), "made".to_owned()];
+    let checked = common::chaos::Invariants::check(&env, &env.store, &confirmed).await;
+    assert_eq!(checked.dead, 2);
+    assert_eq!(checked.dead_valid, 2, "{checked:?}");
+    assert_eq!(checked.dead_valid_with_job, 1, "{checked:?}");
+    assert_eq!(checked.lost, vec!["dead".to_owned()], "{checked:?}");
+    producer.close().await;
+    let _ = amqp.close(200, "done".into()).await;
+    let _ = ctx.connection.close(200, "done".into()).await;
+}

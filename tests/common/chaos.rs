@@ -285,6 +285,13 @@ pub struct Invariants {
     pub discarded: i64,
     pub dead_reasons: BTreeMap<String, usize>,
     pub dead: usize,
+    /// Dead letters that carry a valid intent (every intent these tests send
+    /// is valid): each should have ended as a job, never in a dead-letter
+    /// queue.
+    pub dead_valid: usize,
+    /// Of those, the ones whose identity has a job all the same (made by
+    /// another send of the same key).
+    pub dead_valid_with_job: usize,
     pub duplicated_identities: i64,
     pub after_unknown: i64,
     pub two_open: i64,
@@ -346,8 +353,9 @@ impl Invariants {
                                      WHERE o.exchange = 'onejob.events' AND o.message_id = j.id::text || ':' || j.version) <> 1")
         .await;
         let unpublished = q("SELECT count(*) FROM outbox WHERE published_at IS NULL").await;
-        // 6. Every confirmed intent is a job (all were valid and consistent), or a
-        //    dead letter with a reason.
+        // 6. Every confirmed intent is a job: all were valid and consistent, so
+        //    a dead letter is no excuse. Dead-lettered valid intents are counted
+        //    on their own.
         let jobs_for_keys: HashSet<String> =
             sqlx::query_as::<_, (String,)>("SELECT idempotency_key FROM jobs")
                 .fetch_all(store.pool())
@@ -366,14 +374,20 @@ impl Invariants {
             let letter = onejob::dlq::describe("onejob.intents.dlq", 0, &d.properties, &d.data);
             *dead_reasons.entry(letter.reason).or_default() += 1;
         }
-        let dead: HashSet<String> = letters
+        let dead_valid: Vec<String> = letters
             .iter()
-            .filter_map(|d| serde_json::from_slice::<serde_json::Value>(&d.data).ok())
-            .filter_map(|v| v["idempotency_key"].as_str().map(str::to_owned))
+            .filter_map(|d| {
+                onejob::intent::Intent::parse(&d.data, onejob::intent::DEFAULT_MAX_BODY_BYTES).ok()
+            })
+            .map(|intent| intent.idempotency_key)
             .collect();
+        let dead_valid_with_job = dead_valid
+            .iter()
+            .filter(|k| jobs_for_keys.contains(*k))
+            .count();
         let lost: Vec<String> = confirmed
             .iter()
-            .filter(|k| !jobs_for_keys.contains(*k) && !dead.contains(*k))
+            .filter(|k| !jobs_for_keys.contains(*k))
             .cloned()
             .collect();
         let unknown = by_status.get("unknown").copied().unwrap_or(0);
@@ -383,6 +397,8 @@ impl Invariants {
             discarded,
             dead_reasons,
             dead: letters.len(),
+            dead_valid: dead_valid.len(),
+            dead_valid_with_job,
             duplicated_identities,
             after_unknown,
             two_open,
@@ -400,8 +416,14 @@ impl Invariants {
     pub fn assert_held(&self, what: &str, provider_calls: u64, unknown_bound: usize) {
         println!(
             "{what}: jobs by status {:?}; {} attempts ({} discarded); {provider_calls} provider calls; \
-             {} intents dead-lettered {:?}",
-            self.by_status, self.attempts, self.discarded, self.dead, self.dead_reasons
+             {} intents dead-lettered {:?}, {} of them valid ({} of identities that have a job)",
+            self.by_status,
+            self.attempts,
+            self.discarded,
+            self.dead,
+            self.dead_reasons,
+            self.dead_valid,
+            self.dead_valid_with_job
         );
         println!(
             "{what}: invariants: duplicated identities {}, attempts after an unknown {}, \
@@ -427,8 +449,13 @@ impl Invariants {
         assert_eq!(self.unpublished, 0, "the outbox drained");
         assert!(
             self.lost.is_empty(),
-            "invariant 6: confirmed intents lost: {:?}",
+            "invariant 6: confirmed intents with no job: {:?}",
             self.lost
+        );
+        assert_eq!(
+            self.dead_valid, 0,
+            "valid intents dead-lettered ({} of identities that have a job): each should have ended as a job; reasons {:?}",
+            self.dead_valid_with_job, self.dead_reasons
         );
         assert_eq!(
             self.by_status.get("queued").copied().unwrap_or(0)
