@@ -485,9 +485,10 @@ async fn replies_lost_after_commits_leave_no_attempt_without_its_call() {
         .to_owned();
     // One committed reply in 8 is lost, 50 in all.
     let lossy = common::lossy::LossyPostgres::to(&server, 8, 50).await;
-    let ctx = onejob::runtime::Context::connect(config.clone(), &lossy.url(&env.name), &env.amqp_url)
-        .await
-        .expect("worker context through the lossy path");
+    let ctx =
+        onejob::runtime::Context::connect(config.clone(), &lossy.url(&env.name), &env.amqp_url)
+            .await
+            .expect("worker context through the lossy path");
     let shutdown = onejob::shutdown::Shutdown::new();
     let fleet = tokio::spawn(onejob::fleet::run(ctx, vec![], shutdown.clone()));
     lossy.start_losing();
@@ -528,7 +529,9 @@ async fn replies_lost_after_commits_leave_no_attempt_without_its_call() {
     let mut want: Vec<String> = attempts.iter().map(|(id, _)| id.to_string()).collect();
     want.sort();
     assert_eq!(calls, want, "each attempt's provider called exactly once");
-    eprintln!("lossy Postgres: {JOBS} jobs, {lost} replies lost after commits, 0 lost, 0 duplicate calls, 0 unknown");
+    eprintln!(
+        "lossy Postgres: {JOBS} jobs, {lost} replies lost after commits, 0 lost, 0 duplicate calls, 0 unknown"
+    );
 
     shutdown.trigger();
     tokio::time::timeout(Duration::from_secs(30), fleet)
@@ -536,4 +539,49 @@ async fn replies_lost_after_commits_leave_no_attempt_without_its_call() {
         .expect("fleet stops")
         .expect("fleet task")
         .expect("fleet ran without errors");
+}
+
+/// A worker that starts while replies are being lost (its migrations' among
+/// them) waits them out and starts; it never stops half-started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_starts_through_replies_lost_at_its_start() {
+    let (config, _file) = config(&common::config_text("http://127.0.0.1:9/v1", None, ""));
+    let env = TestEnv::new(&config).await;
+    let admin = common::pg_base();
+    let server = admin.rsplit('@').next().expect("a host").to_owned();
+    // A fresh database: the worker creates and migrates it through the fault.
+    let name = format!("{}_lossy", env.name);
+    let _dropped = DropDatabase(name.clone());
+    let lossy = common::lossy::LossyPostgres::to(&server, 2, 8).await;
+    lossy.start_losing();
+    let ctx =
+        onejob::runtime::Context::connect(config.clone(), &lossy.url(&name), &env.amqp_url).await;
+    let lost = lossy.lost();
+    let ctx = ctx.expect("the worker starts through lost replies");
+    assert!(
+        lost >= 4,
+        "the fault happened at start: {lost} replies lost"
+    );
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
+        .fetch_one(ctx.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(applied, onejob::store::MIGRATOR.iter().count() as i64);
+    ctx.store.pool().close().await;
+}
+
+/// Drops a database the test made, however the test ends.
+struct DropDatabase(String);
+
+impl Drop for DropDatabase {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("psql")
+            .args([
+                &format!("{}/postgres", common::pg_base()),
+                "-q",
+                "-c",
+                &format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.0),
+            ])
+            .output();
+    }
 }

@@ -151,6 +151,9 @@ impl StoreError {
         matches!(
             self,
             StoreError::Db(sqlx::Error::PoolTimedOut | sqlx::Error::Io(_))
+                | StoreError::Migrate(sqlx::migrate::MigrateError::Execute(
+                    sqlx::Error::PoolTimedOut | sqlx::Error::Io(_)
+                ))
         )
     }
 
@@ -702,10 +705,16 @@ impl Store {
     }
 
     /// Applies pending migrations. sqlx holds an advisory lock meanwhile, so
-    /// concurrent pods starting together are safe.
+    /// concurrent pods starting together are safe. A connection lost on the
+    /// way (even after a migration committed unseen) runs it again: applied
+    /// migrations are recorded, the lock dies with its session, and what is
+    /// left is applied by the next try.
     pub async fn migrate(&self) -> Result<()> {
-        MIGRATOR.run(&self.pool).await?;
-        Ok(())
+        self.retrying_when(
+            || async { Ok(MIGRATOR.run(&self.pool).await?) },
+            StoreError::is_connection_lost,
+        )
+        .await
     }
 
     /// Runs `f` again when it fails with a deadlock or serialization failure,
