@@ -585,3 +585,74 @@ impl Drop for DropDatabase {
             .output();
     }
 }
+
+/// A worker that stops while an answer's job row is held keeps the answer on
+/// its attempt; once the row is free, the reconciler settles it: the job
+/// succeeds with that answer, the provider called once, nothing `unknown`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_answer_whose_row_is_held_when_its_worker_stops_is_settled_later() {
+    let primary = mock(MockOptions {
+        delay: Duration::from_millis(300),
+        ..MockOptions::default()
+    })
+    .await;
+    let (config, _file) = config(&config_for(
+        &[P("primary", &primary.base_url(), "timeout = \"2s\"")],
+        "",
+    ));
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let job = submit(&producer, "acct_db", "kept-1", "kept").await;
+    let attempt = wait_for("the attempt to start", Duration::from_secs(20), || async {
+        let view = env.store.job(job).await.unwrap()?;
+        (view.attempts[0].status == AttemptStatus::Started).then_some(view.attempts[0].id)
+    })
+    .await;
+    let held = Holder::hold(&env.database_url, job).await;
+    wait_for("the answer to be kept", Duration::from_secs(20), || async {
+        let kept: Option<bool> =
+            sqlx::query_scalar("SELECT answer IS NOT NULL FROM attempts WHERE id = $1")
+                .bind(attempt.0)
+                .fetch_one(env.store.pool())
+                .await
+                .ok();
+        (kept == Some(true)).then_some(())
+    })
+    .await;
+    // The worker stops while the row is held; the delivery goes back.
+    fleet.stop().await;
+    // Past its deadline and the grace, where the vanished sweep would make a
+    // started attempt without an answer `unknown`.
+    wait_for(
+        "the attempt's deadline and grace to pass",
+        Duration::from_secs(20),
+        || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT deadline_at + interval '1 second' < now() FROM attempts WHERE id = $1",
+            )
+            .bind(attempt.0)
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap()
+            .then_some(())
+        },
+    )
+    .await;
+    held.release().await;
+
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let view = common::wait_for_status(&env, job, JobStatus::Succeeded).await;
+    assert_eq!(view.completed_by, Some(attempt));
+    assert_eq!(
+        view.result.as_ref().and_then(|r| r["summary"].as_str()),
+        Some("mock answer: Summarize: kept")
+    );
+    assert_eq!(view.attempts.len(), 1);
+    assert_eq!(
+        primary.stats.requests(),
+        1,
+        "the answer was not bought twice"
+    );
+    fleet.stop().await;
+}
