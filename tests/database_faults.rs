@@ -656,3 +656,41 @@ async fn an_answer_whose_row_is_held_when_its_worker_stops_is_settled_later() {
     );
     fleet.stop().await;
 }
+
+/// Every session onejob opens ends an idle transaction and probes a silent
+/// peer, so a half-open connection cannot hold job rows forever; a setting the
+/// URL names itself is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sessions_end_idle_transactions_and_probe_silent_peers() {
+    let env = store_env().await;
+    let (config, _file) = config(&common::config_text("http://127.0.0.1:9/v1", None, ""));
+    let show = |store: Store| async move {
+        let mut out = Vec::new();
+        for setting in [
+            "idle_in_transaction_session_timeout",
+            "tcp_keepalives_idle",
+            "tcp_keepalives_interval",
+            "tcp_keepalives_count",
+        ] {
+            let value: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SHOW {setting}")))
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+            out.push(value);
+        }
+        out
+    };
+    let routes = onejob::runtime::routes(&config);
+    let store = Store::connect(&env.database_url, 2, routes.clone(), Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(show(store).await, ["1min", "30", "10", "3"]);
+    let url = format!(
+        "{}?options=-c%20idle_in_transaction_session_timeout%3D5s",
+        env.database_url
+    );
+    let store = Store::connect(&url, 2, routes, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(show(store).await, ["5s", "30", "10", "3"]);
+}

@@ -630,6 +630,17 @@ impl Ended {
     }
 }
 
+/// What every onejob session sets at its start: no transaction idles for
+/// more than a minute, and a silent peer is probed after 30 s (then every
+/// 10 s, three times) so that the server ends a half-open session and frees
+/// its locks.
+const SESSION_SETTINGS: [(&str, &str); 4] = [
+    ("idle_in_transaction_session_timeout", "60s"),
+    ("tcp_keepalives_idle", "30"),
+    ("tcp_keepalives_interval", "10"),
+    ("tcp_keepalives_count", "3"),
+];
+
 /// The Postgres side of onejob.
 #[derive(Clone, Debug)]
 pub struct Store {
@@ -647,7 +658,18 @@ impl Store {
         routes: Routes,
         patience: Duration,
     ) -> Result<Store> {
+        // A session that stops talking must not hold rows forever: the
+        // server ends a transaction left idle (a client that froze or lost its
+        // way mid-transaction) and probes a silent client's socket, so that a
+        // half-open connection's locks are released within a minute or two.
+        // A setting the URL's own `options` names is left as the URL says.
         let options: PgConnectOptions = url.parse()?;
+        let named = options.get_options().unwrap_or_default().to_owned();
+        let options = options.options(
+            SESSION_SETTINGS
+                .into_iter()
+                .filter(|(name, _)| !named.contains(&format!("{name}="))),
+        );
         let deadline = std::time::Instant::now() + patience;
         // One plain connection first: it fails fast, where a pool would keep
         // retrying until its acquire timeout.
