@@ -29,9 +29,19 @@ async fn pruning_under_intake_removes_exactly_the_expired_jobs_and_reuses_their_
     assert!(report.kept_unchanged, "a kept row or an intake job changed");
     assert_eq!(report.intake_found, report.intake_published as i64);
     assert!(report.intake_published > 0);
-    // Per twenty jobs: 16 succeeded and 1 cancelled with one attempt, 3 failed
-    // with three.
+    // A fill, read back from the tables: N jobs and, per twenty jobs, 16
+    // succeeded and 1 cancelled with one attempt, 3 failed with three.
+    assert_eq!(report.jobs_per_fill, options.n as i64);
     assert_eq!(report.attempts_per_fill, options.n as i64 * 26 / 20);
+    // The pruning worker's own count: every fill's jobs and attempts, and
+    // nothing else.
+    let fills = report.fills as u64;
+    assert_eq!(report.fills, options.refills + 1);
+    assert_eq!(report.pruned_jobs, fills * report.jobs_per_fill as u64);
+    assert_eq!(
+        report.pruned_attempts,
+        fills * report.attempts_per_fill as u64
+    );
     // Once pruning has run a while, a fill goes into the space the one
     // before it left.
     assert!(

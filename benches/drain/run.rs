@@ -131,8 +131,15 @@ pub struct Report {
     pub settle_batch_mean: f64,
     pub jobs: i64,
     pub jobs_succeeded: i64,
+    /// Jobs whose identity is one of the backlog's N keys, read back from the
+    /// database.
+    pub jobs_of_backlog_keys: i64,
     pub attempt_rows: i64,
     pub provider_calls: u64,
+    /// How intake answered the backlog's intents, from the draining worker's
+    /// `onejob_intents_total`.
+    pub intents_created: u64,
+    pub intents_duplicate: u64,
     pub hop: Percentiles,
     pub commit: Percentiles,
     pub call: Percentiles,
@@ -403,11 +410,18 @@ pub async fn drain(options: &Options) -> Report {
     let drain_seconds = started.elapsed().as_secs_f64();
     progress.finish_and_clear();
     let usage = worker.usage();
-    let batches = worker.metrics().await.batch_means();
+    let metrics = worker.metrics().await;
+    let batches = metrics.batch_means();
+    let answered = |outcome: &str| {
+        let n = metrics.value("onejob_intents_total", &format!("outcome=\"{outcome}\""));
+        if n.is_nan() { 0 } else { n as u64 }
+    };
+    let (intents_created, intents_duplicate) = (answered("created"), answered("duplicate"));
     let provider_calls = provider.stats.requests() - calls_before;
     worker.stop().await;
     let commits = settled_commits(&env.name).await - commits_before;
     let (jobs, jobs_succeeded, attempt_rows) = counts(&env).await;
+    let jobs_of_backlog_keys = backlog_jobs(&env, options.n).await;
     let drain_jobs_per_s = options.n as f64 / drain_seconds;
     say(&format!(
         "drained {} jobs in {drain_seconds:.1} s: {drain_jobs_per_s:.0} jobs/s",
@@ -455,8 +469,11 @@ pub async fn drain(options: &Options) -> Report {
         settle_batch_mean: batches[2],
         jobs,
         jobs_succeeded,
+        jobs_of_backlog_keys,
         attempt_rows,
         provider_calls,
+        intents_created,
+        intents_duplicate,
         p99_over_parts: latency.p99_ms / parts_p99_sum_ms,
         hop,
         commit,
@@ -1183,4 +1200,23 @@ async fn counts(env: &TestEnv) -> (i64, i64, i64) {
     .expect("count jobs and attempts");
     conn.close().await.ok();
     row
+}
+
+/// Jobs whose identity is one of the backlog's keys (`bench`, `d-0` to
+/// `d-{n-1}`), each counted once.
+async fn backlog_jobs(env: &TestEnv, n: usize) -> i64 {
+    let mut conn = PgConnection::connect(&env.database_url)
+        .await
+        .expect("connect to count");
+    let keys: Vec<String> = (0..n).map(|i| format!("d-{i}")).collect();
+    let found: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT idempotency_key) FROM jobs
+         WHERE owner_id = 'bench' AND idempotency_key = ANY($1)",
+    )
+    .bind(&keys)
+    .fetch_one(&mut conn)
+    .await
+    .expect("count the backlog's jobs");
+    conn.close().await.ok();
+    found
 }

@@ -142,7 +142,14 @@ pub struct Report {
     /// The server's `autovacuum` setting.
     pub autovacuum: bool,
     pub n: usize,
+    /// The first fill's jobs and their attempts, read back from the tables.
+    pub jobs_per_fill: i64,
     pub attempts_per_fill: i64,
+    /// The fills made (the first and the refills).
+    pub fills: usize,
+    /// `onejob_pruned_total` of the pruning worker at the end, by table.
+    pub pruned_jobs: u64,
+    pub pruned_attempts: u64,
     pub kept: i64,
     pub rate: f64,
     pub fill_seconds: f64,
@@ -418,7 +425,14 @@ pub async fn growth(options: &Options) -> Report {
         options.n
     ));
     let began = Instant::now();
-    let (_, attempts_per_fill) = fill_ended(&mut db, "g1-", options.n, &operation).await;
+    fill_ended(&mut db, "g1-", options.n, &operation).await;
+    let (jobs_per_fill, attempts_per_fill): (i64, i64) = sqlx::query_as(
+        "SELECT count(DISTINCT j.id), count(a.id) FROM jobs j LEFT JOIN attempts a ON a.job_id = j.id
+         WHERE j.idempotency_key LIKE 'g1-%'",
+    )
+    .fetch_one(&mut db)
+    .await
+    .expect("count the fill's rows");
     let fill_seconds = began.elapsed().as_secs_f64();
     say(&format!("filled in {fill_seconds:.1} s"));
     sizes.push(sizes_at(&mut db, FILLED).await);
@@ -522,6 +536,11 @@ pub async fn growth(options: &Options) -> Report {
         sizes.push(sizes_at(&mut db, &repruned(k)).await);
     }
     let metrics = worker.metrics().await;
+    let pruned_of = |table: &str| {
+        let n = metrics.value("onejob_pruned_total", &format!("table=\"{table}\""));
+        if n.is_nan() { 0 } else { n as u64 }
+    };
+    let (pruned_jobs, pruned_attempts) = (pruned_of("jobs"), pruned_of("attempts"));
     let worker_vacuums = ["jobs", "attempts", "outbox"]
         .iter()
         .map(|t| {
@@ -581,7 +600,11 @@ pub async fn growth(options: &Options) -> Report {
         machine,
         autovacuum,
         n: options.n,
+        jobs_per_fill,
         attempts_per_fill,
+        fills: options.refills + 1,
+        pruned_jobs,
+        pruned_attempts,
         kept,
         rate: options.rate,
         fill_seconds,
