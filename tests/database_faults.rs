@@ -694,3 +694,65 @@ async fn sessions_end_idle_transactions_and_probe_silent_peers() {
         .unwrap();
     assert_eq!(show(store).await, ["5s", "30", "10", "3"]);
 }
+
+/// An operator's resolve or cancel whose commit reply was lost is reported
+/// done (its audit row says it committed), not "it changed meanwhile"; and it
+/// is done once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_operator_action_whose_commit_reply_was_lost_is_reported_done() {
+    let env = store_env().await;
+    let jobs = started(&env.store, "op", 2).await;
+    let unknown = Finished {
+        verdict: Verdict::Unknown {
+            error: "outcome_unknown: timed out".into(),
+        },
+        ..success(&jobs[0])
+    };
+    env.store.finalize(&[unknown], &give_up).await.unwrap();
+    let server = common::pg_base()
+        .rsplit('@')
+        .next()
+        .expect("a host")
+        .to_owned();
+    let lossy = common::lossy::LossyPostgres::to(&server, 1, 0).await;
+    let (config, _file) = config(&common::config_text("http://127.0.0.1:9/v1", None, ""));
+    let store = Store::connect(
+        &lossy.url(&env.name),
+        2,
+        onejob::runtime::routes(&config),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let actor = Actor::cli(Some("lost reply"));
+
+    lossy.lose_next_commit();
+    let resolved = store
+        .resolve(
+            jobs[0].attempt_id,
+            onejob::store::Resolution::Failed,
+            &give_up,
+            &actor,
+        )
+        .await
+        .unwrap();
+    assert_eq!(lossy.lost(), 1, "the commit's reply was lost");
+    assert!(resolved.is_ok(), "reported done: {resolved:?}");
+    assert_eq!(
+        attempt_status(&env.store, jobs[0].job_id).await,
+        AttemptStatus::Failed
+    );
+
+    lossy.lose_next_commit();
+    let cancelled = store.cancel_job(jobs[1].job_id, &actor).await.unwrap();
+    assert_eq!(lossy.lost(), 2, "the commit's reply was lost");
+    assert!(cancelled.is_ok(), "reported done: {cancelled:?}");
+    let job = env.store.job(jobs[1].job_id).await.unwrap().unwrap();
+    assert_eq!(job.status, JobStatus::Cancelled);
+
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM audit WHERE reason = 'lost reply'")
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 2, "each action recorded once");
+}

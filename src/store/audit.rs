@@ -36,6 +36,10 @@ impl Actor {
 /// One action to record.
 #[derive(Clone, Debug, Default)]
 pub struct Action<'a> {
+    /// The audit row's id, when the caller chose it: an action whose commit
+    /// reply was lost is then known done by finding its row
+    /// ([`Store::recorded`]). A new id for each row otherwise.
+    pub id: Option<Uuid>,
     /// What was done: `attempt.resolve_failed`, `attempt.resolve_cancelled`,
     /// `job.cancel`, `dlq.replay`, `dlq.purge`, `provider.qualify`.
     pub action: &'a str,
@@ -79,7 +83,7 @@ pub(super) async fn record(
     actor: &Actor,
     action: &Action<'_>,
 ) -> Result<Uuid> {
-    let id = Uuid::now_v7();
+    let id = action.id.unwrap_or_else(Uuid::now_v7);
     let detail = if action.detail.is_null() {
         Value::Object(Default::default())
     } else {
@@ -103,6 +107,16 @@ pub(super) async fn record(
 }
 
 impl Store {
+    /// The detail of the audit row `id`, if it was written: after a lost
+    /// commit reply, whether the action it records took effect.
+    pub(super) async fn recorded(&self, id: Uuid) -> Result<Option<Value>> {
+        Ok(
+            sqlx::query_scalar!("SELECT detail FROM audit WHERE id = $1", id)
+                .fetch_optional(&self.pool)
+                .await?,
+        )
+    }
+
     /// Records an action that is not a database write of its own (a
     /// qualification), after it was done.
     pub async fn audit(&self, actor: &Actor, action: &Action<'_>) -> Result<()> {

@@ -208,18 +208,30 @@ impl Store {
         }
         let reason = "cancelled: by an operator";
         let action = Action {
+            id: Some(Uuid::now_v7()),
             action: "job.cancel",
             job: Some(job),
             ..Action::default()
         };
-        Ok(self
+        match self
             .retrying(|| self.cancel_once(job, None, reason, (actor, &action)))
             .await?
-            .ok_or_else(|| {
-                Refusal::Terminal(format!(
-                    "job {job} ended while it was being cancelled; look again"
-                ))
-            }))
+        {
+            Some(publish) => Ok(Ok(publish)),
+            // A try whose commit reply was lost, run again, finds the job
+            // ended: by this very cancellation when its audit row is there.
+            // Its event is the relay's to publish.
+            None if self
+                .recorded(action.id.unwrap_or_default())
+                .await?
+                .is_some() =>
+            {
+                Ok(Ok(Vec::new()))
+            }
+            None => Ok(Err(Refusal::Terminal(format!(
+                "job {job} ended while it was being cancelled; look again"
+            )))),
+        }
     }
 
     /// One cancellation transaction, recorded as `audit` says; `None` if the

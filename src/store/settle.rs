@@ -454,6 +454,9 @@ impl Store {
         if job_status.is_terminal() {
             return Ok(Err(Refusal::terminal_job(job_id, job_status)));
         }
+        // The audit row's id is chosen here, once for every try: a try whose
+        // commit reply was lost is found done by its row.
+        let audit_id = Uuid::now_v7();
         let result = match resolution {
             Resolution::Failed => {
                 self.retrying(|| async {
@@ -488,6 +491,7 @@ impl Store {
                         _ => None,
                     };
                     let action = Action {
+                        id: Some(audit_id),
                         action: "attempt.resolve_failed",
                         job: Some(job_id),
                         attempt: Some(attempt),
@@ -506,6 +510,7 @@ impl Store {
                     "cancelled: attempt {attempt} was resolved as cancelled by an operator"
                 );
                 let action = Action {
+                    id: Some(audit_id),
                     action: "attempt.resolve_cancelled",
                     job: Some(job_id),
                     attempt: Some(attempt),
@@ -516,11 +521,28 @@ impl Store {
                     .map(|publish| (Settled::Stale, publish))
             }
         };
-        Ok(result.ok_or_else(|| {
-            Refusal::Terminal(format!(
+        if let Some(done) = result {
+            return Ok(Ok(done));
+        }
+        // Nothing changed on the last try: the attempt changed meanwhile, or an
+        // earlier try committed although its reply was lost. Its audit row
+        // tells which; its outbox rows are the relay's to publish.
+        match self.recorded(audit_id).await? {
+            Some(detail) => {
+                let settled = match resolution {
+                    Resolution::Failed => Settled::Failed {
+                        next: serde_json::from_value(detail["next_attempt"].clone())
+                            .unwrap_or_default(),
+                        job_failed: false,
+                    },
+                    Resolution::Cancelled => Settled::Stale,
+                };
+                Ok(Ok((settled, Vec::new())))
+            }
+            None => Ok(Err(Refusal::Terminal(format!(
                 "attempt {attempt} changed while it was being resolved; look again"
-            ))
-        }))
+            )))),
+        }
     }
 
     /// Fails attempts that are still `queued` (their message was lost for good), and

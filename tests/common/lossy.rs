@@ -22,6 +22,7 @@ pub struct LossyPostgres {
     pub addr: SocketAddr,
     lost: Arc<AtomicU64>,
     losing: Arc<AtomicBool>,
+    next_commit: Arc<AtomicBool>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -32,11 +33,17 @@ struct Rule {
     committed: AtomicU64,
     lost: Arc<AtomicU64>,
     losing: Arc<AtomicBool>,
+    next_commit: Arc<AtomicBool>,
 }
 
 impl Rule {
-    /// Whether this committed reply is the one to lose.
-    fn lose(&self) -> bool {
+    /// Whether this committed reply is the one to lose; `commit` when it
+    /// ends an explicit transaction (`COMMIT`).
+    fn lose(&self, commit: bool) -> bool {
+        if commit && self.next_commit.swap(false, Ordering::SeqCst) {
+            self.lost.fetch_add(1, Ordering::SeqCst);
+            return true;
+        }
         if !self.losing.load(Ordering::SeqCst) {
             return false;
         }
@@ -61,12 +68,14 @@ impl LossyPostgres {
         let addr = listener.local_addr().expect("addr");
         let lost = Arc::new(AtomicU64::new(0));
         let losing = Arc::new(AtomicBool::new(false));
+        let next_commit = Arc::new(AtomicBool::new(false));
         let rule = Arc::new(Rule {
             every: every.max(1),
             max,
             committed: AtomicU64::new(0),
             lost: lost.clone(),
             losing: losing.clone(),
+            next_commit: next_commit.clone(),
         });
         let target = target.to_owned();
         let accept = tokio::spawn(async move {
@@ -81,6 +90,7 @@ impl LossyPostgres {
             addr,
             lost,
             losing,
+            next_commit,
             accept,
         }
     }
@@ -98,6 +108,11 @@ impl LossyPostgres {
     /// Loses replies from now on.
     pub fn start_losing(&self) {
         self.losing.store(true, Ordering::SeqCst);
+    }
+
+    /// Loses the reply to the next `COMMIT` (once).
+    pub fn lose_next_commit(&self) {
+        self.next_commit.store(true, Ordering::SeqCst);
     }
 
     /// Loses nothing from now on.
@@ -123,6 +138,7 @@ async fn link(client: TcpStream, server: TcpStream, rule: Arc<Rule>) {
     let mut pending: Vec<u8> = Vec::new();
     let mut reply: Vec<u8> = Vec::new();
     let mut completed = false;
+    let mut commit = false;
     let mut buf = vec![0u8; 64 * 1024];
     'read: loop {
         let n = match server_read.read(&mut buf).await {
@@ -138,11 +154,14 @@ async fn link(client: TcpStream, server: TcpStream, rule: Arc<Rule>) {
             }
             let message: Vec<u8> = pending.drain(..1 + len).collect();
             match message[0] {
-                b'C' => completed = true,
+                b'C' => {
+                    completed = true;
+                    commit |= message[5..].starts_with(b"COMMIT");
+                }
                 b'Z' => {
                     let idle = message.get(5) == Some(&b'I');
                     reply.extend_from_slice(&message);
-                    if idle && completed && rule.lose() {
+                    if idle && completed && rule.lose(commit) {
                         break 'read;
                     }
                     if client_write.write_all(&reply).await.is_err() {
@@ -150,6 +169,7 @@ async fn link(client: TcpStream, server: TcpStream, rule: Arc<Rule>) {
                     }
                     reply.clear();
                     completed = false;
+                    commit = false;
                     continue;
                 }
                 _ => {}
