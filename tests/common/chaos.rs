@@ -248,9 +248,11 @@ pub async fn store(env: &TestEnv, config: &onejob::config::Config) -> onejob::st
     .unwrap()
 }
 
-/// Waits until no job is queued or running and every confirmed key has a job
-/// (or two minutes pass), restarting workers that exit meanwhile; how long it
-/// took.
+/// Waits until no job is queued or running, every confirmed key has a job and
+/// no outbox row is left unpublished (or two minutes pass), restarting workers
+/// that exit meanwhile; how long it took. (A row whose publisher was killed is
+/// the relay's once its lease is over: the workers must still be running for
+/// it.)
 pub async fn settle(
     store: &onejob::store::Store,
     workers: &mut Workers,
@@ -259,18 +261,21 @@ pub async fn settle(
     let recovery = std::time::Instant::now();
     loop {
         workers.supervise();
-        let (open, jobs): (i64, i64) = sqlx::query_as(
-            "SELECT count(*) FILTER (WHERE status IN ('queued', 'running')), count(*) FROM jobs",
+        let (open, jobs, unpublished): (i64, i64, i64) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE status IN ('queued', 'running')), count(*),
+                    (SELECT count(*) FROM outbox WHERE published_at IS NULL)
+             FROM jobs",
         )
         .fetch_one(store.pool())
         .await
-        .unwrap_or((1, 0));
-        if open == 0 && jobs as usize >= confirmed {
+        .unwrap_or((1, 0, 1));
+        if open == 0 && jobs as usize >= confirmed && unpublished == 0 {
             return recovery.elapsed();
         }
         assert!(
             recovery.elapsed() < Duration::from_secs(120),
-            "not settled after 2 minutes: {open} jobs queued or running, {jobs} jobs for {confirmed} confirmed keys (logs in {})",
+            "not settled after 2 minutes: {open} jobs queued or running, {jobs} jobs for {confirmed} confirmed keys, \
+             {unpublished} outbox rows unpublished (logs in {})",
             workers.log_dir.display()
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
