@@ -48,7 +48,7 @@ impl Rule {
             return false;
         }
         let n = self.committed.fetch_add(1, Ordering::SeqCst) + 1;
-        if n % self.every != 0 {
+        if !n.is_multiple_of(self.every) {
             return false;
         }
         let lost = self.lost.fetch_add(1, Ordering::SeqCst);

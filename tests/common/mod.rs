@@ -8,6 +8,7 @@
 pub mod browser;
 pub mod chaos;
 pub mod console;
+pub mod lossy;
 
 use std::future::Future;
 use std::process::Command;
