@@ -226,9 +226,10 @@ impl Consumer {
 
     /// Settles a finished call through the settle group commit. An answer is
     /// kept until it is settled: while its rows are held under someone else's
-    /// lock it waits and settles again, and before anything could hand its
-    /// delivery back (a stop, a failed flush) the answer is written onto its
-    /// attempt, where the reconciler settles it ([`crate::store::Store::keep_answer`]).
+    /// lock it waits and settles again. The flush has written the answer onto
+    /// its attempt the first time it had to wait, and does before anything
+    /// could hand its delivery back (a failed flush), so that the reconciler
+    /// settles it if this worker stops ([`crate::store::Store::keep_answer`]).
     ///
     /// The answers waiting this way are bounded by the consumer's prefetch
     /// (`attempt_prefetch`): each holds its delivery, so at the bound the
@@ -236,44 +237,21 @@ impl Consumer {
     /// database lets settlements through again.
     async fn settle(&self, started: Started, finished: Finished) -> Result<()> {
         let mut pause = HELD_PAUSE_MIN;
-        let mut kept = false;
         loop {
             let committed = self
                 .settlements
                 .submit((started.clone(), finished.clone()))
                 .await
                 .unwrap_or_else(|| Err("the completer stopped".into()));
-            let why = match committed {
+            match committed {
                 Ok(true) => return Ok(()),
-                Ok(false) => None,
-                Err(e) => Some(e),
-            };
-            if !kept {
-                kept = self.keep(&finished).await;
-            }
-            if let Some(e) = why {
-                return Err(WorkerError::Unsettled(e));
+                Ok(false) => {}
+                Err(e) => return Err(WorkerError::Unsettled(e)),
             }
             if self.pause(&mut pause).await.is_err() {
-                return Err(WorkerError::Unsettled(format!(
-                    "the worker is stopping while this attempt's rows are held; its answer {}",
-                    if kept {
-                        "is kept on the attempt for the reconciler to settle"
-                    } else {
-                        "could not be kept"
-                    }
-                )));
-            }
-        }
-    }
-
-    /// Writes the answer onto its attempt; whether it was kept.
-    async fn keep(&self, finished: &Finished) -> bool {
-        match self.ctx.store.keep_answer(finished).await {
-            Ok(kept) => kept,
-            Err(e) => {
-                tracing::warn!(attempt_id = %finished.attempt_id, error = %e, "could not keep an unsettled answer on its attempt");
-                false
+                return Err(WorkerError::Unsettled(
+                    "the worker is stopping while this attempt's rows are held; its answer is kept on the attempt for the reconciler to settle".into(),
+                ));
             }
         }
     }
@@ -406,24 +384,32 @@ async fn settle(
     let (outcomes, publish) = match settle_all(ctx, shutdown, &finished, &failing).await {
         Ok(settled) => settled,
         Err(e) => {
+            // Their deliveries go back: their answers are kept first.
+            for f in &finished {
+                keep(ctx, f).await;
+            }
             let why = e.to_string();
             return finished.iter().map(|_| Err(why.clone())).collect();
         }
     };
-    let answers = started
-        .iter()
-        .zip(&finished)
-        .zip(outcomes)
-        .map(|((started, finished), outcome)| {
-            log_settled(started, finished, &outcome);
-            crate::metrics::attempt_settled(provider, settled_label(&outcome));
-            match outcome {
-                Settled::Refused { error } => Err(error),
-                Settled::Busy => Ok(false),
-                _ => Ok(true),
+    let mut answers = Vec::with_capacity(finished.len());
+    for ((started, finished), outcome) in started.iter().zip(&finished).zip(outcomes) {
+        log_settled(started, finished, &outcome);
+        crate::metrics::attempt_settled(provider, settled_label(&outcome));
+        answers.push(match outcome {
+            Settled::Refused { error } => {
+                keep(ctx, finished).await;
+                Err(error)
             }
-        })
-        .collect();
+            // Kept here, in the flush, so that it is kept even when its
+            // handler is gone (cut off at the end of a stop).
+            Settled::Busy => {
+                keep(ctx, finished).await;
+                Ok(false)
+            }
+            _ => Ok(true),
+        });
+    }
     // The answers let the acks go at once; the publishes need not hold up the
     // next flush.
     if publish.is_empty() {
@@ -461,6 +447,20 @@ async fn settle_all(
         Ok(ctx.store.finalize(finished, &plan).await?)
     })
     .await
+}
+
+/// Writes an answer that could not be settled now onto its attempt, for the
+/// reconciler to settle if its worker stops first; best effort, logged.
+async fn keep(ctx: &Context, finished: &Finished) {
+    match ctx.store.keep_answer(finished).await {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::warn!(attempt_id = %finished.attempt_id, "an unsettled answer could not be kept: its attempt row is held or no longer open")
+        }
+        Err(e) => {
+            tracing::warn!(attempt_id = %finished.attempt_id, error = %e, "could not keep an unsettled answer on its attempt")
+        }
+    }
 }
 
 fn settled_label(settled: &Settled) -> &'static str {

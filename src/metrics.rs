@@ -106,7 +106,9 @@ pub fn attempt_batch(provider: &str, stage: &'static str, size: usize) {
 }
 
 /// An attempt's outcome was settled: `won`, `discarded`, `failed`, `unknown`,
-/// or `unchanged` when it had been resolved elsewhere meanwhile.
+/// `unchanged` when it had been resolved elsewhere meanwhile, `refused` when
+/// Postgres refused its data, or `busy` when its rows were held (it is
+/// settled again later).
 pub fn attempt_settled(provider: &str, settled: &'static str) {
     counter!(
         "onejob_attempts_settled_total",
