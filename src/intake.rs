@@ -9,7 +9,9 @@
 //! attempts are published (confirmed), the receipts are sent, and the deliveries
 //! are acked. A bad intent is copied to `onejob.intents.dlq` with its reason and
 //! gets a `rejected` receipt. A crash anywhere means a redelivery, which comes out
-//! as a `duplicate` naming the same job.
+//! as a `duplicate` naming the same job. A valid intent at its queue's delivery
+//! limit is first handed on as a fresh copy, so that workers dying while they
+//! hold it never get it dead-lettered ([`hand_on_if_at_limit`]).
 
 use futures_util::future::join_all;
 use lapin::message::Delivery;
@@ -74,6 +76,7 @@ async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
             Err(reason) => rejected.push((delivery, reason)),
         }
     }
+    let valid = hand_on_at_limit(ctx, valid).await;
     let rejections = join_all(
         rejected
             .into_iter()
@@ -100,6 +103,61 @@ async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
         }
     }));
     crate::metrics::timed("intake_answer", answers).await;
+}
+
+/// How many fresh copies of one valid intent are made at most. A valid intent
+/// never crashes a worker, so this bounds only what a bug could make of it.
+pub const MAX_HANDED_ON: u32 = 16;
+
+/// Valid intents at their queue's delivery limit are handed on as fresh copies
+/// instead of being worked on here ([`hand_on_if_at_limit`]); the rest.
+async fn hand_on_at_limit(
+    ctx: &Context,
+    valid: Vec<(Delivery, NewJob)>,
+) -> Vec<(Delivery, NewJob)> {
+    let mut kept = Vec::with_capacity(valid.len());
+    for (delivery, new_job) in valid {
+        if !hand_on_if_at_limit(ctx, &delivery).await {
+            kept.push((delivery, new_job));
+        }
+    }
+    kept
+}
+
+/// A valid intent whose delivery is at the queue's delivery limit would be
+/// dead-lettered by the broker if it came back once more, and RabbitMQ counts
+/// a delivery held by a worker that died (SIGKILL, a lost connection) as one
+/// that came back, though nothing is wrong with the intent. So before any work
+/// on it, such a delivery is handed on: a fresh copy (its delivery count left
+/// behind) is published to the intents queue, confirmed, and this one acked.
+/// The copy is admitted as the original would have been, receipt included.
+/// Invalid intents are never handed on (they are dead-lettered with their
+/// reason), nor one already handed on [`MAX_HANDED_ON`] times. Whether it was
+/// handed on; when the copy cannot be published, the original is worked on.
+pub async fn hand_on_if_at_limit(ctx: &Context, delivery: &Delivery) -> bool {
+    let limit = u64::from(ctx.config.worker.delivery_limit);
+    let headers = delivery.properties.headers().clone().unwrap_or_default();
+    let count = |name: &str| match headers.inner().get(name) {
+        Some(lapin::types::AMQPValue::LongLongInt(n)) => u64::try_from(*n).unwrap_or(0),
+        Some(lapin::types::AMQPValue::LongInt(n)) => u64::try_from(*n).unwrap_or(0),
+        Some(lapin::types::AMQPValue::LongUInt(n)) => u64::from(*n),
+        Some(lapin::types::AMQPValue::ShortInt(n)) => u64::try_from(*n).unwrap_or(0),
+        _ => 0,
+    };
+    let handed_on = u32::try_from(count(runtime::HANDED_ON_HEADER)).unwrap_or(u32::MAX);
+    if limit == 0 || count("x-delivery-count") < limit || handed_on >= MAX_HANDED_ON {
+        return false;
+    }
+    if let Err(e) = ctx.hand_on_intent(delivery, handed_on + 1).await {
+        tracing::warn!(error = %e, "an intent at its delivery limit could not be handed on; working on it as it is");
+        return false;
+    }
+    tracing::info!(message_id = ?delivery.properties.message_id(), handed_on = handed_on + 1, "an intent at its delivery limit was handed on as a fresh copy");
+    crate::metrics::intent_handed_on();
+    if let Err(e) = runtime::ack(delivery).await {
+        tracing::warn!(error = %e, "the original of an intent handed on was not acked; its copy stands");
+    }
+    true
 }
 
 /// Copies an invalid intent to the dead-letter queue with its reason; its

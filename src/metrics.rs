@@ -105,6 +105,11 @@ pub fn attempt_batch(provider: &str, stage: &'static str, size: usize) {
         .record(size as f64);
 }
 
+/// A valid intent at its delivery limit was handed on as a fresh copy.
+pub fn intent_handed_on() {
+    counter!("onejob_intents_handed_on_total").increment(1);
+}
+
 /// An attempt's outcome was settled: `won`, `discarded`, `failed`, `unknown`,
 /// `unchanged` when it had been resolved elsewhere meanwhile, `refused` when
 /// Postgres refused its data, or `busy` when its rows were held (it is

@@ -14,7 +14,7 @@ use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
 use futures_util::future::join_all;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{Connection, message::Delivery};
+use lapin::{BasicProperties, Connection, message::Delivery};
 
 use crate::broker::{self, BrokerError, Publisher};
 use crate::config::Config;
@@ -165,29 +165,62 @@ impl Context {
             broker::DEAD_LETTERED_AT_HEADER.into(),
             AMQPValue::Timestamp(chrono::Utc::now().timestamp().max(0).unsigned_abs()),
         );
-        // The contract's list of what a copy keeps, and nothing else: another
-        // user's `user_id` would make the broker refuse the copy, an `expiration`
-        // would drop it from the dead-letter queue.
-        let original = &delivery.properties;
-        let mut props = broker::json_properties().with_headers(headers);
-        if let Some(v) = original.message_id() {
-            props = props.with_message_id(v.clone());
-        }
-        if let Some(v) = original.correlation_id() {
-            props = props.with_correlation_id(v.clone());
-        }
-        if let Some(v) = original.reply_to() {
-            props = props.with_reply_to(v.clone());
-        }
-        if let Some(v) = original.timestamp() {
-            props = props.with_timestamp(*v);
-        }
+        let props = copied_properties(&delivery.properties, headers);
         self.publisher
             .publish(broker::DLX, queue, &delivery.data, props, true)
             .await?;
         crate::metrics::dead_lettered(queue);
         Ok(())
     }
+
+    /// Publishes a fresh copy of an intent delivery to the intents queue, and
+    /// waits for its confirm: the same body and properties, its delivery count
+    /// left behind, `x-onejob-handed-on` counting the copies made so far.
+    pub async fn hand_on_intent(&self, delivery: &Delivery, handed_on: u32) -> Result<()> {
+        let mut headers = FieldTable::default();
+        if let Some(original) = delivery.properties.headers() {
+            for (k, v) in original.inner() {
+                if k.as_str() != "x-delivery-count" && k.as_str() != HANDED_ON_HEADER {
+                    headers.insert(k.clone(), v.clone());
+                }
+            }
+        }
+        headers.insert(HANDED_ON_HEADER.into(), AMQPValue::LongUInt(handed_on));
+        let props = copied_properties(&delivery.properties, headers);
+        self.publisher
+            .publish(
+                broker::EXCHANGE,
+                broker::INTENTS_KEY,
+                &delivery.data,
+                props,
+                true,
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+/// How many fresh copies of an intent onejob has made ([`Context::hand_on_intent`]).
+pub const HANDED_ON_HEADER: &str = "x-onejob-handed-on";
+
+/// What a copy of a message keeps: the contract's list, and nothing else.
+/// Another user's `user_id` would make the broker refuse the copy, an
+/// `expiration` would drop it from its queue.
+fn copied_properties(original: &BasicProperties, headers: FieldTable) -> BasicProperties {
+    let mut props = broker::json_properties().with_headers(headers);
+    if let Some(v) = original.message_id() {
+        props = props.with_message_id(v.clone());
+    }
+    if let Some(v) = original.correlation_id() {
+        props = props.with_correlation_id(v.clone());
+    }
+    if let Some(v) = original.reply_to() {
+        props = props.with_reply_to(v.clone());
+    }
+    if let Some(v) = original.timestamp() {
+        props = props.with_timestamp(*v);
+    }
+    props
 }
 
 /// Publishes outbox rows with confirms, then marks them published. A row whose

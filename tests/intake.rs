@@ -436,3 +436,89 @@ async fn a_backlog_is_admitted_in_batches_with_every_receipt_right() {
     fleet.stop().await;
     let _ = ctx.connection.close(200, "done".into()).await;
 }
+
+/// Takes the next intent as a worker would, and dies holding it.
+async fn dying(amqp: &lapin::Connection) -> lapin::message::Delivery {
+    let ch = amqp.create_channel().await.unwrap();
+    let got = wait_for("the intent to be delivered", SETTLE, || async {
+        ch.basic_get(
+            broker::INTENTS_QUEUE.into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await
+        .unwrap()
+    })
+    .await;
+    ch.close(200, "worker died".into()).await.unwrap();
+    got.delivery
+}
+
+/// RabbitMQ counts a delivery held by a worker that died as one that came
+/// back: with a delivery limit of 1, two deaths would dead-letter a valid
+/// intent. An intent at its limit is handed on as a fresh copy before any work
+/// on it, so one more death returns the copy to the queue instead, and
+/// nothing valid reaches the dead-letter queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_valid_intent_at_its_delivery_limit_is_handed_on_not_dead_lettered() {
+    let text = config_text("http://127.0.0.1:9/v1", None, "")
+        .replace("[worker]\n", "[worker]\ndelivery_limit = 1\n");
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
+    let producer = Producer::connect_with(
+        &env.amqp_url,
+        onejob_producer::ProducerOptions {
+            delivery_limit: 1,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    producer
+        .publish_only(&intent("acct_limit", "k-limit", "text"))
+        .await
+        .unwrap();
+    let amqp = env.amqp().await;
+    let dlq = format!("{}.dlq", broker::INTENTS_QUEUE);
+
+    // A worker takes it and dies: the broker counts it.
+    dying(&amqp).await;
+    // Redelivered at its limit, to intake: handed on, not worked on.
+    let ch = amqp.create_channel().await.unwrap();
+    let at_limit = wait_for("the redelivery", SETTLE, || async {
+        ch.basic_get(
+            broker::INTENTS_QUEUE.into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await
+        .unwrap()
+    })
+    .await;
+    assert!(onejob::intake::hand_on_if_at_limit(&ctx, &at_limit.delivery).await);
+    // The copy's worker dies too: it comes back, it is not dead-lettered.
+    let copy = dying(&amqp).await;
+    assert_eq!(copy.data, at_limit.delivery.data, "the same intent");
+    let ch = amqp.create_channel().await.unwrap();
+    common::wait_for_depth(
+        "the copy back in its queue",
+        SETTLE,
+        &ch,
+        broker::INTENTS_QUEUE,
+        1,
+    )
+    .await;
+    assert_eq!(
+        common::depth(&ch, &dlq).await,
+        0,
+        "nothing valid dead-lettered"
+    );
+
+    // Worked on by intake, the copy becomes the job.
+    drop(ch);
+    let fleet = env.fleet(config.clone(), vec![Role::Intake]).await;
+    wait_for("the handed-on intent's job", SETTLE, || async {
+        env.store.find_job("acct_limit", "k-limit").await.unwrap()
+    })
+    .await;
+    fleet.stop().await;
+}
