@@ -39,6 +39,7 @@ pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
         prefetch,
         batching,
         &shutdown,
+        |delivery| arrive(&ctx, &shutdown, delivery),
         |batch| {
             let ctx = ctx.clone();
             let shutdown = shutdown.clone();
@@ -76,7 +77,6 @@ async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
             Err(reason) => rejected.push((delivery, reason)),
         }
     }
-    let valid = hand_on_at_limit(ctx, valid).await;
     let rejections = join_all(
         rejected
             .into_iter()
@@ -109,32 +109,24 @@ async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
 /// never crashes a worker, so this bounds only what a bug could make of it.
 pub const MAX_HANDED_ON: u32 = 16;
 
-/// Valid intents at their queue's delivery limit are handed on as fresh copies
-/// instead of being worked on here ([`hand_on_if_at_limit`]); the rest.
-async fn hand_on_at_limit(
-    ctx: &Context,
-    valid: Vec<(Delivery, NewJob)>,
-) -> Vec<(Delivery, NewJob)> {
-    let mut kept = Vec::with_capacity(valid.len());
-    for (delivery, new_job) in valid {
-        if !hand_on_if_at_limit(ctx, &delivery).await {
-            kept.push((delivery, new_job));
-        }
+/// A valid intent at its queue's delivery limit is handed on the moment it
+/// arrives, not when a batch slot frees up (those may all wait for Postgres
+/// meanwhile): [`hand_on_if_at_limit`]. Every other delivery waits for its batch.
+fn arrive(ctx: &Context, shutdown: &Shutdown, delivery: Delivery) -> runtime::Arrival {
+    if handed_on_so_far(ctx, &delivery).is_none() || validate(ctx, &delivery.data).is_err() {
+        return runtime::Arrival::Batch(delivery);
     }
-    kept
+    let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
+    runtime::Arrival::Aside(Box::pin(async move {
+        if !hand_on_if_at_limit(&ctx, &delivery).await {
+            handle(&ctx, &shutdown, vec![delivery]).await;
+        }
+    }))
 }
 
-/// A valid intent whose delivery is at the queue's delivery limit would be
-/// dead-lettered by the broker if it came back once more, and RabbitMQ counts
-/// a delivery held by a worker that died (SIGKILL, a lost connection) as one
-/// that came back, though nothing is wrong with the intent. So before any work
-/// on it, such a delivery is handed on: a fresh copy (its delivery count left
-/// behind) is published to the intents queue, confirmed, and this one acked.
-/// The copy is admitted as the original would have been, receipt included.
-/// Invalid intents are never handed on (they are dead-lettered with their
-/// reason), nor one already handed on [`MAX_HANDED_ON`] times. Whether it was
-/// handed on; when the copy cannot be published, the original is worked on.
-pub async fn hand_on_if_at_limit(ctx: &Context, delivery: &Delivery) -> bool {
+/// How many copies of this intent were handed on so far, when its delivery is
+/// at the queue's delivery limit and another copy may be made; `None` otherwise.
+fn handed_on_so_far(ctx: &Context, delivery: &Delivery) -> Option<u32> {
     let limit = u64::from(ctx.config.worker.delivery_limit);
     let headers = delivery.properties.headers().clone().unwrap_or_default();
     let count = |name: &str| match headers.inner().get(name) {
@@ -145,9 +137,24 @@ pub async fn hand_on_if_at_limit(ctx: &Context, delivery: &Delivery) -> bool {
         _ => 0,
     };
     let handed_on = u32::try_from(count(runtime::HANDED_ON_HEADER)).unwrap_or(u32::MAX);
-    if limit == 0 || count("x-delivery-count") < limit || handed_on >= MAX_HANDED_ON {
+    (limit > 0 && count("x-delivery-count") >= limit && handed_on < MAX_HANDED_ON)
+        .then_some(handed_on)
+}
+
+/// A valid intent whose delivery is at the queue's delivery limit would be
+/// dead-lettered by the broker if it came back once more, and RabbitMQ counts
+/// a delivery held by a worker that died (SIGKILL, a lost connection) as one
+/// that came back, though nothing is wrong with the intent. So before any work
+/// on it, such a delivery is handed on: a fresh copy (its delivery count left
+/// behind) is published to the intents queue, confirmed, and this one acked.
+/// The copy is admitted as the original would have been, receipt included.
+/// Intake hands on only valid intents (an invalid one is dead-lettered with
+/// its reason), and none already handed on [`MAX_HANDED_ON`] times. Whether it was
+/// handed on; when the copy cannot be published, the original is worked on.
+pub async fn hand_on_if_at_limit(ctx: &Context, delivery: &Delivery) -> bool {
+    let Some(handed_on) = handed_on_so_far(ctx, delivery) else {
         return false;
-    }
+    };
     if let Err(e) = ctx.hand_on_intent(delivery, handed_on + 1).await {
         tracing::warn!(error = %e, "an intent at its delivery limit could not be handed on; working on it as it is");
         return false;

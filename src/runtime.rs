@@ -469,10 +469,18 @@ where
         max_batch: 1,
         max_in_flight: usize::from(prefetch.max(1)),
     };
-    consume_batches(ctx, queue, prefetch, batching, shutdown, |mut batch| {
-        // A batch of one: `max_batch` is 1.
-        handle(batch.remove(0))
-    })
+    consume_batches(
+        ctx,
+        queue,
+        prefetch,
+        batching,
+        shutdown,
+        Arrival::Batch,
+        |mut batch| {
+            // A batch of one: `max_batch` is 1.
+            handle(batch.remove(0))
+        },
+    )
     .await
 }
 
@@ -643,15 +651,17 @@ pub struct Batching {
 
 /// Consumes `queue` like [`consume`], but hands `handle` every delivery that is
 /// ready at once (up to `max_batch`), so that one statement can settle them all.
-pub async fn consume_batches<H, Fut>(
+pub async fn consume_batches<H, Fut, A>(
     ctx: &Context,
     queue: &str,
     prefetch: u16,
     batching: Batching,
     shutdown: &Shutdown,
+    arrive: A,
     handle: H,
 ) -> Result<()>
 where
+    A: Fn(Delivery) -> Arrival,
     H: Fn(Vec<Delivery>) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
@@ -666,26 +676,37 @@ where
         )),
     };
     let mut in_flight = tokio::task::JoinSet::new();
+    let mut aside = tokio::task::JoinSet::new();
+    // Deliveries that arrived while every batch slot was taken: at most
+    // `prefetch`, since the broker sends no more unacked ones than that.
+    let mut ready: std::collections::VecDeque<Delivery> = std::collections::VecDeque::new();
+    let max_in_flight = batching.max_in_flight.max(1);
     let outcome = loop {
+        while in_flight.len() < max_in_flight && !ready.is_empty() {
+            let take = ready.len().min(batching.max_batch.max(1));
+            in_flight.spawn(handle(ready.drain(..take).collect()));
+        }
         tokio::select! {
             () = shutdown.wait() => break Ok(()),
-            next = consumer.next(), if in_flight.len() < batching.max_in_flight.max(1) => {
-                let Some(Ok(first)) = next else {
-                    break stopped(next);
-                };
-                let mut batch = vec![first];
+            next = consumer.next() => {
+                let mut next = Some(next);
                 let mut ended = None;
-                while batch.len() < batching.max_batch {
-                    match consumer.next().now_or_never() {
-                        None => break,
-                        Some(Some(Ok(delivery))) => batch.push(delivery),
-                        Some(next) => {
-                            ended = Some(stopped(next));
+                // Every delivery that is there now, each met on arrival.
+                while let Some(got) = next.take() {
+                    match got {
+                        Some(Ok(delivery)) => match arrive(delivery) {
+                            Arrival::Batch(delivery) => ready.push_back(delivery),
+                            Arrival::Aside(work) => {
+                                aside.spawn(work);
+                            }
+                        },
+                        other => {
+                            ended = Some(stopped(other));
                             break;
                         }
                     }
+                    next = consumer.next().now_or_never();
                 }
-                in_flight.spawn(handle(batch));
                 if let Some(end) = ended {
                     break end;
                 }
@@ -702,10 +723,21 @@ where
                     ));
                 }
             }
+            Some(_) = aside.join_next(), if !aside.is_empty() => {}
         }
     };
+    in_flight.spawn(async move { while aside.join_next().await.is_some() {} });
     stop_consumer(ctx, queue, &channel, &consumer, in_flight).await;
     outcome
+}
+
+/// What a consumer does with a delivery the moment it arrives, before it waits
+/// for a batch slot.
+pub enum Arrival {
+    /// Into the next batch.
+    Batch(Delivery),
+    /// Settled by this work, beside the batches.
+    Aside(futures_util::future::BoxFuture<'static, ()>),
 }
 
 /// A channel with `prefetch` and a consumer on `queue`.

@@ -61,26 +61,9 @@ fn success(s: &Started) -> Finished {
     )
 }
 
-/// Settles `batch` as the attempt path does: a settlement that comes back
-/// `Busy` (its rows were held by another transaction, and nothing of it was
-/// written) is settled again, alone, until it is not. What each came to, in
-/// input order.
+/// Settles `batch` as the attempt path does (see [`common::settle_with`]).
 async fn settle(store: &Store, batch: &[Finished]) -> Vec<Settled> {
-    let mut settled = store.finalize(batch, &common::give_up).await.unwrap().0;
-    loop {
-        let busy: Vec<usize> = (0..settled.len())
-            .filter(|&i| settled[i] == Settled::Busy)
-            .collect();
-        if busy.is_empty() {
-            return settled;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-        let again: Vec<Finished> = busy.iter().map(|&i| batch[i].clone()).collect();
-        let outcomes = store.finalize(&again, &common::give_up).await.unwrap().0;
-        for (i, outcome) in busy.into_iter().zip(outcomes) {
-            settled[i] = outcome;
-        }
-    }
+    common::settle_with(store, batch, &common::give_up).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -312,7 +312,7 @@ async fn a_start_never_overwrites_unknown() {
             let (s, b, p) = (store.clone(), barrier.clone(), timed_out(primary));
             tasks.push(tokio::spawn(async move {
                 b.wait().await;
-                s.finalize(&[p], &common::give_up).await.unwrap();
+                common::settle_with(&s, &[p], &common::give_up).await;
                 0
             }));
         }
@@ -563,7 +563,7 @@ async fn a_cancel_never_leaves_a_queued_attempt_behind() {
             );
             tasks.push(tokio::spawn(async move {
                 b.wait().await;
-                st.finalize(&[failed], &retry).await.unwrap();
+                common::settle_with(&st, &[failed], &retry).await;
             }));
         }
         for t in tasks {
@@ -1275,13 +1275,13 @@ async fn a_win_racing_a_timeout_leaves_no_unknown_behind() {
             let (s, b, f) = (store.clone(), barrier.clone(), timed_out(primary));
             tasks.push(tokio::spawn(async move {
                 b.wait().await;
-                s.finalize(&[f], &common::give_up).await.unwrap();
+                common::settle_with(&s, &[f], &common::give_up).await;
             }));
             let (s, b) = (store.clone(), barrier.clone());
             let f = finished(hedge, Verdict::Succeeded(json!({"summary": "s"})));
             tasks.push(tokio::spawn(async move {
                 b.wait().await;
-                s.finalize(&[f], &common::give_up).await.unwrap();
+                common::settle_with(&s, &[f], &common::give_up).await;
             }));
         }
         for t in tasks {

@@ -712,6 +712,33 @@ pub async fn store_env() -> TestEnv {
     TestEnv::new(&config).await
 }
 
+/// Settles `batch` as the attempt path does: a settlement that comes back
+/// `Busy` (its rows were held by another transaction, and nothing of it was
+/// written) is settled again, alone, until it is not. What each came to, in
+/// input order.
+pub async fn settle_with(
+    store: &Store,
+    batch: &[onejob::store::Finished],
+    plan: &(dyn Fn(&onejob::store::FailedJob) -> onejob::store::NextStep + Sync),
+) -> Vec<onejob::store::Settled> {
+    use onejob::store::Settled;
+    let mut settled = store.finalize(batch, plan).await.unwrap().0;
+    loop {
+        let busy: Vec<usize> = (0..settled.len())
+            .filter(|&i| settled[i] == Settled::Busy)
+            .collect();
+        if busy.is_empty() {
+            return settled;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let again: Vec<_> = busy.iter().map(|&i| batch[i].clone()).collect();
+        let outcomes = store.finalize(&again, plan).await.unwrap().0;
+        for (i, outcome) in busy.into_iter().zip(outcomes) {
+            settled[i] = outcome;
+        }
+    }
+}
+
 /// A plan that never retries: the job fails with the attempt's error.
 pub fn give_up(f: &onejob::store::FailedJob) -> onejob::store::NextStep {
     onejob::store::NextStep::GiveUp {
