@@ -118,7 +118,7 @@ fn arrive(ctx: &Context, shutdown: &Shutdown, delivery: Delivery) -> runtime::Ar
     }
     let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
     runtime::Arrival::Aside(Box::pin(async move {
-        if !hand_on_if_at_limit(&ctx, &delivery).await {
+        if !hand_on_if_at_limit(&ctx, &shutdown, &delivery).await {
             handle(&ctx, &shutdown, vec![delivery]).await;
         }
     }))
@@ -151,11 +151,20 @@ fn handed_on_so_far(ctx: &Context, delivery: &Delivery) -> Option<u32> {
 /// Intake hands on only valid intents (an invalid one is dead-lettered with
 /// its reason), and none already handed on [`MAX_HANDED_ON`] times. Whether it was
 /// handed on; when the copy cannot be published, the original is worked on.
-pub async fn hand_on_if_at_limit(ctx: &Context, delivery: &Delivery) -> bool {
+pub async fn hand_on_if_at_limit(ctx: &Context, shutdown: &Shutdown, delivery: &Delivery) -> bool {
     let Some(handed_on) = handed_on_so_far(ctx, delivery) else {
         return false;
     };
-    if let Err(e) = ctx.hand_on_intent(delivery, handed_on + 1).await {
+    // The publishing channel may be healing (the broker just came back, and a
+    // burst of deliveries at their limit with it): wait for it, rather than
+    // hold the delivery through a whole admission.
+    let handed = with_retries(
+        shutdown,
+        "handing on an intent at its delivery limit",
+        || ctx.hand_on_intent(delivery, handed_on + 1),
+    )
+    .await;
+    if let Err(e) = handed {
         tracing::warn!(error = %e, "an intent at its delivery limit could not be handed on; working on it as it is");
         return false;
     }

@@ -732,7 +732,9 @@ where
 }
 
 /// What a consumer does with a delivery the moment it arrives, before it waits
-/// for a batch slot.
+/// for a batch slot. It lives for a moment on the stack: its size is no cost
+/// worth an allocation per delivery.
+#[allow(clippy::large_enum_variant)]
 pub enum Arrival {
     /// Into the next batch.
     Batch(Delivery),

@@ -494,7 +494,14 @@ async fn a_valid_intent_at_its_delivery_limit_is_handed_on_not_dead_lettered() {
         .unwrap()
     })
     .await;
-    assert!(onejob::intake::hand_on_if_at_limit(&ctx, &at_limit.delivery).await);
+    assert!(
+        onejob::intake::hand_on_if_at_limit(
+            &ctx,
+            &onejob::shutdown::Shutdown::new(),
+            &at_limit.delivery
+        )
+        .await
+    );
     // The copy's worker dies too: it comes back, it is not dead-lettered.
     let copy = dying(&amqp).await;
     assert_eq!(copy.data, at_limit.delivery.data, "the same intent");

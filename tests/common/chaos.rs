@@ -71,7 +71,7 @@ impl Workers {
                 .env("DATABASE_URL", &db)
                 .env("AMQP_URL", amqp_url(i))
                 .env("ONEJOB_CONFIG", &cfg)
-                .env("RUST_LOG", "warn,onejob_core::broker=info")
+                .env("RUST_LOG", "warn,onejob_core::broker=info,onejob::intake=info")
                 .stdout(Stdio::null())
                 .stderr(log)
                 .spawn()
