@@ -17,8 +17,7 @@ use futures_util::future::join_all;
 use lapin::message::Delivery;
 
 use crate::broker::{self, INTENTS_QUEUE};
-use crate::domain::{AttemptId, JobId};
-use crate::intent::{Intent, Outcome, Receipt, RejectReason};
+use crate::intent::{Outcome, Receipt, RejectReason};
 use crate::runtime::{self, Context, Result, WorkerError, with_retries};
 use crate::shutdown::Shutdown;
 use crate::store::{Admission, NewJob};
@@ -51,15 +50,7 @@ pub async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
 
 /// Validates an intent body against the contract and the configuration.
 pub fn validate(ctx: &Context, body: &[u8]) -> Result<NewJob, RejectReason> {
-    let intent = Intent::parse(body, ctx.config.worker.max_message_bytes)?;
-    let (_, provider) = ctx.config.admit(&intent)?;
-    Ok(NewJob {
-        job_id: JobId::new(),
-        attempt_id: AttemptId::new(),
-        fingerprint: intent.fingerprint(),
-        intent,
-        provider,
-    })
+    runtime::new_job(&ctx.config, body)
 }
 
 /// Settles a batch of deliveries: the invalid ones are dead-lettered with their

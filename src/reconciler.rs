@@ -12,6 +12,9 @@
 //! - **Lost messages**: `queued` attempts that never started long after their
 //!   message was published are republished, then failed with a reason after
 //!   `max_republish` tries.
+//! - **Dead-lettered valid intents**: an intent the broker dead-lettered for its
+//!   delivery limit although it is valid becomes a job all the same; the letter
+//!   stays for an operator.
 //! - **Dead-lettered attempts**: an attempt whose message died in its
 //!   dead-letter queue (the delivery limit, say) while the attempt was still
 //!   `queued` is marked `failed` with the dead letter's reason, and the route rule
@@ -143,6 +146,9 @@ async fn passes(ctx: Context, shutdown: Shutdown) -> Result<()> {
         }
         if last_scan.elapsed() >= ctx.config.worker.dead_letter_scan {
             last_scan = tokio::time::Instant::now();
+            if let Err(e) = reflect_dead_intents(&ctx).await {
+                tracing::warn!(error = %e, "admitting dead-lettered valid intents failed; will retry");
+            }
             if let Err(e) = reflect_dead_letters(&ctx).await {
                 tracing::warn!(error = %e, "dead-letter scan failed; will retry");
             }
@@ -308,6 +314,41 @@ pub(crate) async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
     let (settled, publish) = ctx.store.fail_queued(&dead, &plan).await?;
     for (attempt, _) in &settled {
         tracing::warn!(attempt_id = %attempt, "attempt's message was dead-lettered: attempt marked failed");
+    }
+    ctx.publish_outbox(&publish).await?;
+    Ok(())
+}
+
+/// Intents the broker dead-lettered for their delivery limit although they
+/// are valid (workers died holding them more often than the limit allows:
+/// RabbitMQ counts a delivery held by a dead consumer as returned) become jobs
+/// all the same: each is admitted as intake would have, and its first attempt
+/// published. A valid intent always ends as a job. The letter stays in
+/// `onejob.intents.dlq`, as every dead letter does, for an operator to look
+/// at; its identity's job answers a replay as a `duplicate`. Browsing returns
+/// every dead letter to its queue.
+pub(crate) async fn reflect_dead_intents(ctx: &Context) -> Result<()> {
+    let queue = crate::broker::dead_letter_queue(crate::broker::INTENTS_QUEUE);
+    let letters = crate::dlq::browse(&ctx.connection, &queue, 256).await?;
+    let valid: Vec<crate::store::NewJob> = letters
+        .iter()
+        .filter(|letter| letter.reason == "delivery_limit")
+        .filter_map(|letter| crate::runtime::new_job(&ctx.config, &letter.body).ok())
+        .collect();
+    if valid.is_empty() {
+        return Ok(());
+    }
+    let admitted = ctx.store.admit(&valid).await?;
+    let mut publish = Vec::new();
+    for (new, admission) in valid.iter().zip(admitted) {
+        if let crate::store::Admission::Created {
+            job_id,
+            publish: message,
+        } = admission
+        {
+            tracing::warn!(%job_id, owner_id = %new.intent.owner_id, "a valid intent the broker dead-lettered for its delivery limit was admitted from {queue}");
+            publish.push(message);
+        }
     }
     ctx.publish_outbox(&publish).await?;
     Ok(())

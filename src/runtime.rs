@@ -18,8 +18,10 @@ use lapin::{BasicProperties, Connection, message::Delivery};
 
 use crate::broker::{self, BrokerError, Publisher};
 use crate::config::Config;
+use crate::domain::{AttemptId, JobId};
+use crate::intent::{Intent, RejectReason};
 use crate::shutdown::Shutdown;
-use crate::store::{OutboxMessage, Routes, Store, StoreError};
+use crate::store::{NewJob, OutboxMessage, Routes, Store, StoreError};
 
 /// A worker failure.
 #[derive(Debug, thiserror::Error)]
@@ -198,6 +200,20 @@ impl Context {
             .await?;
         Ok(())
     }
+}
+
+/// Validates an intent body against the contract and the configuration, and
+/// makes the job it would become.
+pub fn new_job(config: &Config, body: &[u8]) -> std::result::Result<NewJob, RejectReason> {
+    let intent = Intent::parse(body, config.worker.max_message_bytes)?;
+    let (_, provider) = config.admit(&intent)?;
+    Ok(NewJob {
+        job_id: JobId::new(),
+        attempt_id: AttemptId::new(),
+        fingerprint: intent.fingerprint(),
+        intent,
+        provider,
+    })
 }
 
 /// How many fresh copies of an intent onejob has made ([`Context::hand_on_intent`]).

@@ -73,7 +73,7 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
     let url = primary.base_url();
     let text = config_for(&[P("primary", &url, "timeout = \"2s\"")], "").replace(
         "[worker]\n",
-        "[worker]\nstuck_after = \"5s\"\nmax_republish = 5\nintake_prefetch = 64\ndelivery_limit = 1\n",
+        "[worker]\nstuck_after = \"5s\"\nmax_republish = 5\nintake_prefetch = 64\ndelivery_limit = 1\ndead_letter_scan = \"2s\"\n",
     );
     let (config, file) = config(&text);
     let env = TestEnv::new(&config).await;

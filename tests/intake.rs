@@ -529,3 +529,61 @@ async fn a_valid_intent_at_its_delivery_limit_is_handed_on_not_dead_lettered() {
     .await;
     fleet.stop().await;
 }
+
+/// Should a valid intent be dead-lettered by the broker all the same (its
+/// workers died holding it more often than the limit allows), the reconciler
+/// admits it from the dead-letter queue: it ends as a job. The letter stays
+/// for an operator, as every dead letter does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_valid_intent_the_broker_dead_lettered_still_ends_as_a_job() {
+    let text = config_text("http://127.0.0.1:9/v1", None, "").replace(
+        "[worker]\n",
+        "[worker]\ndelivery_limit = 1\ndead_letter_scan = \"200ms\"\n",
+    );
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
+    drop(ctx);
+    let producer = Producer::connect_with(
+        &env.amqp_url,
+        onejob_producer::ProducerOptions {
+            delivery_limit: 1,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    producer
+        .publish_only(&intent("acct_dead", "k-dead", "text"))
+        .await
+        .unwrap();
+    // Two workers die holding it: the broker dead-letters it.
+    let amqp = env.amqp().await;
+    dying(&amqp).await;
+    dying(&amqp).await;
+    let ch = amqp.create_channel().await.unwrap();
+    let dlq = format!("{}.dlq", broker::INTENTS_QUEUE);
+    common::wait_for_depth("the intent dead-lettered", SETTLE, &ch, &dlq, 1).await;
+
+    let fleet = env.fleet(config.clone(), vec![Role::Reconciler]).await;
+    let job = wait_for("the dead-lettered intent's job", SETTLE, || async {
+        env.store.find_job("acct_dead", "k-dead").await.unwrap()
+    })
+    .await;
+    assert_eq!(job.attempts.len(), 1);
+    // Its first attempt was published, and the letter is still there.
+    common::wait_for_depth(
+        "its first attempt's message",
+        SETTLE,
+        &ch,
+        &broker::attempts_queue("primary"),
+        1,
+    )
+    .await;
+    assert_eq!(
+        common::depth(&ch, &dlq).await,
+        1,
+        "the letter stays for an operator"
+    );
+    fleet.stop().await;
+}
