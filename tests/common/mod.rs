@@ -8,6 +8,7 @@
 pub mod browser;
 pub mod chaos;
 pub mod console;
+pub mod database;
 pub mod lossy;
 
 use std::future::Future;
