@@ -37,19 +37,8 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
     );
     let (config, _file) = config(&text);
     let env = TestEnv::new(&config).await;
-    env.store
-        .pool()
-        .execute(sqlx::AssertSqlSafe(format!(
-            "ALTER DATABASE {} SET lock_timeout = '300ms'",
-            env.name
-        )))
-        .await
-        .unwrap();
-    let server = common::pg_base()
-        .rsplit('@')
-        .next()
-        .expect("a host")
-        .to_owned();
+    common::database::set_lock_timeout(&env).await;
+    let server = common::database::pg_server();
     let lossy = common::lossy::LossyPostgres::to(&server, 20, u64::MAX).await;
     let mut fleets = Vec::new();
     for _ in 0..3 {

@@ -153,14 +153,7 @@ async fn held_job_rows_under_a_lock_timeout_lose_no_answer_and_hold_up_no_neighb
         "",
     ));
     let env = TestEnv::new(&config).await;
-    env.store
-        .pool()
-        .execute(sqlx::AssertSqlSafe(format!(
-            "ALTER DATABASE {} SET lock_timeout = '300ms'",
-            env.name
-        )))
-        .await
-        .unwrap();
+    common::database::set_lock_timeout(&env).await;
     let fleet = env.fleet(config.clone(), vec![]).await;
     let producer = Arc::new(Producer::connect(&env.amqp_url).await.unwrap());
 

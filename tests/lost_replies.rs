@@ -93,12 +93,7 @@ async fn replies_lost_after_commits_leave_no_attempt_without_its_call() {
         "",
     ));
     let env = TestEnv::new(&config).await;
-    let pg = common::pg_base();
-    let server = pg
-        .rsplit('@')
-        .next()
-        .expect("a host in the Postgres URL")
-        .to_owned();
+    let server = common::database::pg_server();
     // One committed reply in 8 is lost, 50 in all.
     let lossy = common::lossy::LossyPostgres::to(&server, 8, 50).await;
     let ctx =
@@ -163,8 +158,7 @@ async fn replies_lost_after_commits_leave_no_attempt_without_its_call() {
 async fn a_worker_starts_through_replies_lost_at_its_start() {
     let (config, _file) = config(&common::config_text("http://127.0.0.1:9/v1", None, ""));
     let env = TestEnv::new(&config).await;
-    let admin = common::pg_base();
-    let server = admin.rsplit('@').next().expect("a host").to_owned();
+    let server = common::database::pg_server();
     // A fresh database: the worker creates and migrates it through the fault.
     let name = format!("{}_lossy", env.name);
     let _dropped = DropDatabase(name.clone());
@@ -200,11 +194,7 @@ async fn an_operator_action_whose_commit_reply_was_lost_is_reported_done() {
         ..success(&jobs[0])
     };
     env.store.finalize(&[unknown], &give_up).await.unwrap();
-    let server = common::pg_base()
-        .rsplit('@')
-        .next()
-        .expect("a host")
-        .to_owned();
+    let server = common::database::pg_server();
     let lossy = common::lossy::LossyPostgres::to(&server, 1, 0).await;
     let (config, _file) = config(&common::config_text("http://127.0.0.1:9/v1", None, ""));
     let store = Store::connect(

@@ -66,9 +66,9 @@ pub fn give_up(f: &onejob::store::FailedJob) -> onejob::store::NextStep {
     super::give_up(f)
 }
 
-/// Sets a `lock_timeout` on the test's database, as a production role or
-/// database often has, and connects a store whose sessions have it.
-pub async fn with_lock_timeout(env: &TestEnv) -> Store {
+/// Sets a `lock_timeout` of 300 ms on the test's database, as a production
+/// role or database often has: sessions opened from now on have it.
+pub async fn set_lock_timeout(env: &TestEnv) {
     env.store
         .pool()
         .execute(sqlx::AssertSqlSafe(format!(
@@ -77,6 +77,21 @@ pub async fn with_lock_timeout(env: &TestEnv) -> Store {
         )))
         .await
         .unwrap();
+}
+
+/// `host:port` of the test Postgres, for a proxy in front of it.
+pub fn pg_server() -> String {
+    super::pg_base()
+        .rsplit('@')
+        .next()
+        .expect("a host in the Postgres URL")
+        .to_owned()
+}
+
+/// Sets a `lock_timeout` on the test's database ([`set_lock_timeout`]) and
+/// connects a store whose sessions have it.
+pub async fn with_lock_timeout(env: &TestEnv) -> Store {
+    set_lock_timeout(env).await;
     let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
     Store::connect(
         &env.database_url,
