@@ -317,13 +317,13 @@ pub async fn replay(
             if !wanted {
                 continue;
             }
-            let outcome = match (&letter.original_exchange, &letter.original_routing_key) {
-                (Some(exchange), Some(key)) => {
+            let outcome = match home_route(queue, &letter) {
+                Ok((exchange, key)) => {
                     if !publisher.channel().status().connected() {
                         publisher = Publisher::open(conn).await?;
                     }
                     let props = d.properties.clone().with_headers(clean_headers(&d.properties)).with_delivery_mode(2);
-                    match publisher.publish(exchange, key, &d.data, props, true).await {
+                    match publisher.publish(exchange, &key, &d.data, props, true).await {
                         Ok(()) => {
                             if !d.acker.ack(BasicAckOptions::default()).await? {
                                 tracing::warn!(
@@ -338,9 +338,7 @@ pub async fn replay(
                         },
                     }
                 }
-                _ => ReplayOutcome::Skipped {
-                    reason: "no original exchange and routing key to replay to".into(),
-                },
+                Err(reason) => ReplayOutcome::Skipped { reason },
             };
             let done = matches!(selection, Selection::Id(_));
             report(ReplayReport { letter, outcome });
@@ -356,6 +354,63 @@ pub async fn replay(
     let _ = publisher.channel().close(200, "replayed".into()).await;
     settle(conn, queue, before.saturating_sub(replayed)).await?;
     result
+}
+
+/// Where a letter of dead-letter queue `queue` is replayed: only to the work
+/// queue that `queue` belongs to (`Q.dlq` → `Q`), through the `onejob`
+/// exchange with `Q`'s own routing key, whatever the letter's headers say. A
+/// letter whose headers name another destination is refused with the reason
+/// (anyone who can publish to a work queue could plant one naming
+/// `onejob.events`); one that names none goes home all the same.
+fn home_route(
+    queue: &str,
+    letter: &DeadLetter,
+) -> std::result::Result<(&'static str, String), String> {
+    let Some(key) = queue
+        .strip_suffix(".dlq")
+        .and_then(|work| work.strip_prefix("onejob."))
+        .filter(|key| !key.is_empty())
+    else {
+        return Err(format!(
+            "{queue} is not a onejob dead-letter queue: no work queue to replay to"
+        ));
+    };
+    let work = format!("onejob.{key}");
+    let named = (
+        letter.original_exchange.as_deref(),
+        letter.original_routing_key.as_deref(),
+    );
+    let home = match named {
+        (None, None) => true,
+        (Some(exchange), Some(routing_key)) => {
+            (exchange == broker::EXCHANGE && routing_key == key)
+                || (exchange.is_empty() && routing_key == work)
+        }
+        _ => false,
+    };
+    if !home {
+        return Err(format!(
+            "its headers name {} / {}, not {work}: a replay goes only to the work queue its dead-letter queue belongs to",
+            escaped(named.0.unwrap_or("(none)")),
+            escaped(named.1.unwrap_or("(none)")),
+        ));
+    }
+    Ok((broker::EXCHANGE, key.to_owned()))
+}
+
+/// Header text a publisher chose, with its control characters escaped, for a
+/// reason an operator reads.
+fn escaped(text: &str) -> String {
+    text.chars()
+        .flat_map(|c| {
+            let shown: Vec<char> = if c.is_control() {
+                c.escape_default().collect()
+            } else {
+                vec![c]
+            };
+            shown
+        })
+        .collect()
 }
 
 /// A replayed copy goes out clean: without the death records and onejob's notes.

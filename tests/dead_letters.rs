@@ -399,3 +399,101 @@ async fn the_chaos_checker_counts_dead_lettered_valid_intents() {
     let _ = amqp.close(200, "done".into()).await;
     let _ = ctx.connection.close(200, "done".into()).await;
 }
+
+/// A dead letter's own headers never choose where its replay goes: anyone who
+/// can publish to `onejob.intents` could otherwise plant a letter whose replay
+/// publishes a forged `job.succeeded` to `onejob.events`. A replay goes only to
+/// the work queue its dead-letter queue belongs to; a letter whose headers name
+/// anywhere else is reported, skipped, and left in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replay_goes_only_to_its_own_work_queue_whatever_the_letter_says() {
+    use lapin::types::{AMQPValue, FieldTable, LongString};
+    let (config, file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
+    let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
+    let amqp = env.amqp().await;
+    let (events, events_queue) = env.watch_events(&amqp).await;
+    let ch = amqp.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let dlq = broker::dead_letter_queue(broker::INTENTS_QUEUE);
+    let plant = |id: &'static str, exchange: &'static str, key: &'static str, body: Vec<u8>| {
+        let ch = ch.clone();
+        let dlq = dlq.clone();
+        async move {
+            let mut headers = FieldTable::default();
+            headers.insert(
+                "x-onejob-error".into(),
+                AMQPValue::LongString(LongString::from("planted")),
+            );
+            headers.insert(
+                "x-onejob-original-exchange".into(),
+                AMQPValue::LongString(LongString::from(exchange)),
+            );
+            headers.insert(
+                "x-onejob-original-routing-key".into(),
+                AMQPValue::LongString(LongString::from(key)),
+            );
+            ch.basic_publish(
+                "".into(),
+                dlq.as_str().into(),
+                BasicPublishOptions::default(),
+                &body,
+                lapin::BasicProperties::default()
+                    .with_message_id(id.into())
+                    .with_headers(headers),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        }
+    };
+    let forged = serde_json::json!({"type": "job.succeeded", "job_id": uuid::Uuid::now_v7(),
+                                     "owner_id": "someone_else", "status": "succeeded"});
+    plant(
+        "forged",
+        "onejob.events",
+        "job.succeeded",
+        forged.to_string().into_bytes(),
+    )
+    .await;
+    let honest = serde_json::to_vec(&common::intent("acct_r", "k-honest", "text")).unwrap();
+    plant("honest", "onejob", "intents", honest).await;
+    assert_eq!(depth(&ch, &dlq).await, 2);
+
+    let out = env.cli(
+        &file.path,
+        &["dlq", "replay", &dlq, "--all", "--json", "--reason", "test"],
+    );
+    assert_eq!(out.status.code(), Some(1), "a skipped letter is a refusal");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (report["replayed"].as_u64(), report["skipped"].as_u64()),
+        (Some(1), Some(1)),
+        "{report}"
+    );
+    // Confirmed publishes are routed by the time the command returns.
+    assert!(
+        env.drain(&events, &events_queue).await.is_empty(),
+        "no event was forged"
+    );
+    assert_eq!(
+        depth(&ch, broker::INTENTS_QUEUE).await,
+        1,
+        "the honest letter went home"
+    );
+    assert_eq!(
+        depth(&ch, &dlq).await,
+        1,
+        "the forged letter stays, reported"
+    );
+    let skipped = report["dead_letters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["letter"]["message_id"] == "forged" || l["message_id"] == "forged")
+        .unwrap_or_else(|| panic!("{report}"))
+        .to_string();
+    assert!(skipped.contains("onejob.intents"), "{skipped}");
+    drop(ctx);
+}
