@@ -76,6 +76,10 @@ impl Client {
     /// stack cannot be set up.
     pub(crate) fn new(provider: Provider) -> Result<Client, CallError> {
         let http = reqwest::Client::builder()
+            // A redirect would re-send the prompt (tenant data) wherever the
+            // provider's answer points, across schemes too: none is followed,
+            // and a 3xx answer is a definite failure like any other error.
+            .redirect(reqwest::redirect::Policy::none())
             .timeout(provider.timeout)
             .connect_timeout(provider.timeout.min(Duration::from_secs(10)))
             .pool_max_idle_per_host(provider.concurrency as usize)
