@@ -101,6 +101,7 @@ struct RawWorker {
     max_republish: Option<u32>,
     dead_letter_scan: Option<String>,
     outbox_retention: Option<String>,
+    reply_queues: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -183,6 +184,9 @@ pub struct WorkerSettings {
     /// How long a published outbox row is kept (a redelivered intent finds the
     /// first attempt's row within it) before the reconciler deletes it.
     pub outbox_retention: Duration,
+    /// Named queues an intent's `reply_to` may name for its receipt, besides
+    /// direct reply-to (`amq.rabbitmq.reply-to`), which is always allowed.
+    pub reply_queues: Vec<String>,
 }
 
 impl Default for WorkerSettings {
@@ -205,6 +209,7 @@ impl Default for WorkerSettings {
             max_republish: 3,
             dead_letter_scan: Duration::from_secs(30),
             outbox_retention: Duration::from_secs(3600),
+            reply_queues: Vec::new(),
         }
     }
 }
@@ -491,6 +496,41 @@ fn check_route(
     Ok(())
 }
 
+/// `worker.reply_queues`: queue names a publisher's own service reads, never
+/// one of onejob's (`onejob.…`) nor the broker's (`amq.…`): a receipt there
+/// would be a message forged into another consumer's queue.
+fn reply_queues(origin: &str, names: &[String]) -> Result<Vec<String>> {
+    for name in names {
+        if name.is_empty() || name.len() > 255 {
+            return Err(invalid(
+                origin,
+                "worker.reply_queues",
+                format!("{name:?}: a queue name is 1 to 255 bytes"),
+            ));
+        }
+        if name.starts_with("onejob") || name.starts_with("amq.") {
+            return Err(invalid(
+                origin,
+                "worker.reply_queues",
+                format!(
+                    "{name:?} is onejob's or the broker's own queue; receipts may not go there"
+                ),
+            ));
+        }
+    }
+    Ok(names.to_vec())
+}
+
+impl WorkerSettings {
+    /// Whether a receipt may be published to `reply_to`: direct reply-to, or
+    /// a queue `reply_queues` names.
+    pub fn reply_allowed(&self, reply_to: &str) -> bool {
+        reply_to == "amq.rabbitmq.reply-to"
+            || reply_to.starts_with("amq.rabbitmq.reply-to.")
+            || self.reply_queues.iter().any(|q| q == reply_to)
+    }
+}
+
 fn invalid(origin: &str, setting: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         origin: origin.to_owned(),
@@ -674,6 +714,7 @@ impl Config {
                 &w.outbox_retention,
                 defaults.outbox_retention,
             )?,
+            reply_queues: reply_queues(origin, w.reply_queues.as_deref().unwrap_or_default())?,
         };
         if worker.batch_size > MAX_BATCH_SIZE {
             return Err(invalid(
@@ -1267,6 +1308,14 @@ mod tests {
             (
                 "intake_prefetch = 70000",
                 "worker.intake_prefetch: must be at most 65535",
+            ),
+            (
+                "reply_queues = [\"onejob.attempts.primary\"]",
+                "worker.reply_queues: \"onejob.attempts.primary\" is onejob's or the broker's own queue",
+            ),
+            (
+                "reply_queues = [\"\"]",
+                "worker.reply_queues: \"\": a queue name is 1 to 255 bytes",
             ),
         ] {
             let err = Config::parse(&with(bad), "t").unwrap_err().to_string();

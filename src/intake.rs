@@ -63,7 +63,9 @@ async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
     let mut valid = Vec::with_capacity(batch.len());
     let mut rejected = Vec::new();
     for delivery in batch {
-        match validate(ctx, &delivery.data) {
+        match validate(ctx, &delivery.data)
+            .and_then(|new_job| refused_reply_to(ctx, &delivery).map_or(Ok(new_job), Err))
+        {
             Ok(new_job) => valid.push((delivery, new_job)),
             Err(reason) => rejected.push((delivery, reason)),
         }
@@ -297,6 +299,17 @@ pub async fn admit_rows(
 }
 
 /// Publishes the receipt to the intent's `reply_to`, if it asked for one.
+/// A `reply_to` that names a queue receipts may not go to: the receipt would
+/// be published there with the worker's own broker permissions, so a publisher
+/// could drop forged messages into another service's queue or into onejob's.
+fn refused_reply_to(ctx: &Context, delivery: &Delivery) -> Option<RejectReason> {
+    let reply_to = delivery.properties.reply_to().as_ref()?;
+    (!ctx.config.worker.reply_allowed(reply_to.as_str()))
+        .then(|| RejectReason::ReplyToRefused(reply_to.to_string()))
+}
+
+/// Publishes the receipt to the delivery's `reply_to`, if it asked for one
+/// where receipts may go ([`refused_reply_to`]).
 async fn send_receipt(
     ctx: &Context,
     shutdown: &Shutdown,
@@ -306,6 +319,9 @@ async fn send_receipt(
     let Some(reply_to) = delivery.properties.reply_to() else {
         return Ok(());
     };
+    if refused_reply_to(ctx, delivery).is_some() {
+        return Ok(());
+    }
     let body = serde_json::to_vec(receipt).unwrap_or_default();
     let mut props = broker::json_properties();
     if let Some(id) = delivery.properties.correlation_id() {

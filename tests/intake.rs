@@ -587,3 +587,79 @@ async fn a_valid_intent_the_broker_dead_lettered_still_ends_as_a_job() {
     );
     fleet.stop().await;
 }
+
+/// Receipts go only to direct reply-to or a queue `worker.reply_queues` names:
+/// a publisher naming another queue (onejob's own attempts queue, another
+/// service's) would otherwise have the worker publish a message of its choice
+/// there with the worker's own permissions. Such an intent is dead-lettered
+/// with the reason and gets no receipt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn receipts_go_only_to_direct_reply_to_or_an_allowed_queue() {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
+    let text = config_text("http://127.0.0.1:9/v1", None, "")
+        .replace("[worker]\n", "[worker]\nreply_queues = [\"svc.replies\"]\n");
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![Role::Intake]).await;
+    let amqp = env.amqp().await;
+    let ch = amqp.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    ch.queue_declare(
+        "svc.replies".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let attempts = broker::attempts_queue("primary");
+    for (key, reply_to) in [
+        ("k-forged", attempts.as_str()),
+        ("k-allowed", "svc.replies"),
+    ] {
+        let body = serde_json::to_vec(&intent("acct_reply", key, "text")).unwrap();
+        ch.basic_publish(
+            broker::EXCHANGE.into(),
+            broker::INTENTS_KEY.into(),
+            BasicPublishOptions::default(),
+            &body,
+            broker::json_properties()
+                .with_reply_to(reply_to.into())
+                .with_correlation_id(key.into()),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    let dlq = format!("{}.dlq", broker::INTENTS_QUEUE);
+    let letter = wait_for_messages(&env, &ch, &dlq).await.remove(0);
+    let headers = letter.properties.headers().clone().unwrap_or_default();
+    let error = header_str(&headers, broker::ERROR_HEADER).unwrap_or_default();
+    assert!(error.starts_with("reply_to_refused"), "{error}");
+    let receipt = wait_for_messages(&env, &ch, "svc.replies").await.remove(0);
+    assert_eq!(
+        receipt
+            .properties
+            .correlation_id()
+            .as_ref()
+            .map(|c| c.as_str()),
+        Some("k-allowed")
+    );
+    // The attempts queue holds the allowed intent's first attempt, and no receipt.
+    let held = wait_for_messages(&env, &ch, &attempts).await;
+    assert_eq!(held.len(), 1);
+    assert_eq!(
+        held[0].properties.correlation_id(),
+        &None,
+        "no receipt in onejob's queue"
+    );
+    assert!(
+        env.store
+            .find_job("acct_reply", "k-forged")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    fleet.stop().await;
+}

@@ -126,6 +126,12 @@ pub enum RejectReason {
         /// The operation.
         operation: String,
     },
+    /// The `reply_to` property names a queue receipts may not go to: only
+    /// direct reply-to and the queues the configuration allows.
+    #[error(
+        "reply_to_refused: {0:?} is neither direct reply-to (amq.rabbitmq.reply-to) nor a queue in worker.reply_queues"
+    )]
+    ReplyToRefused(String),
 }
 
 /// Where the gateway takes a field from instead of the body.
