@@ -346,6 +346,20 @@ impl std::fmt::Debug for Operation {
     }
 }
 
+/// The longest contract-violation text kept, in characters: the schema's
+/// message quotes the offending value, which can be megabytes, and the text is
+/// stored on the attempt and logged.
+const VIOLATION_CHARS: usize = 500;
+
+/// `text` cut to [`VIOLATION_CHARS`], with `…` where it was cut.
+fn bounded(text: &str) -> String {
+    let mut out: String = text.chars().take(VIOLATION_CHARS).collect();
+    if text.chars().nth(VIOLATION_CHARS).is_some() {
+        out.push('…');
+    }
+    out
+}
+
 /// Why an answer does not honour the operation's output contract.
 #[derive(Debug, thiserror::Error)]
 pub enum ContractViolation {
@@ -381,14 +395,16 @@ impl Operation {
     /// Checks an answer's content against `output_schema` and returns it parsed.
     pub fn check_output(&self, content: &str) -> Result<Value, ContractViolation> {
         let value: Value = serde_json::from_str(content.trim())
-            .map_err(|e| ContractViolation::NotJson(e.to_string()))?;
+            .map_err(|e| ContractViolation::NotJson(bounded(&e.to_string())))?;
         if crate::intent::has_nul(&value) {
             return Err(ContractViolation::Nul);
         }
         if let Some(error) = self.validator.iter_errors(&value).next() {
             let path = error.instance_path().to_string();
             let at = if path.is_empty() { "/" } else { &path };
-            return Err(ContractViolation::Schema(format!("at {at}: {error}")));
+            return Err(ContractViolation::Schema(bounded(&format!(
+                "at {at}: {error}"
+            ))));
         }
         Ok(value)
     }
@@ -1440,5 +1456,23 @@ mod tests {
         );
         let e = op.check_output(r#"{"summary":7}"#).unwrap_err().to_string();
         assert!(e.contains("/summary"), "{e}");
+    }
+
+    #[test]
+    fn a_contract_violation_names_the_offending_value_in_a_bounded_excerpt() {
+        let c = Config::parse(EMBEDDED_DEFAULT, "t").unwrap();
+        let op = &c.operations["summarize"];
+        let huge = format!(r#"{{"summary":[{}1]}}"#, "1,".repeat(500_000));
+        let e = op.check_output(&huge).unwrap_err().to_string();
+        assert!(
+            e.starts_with("contract_violation: at /summary"),
+            "{}",
+            &e[..100]
+        );
+        assert!(e.len() <= 600, "{} bytes", e.len());
+        assert!(e.ends_with('…'), "cut, and says so");
+        let extra = format!(r#"{{"summary":"s","{}":1}}"#, "k".repeat(100_000));
+        let e = op.check_output(&extra).unwrap_err().to_string();
+        assert!(e.len() <= 600, "{} bytes", e.len());
     }
 }
