@@ -218,7 +218,7 @@ fn judge(
         })?;
     Ok(Answer {
         content,
-        request_id: completion.id.map(|id| storable(&id)),
+        request_id: completion.id.map(|id| request_id(&id)),
         usage,
     })
 }
@@ -227,6 +227,33 @@ fn judge(
 /// U+FFFD.
 pub(crate) fn storable(text: &str) -> String {
     text.replace('\0', "\u{FFFD}")
+}
+
+/// A provider's diagnostic text (an error excerpt) as onejob keeps it:
+/// storable, and with every other control character escaped (`\u{1b}`), so
+/// that no provider can clear an operator's screen, write their clipboard
+/// (OSC 52) or forge a log line wherever the text is shown or logged.
+pub(crate) fn shown(text: &str) -> String {
+    storable(text)
+        .chars()
+        .flat_map(|c| {
+            let kept: Vec<char> = if c.is_control() {
+                c.escape_unicode().collect()
+            } else {
+                vec![c]
+            };
+            kept
+        })
+        .collect()
+}
+
+/// The longest provider request id kept, in characters.
+const REQUEST_ID_CHARS: usize = 255;
+
+/// A provider's response id as onejob keeps it: [`shown`], and at most
+/// [`REQUEST_ID_CHARS`] characters.
+fn request_id(id: &str) -> String {
+    shown(id).chars().take(REQUEST_ID_CHARS).collect()
 }
 
 /// A JSON value as Postgres can store it in `jsonb`: NUL in any string or key
@@ -275,11 +302,11 @@ fn without_url(e: &reqwest::Error) -> String {
         text.push_str(&s.to_string());
         source = s.source();
     }
-    storable(&text)
+    shown(&text)
 }
 
 fn excerpt(bytes: &[u8]) -> String {
-    let text = storable(&String::from_utf8_lossy(bytes));
+    let text = shown(&String::from_utf8_lossy(bytes));
     let mut out: String = text.chars().take(200).collect();
     if text.chars().count() > 200 {
         out.push('…');
@@ -338,5 +365,27 @@ mod tests {
         assert_eq!(usage, json!({"k\u{FFFD}": ["v\u{FFFD}"]}));
         assert!(has_nul(&json!({"a": [1, {"b\u{0}": 2}]})));
         assert!(!has_nul(&json!({"a": "\\u0000 spelled out"})));
+    }
+
+    #[test]
+    fn provider_text_reaches_no_terminal_or_log_raw_and_its_request_id_is_bounded() {
+        let p = provider();
+        let hostile = "x\u{1b}]52;c;aGk=\u{7}\u{1b}[2J\r\nINFO forged line";
+        let e = judge(&p, 500, None, hostile.as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert!(!e.chars().any(char::is_control), "{e:?}");
+        assert!(
+            e.contains("\\u{1b}]52") && e.contains("\\u{a}INFO forged line"),
+            "{e}"
+        );
+        let body = json!({
+            "id": format!("{hostile}{}", "i".repeat(10_000)),
+            "choices": [{"message": {"content": "{}"}}],
+        });
+        let answer = judge(&p, 200, None, body.to_string().as_bytes()).unwrap();
+        let id = answer.request_id.unwrap();
+        assert!(!id.chars().any(char::is_control), "{id:?}");
+        assert_eq!(id.chars().count(), 255);
     }
 }
