@@ -506,41 +506,9 @@ struct PublicError {
 }
 
 impl PublicError {
-    /// The owner's view of a stored error. Stored errors start with their code
-    /// (`provider_error: HTTP 401: …`); an unknown code is shown as `failed`.
+    /// The owner's view of a stored error ([`onejob::domain::public_error`]).
     fn of(stored: &str) -> PublicError {
-        let code = stored.split(':').next().unwrap_or_default().trim();
-        let (code, message) = match code {
-            "provider_error" => ("provider_error", "the provider refused the request"),
-            "provider_unreachable" => ("provider_unreachable", "the provider could not be reached"),
-            "contract_violation" => (
-                "contract_violation",
-                "the provider's answer did not match the operation's output schema",
-            ),
-            "outcome_unknown" => (
-                "outcome_unknown",
-                "a provider call ended without a known outcome",
-            ),
-            "template_error" => (
-                "template_error",
-                "the input does not fit the operation's prompt",
-            ),
-            "no_qualified_provider" => (
-                "no_qualified_provider",
-                "no provider qualified for this operation was left to try",
-            ),
-            "attempt_lost" | "dead_lettered" => (
-                "attempt_lost",
-                "an attempt could not be delivered to its provider",
-            ),
-            "unknown_operation" => ("unknown_operation", "the operation is no longer configured"),
-            "resolved_failed" => (
-                "resolved_failed",
-                "an operator ended the job's last attempt as failed",
-            ),
-            "cancelled" => ("cancelled", "the job was cancelled"),
-            _ => ("failed", "the job failed"),
-        };
+        let (code, message) = onejob::domain::public_error(stored);
         PublicError { code, message }
     }
 }

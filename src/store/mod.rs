@@ -548,7 +548,11 @@ struct JobEvent<'a> {
     status: &'static str,
     completed_by: Option<AttemptId>,
     result: Option<&'a Value>,
-    error: Option<&'a str>,
+    /// Its stable code and onejob's own message
+    /// ([`crate::domain::public_error`]): an event goes to every subscriber,
+    /// and a provider's error text (which may quote keys or tenant data) is
+    /// for operators only.
+    error: Option<String>,
     occurred_at: DateTime<Utc>,
 }
 
@@ -624,7 +628,10 @@ impl Ended {
             status: self.status.as_str(),
             completed_by: self.completed_by,
             result: self.result.as_ref(),
-            error: self.error.as_deref(),
+            error: self.error.as_deref().map(|stored| {
+                let (code, message) = crate::domain::public_error(stored);
+                format!("{code}: {message}")
+            }),
             occurred_at: Utc::now(),
         })
     }

@@ -1245,6 +1245,28 @@ mod tests {
         }
     }
 
+    #[test]
+    fn an_event_says_no_more_than_the_gateway_of_why_a_job_failed() {
+        let draft = Ended {
+            job_id: JobId::new(),
+            version: 3,
+            owner_id: "acct".into(),
+            idempotency_key: "k".into(),
+            operation: "op".into(),
+            status: JobStatus::Failed,
+            completed_by: None,
+            result: None,
+            error: Some(
+                r#"provider_error: HTTP 401: {"error":"bad key sk-123 for tenant x"}"#.into(),
+            ),
+        }
+        .draft(&routes());
+        assert_eq!(
+            draft.body["error"],
+            "provider_error: the provider refused the request"
+        );
+    }
+
     fn counts(
         job: Uuid,
         made: i64,
