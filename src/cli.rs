@@ -533,7 +533,7 @@ async fn providers_list(c: &Connections, json: bool, out: &mut impl Write) -> Ou
             json!({
                 "provider": p.name,
                 "kind": "openai",
-                "base_url": p.base_url.as_str(),
+                "base_url": crate::broker::redact_url(p.base_url.as_str()),
                 "model": p.model,
                 "timeout": humantime::format_duration(p.timeout).to_string(),
                 "concurrency": p.concurrency,

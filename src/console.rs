@@ -1479,7 +1479,7 @@ async fn providers(
                 .collect();
             context! {
                 name => p.name.clone(),
-                base_url => p.base_url.as_str(),
+                base_url => crate::broker::redact_url(p.base_url.as_str()),
                 model => p.model.clone(),
                 timeout => humantime::format_duration(p.timeout).to_string(),
                 concurrency => p.concurrency,
@@ -1549,7 +1549,7 @@ async fn confirm_qualify(
             o.name,
             p.name,
             p.model,
-            p.base_url,
+            crate::broker::redact_url(p.base_url.as_str()),
             &crate::qualify::contract_hash(o, p)[..12],
             p.name,
             o.name

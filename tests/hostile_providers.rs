@@ -53,3 +53,56 @@ async fn a_providers_redirect_is_never_followed() {
     }
     fleet.stop().await;
 }
+
+/// A secret in a provider's URL (a key in its query string) or in a
+/// connection URL's password pasted with an unencoded `#`, `/` or `?` is never
+/// printed, `--json` included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn secrets_in_urls_are_never_printed() {
+    let (config, file) = config(&config_text(
+        "http://127.0.0.1:9/v1?api-key=Winter",
+        None,
+        "",
+    ));
+    let env = TestEnv::new(&config).await;
+    for args in [
+        &["providers", "list", "--json"][..],
+        &["providers", "list"][..],
+    ] {
+        let out = env.cli(&file.path, args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("api-key=***") && !text.contains("Winter"),
+            "{text}"
+        );
+    }
+    for url in [
+        "postgres://svc:2024#Winter@127.0.0.1:1/onejob",
+        "postgres://svc:12/Winter@127.0.0.1:1/onejob",
+        "postgres://svc:2024?Winter@127.0.0.1:1/onejob",
+    ] {
+        for json in [false, true] {
+            let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_onejob"));
+            cmd.args(["jobs", "find", "--owner", "o", "--key", "k"])
+                .env("DATABASE_URL", url)
+                .env("AMQP_URL", &env.amqp_url)
+                .env("ONEJOB_CONFIG", &file.path);
+            if json {
+                cmd.arg("--json");
+            }
+            let out = cmd.output().unwrap();
+            let all = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(!out.status.success());
+            assert!(!all.contains("Winter"), "{url}: {all}");
+        }
+    }
+}

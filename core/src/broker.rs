@@ -716,10 +716,37 @@ pub fn redact_url(url: &str) -> String {
     // One URL: shown only when it parses with an authority, its password masked.
     // Anything else could be a password split off at a comma, and is not shown.
     let one = |u: &str| match url::Url::parse(u) {
+        // An '@' past the host means the authority was cut short: a password
+        // pasted with an unencoded '#', '/' or '?' ends it there, and the rest
+        // of the password sits in the path, the query or the fragment.
+        Ok(parsed)
+            if parsed.has_host()
+                && [Some(parsed.path()), parsed.query(), parsed.fragment()]
+                    .into_iter()
+                    .flatten()
+                    .any(|part| part.contains('@')) =>
+        {
+            format!(
+                "{}://<hidden: '@' after the host; percent-encode '#', '/' and '?' in the login>",
+                parsed.scheme()
+            )
+        }
         Ok(mut parsed) if parsed.has_host() => {
             if parsed.password().is_some() {
                 let _ = parsed.set_password(Some("***"));
             }
+            // A query may carry a secret (`password=`, an API key): its values
+            // are masked, its keys kept; a fragment is never shown.
+            if parsed.query().is_some() {
+                let keys: Vec<String> = parsed.query_pairs().map(|(k, _)| k.into_owned()).collect();
+                let masked = keys
+                    .iter()
+                    .map(|k| format!("{k}=***"))
+                    .collect::<Vec<_>>()
+                    .join("&");
+                parsed.set_query(Some(&masked));
+            }
+            parsed.set_fragment(None);
             parsed.to_string()
         }
         _ => "<unparseable url>".to_owned(),
@@ -764,6 +791,29 @@ mod tests {
         let r = redact_url("postgres://u:pa,ss:word@h/db");
         assert!(!r.contains("pa,") && !r.contains("word"), "{r}");
         assert_eq!(redact_url("amqp:u:secret@h/%2f"), "<unparseable url>");
+    }
+
+    #[test]
+    fn a_password_with_characters_that_end_the_authority_is_never_shown() {
+        // Pasted unencoded: the URL parser ends the authority at '#', '/' or
+        // '?', so the rest of the password lands in the fragment, the path or
+        // the query.
+        for url in [
+            "amqp://svc:2024#Winter@host/",
+            "amqp://svc:2024/Winter@host/%2f",
+            "amqp://svc:2024?Winter@host/",
+            "postgres://svc:pa#Winter@db:5432/onejob",
+            "postgres://svc:12/Winter@db/onejob",
+            "postgres://u@h/db?password=Winter&sslmode=disable",
+            "http://127.0.0.1:8081/v1?api-key=Winter",
+        ] {
+            let shown = redact_url(url);
+            assert!(!shown.contains("Winter"), "{url} -> {shown}");
+        }
+        assert_eq!(
+            redact_url("postgres://u@h/db?password=Winter&sslmode=disable"),
+            "postgres://u@h/db?password=***&sslmode=***"
+        );
     }
 
     #[test]
