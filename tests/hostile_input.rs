@@ -1,5 +1,6 @@
-//! A provider is not trusted with where tenant data goes: its redirects are
-//! never followed.
+//! Hostile input from outside: a provider is not trusted with where tenant
+//! data goes (its redirects are never followed), and secrets pasted into URLs
+//! are never printed.
 
 mod common;
 
