@@ -138,11 +138,7 @@ fn deaths(headers: &FieldTable) -> Vec<Death> {
         })
         .map(|t| {
             let get = |k: &str| t.inner().get(k).and_then(text).unwrap_or_default();
-            let count = match t.inner().get("count") {
-                Some(AMQPValue::LongLongInt(n)) => *n,
-                Some(AMQPValue::LongInt(n)) => i64::from(*n),
-                _ => 0,
-            };
+            let count = i64::try_from(broker::header_count(t, "count")).unwrap_or(i64::MAX);
             let routing_keys = match t.inner().get("routing-keys") {
                 Some(AMQPValue::FieldArray(keys)) => {
                     keys.as_slice().iter().filter_map(text).collect()
@@ -391,26 +387,11 @@ fn home_route(
     if !home {
         return Err(format!(
             "its headers name {} / {}, not {work}: a replay goes only to the work queue its dead-letter queue belongs to",
-            escaped(named.0.unwrap_or("(none)")),
-            escaped(named.1.unwrap_or("(none)")),
+            broker::escape_controls(named.0.unwrap_or("(none)")),
+            broker::escape_controls(named.1.unwrap_or("(none)")),
         ));
     }
     Ok((broker::EXCHANGE, key.to_owned()))
-}
-
-/// Header text a publisher chose, with its control characters escaped, for a
-/// reason an operator reads.
-fn escaped(text: &str) -> String {
-    text.chars()
-        .flat_map(|c| {
-            let shown: Vec<char> = if c.is_control() {
-                c.escape_default().collect()
-            } else {
-                vec![c]
-            };
-            shown
-        })
-        .collect()
 }
 
 /// A replayed copy goes out clean: without the death records and onejob's notes.

@@ -122,13 +122,7 @@ fn arrive(ctx: &Context, shutdown: &Shutdown, delivery: Delivery) -> runtime::Ar
 fn handed_on_so_far(ctx: &Context, delivery: &Delivery) -> Option<u32> {
     let limit = u64::from(ctx.config.worker.delivery_limit);
     let headers = delivery.properties.headers().clone().unwrap_or_default();
-    let count = |name: &str| match headers.inner().get(name) {
-        Some(lapin::types::AMQPValue::LongLongInt(n)) => u64::try_from(*n).unwrap_or(0),
-        Some(lapin::types::AMQPValue::LongInt(n)) => u64::try_from(*n).unwrap_or(0),
-        Some(lapin::types::AMQPValue::LongUInt(n)) => u64::from(*n),
-        Some(lapin::types::AMQPValue::ShortInt(n)) => u64::try_from(*n).unwrap_or(0),
-        _ => 0,
-    };
+    let count = |name: &str| broker::header_count(&headers, name);
     let handed_on = u32::try_from(count(runtime::HANDED_ON_HEADER)).unwrap_or(u32::MAX);
     (limit > 0 && count("x-delivery-count") >= limit && handed_on < MAX_HANDED_ON)
         .then_some(handed_on)

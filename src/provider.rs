@@ -234,17 +234,7 @@ pub(crate) fn storable(text: &str) -> String {
 /// that no provider can clear an operator's screen, write their clipboard
 /// (OSC 52) or forge a log line wherever the text is shown or logged.
 pub(crate) fn shown(text: &str) -> String {
-    storable(text)
-        .chars()
-        .flat_map(|c| {
-            let kept: Vec<char> = if c.is_control() {
-                c.escape_unicode().collect()
-            } else {
-                vec![c]
-            };
-            kept
-        })
-        .collect()
+    crate::broker::escape_controls(&storable(text))
 }
 
 /// The longest provider request id kept, in characters.

@@ -437,6 +437,25 @@ async fn a_backlog_is_admitted_in_batches_with_every_receipt_right() {
     let _ = ctx.connection.close(200, "done".into()).await;
 }
 
+/// Publishes a `summarize` intent to a queue declared with a delivery limit of
+/// one (as the test's configuration declares it).
+async fn publish_with_limit_one(env: &TestEnv, owner: &str, key: &str) {
+    let producer = Producer::connect_with(
+        &env.amqp_url,
+        onejob_producer::ProducerOptions {
+            delivery_limit: 1,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    producer
+        .publish_only(&intent(owner, key, "text"))
+        .await
+        .unwrap();
+    producer.close().await;
+}
+
 /// Takes the next intent as a worker would, and dies holding it.
 async fn dying(amqp: &lapin::Connection) -> lapin::message::Delivery {
     let ch = amqp.create_channel().await.unwrap();
@@ -465,19 +484,7 @@ async fn a_valid_intent_at_its_delivery_limit_is_handed_on_not_dead_lettered() {
     let (config, _file) = config(&text);
     let env = TestEnv::new(&config).await;
     let ctx = env.context(config.clone()).await;
-    let producer = Producer::connect_with(
-        &env.amqp_url,
-        onejob_producer::ProducerOptions {
-            delivery_limit: 1,
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
-    producer
-        .publish_only(&intent("acct_limit", "k-limit", "text"))
-        .await
-        .unwrap();
+    publish_with_limit_one(&env, "acct_limit", "k-limit").await;
     let amqp = env.amqp().await;
     let dlq = format!("{}.dlq", broker::INTENTS_QUEUE);
 
@@ -544,19 +551,7 @@ async fn a_valid_intent_the_broker_dead_lettered_still_ends_as_a_job() {
     let env = TestEnv::new(&config).await;
     let ctx = env.context(config.clone()).await;
     drop(ctx);
-    let producer = Producer::connect_with(
-        &env.amqp_url,
-        onejob_producer::ProducerOptions {
-            delivery_limit: 1,
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
-    producer
-        .publish_only(&intent("acct_dead", "k-dead", "text"))
-        .await
-        .unwrap();
+    publish_with_limit_one(&env, "acct_dead", "k-dead").await;
     // Two workers die holding it: the broker dead-letters it.
     let amqp = env.amqp().await;
     dying(&amqp).await;

@@ -711,6 +711,33 @@ pub fn header_str(headers: &FieldTable, name: &str) -> Option<String> {
     }
 }
 
+/// A whole-number header (a delivery count, say) as the broker or a publisher
+/// set it; 0 when it is absent, negative or not a number.
+pub fn header_count(headers: &FieldTable, name: &str) -> u64 {
+    match headers.inner().get(name) {
+        Some(AMQPValue::LongLongInt(n)) => u64::try_from(*n).unwrap_or(0),
+        Some(AMQPValue::LongInt(n)) => u64::try_from(*n).unwrap_or(0),
+        Some(AMQPValue::LongUInt(n)) => u64::from(*n),
+        Some(AMQPValue::ShortInt(n)) => u64::try_from(*n).unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// Text that came from outside (a publisher's header, a provider's error)
+/// with every control character escaped (`\u{1b}`), so that it can clear no
+/// screen, write no clipboard and forge no log line wherever it is shown.
+pub fn escape_controls(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Replaces the password in a URL with `***`, for logs and errors.
 pub fn redact_url(url: &str) -> String {
     // One URL: shown only when it parses with an authority, its password masked.
