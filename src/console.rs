@@ -92,8 +92,33 @@ impl Console {
             .route("/providers/qualify", get(confirm_qualify).post(qualify))
             .route("/static/console.css", get(stylesheet))
             .fallback(not_found)
+            .layer(axum::middleware::map_response(guarded))
             .with_state(self)
     }
+}
+
+/// What every answer of the console says to the browser: no framing by any
+/// site, no script and no inline style at all (styles come from the console's
+/// own stylesheet), forms post only back to the console, nothing kept in a
+/// cache and no referrer sent to a link's target.
+const GUARDS: [(&str, &str); 5] = [
+    (
+        "content-security-policy",
+        "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; \
+         frame-ancestors 'none'; base-uri 'none'",
+    ),
+    ("x-frame-options", "DENY"),
+    ("cache-control", "no-store"),
+    ("x-content-type-options", "nosniff"),
+    ("referrer-policy", "no-referrer"),
+];
+
+async fn guarded(mut answer: Response) -> Response {
+    let headers = answer.headers_mut();
+    for (name, value) in GUARDS {
+        headers.insert(name, HeaderValue::from_static(value));
+    }
+    answer
 }
 
 /// Serves the console on `listener` until `shutdown` completes.
@@ -287,10 +312,26 @@ fn session_cookie(value: &str, max_age: Duration, secure: bool) -> HeaderValue {
     .unwrap_or_else(|_| HeaderValue::from_static("onejob_console=; Max-Age=0"))
 }
 
+/// A place on the timeline (0 to 100 percent) in the half percents of its
+/// `x` and `w` classes.
+fn half_percents(percent: f64) -> u32 {
+    (percent.clamp(0.0, 100.0) * 2.0).round() as u32
+}
+
+/// The console's stylesheet, with the timeline's place and length classes.
+static STYLESHEET: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let mut css = include_str!("console/console.css").to_owned();
+    for n in 0..=200u32 {
+        let percent = f64::from(n) / 2.0;
+        css.push_str(&format!(".x{n} {{ left: {percent}%; }} .w{n} {{ width: {percent}%; }}\n"));
+    }
+    css
+});
+
 async fn stylesheet() -> Response {
     (
         [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
-        include_str!("console/console.css"),
+        STYLESHEET.as_str(),
     )
         .into_response()
 }
@@ -692,8 +733,8 @@ async fn job(State(app): State<Console>, who: Operator, Path(id): Path<String>) 
             created => a.created_at.to_rfc3339(),
             started => a.started_at.map(|t| t.to_rfc3339()),
             finished => a.finished_at.map(|t| t.to_rfc3339()),
-            left => format!("{from:.2}"),
-            width => format!("{:.2}", (to - from).max(0.5)),
+            left => half_percents(from),
+            width => half_percents(to - from).max(1),
             // A bar too narrow for its label has it beside it instead.
             label => match ((to - from) < 15.0, from > 60.0) {
                 (false, _) => "inside",

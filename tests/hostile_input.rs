@@ -107,3 +107,87 @@ async fn secrets_in_urls_are_never_printed() {
         }
     }
 }
+
+/// Every answer of the console, signed in or not, page or error or redirect
+/// or stylesheet, forbids framing and caching and allows no inline script or
+/// style: what a page shows cannot be framed by another site, left in a
+/// shared cache, or turned into script by text that slipped through.
+#[tokio::test]
+async fn every_console_answer_forbids_framing_caching_and_inline_code() {
+    use common::console::{serve, two_providers, unknown_job};
+    use reqwest::header::COOKIE;
+
+    let (config, _file) = config(&two_providers());
+    let env = TestEnv::new(&config).await;
+    let served = serve(&env, config, false).await;
+    let session = served.sign_in(&env.store, "ada").await;
+    let (job, started) = unknown_job(&env.store, "k-frames").await;
+    let attempt = started.attempt_id;
+
+    let signed_in = [
+        "/".to_owned(),
+        "/jobs".to_owned(),
+        format!("/jobs/{job}"),
+        "/unknowns".to_owned(),
+        format!("/attempts/{attempt}/resolve?as=failed"),
+        "/dead-letters".to_owned(),
+        "/dead-letters/confirm?action=replay&queue=onejob.intents.dlq".to_owned(),
+        "/providers".to_owned(),
+        "/providers/qualify?provider=primary".to_owned(),
+        "/no-such-page".to_owned(),
+        "/static/console.css".to_owned(),
+    ];
+    let mut answers = Vec::new();
+    for path in &signed_in {
+        let answer = served
+            .http
+            .get(format!("{}{path}", served.base))
+            .header(COOKIE, &session.cookie)
+            .send()
+            .await
+            .unwrap();
+        answers.push((format!("GET {path} (signed in)"), answer));
+    }
+    for path in ["/login", "/", "/jobs"] {
+        let answer = served
+            .http
+            .get(format!("{}{path}", served.base))
+            .send()
+            .await
+            .unwrap();
+        answers.push((format!("GET {path} (signed out)"), answer));
+    }
+    let refused = served
+        .post(&session.cookie, "/logout", &[("csrf", "forged")])
+        .await;
+    answers.push(("POST /logout (forged)".to_owned(), refused));
+
+    for (what, answer) in answers {
+        let h = answer.headers().clone();
+        let get = |name: &str| {
+            h.get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned()
+        };
+        assert_eq!(get("x-frame-options"), "DENY", "{what}");
+        let csp = get("content-security-policy");
+        for directive in [
+            "default-src 'none'",
+            "frame-ancestors 'none'",
+            "form-action 'self'",
+            "base-uri 'none'",
+            "style-src 'self'",
+        ] {
+            assert!(csp.contains(directive), "{what}: {directive} in {csp:?}");
+        }
+        assert!(!csp.contains("unsafe-inline"), "{what}: {csp}");
+        assert!(get("cache-control").contains("no-store"), "{what}");
+        assert_eq!(get("x-content-type-options"), "nosniff", "{what}");
+        assert_eq!(get("referrer-policy"), "no-referrer", "{what}");
+        let body = answer.text().await.unwrap().to_ascii_lowercase();
+        assert!(!body.contains("<script"), "{what}: inline script");
+        assert!(!body.contains(" style="), "{what}: inline style");
+        assert!(!body.contains("<style"), "{what}: inline style");
+    }
+}
