@@ -133,6 +133,9 @@ enum TokensCommand {
         /// The operator the token signs in to the console (an operator token).
         #[arg(long, group = "who")]
         operator: Option<String>,
+        /// Why, for the audit table (the grant and its row commit together).
+        #[arg(long)]
+        reason: Option<String>,
     },
     /// List gateway tokens (or, with --operators, operator tokens): id, owner,
     /// when made and when revoked. Never the tokens.
@@ -149,6 +152,9 @@ enum TokensCommand {
     Revoke {
         /// The token's id, as `tokens list` shows it.
         token_id: Uuid,
+        /// Why, for the audit table (the revocation and its row commit together).
+        #[arg(long)]
+        reason: Option<String>,
     },
 }
 
@@ -272,6 +278,9 @@ enum ProvidersCommand {
         /// provider].
         #[arg(long)]
         operation: Option<String>,
+        /// Why, for the audit table (written before the first paid call).
+        #[arg(long)]
+        reason: Option<String>,
     },
 }
 
@@ -334,7 +343,11 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
         Command::Providers(ProvidersCommand::Qualify {
             provider,
             operation,
-        }) => providers_qualify(c, provider, operation, json, out).await,
+            reason,
+        }) => {
+            let actor = Actor::cli(reason.as_deref());
+            providers_qualify(c, provider, operation, &actor, json, out).await
+        }
         Command::Dlq(command) => {
             let config = c.load_config()?;
             // A replay or a purge is recorded in the audit table before it is
@@ -580,6 +593,7 @@ async fn providers_qualify(
     c: &Connections,
     provider: String,
     operation: Option<String>,
+    actor: &Actor,
     json: bool,
     out: &mut impl Write,
 ) -> Outcome {
@@ -609,8 +623,17 @@ async fn providers_qualify(
     let store = store(c, &config).await?;
     let mut reports = Vec::new();
     for op in operations {
-        let report = crate::qualify::qualify(&config, p, op).await;
-        store.record_qualification(&report).await?;
+        // Recorded first: the provider bills the calls, so none goes unrecorded.
+        let audit = store
+            .audit_begin(actor, &crate::qualify::action(p, op))
+            .await
+            .map_err(|e| {
+                Failure(format!(
+                    "{e}: nothing was done, the run could not be recorded first"
+                ))
+            })?;
+        let (report, recorded) = crate::qualify::run_audited(&store, &config, p, op, audit).await;
+        recorded?;
         reports.push(report);
     }
     let all_passed = reports.iter().all(|r| r.passed);
@@ -879,12 +902,15 @@ async fn tokens_command(
     match command {
         TokensCommand::Create {
             operator: Some(operator),
+            reason,
             ..
         } => {
             crate::intent::Intent::check_owner_id(&operator)
                 .map_err(|e| TokenFailure::Refused(Failure(format!("--operator: {e}"))))?;
             let token = Token::generate_operator();
-            let id = store.create_operator_token(&operator, &token).await?;
+            let id = store
+                .create_operator_token(&operator, &token, &Actor::cli(reason.as_deref()))
+                .await?;
             if as_json {
                 writeln!(
                     out,
@@ -898,12 +924,14 @@ async fn tokens_command(
                 );
             }
         }
-        TokensCommand::Create { owner, .. } => {
+        TokensCommand::Create { owner, reason, .. } => {
             let owner = owner.unwrap_or_default();
             crate::intent::Intent::check_owner_id(&owner)
                 .map_err(|e| TokenFailure::Refused(Failure(format!("--owner: {e}"))))?;
             let token = Token::generate();
-            let id = store.create_token(&owner, &token).await?;
+            let id = store
+                .create_token(&owner, &token, &Actor::cli(reason.as_deref()))
+                .await?;
             if as_json {
                 writeln!(
                     out,
@@ -957,28 +985,30 @@ async fn tokens_command(
                 }
             }
         }
-        TokensCommand::Revoke { token_id } => {
-            let (value, whose, revoked_at, already) = match store.revoke_token(token_id).await? {
-                Some((t, already)) => (
-                    serde_json::to_value(&t).unwrap_or_default(),
-                    format!("of owner {}", t.owner_id),
-                    t.revoked_at,
-                    already,
-                ),
-                None => match store.revoke_operator_token(token_id).await? {
+        TokensCommand::Revoke { token_id, reason } => {
+            let actor = Actor::cli(reason.as_deref());
+            let (value, whose, revoked_at, already) =
+                match store.revoke_token(token_id, &actor).await? {
                     Some((t, already)) => (
                         serde_json::to_value(&t).unwrap_or_default(),
-                        format!("of operator {}", t.operator),
+                        format!("of owner {}", t.owner_id),
                         t.revoked_at,
                         already,
                     ),
-                    None => {
-                        return Err(TokenFailure::Refused(Failure(format!(
-                            "token {token_id} not found"
-                        ))));
-                    }
-                },
-            };
+                    None => match store.revoke_operator_token(token_id, &actor).await? {
+                        Some((t, already)) => (
+                            serde_json::to_value(&t).unwrap_or_default(),
+                            format!("of operator {}", t.operator),
+                            t.revoked_at,
+                            already,
+                        ),
+                        None => {
+                            return Err(TokenFailure::Refused(Failure(format!(
+                                "token {token_id} not found"
+                            ))));
+                        }
+                    },
+                };
             if as_json {
                 writeln!(out, "{value}")?;
             } else if already {

@@ -323,7 +323,9 @@ static STYLESHEET: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     let mut css = include_str!("console/console.css").to_owned();
     for n in 0..=200u32 {
         let percent = f64::from(n) / 2.0;
-        css.push_str(&format!(".x{n} {{ left: {percent}%; }} .w{n} {{ width: {percent}%; }}\n"));
+        css.push_str(&format!(
+            ".x{n} {{ left: {percent}%; }} .w{n} {{ width: {percent}%; }}\n"
+        ));
     }
     css
 });
@@ -1628,36 +1630,17 @@ async fn qualify(
         Err(f) => return app.message(Some(&who), f),
     };
     // Recorded first: the provider bills these calls, so none goes unrecorded.
-    let store = app.0.store.clone();
-    let action = Action {
-        action: "provider.qualify",
-        target: Some(format!("{}/{}", p.name, o.name)),
-        detail: serde_json::json!({ "contract_hash": crate::qualify::contract_hash(o, p) }),
-        ..Action::default()
-    };
-    let audit = match begin_action(&app, &who, reason, &action).await {
+    let audit = match begin_action(&app, &who, reason, &crate::qualify::action(p, o)).await {
         Ok(a) => a,
         Err(page) => return *page,
     };
     // The calls run in a task of their own: a browser that goes away does not
     // cut a paid run short of its record.
+    let store = app.0.store.clone();
     let (config, provider, operation) = (app.0.config.clone(), p.name.clone(), o.name.clone());
     let run = tokio::spawn(async move {
         let (p, o) = (&config.providers[&provider], &config.operations[&operation]);
-        let report = crate::qualify::qualify(&config, p, o).await;
-        let recorded = store.record_qualification(&report).await;
-        let passed = report.cases.iter().filter(|c| c.passed).count();
-        let detail = serde_json::json!({
-            "run_id": recorded.as_ref().ok(),
-            "qualified": report.passed,
-            "cases": report.cases.len(),
-            "passed": passed,
-            "failures": report.cases.iter().filter(|c| !c.passed)
-                .map(|c| serde_json::json!({ "case": c.index, "detail": c.detail }))
-                .collect::<Vec<_>>(),
-            "error": recorded.as_ref().err().map(ToString::to_string),
-        });
-        finish_action(&store, audit, recorded.is_err(), detail).await;
+        let (report, recorded) = crate::qualify::run_audited(&store, &config, p, o, audit).await;
         tracing::info!(%provider, %operation, qualified = report.passed, "console: qualified a provider");
         recorded.map(|_| ())
     });

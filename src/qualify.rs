@@ -16,7 +16,7 @@ use crate::config::{Config, Operation, Provider, Rendered};
 use crate::domain::AttemptId;
 pub(crate) use crate::domain::{CaseResult, Qualification};
 use crate::provider::Client;
-use crate::store::{QualificationRun, Store, StoreError};
+use crate::store::{Action, QualificationRun, Store, StoreError};
 
 /// Where a provider stands for one operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -42,6 +42,48 @@ pub(crate) fn contract_hash(operation: &Operation, provider: &Provider) -> Strin
         "temperature": operation.temperature,
     });
     crate::domain::canonical_sha256(&contract)
+}
+
+/// The audit action of qualifying `provider` for `operation`. It is written
+/// before the first case is sent ([`Store::audit_begin`]): the provider bills
+/// the calls, so none goes unrecorded.
+pub(crate) fn action(provider: &Provider, operation: &Operation) -> Action<'static> {
+    Action {
+        action: "provider.qualify",
+        target: Some(format!("{}/{}", provider.name, operation.name)),
+        detail: serde_json::json!({ "contract_hash": contract_hash(operation, provider) }),
+        ..Action::default()
+    }
+}
+
+/// Runs a qualification whose audit row `audit` was written first, records the
+/// run, and fills in the row with what came of it (if that last write fails
+/// the row stays `pending`, and the log says so). Returns the report and the
+/// recorded run's id.
+pub(crate) async fn run_audited(
+    store: &Store,
+    config: &Config,
+    provider: &Provider,
+    operation: &Operation,
+    audit: uuid::Uuid,
+) -> (Qualification, Result<uuid::Uuid, StoreError>) {
+    let report = qualify(config, provider, operation).await;
+    let recorded = store.record_qualification(&report).await;
+    let passed = report.cases.iter().filter(|c| c.passed).count();
+    let detail = serde_json::json!({
+        "run_id": recorded.as_ref().ok(),
+        "qualified": report.passed,
+        "cases": report.cases.len(),
+        "passed": passed,
+        "failures": report.cases.iter().filter(|c| !c.passed)
+            .map(|c| serde_json::json!({ "case": c.index, "detail": c.detail }))
+            .collect::<Vec<_>>(),
+        "error": recorded.as_ref().err().map(ToString::to_string),
+    });
+    if let Err(e) = store.audit_outcome(audit, recorded.is_err(), &detail).await {
+        tracing::warn!(error = %e, %audit, "the outcome of a qualification was not recorded; its audit row stays pending");
+    }
+    (report, recorded)
 }
 
 /// Counts a rendered prompt's tokens: exactly with the model's encoding when

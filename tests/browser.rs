@@ -22,7 +22,10 @@ use serde_json::json;
 /// Signs `name` in through the sign-in form, with a new operator token.
 async fn sign_in(browser: &Browser, served: &Served, store: &Store, name: &str) {
     let token = Token::generate_operator();
-    store.create_operator_token(name, &token).await.unwrap();
+    store
+        .create_operator_token(name, &token, &onejob::store::Actor::cli(None))
+        .await
+        .unwrap();
     browser.goto(&format!("{}/login", served.base)).await;
     browser
         .type_into(&browser.find("#token").await, token.reveal())
@@ -178,7 +181,10 @@ async fn a_tenant_token_does_not_sign_in() {
     let env = TestEnv::new(&config).await;
     let served = serve(&env, config, false).await;
     let tenant = Token::generate();
-    env.store.create_token("acct_t", &tenant).await.unwrap();
+    env.store
+        .create_token("acct_t", &tenant, &onejob::store::Actor::cli(None))
+        .await
+        .unwrap();
     let browser = Browser::start().await;
 
     browser.goto(&format!("{}/login", served.base)).await;

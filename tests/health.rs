@@ -150,7 +150,10 @@ async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
     let serving =
         tokio::spawn(std::sync::Arc::new(gateway).serve(public, Some(probes), stop.clone()));
     let token = onejob::token::Token::generate();
-    env.store.create_token("acct_m", &token).await.unwrap();
+    env.store
+        .create_token("acct_m", &token, &onejob::store::Actor::cli(None))
+        .await
+        .unwrap();
     for key in ["g-1", "g-1", "g-2"] {
         let r = http
             .post(format!("{public_url}/v1/jobs"))

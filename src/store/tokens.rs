@@ -4,17 +4,26 @@ use super::*;
 
 impl Store {
     /// Records a new gateway token for `owner_id` (only its digest) and returns
-    /// the token's id.
-    pub async fn create_token(&self, owner_id: &str, token: &Token) -> Result<Uuid> {
+    /// the token's id. The grant is audited (`token.create`) in the same
+    /// transaction: no token exists without its row.
+    pub async fn create_token(&self, owner_id: &str, token: &Token, actor: &Actor) -> Result<Uuid> {
         let id = Uuid::now_v7();
+        let mut tx = self.pool.begin().await?;
+        audit::record(
+            &mut tx,
+            actor,
+            &token_action("token.create", "owner", owner_id, id, None),
+        )
+        .await?;
         sqlx::query!(
             "INSERT INTO gateway_tokens (id, owner_id, token_sha256) VALUES ($1, $2, $3)",
             id,
             owner_id,
             token.digest()
         )
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?;
+        tx.commit().await?;
         Ok(id)
     }
 
@@ -45,7 +54,9 @@ impl Store {
     /// Revokes a token at once: the gateway refuses it from its next request on.
     /// Returns the token and whether it had already been revoked (revoking twice
     /// keeps the first time); `Ok(None)` when there is no such token.
-    pub async fn revoke_token(&self, id: Uuid) -> Result<Option<(TokenView, bool)>> {
+    /// The revocation is audited (`token.revoke`) in the same transaction.
+    pub async fn revoke_token(&self, id: Uuid, actor: &Actor) -> Result<Option<(TokenView, bool)>> {
+        let mut tx = self.pool.begin().await?;
         let row = sqlx::query!(
             r#"UPDATE gateway_tokens t SET revoked_at = coalesce(b.revoked_at, now())
                FROM (SELECT id, revoked_at FROM gateway_tokens WHERE id = $1 FOR UPDATE) b
@@ -54,8 +65,13 @@ impl Store {
                          b.revoked_at IS NOT NULL AS "already!""#,
             id
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *tx)
         .await?;
+        if let Some(r) = &row {
+            let action = token_action("token.revoke", "owner", &r.owner_id, id, Some(r.already));
+            audit::record(&mut tx, actor, &action).await?;
+            tx.commit().await?;
+        }
         Ok(row.map(|r| {
             let view = TokenView {
                 id: r.id,
@@ -82,17 +98,27 @@ pub struct OperatorTokenView {
 }
 
 impl Store {
-    /// Records a new operator token (only its digest) and returns its id.
-    pub async fn create_operator_token(&self, operator: &str, token: &Token) -> Result<Uuid> {
+    /// Records a new operator token (only its digest) and returns its id,
+    /// audited (`token.create`) in the same transaction.
+    pub async fn create_operator_token(
+        &self,
+        operator: &str,
+        token: &Token,
+        actor: &Actor,
+    ) -> Result<Uuid> {
         let id = Uuid::now_v7();
+        let mut tx = self.pool.begin().await?;
+        let action = token_action("token.create", "operator", operator, id, None);
+        audit::record(&mut tx, actor, &action).await?;
         sqlx::query!(
             "INSERT INTO operator_tokens (id, operator, token_sha256) VALUES ($1, $2, $3)",
             id,
             operator,
             token.digest()
         )
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?;
+        tx.commit().await?;
         Ok(id)
     }
 
@@ -119,11 +145,13 @@ impl Store {
 
     /// Revokes an operator token at once (signed-in sessions end with it).
     /// Whether it had already been revoked; `Ok(None)` when there is no such
-    /// token.
+    /// token. Audited (`token.revoke`) in the same transaction.
     pub async fn revoke_operator_token(
         &self,
         id: Uuid,
+        actor: &Actor,
     ) -> Result<Option<(OperatorTokenView, bool)>> {
+        let mut tx = self.pool.begin().await?;
         let row = sqlx::query!(
             r#"UPDATE operator_tokens t SET revoked_at = coalesce(b.revoked_at, now())
                FROM (SELECT id, revoked_at FROM operator_tokens WHERE id = $1 FOR UPDATE) b
@@ -132,8 +160,13 @@ impl Store {
                          b.revoked_at IS NOT NULL AS "already!""#,
             id
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *tx)
         .await?;
+        if let Some(r) = &row {
+            let action = token_action("token.revoke", "operator", &r.operator, id, Some(r.already));
+            audit::record(&mut tx, actor, &action).await?;
+            tx.commit().await?;
+        }
         Ok(row.map(|r| {
             let view = OperatorTokenView {
                 id: r.id,
@@ -143,5 +176,26 @@ impl Store {
             };
             (view, r.already)
         }))
+    }
+}
+
+/// The audit action of granting or revoking a token: whose (`owner:O` or
+/// `operator:NAME`) and which token, never the token itself.
+fn token_action(
+    action: &'static str,
+    kind: &str,
+    whose: &str,
+    id: Uuid,
+    already: Option<bool>,
+) -> Action<'static> {
+    let mut detail = serde_json::json!({ "token_id": id });
+    if let Some(already) = already {
+        detail["already_revoked"] = already.into();
+    }
+    Action {
+        action,
+        target: Some(format!("{kind}:{whose}")),
+        detail,
+        ..Action::default()
     }
 }

@@ -118,7 +118,10 @@ impl Served {
 
     pub async fn sign_in(&self, store: &Store, operator: &str) -> Session {
         let token = Token::generate_operator();
-        store.create_operator_token(operator, &token).await.unwrap();
+        store
+            .create_operator_token(operator, &token, &onejob::store::Actor::cli(None))
+            .await
+            .unwrap();
         let answer = self.login(token.reveal()).await;
         assert_eq!(answer.status(), StatusCode::SEE_OTHER);
         let set = session_set(&answer).expect("a session cookie");
