@@ -165,8 +165,10 @@ enum DlqCommand {
     List {
         /// A dead-letter queue (or its work queue), e.g. onejob.intents.dlq.
         queue: Option<String>,
-        /// Show at most this many per queue.
-        #[arg(long, default_value_t = crate::dlq::DEFAULT_LIMIT)]
+        /// Show at most this many per queue (at most 10000: a listing keeps
+        /// about a kilobyte of each, and one letter's body at a time).
+        #[arg(long, default_value_t = crate::dlq::DEFAULT_LIMIT,
+              value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=10_000))]
         limit: usize,
     },
     /// Republish dead letters to their original exchange and routing key (with a
@@ -303,15 +305,33 @@ type Outcome = Result<(), Failure>;
 
 /// Runs the CLI and returns its exit status.
 pub async fn main(cli: Cli) -> ExitCode {
-    let mut out = std::io::stdout().lock();
-    match run(cli, &mut out).await {
+    let mut stdout = std::io::stdout().lock();
+    // Plain output is for a terminal: its control characters are escaped.
+    // `--json` is for programs, and stays exact.
+    let mut plain;
+    let mut out: &mut dyn Write = if cli.json {
+        &mut stdout
+    } else {
+        plain = crate::terminal::Terminal::new(&mut stdout);
+        &mut plain
+    };
+    let outcome = run(cli, &mut out).await;
+    let _ = out.flush();
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure(message)) => {
-            let _ = out.flush();
-            eprintln!("onejob: {message}");
+            eprintln!("onejob: {}", crate::terminal::escape(&message));
             ExitCode::from(1)
         }
     }
+}
+
+/// Outside text (a publisher's, a provider's, a tenant's, or a row another
+/// program wrote) as a line of plain output shows it: every control character
+/// escaped, line feeds too, so that it can neither drive the terminal nor
+/// forge a line.
+fn shown(text: &str) -> String {
+    crate::broker::escape_controls(text)
 }
 
 async fn store(c: &Connections, config: &Config) -> Result<Store, Failure> {
@@ -670,7 +690,8 @@ async fn providers_qualify(
                 writeln!(
                     out,
                     "  case {} {mark}  {tokens}  {}",
-                    case.index, case.detail
+                    case.index,
+                    shown(&case.detail)
                 )?;
             }
         }
@@ -959,7 +980,7 @@ async fn tokens_command(
                         out,
                         "{}  operator {}  created {}  {}",
                         t.id,
-                        t.operator,
+                        shown(&t.operator),
                         t.created_at.format("%Y-%m-%d %H:%M:%S UTC"),
                         token_state(t.revoked_at)
                     )?;
@@ -978,7 +999,7 @@ async fn tokens_command(
                         out,
                         "{}  owner {}  created {}  {}",
                         t.id,
-                        t.owner_id,
+                        shown(&t.owner_id),
                         t.created_at.format("%Y-%m-%d %H:%M:%S UTC"),
                         token_state(t.revoked_at)
                     )?;
@@ -1145,27 +1166,39 @@ async fn dlq_list(
 
 /// One dead letter as `dlq list` shows it.
 fn write_letter(out: &mut impl Write, d: &dlq::DeadLetter) -> std::io::Result<()> {
-    let id = d.message_id.as_deref().unwrap_or("-");
+    let id = shown(d.message_id.as_deref().unwrap_or("-"));
     let age = d.age_seconds.map_or("-".to_owned(), |a| format!("{a}s"));
-    let origin = format!(
-        "{}/{}",
-        d.original_exchange.as_deref().unwrap_or("?"),
-        d.original_routing_key.as_deref().unwrap_or("?")
-    );
-    writeln!(out, "  #{} id {id}  age {age}  from {origin}", d.position)?;
-    writeln!(out, "     reason  {}", d.reason)?;
+    writeln!(
+        out,
+        "  #{} id {id}  age {age}  from {}",
+        d.position,
+        origin(d)
+    )?;
+    writeln!(out, "     reason  {}", shown(&d.reason))?;
     for death in &d.deaths {
         writeln!(
             out,
             "     x-death {} ×{} in {}",
-            death.reason, death.count, death.queue
+            shown(&death.reason),
+            death.count,
+            shown(&death.queue)
         )?;
     }
     writeln!(
         out,
         "     body    {} ({} bytes)",
-        d.body_preview, d.body_bytes
+        shown(&d.body_preview),
+        d.body_bytes
     )
+}
+
+/// Where a dead letter says it was first published, as plain output shows it.
+fn origin(d: &dlq::DeadLetter) -> String {
+    shown(&format!(
+        "{}/{}",
+        d.original_exchange.as_deref().unwrap_or("?"),
+        d.original_routing_key.as_deref().unwrap_or("?")
+    ))
 }
 
 /// `onejob dlq replay`: one letter by id, or every letter present at the start.
@@ -1264,19 +1297,16 @@ async fn dlq_purge(
 /// One line per dead letter a replay looked at, as it happens.
 fn report_replay(out: &mut impl Write, r: &crate::dlq::ReplayReport) -> std::io::Result<()> {
     let d = &r.letter;
-    let id = d.message_id.as_deref().unwrap_or("-");
+    let id = shown(d.message_id.as_deref().unwrap_or("-"));
     match &r.outcome {
-        crate::dlq::ReplayOutcome::Replayed => writeln!(
-            out,
-            "replayed {id} to {}/{}",
-            d.original_exchange.as_deref().unwrap_or("?"),
-            d.original_routing_key.as_deref().unwrap_or("?")
-        ),
+        crate::dlq::ReplayOutcome::Replayed => writeln!(out, "replayed {id} to {}", origin(d)),
         crate::dlq::ReplayOutcome::Skipped { reason } => {
             writeln!(
                 out,
-                "skipped  {id} (#{} in {}): {reason}",
-                d.position, d.queue
+                "skipped  {id} (#{} in {}): {}",
+                d.position,
+                d.queue,
+                shown(reason)
             )
         }
     }
@@ -1316,9 +1346,9 @@ fn print_job(
         "job {}  {}  version {}",
         job.id, job.status, job.version
     )?;
-    writeln!(out, "  owner        {}", job.owner_id)?;
-    writeln!(out, "  key          {}", job.idempotency_key)?;
-    writeln!(out, "  operation    {}", job.operation)?;
+    writeln!(out, "  owner        {}", shown(&job.owner_id))?;
+    writeln!(out, "  key          {}", shown(&job.idempotency_key))?;
+    writeln!(out, "  operation    {}", shown(&job.operation))?;
     writeln!(out, "  fingerprint  {}", job.request_fingerprint)?;
     writeln!(out, "  created      {}", job.created_at.to_rfc3339())?;
     writeln!(out, "  updated      {}", job.updated_at.to_rfc3339())?;
@@ -1329,23 +1359,26 @@ fn print_job(
         writeln!(out, "  result       {result}")?;
     }
     if let Some(error) = &job.error {
-        writeln!(out, "  error        {error}")?;
+        writeln!(out, "  error        {}", shown(error))?;
     }
     writeln!(out, "  attempts     {}", job.attempts.len())?;
     for a in &job.attempts {
         writeln!(
             out,
             "    #{} {}  {:<9} {}",
-            a.number, a.id, a.status, a.provider
+            a.number,
+            a.id,
+            a.status,
+            shown(&a.provider)
         )?;
         if let Some(e) = &a.error {
-            writeln!(out, "       error    {e}")?;
+            writeln!(out, "       error    {}", shown(e))?;
         }
         if let Some(u) = &a.usage {
             writeln!(out, "       usage    {u}")?;
         }
         if let Some(r) = &a.provider_request_id {
-            writeln!(out, "       request  {r}")?;
+            writeln!(out, "       request  {}", shown(r))?;
         }
     }
     let spent_elsewhere = job
@@ -1370,10 +1403,11 @@ fn print_job(
             };
             writeln!(
                 out,
-                "    {}  {}  {}{touched}  {why}",
+                "    {}  {}  {}{touched}  {}",
                 a.at.format("%Y-%m-%d %H:%M:%S UTC"),
-                a.actor,
-                a.action
+                shown(&a.actor),
+                shown(&a.action),
+                shown(&why)
             )?;
         }
     }

@@ -14,12 +14,32 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 use serde::Serialize;
 
-use crate::broker::header_str;
 use crate::broker::{self, BrokerError, Publisher, short};
 use crate::config::Config;
 
 /// How many dead letters one browse takes at most by default.
 pub const DEFAULT_LIMIT: usize = 100;
+
+/// How much of a letter's body a listing shows, in characters.
+pub const PREVIEW_CHARS: usize = 120;
+
+/// How much of any one header a listing shows, in characters: a publisher
+/// chooses their length.
+pub const HEADER_CHARS: usize = 240;
+
+/// How many `x-death` records a listing shows (the broker keeps one per queue
+/// and reason; a publisher can forge any number).
+pub const DEATHS_SHOWN: usize = 8;
+
+/// The first `n` characters of `text`, with `…` when there was more.
+fn clip(text: &str, n: usize) -> String {
+    let mut chars = text.chars();
+    let mut out: String = chars.by_ref().take(n).collect();
+    if chars.next().is_some() {
+        out.push('…');
+    }
+    out
+}
 
 /// One `x-death` entry: the broker's record of one dead-lettering.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -57,13 +77,10 @@ pub struct DeadLetter {
     pub original_routing_key: Option<String>,
     /// Seconds since it was dead-lettered, when that is known.
     pub age_seconds: Option<i64>,
-    /// The first 120 characters of its body.
+    /// The first [`PREVIEW_CHARS`] characters of its body.
     pub body_preview: String,
     /// Its body size.
     pub body_bytes: usize,
-    /// Its whole body (not shown in listings).
-    #[serde(skip)]
-    pub body: Vec<u8>,
 }
 
 /// A dead-letter failure.
@@ -117,12 +134,20 @@ pub fn select_queues(config: &Config, queue: Option<&str>) -> Result<Vec<String>
     }
 }
 
+/// A header's text as a listing shows it: its first [`HEADER_CHARS`].
 fn text(v: &AMQPValue) -> Option<String> {
     match v {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.to_string()),
+        AMQPValue::LongString(s) => {
+            Some(clip(&String::from_utf8_lossy(s.as_bytes()), HEADER_CHARS))
+        }
+        AMQPValue::ShortString(s) => Some(clip(s.as_str(), HEADER_CHARS)),
         _ => None,
     }
+}
+
+/// The text of the header `name`, as a listing shows it.
+fn header_text(headers: &FieldTable, name: &str) -> Option<String> {
+    headers.inner().get(name).and_then(text)
 }
 
 fn deaths(headers: &FieldTable) -> Vec<Death> {
@@ -136,13 +161,17 @@ fn deaths(headers: &FieldTable) -> Vec<Death> {
             AMQPValue::FieldTable(t) => Some(t),
             _ => None,
         })
+        .take(DEATHS_SHOWN)
         .map(|t| {
             let get = |k: &str| t.inner().get(k).and_then(text).unwrap_or_default();
             let count = i64::try_from(broker::header_count(t, "count")).unwrap_or(i64::MAX);
             let routing_keys = match t.inner().get("routing-keys") {
-                Some(AMQPValue::FieldArray(keys)) => {
-                    keys.as_slice().iter().filter_map(text).collect()
-                }
+                Some(AMQPValue::FieldArray(keys)) => keys
+                    .as_slice()
+                    .iter()
+                    .take(DEATHS_SHOWN)
+                    .filter_map(text)
+                    .collect(),
                 _ => Vec::new(),
             };
             let time = match t.inner().get("time") {
@@ -173,13 +202,13 @@ pub fn describe(
     let headers = properties.headers().clone().unwrap_or_default();
     let deaths = deaths(&headers);
     let first = deaths.first();
-    let onejob_error = header_str(&headers, broker::ERROR_HEADER);
+    let onejob_error = header_text(&headers, broker::ERROR_HEADER);
     let reason = onejob_error
         .or_else(|| first.map(|d| d.reason.clone()))
         .unwrap_or_else(|| "unknown".into());
-    let original_exchange = header_str(&headers, "x-onejob-original-exchange")
+    let original_exchange = header_text(&headers, "x-onejob-original-exchange")
         .or_else(|| first.map(|d| d.exchange.clone()));
-    let original_routing_key = header_str(&headers, "x-onejob-original-routing-key")
+    let original_routing_key = header_text(&headers, "x-onejob-original-routing-key")
         .or_else(|| first.and_then(|d| d.routing_keys.first().cloned()));
     // The latest death: the broker's (x-death) or onejob's own, whichever came
     // last (a replayed letter may have died both ways).
@@ -190,11 +219,9 @@ pub fn describe(
         _ => None,
     };
     let died_at = first.and_then(|d| d.time).max(onejob_death);
-    let body_text = String::from_utf8_lossy(body);
-    let mut preview: String = body_text.chars().take(120).collect();
-    if body_text.chars().count() > 120 {
-        preview.push('…');
-    }
+    // At most four bytes a character, and a byte more to tell there is more.
+    let head = &body[..body.len().min(PREVIEW_CHARS * 4 + 1)];
+    let preview = clip(&String::from_utf8_lossy(head), PREVIEW_CHARS);
     DeadLetter {
         queue: queue.to_owned(),
         position,
@@ -206,7 +233,6 @@ pub fn describe(
         age_seconds: died_at.map(|t| (Utc::now() - t).num_seconds()),
         body_preview: preview,
         body_bytes: body.len(),
-        body: body.to_vec(),
     }
 }
 
@@ -221,12 +247,27 @@ async fn settle(conn: &Connection, queue: &str, expected: u32) -> Result<()> {
     Ok(())
 }
 
-/// Lists up to `limit` dead letters of `queue` without consuming them.
+/// Lists up to `limit` dead letters of `queue` without consuming them. Only
+/// what a listing shows of each is kept ([`PREVIEW_CHARS`] of its body,
+/// [`HEADER_CHARS`] of each header): memory holds one letter's body at a time
+/// however many there are.
 pub async fn browse(conn: &Connection, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
+    let mut out = Vec::new();
+    visit(conn, queue, limit, |letter, _| out.push(letter)).await?;
+    Ok(out)
+}
+
+/// Hands `each` up to `limit` dead letters of `queue`, one at a time, with
+/// its body, without consuming them: the body is dropped when `each` returns.
+pub async fn visit(
+    conn: &Connection,
+    queue: &str,
+    limit: usize,
+    mut each: impl FnMut(DeadLetter, &[u8]),
+) -> Result<()> {
     let before = broker::depth(conn, queue).await?;
     let ch = conn.create_channel().await?;
-    let mut out = Vec::new();
-    while out.len() < limit {
+    for position in 0..limit {
         let Some(got) = ch
             .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
             .await?
@@ -234,12 +275,11 @@ pub async fn browse(conn: &Connection, queue: &str, limit: usize) -> Result<Vec<
             break;
         };
         let d = got.delivery;
-        out.push(describe(queue, out.len(), &d.properties, &d.data));
+        each(describe(queue, position, &d.properties, &d.data), &d.data);
     }
     // Closing the channel returns every unacked message to the queue.
     ch.close(200, "browsed".into()).await?;
-    settle(conn, queue, before).await?;
-    Ok(out)
+    settle(conn, queue, before).await
 }
 
 /// Which dead letters a replay takes.
@@ -304,8 +344,7 @@ pub async fn replay(
                 break;
             };
             let d = got.delivery;
-            let mut letter = describe(queue, position, &d.properties, &d.data);
-            letter.body = Vec::new();
+            let letter = describe(queue, position, &d.properties, &d.data);
             let wanted = match selection {
                 Selection::All => true,
                 Selection::Id(id) => letter.message_id.as_deref() == Some(id.as_str()),

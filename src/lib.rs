@@ -55,4 +55,5 @@ pub mod runtime;
 pub mod shutdown;
 pub mod store;
 pub mod telemetry;
+mod terminal;
 pub mod token;

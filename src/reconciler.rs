@@ -294,17 +294,15 @@ pub(crate) async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
     let mut dead = Vec::new();
     for provider in ctx.config.providers.keys() {
         let queue = crate::broker::dead_letter_queue(&crate::broker::attempts_queue(provider));
-        let letters = crate::dlq::browse(&ctx.connection, &queue, 256).await?;
-        for letter in letters {
-            if let Ok(message) =
-                serde_json::from_slice::<crate::domain::AttemptMessage>(&letter.body)
-            {
+        crate::dlq::visit(&ctx.connection, &queue, 256, |letter, body| {
+            if let Ok(message) = serde_json::from_slice::<crate::domain::AttemptMessage>(body) {
                 dead.push((
                     message.attempt_id,
                     format!("dead_lettered: {} (see {queue})", letter.reason),
                 ));
             }
-        }
+        })
+        .await?;
     }
     if dead.is_empty() {
         return Ok(());
@@ -329,12 +327,15 @@ pub(crate) async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
 /// every dead letter to its queue.
 pub(crate) async fn reflect_dead_intents(ctx: &Context) -> Result<()> {
     let queue = crate::broker::dead_letter_queue(crate::broker::INTENTS_QUEUE);
-    let letters = crate::dlq::browse(&ctx.connection, &queue, 256).await?;
-    let valid: Vec<crate::store::NewJob> = letters
-        .iter()
-        .filter(|letter| letter.reason == "delivery_limit")
-        .filter_map(|letter| crate::runtime::new_job(&ctx.config, &letter.body).ok())
-        .collect();
+    let mut valid: Vec<crate::store::NewJob> = Vec::new();
+    crate::dlq::visit(&ctx.connection, &queue, 256, |letter, body| {
+        if letter.reason == "delivery_limit"
+            && let Ok(new) = crate::runtime::new_job(&ctx.config, body)
+        {
+            valid.push(new);
+        }
+    })
+    .await?;
     if valid.is_empty() {
         return Ok(());
     }
