@@ -127,9 +127,13 @@ pub async fn serve(
     console: Console,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, console.router())
-        .with_graceful_shutdown(shutdown)
-        .await
+    crate::http::serve(
+        listener,
+        console.router(),
+        crate::http::ClientLimits::default(),
+        shutdown,
+    )
+    .await
 }
 
 /// The templates, compiled in. Names ending in `.html` are autoescaped.

@@ -190,3 +190,20 @@ pub fn gateway_answer(route: &str, status: u16) {
     )
     .increment(1);
 }
+
+/// The gateway refused an owner's request for what the owner already held:
+/// `reason` is `requests_in_flight` or `bytes_in_flight`.
+pub fn gateway_refused(owner: &str, reason: &'static str) {
+    counter!(
+        "onejob_gateway_refused_total",
+        "owner" => owner.to_owned(),
+        "reason" => reason
+    )
+    .increment(1);
+}
+
+/// Requests the gateway is serving for their owners (each holds a place of
+/// its owner's share), up or down by one.
+pub fn gateway_in_flight(change: f64) {
+    gauge!("onejob_gateway_in_flight").increment(change);
+}

@@ -46,6 +46,7 @@ use serde::Serialize;
 use serde_json::json;
 use tokio::sync::Semaphore;
 
+use crate::owners::{Owners, Refusal};
 use crate::{Producer, ProducerError, ProducerOptions};
 
 /// The OpenAPI 3.1 description served at `/openapi.json`.
@@ -69,9 +70,6 @@ pub enum GatewayError {
     ConnectionLost,
 }
 
-/// How long a client may take to send a request body.
-const BODY_TIMEOUT: Duration = Duration::from_secs(30);
-
 /// An over-long body is read (and dropped) up to this multiple of the limit before
 /// the `413`, so the client reads the answer instead of a reset connection.
 const DRAIN_FACTOR: usize = 4;
@@ -86,6 +84,19 @@ pub struct GatewayOptions {
     pub receipt_timeout: Duration,
     /// Requests served at once; more get `503` with `Retry-After`.
     pub max_in_flight: usize,
+    /// Requests one owner may have in flight at once; more get `429`.
+    pub max_in_flight_per_owner: usize,
+    /// Request bytes one owner may have in flight at once (as each request's
+    /// `Content-Length` declares, or the message limit when it declares
+    /// none); a request that would pass it gets `429`.
+    pub max_bytes_in_flight_per_owner: usize,
+    /// How long a client may take to send a request's line and headers
+    /// (and, on a kept-alive connection, to start its next request).
+    pub header_timeout: Duration,
+    /// How long a client may take to send a request body.
+    pub body_timeout: Duration,
+    /// Connections held open at once; more wait to be accepted.
+    pub max_connections: usize,
 }
 
 impl Default for GatewayOptions {
@@ -93,6 +104,11 @@ impl Default for GatewayOptions {
         Self {
             receipt_timeout: Duration::from_secs(10),
             max_in_flight: 256,
+            max_in_flight_per_owner: 32,
+            max_bytes_in_flight_per_owner: 32 << 20,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            max_connections: 1024,
         }
     }
 }
@@ -105,6 +121,8 @@ pub struct Gateway {
     store: Store,
     producer: Producer,
     in_flight: Semaphore,
+    owners: Owners,
+    options: GatewayOptions,
 }
 
 impl Gateway {
@@ -140,6 +158,11 @@ impl Gateway {
             store,
             producer,
             in_flight: Semaphore::new(options.max_in_flight.max(1)),
+            owners: Owners::new(
+                options.max_in_flight_per_owner,
+                options.max_bytes_in_flight_per_owner,
+            ),
+            options,
         })
     }
 
@@ -190,16 +213,20 @@ impl Gateway {
                 }
             }
         };
+        let limits = onejob::http::ClientLimits {
+            header_timeout: self.options.header_timeout,
+            max_connections: self.options.max_connections,
+        };
         let stop = shutdown.clone();
-        let server = axum::serve(listener, self.clone().router())
-            .with_graceful_shutdown(async move { stop.wait().await });
+        let server = onejob::http::serve(listener, self.clone().router(), limits, async move {
+            stop.wait().await
+        });
         let stop = shutdown.clone();
         let probes_router = self.clone().probes_router();
         let probes = async move {
             match probes {
                 Some(l) => {
-                    axum::serve(l, probes_router)
-                        .with_graceful_shutdown(async move { stop.wait().await })
+                    onejob::http::serve(l, probes_router, limits, async move { stop.wait().await })
                         .await
                 }
                 None => Ok(()),
@@ -309,8 +336,34 @@ fn overloaded() -> Response {
     )
 }
 
-/// Reads a request body of at most `limit` bytes, within [`BODY_TIMEOUT`].
-async fn read_body(body: Body, limit: usize) -> Result<Vec<u8>, Response> {
+/// An owner holds as much as it may already: `429`, with why.
+fn refused(owner: &str, refusal: Refusal, options: &GatewayOptions) -> Response {
+    onejob::metrics::gateway_refused(owner, refusal.label());
+    let why = match refusal {
+        Refusal::Requests => format!(
+            "too_many_requests: this owner has {} requests in flight already; retry when one is answered",
+            options.max_in_flight_per_owner
+        ),
+        Refusal::Bytes => format!(
+            "too_many_requests: this request would pass this owner's {} bytes in flight; retry when one is answered",
+            options.max_bytes_in_flight_per_owner
+        ),
+    };
+    unavailable(StatusCode::TOO_MANY_REQUESTS, why)
+}
+
+/// The body size a request declares (`Content-Length`), if it does.
+fn declared_length(headers: &HeaderMap) -> Option<usize> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// Reads a request body of at most `limit` bytes, within `timeout`.
+async fn read_body(body: Body, limit: usize, timeout: Duration) -> Result<Vec<u8>, Response> {
     use futures_util::StreamExt;
     let mut stream = body.into_data_stream();
     let mut kept = Vec::new();
@@ -332,12 +385,12 @@ async fn read_body(body: Body, limit: usize) -> Result<Vec<u8>, Response> {
         }
         Ok(())
     };
-    match tokio::time::timeout(BODY_TIMEOUT, read).await {
+    match tokio::time::timeout(timeout, read).await {
         Err(_) => Err(problem(
             StatusCode::REQUEST_TIMEOUT,
             format!(
-                "request_timeout: the body did not arrive within {}s",
-                BODY_TIMEOUT.as_secs()
+                "request_timeout: the body did not arrive within {}",
+                humantime::format_duration(timeout)
             ),
         )),
         Ok(Err(response)) => Err(response),
@@ -368,7 +421,14 @@ async fn create_job(State(gateway): State<Arc<Gateway>>, request: Request) -> Re
         });
     };
     let limit = gateway.config.worker.max_message_bytes;
-    let body = match read_body(body, limit).await {
+    // What this owner holds is bounded, so that it cannot hold the gateway's
+    // places from every other owner.
+    let declared = declared_length(&parts.headers).unwrap_or(limit);
+    let _held = match gateway.owners.take(&owner, declared.min(limit.saturating_add(1))) {
+        Ok(held) => held,
+        Err(refusal) => return refused(&owner, refusal, &gateway.options),
+    };
+    let body = match read_body(body, limit, gateway.options.body_timeout).await {
         Ok(b) => b,
         Err(response) => return response,
     };

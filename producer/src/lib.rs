@@ -24,6 +24,8 @@
 
 #[cfg(feature = "gateway")]
 pub mod gateway;
+#[cfg(feature = "gateway")]
+mod owners;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

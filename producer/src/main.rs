@@ -75,6 +75,27 @@ enum Command {
         /// Requests served at once; more are answered 503 with Retry-After.
         #[arg(long, default_value_t = 256)]
         max_in_flight: usize,
+        /// Requests one owner may have in flight at once; more are answered
+        /// 429 (so that one owner cannot hold every place).
+        #[arg(long, default_value_t = 32)]
+        max_in_flight_per_owner: usize,
+        /// Request bytes one owner may have in flight at once, as each
+        /// request's Content-Length declares; a request that would pass it is
+        /// answered 429.
+        #[arg(long, default_value_t = 32 << 20)]
+        max_bytes_in_flight_per_owner: usize,
+        /// How long a client may take to send a request's line and headers,
+        /// and, on a kept-alive connection, to start its next request. Behind
+        /// a load balancer that keeps connections open, set it above the
+        /// balancer's idle timeout.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+        header_timeout: Duration,
+        /// How long a client may take to send a request body (408 past it).
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+        body_timeout: Duration,
+        /// Connections held open at once; more wait to be accepted.
+        #[arg(long, default_value_t = 1024)]
+        max_connections: usize,
     },
 }
 
@@ -134,10 +155,20 @@ async fn main() -> ExitCode {
             database_url,
             receipt_timeout,
             max_in_flight,
+            max_in_flight_per_owner,
+            max_bytes_in_flight_per_owner,
+            header_timeout,
+            body_timeout,
+            max_connections,
         } => {
             let options = GatewayOptions {
                 receipt_timeout,
                 max_in_flight,
+                max_in_flight_per_owner,
+                max_bytes_in_flight_per_owner,
+                header_timeout,
+                body_timeout,
+                max_connections,
             };
             serve(
                 config,
