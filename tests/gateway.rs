@@ -470,6 +470,20 @@ async fn bad_requests_get_specific_errors_and_publish_nothing() {
         (
             Some(&token),
             Some("k"),
+            r#"{"operation":"summarize","input":{"text":"a","text":"b"}}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "duplicate_field",
+        ),
+        (
+            Some(&token),
+            Some("k"),
+            r#"{"operation":"summarize","input":{"text":"a","n":9007199254740993}}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "bad_number",
+        ),
+        (
+            Some(&token),
+            Some("k"),
             r#"{"owner_id":"someone_else","operation":"summarize","input":{}}"#.into(),
             StatusCode::BAD_REQUEST,
             "unknown_field",
@@ -823,9 +837,10 @@ async fn slow_headers_are_cut_off_and_hold_no_connection() {
         let url = format!("{}/healthz", s.base);
         async move { http.get(url).send().await.map(|r| r.status()) }
     });
-    let closed = join_all(slow.iter_mut().map(|c| {
-        tokio::time::timeout(Duration::from_secs(60), until_closed(c))
-    }))
+    let closed = join_all(
+        slow.iter_mut()
+            .map(|c| tokio::time::timeout(Duration::from_secs(60), until_closed(c))),
+    )
     .await;
     let open = closed.iter().filter(|c| c.is_err()).count();
     assert_eq!(open, 0, "{open} of 300 slow connections were never closed");

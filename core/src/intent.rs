@@ -68,9 +68,15 @@ pub enum RejectReason {
     /// A gateway request's body names a field the gateway sets itself.
     #[error("unknown_field: {field:?} is not a body field over HTTP: {how}", field = .0, how = set_by(.0))]
     SetByGateway(&'static str),
-    /// A field given twice.
+    /// A field given twice, or a key given twice in one object of `input`.
     #[error("duplicate_field: {0:?} appears more than once")]
     DuplicateField(String),
+    /// A number past ±(2^53 − 1) in size: canonical JSON would round it, and
+    /// two different requests would have one fingerprint.
+    #[error(
+        "bad_number: {0} is beyond ±9007199254740991, which JSON numbers hold exactly; send it as a string"
+    )]
+    UnsafeNumber(String),
     /// A required field is absent.
     #[error("missing_field: {0:?} is required")]
     MissingField(&'static str),
@@ -166,8 +172,18 @@ fn members(body: &[u8], max_body_bytes: usize) -> Result<Vec<(String, Value)>, R
     let text = std::str::from_utf8(body).map_err(|_| RejectReason::NotUtf8)?;
     match serde_json::from_str::<Members>(text) {
         Ok(m) => Ok(m.0),
-        Err(e) if e.to_string().starts_with(NOT_AN_OBJECT) => Err(RejectReason::NotAnObject),
-        Err(e) => Err(RejectReason::InvalidJson(e.to_string())),
+        Err(e) => {
+            let e = e.to_string();
+            if e.starts_with(NOT_AN_OBJECT) {
+                Err(RejectReason::NotAnObject)
+            } else if let Some(key) = strict_detail(&e, DUPLICATE_KEY) {
+                Err(RejectReason::DuplicateField(key.to_owned()))
+            } else if let Some(number) = strict_detail(&e, UNSAFE_NUMBER) {
+                Err(RejectReason::UnsafeNumber(number.to_owned()))
+            } else {
+                Err(RejectReason::InvalidJson(e))
+            }
+        }
     }
 }
 
@@ -187,7 +203,7 @@ impl<'de> Deserialize<'de> for Members {
                 mut map: A,
             ) -> Result<Self::Value, A::Error> {
                 let mut out = Vec::new();
-                while let Some((k, v)) = map.next_entry::<String, Value>()? {
+                while let Some((k, Strict(v))) = map.next_entry::<String, Strict>()? {
                     out.push((k, v));
                 }
                 Ok(Some(out))
@@ -227,6 +243,96 @@ impl<'de> Deserialize<'de> for Members {
 }
 
 const NOT_AN_OBJECT: &str = "\u{0}not-an-object";
+const DUPLICATE_KEY: &str = "\u{0}duplicate-key:";
+const UNSAFE_NUMBER: &str = "\u{0}unsafe-number:";
+
+/// The largest integer a double holds exactly with its neighbours apart
+/// (`Number.MAX_SAFE_INTEGER`): canonical JSON writes numbers as doubles, so
+/// past it two different integers would be one fingerprint.
+pub const MAX_SAFE_INTEGER: u64 = (1 << 53) - 1;
+
+/// A JSON value that canonical JSON keeps apart from every other: no object
+/// with a key twice (serde_json would keep only the last), no number past
+/// [`MAX_SAFE_INTEGER`] in size (canonical JSON would round it).
+struct Strict(Value);
+
+impl<'de> Deserialize<'de> for Strict {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Value;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON value")
+            }
+            fn visit_bool<E>(self, b: bool) -> Result<Value, E> {
+                Ok(Value::Bool(b))
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Value, E> {
+                if n.unsigned_abs() > MAX_SAFE_INTEGER {
+                    return Err(E::custom(format!("{UNSAFE_NUMBER}{n}")));
+                }
+                Ok(Value::from(n))
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Value, E> {
+                if n > MAX_SAFE_INTEGER {
+                    return Err(E::custom(format!("{UNSAFE_NUMBER}{n}")));
+                }
+                Ok(Value::from(n))
+            }
+            fn visit_f64<E: serde::de::Error>(self, x: f64) -> Result<Value, E> {
+                // Past 2^53 a double is a whole number that stands for many
+                // decimal ones: 1e300 and 1e300 + 1 would be one request.
+                if x.abs() > MAX_SAFE_INTEGER as f64 {
+                    return Err(E::custom(format!("{UNSAFE_NUMBER}{x:e}")));
+                }
+                Ok(serde_json::Number::from_f64(x).map_or(Value::Null, Value::Number))
+            }
+            fn visit_str<E>(self, text: &str) -> Result<Value, E> {
+                Ok(Value::String(text.to_owned()))
+            }
+            fn visit_string<E>(self, text: String) -> Result<Value, E> {
+                Ok(Value::String(text))
+            }
+            fn visit_unit<E>(self) -> Result<Value, E> {
+                Ok(Value::Null)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Value, A::Error> {
+                let mut items = Vec::new();
+                while let Some(Strict(v)) = seq.next_element::<Strict>()? {
+                    items.push(v);
+                }
+                Ok(Value::Array(items))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Value, A::Error> {
+                let mut members = serde_json::Map::new();
+                while let Some((k, Strict(v))) = map.next_entry::<String, Strict>()? {
+                    if members.contains_key(&k) {
+                        return Err(serde::de::Error::custom(format!("{DUPLICATE_KEY}{k}")));
+                    }
+                    members.insert(k, v);
+                }
+                Ok(Value::Object(members))
+            }
+        }
+        d.deserialize_any(V).map(Strict)
+    }
+}
+
+/// The sentinel'd detail of a serde_json error raised by [`Strict`], without
+/// the position serde_json appends.
+fn strict_detail<'a>(error: &'a str, sentinel: &str) -> Option<&'a str> {
+    let rest = error.strip_prefix(sentinel)?;
+    Some(
+        rest.rsplit_once(" at line ")
+            .map_or(rest, |(detail, _)| detail),
+    )
+}
 
 impl Intent {
     /// Parses and validates an intent body against contract section 3. The
@@ -502,6 +608,42 @@ mod tests {
         assert_eq!(i.provider.as_deref(), Some("p"));
     }
 
+    /// Two inputs that canonical JSON would make one (a key given twice, of
+    /// which only the last would be kept; integers past what a double holds,
+    /// rounded together) are refused, at any depth, over AMQP and HTTP alike.
+    #[test]
+    fn inputs_that_canonical_json_would_merge_are_refused() {
+        let with_input = |input: &str| {
+            format!(r#"{{"owner_id":"a","idempotency_key":"k","operation":"o","input":{input}}}"#)
+        };
+        let body = |input: &str| format!(r#"{{"operation":"o","input":{input}}}"#);
+        for (input, code) in [
+            (r#"{"a":1,"a":2}"#, "duplicate_field"),
+            (
+                r#"{"x":{"deep":[{"b":true,"b":false}]}}"#,
+                "duplicate_field",
+            ),
+            (r#"{"n":9007199254740993}"#, "bad_number"),
+            (r#"{"n":-9007199254740993}"#, "bad_number"),
+            (r#"{"n":[1,{"m":18446744073709551615}]}"#, "bad_number"),
+            (r#"{"n":123456789012345678901234567890}"#, "bad_number"),
+            (r#"{"n":1e300}"#, "bad_number"),
+        ] {
+            let e = parse(&with_input(input)).unwrap_err().to_string();
+            assert!(e.starts_with(code), "{input}: {e}");
+            let e = Intent::from_request(body(input).as_bytes(), "a", "k", DEFAULT_MAX_BODY_BYTES)
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with(code), "{input} over HTTP: {e}");
+        }
+        for input in [
+            r#"{"n":9007199254740991,"m":-9007199254740991,"f":0.5,"a":{"a":{"a":1}}}"#,
+            r#"{"same":{"k":1},"other":{"k":1}}"#,
+        ] {
+            parse(&with_input(input)).unwrap_or_else(|e| panic!("{input}: {e}"));
+        }
+    }
+
     #[test]
     fn every_reject_reason_is_specific() {
         let cases: Vec<(String, &str)> = vec![
@@ -592,7 +734,8 @@ mod tests {
         let leaf = prop_oneof![
             Just(Value::Null),
             any::<bool>().prop_map(Value::Bool),
-            any::<i64>().prop_map(Value::from),
+            // Integers an intent may carry: canonical JSON keeps them apart.
+            (-(MAX_SAFE_INTEGER as i64)..=MAX_SAFE_INTEGER as i64).prop_map(Value::from),
             "[ -~]{0,12}".prop_map(Value::String),
         ];
         leaf.prop_recursive(3, 24, 6, |inner| {

@@ -424,7 +424,10 @@ async fn create_job(State(gateway): State<Arc<Gateway>>, request: Request) -> Re
     // What this owner holds is bounded, so that it cannot hold the gateway's
     // places from every other owner.
     let declared = declared_length(&parts.headers).unwrap_or(limit);
-    let _held = match gateway.owners.take(&owner, declared.min(limit.saturating_add(1))) {
+    let _held = match gateway
+        .owners
+        .take(&owner, declared.min(limit.saturating_add(1)))
+    {
         Ok(held) => held,
         Err(refusal) => return refused(&owner, refusal, &gateway.options),
     };
