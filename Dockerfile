@@ -10,4 +10,6 @@ RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates
 COPY --from=build /src/target/release/onejob /src/target/release/onejob-worker \
      /src/target/release/onejob-producer /src/target/release/onejob-mock-provider /usr/local/bin/
 USER nobody
-CMD ["onejob-worker", "--http", "0.0.0.0:9090"]
+# Loopback by default: compose.yaml (and any manifest) names the address it
+# exposes, on its own network.
+CMD ["onejob-worker", "--http", "127.0.0.1:9090"]

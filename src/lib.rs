@@ -44,6 +44,7 @@ pub mod config;
 pub mod console;
 pub mod dlq;
 pub mod fleet;
+mod gauges;
 pub mod http;
 pub mod intake;
 pub mod metrics;

@@ -888,17 +888,17 @@ pub fn health_router(ctx: Context) -> axum::Router {
         )
     }
 
-    async fn metrics(
-        axum::extract::State(ctx): axum::extract::State<Context>,
-    ) -> (StatusCode, String) {
-        match ctx.store.gauges().await {
-            Ok(g) => (StatusCode::OK, g + &crate::metrics::render()),
-            Err(e) => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("# database unavailable: {e}\n"),
-            ),
+    // Read by a timer, never by a scrape.
+    let gauges = crate::gauges::Gauges::refreshed(ctx.store.clone());
+    let metrics = move || {
+        let gauges = gauges.clone();
+        async move {
+            let g = gauges.text().unwrap_or_else(|| {
+                "# the gauges have not been read from the database yet\n".to_owned()
+            });
+            (StatusCode::OK, g + &crate::metrics::render())
         }
-    }
+    };
 
     axum::Router::new()
         .route("/healthz", get(|| async { "ok\n" }))

@@ -13,6 +13,7 @@ use onejob::intent::Outcome;
 use onejob::mock::MockOptions;
 use onejob_producer::Producer;
 use reqwest::StatusCode;
+use sqlx::Connection;
 
 /// Polls `/metrics` until every expected sample has its value, or 20 s have
 /// passed; returns the last text either way, for the caller's assertions to show.
@@ -238,5 +239,61 @@ async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
         StatusCode::OK,
         "alive all the same"
     );
+    server.abort();
+}
+
+/// A scrape never reads the tables: the gauges come from a cache that a timer
+/// refreshes, so scrapes (however many) cost the database nothing, and a
+/// table held by a long lock does not hold up `/metrics`. The cache's age is
+/// a gauge of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn metrics_are_served_from_a_cache_not_the_tables() {
+    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
+    let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(
+        axum::serve(listener, onejob::runtime::health_router(ctx.clone())).into_future(),
+    );
+    let http = reqwest::Client::new();
+    let scrape = || {
+        let (http, base) = (http.clone(), base.clone());
+        async move {
+            let r = http.get(format!("{base}/metrics")).send().await.unwrap();
+            (r.status(), r.text().await.unwrap())
+        }
+    };
+    common::wait_for("the first gauges", Duration::from_secs(20), || async {
+        let (status, text) = scrape().await;
+        (status == StatusCode::OK && text.contains("onejob_jobs{status=\"queued\"}")).then_some(())
+    })
+    .await;
+
+    // Another session holds both tables under a lock no read can pass.
+    let mut holder = sqlx::PgConnection::connect(&env.database_url)
+        .await
+        .unwrap();
+    sqlx::raw_sql("BEGIN; LOCK TABLE jobs, attempts IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let scrapes = futures_util::future::join_all(
+        (0..50).map(|_| tokio::time::timeout(Duration::from_secs(10), scrape())),
+    )
+    .await;
+    for answer in scrapes {
+        let (status, text) = answer.expect("a scrape waited on the tables");
+        assert_eq!(status, StatusCode::OK);
+        assert!(text.contains("onejob_jobs{status=\"queued\"} 0"), "{text}");
+        assert!(
+            sample(&text, "onejob_gauges_age_seconds").is_some(),
+            "{text}"
+        );
+    }
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .unwrap();
     server.abort();
 }

@@ -505,3 +505,25 @@ async fn outside_text_reaches_the_terminal_escaped() {
         );
     }
 }
+
+/// The image serves nothing on every interface unless it is told to: its
+/// default command binds loopback, and compose names, for each service, the
+/// one address it exposes on the compose network.
+#[test]
+fn the_image_listens_on_loopback_unless_told_otherwise() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dockerfile = std::fs::read_to_string(root.join("Dockerfile")).unwrap();
+    let cmd = dockerfile
+        .lines()
+        .find(|l| l.starts_with("CMD"))
+        .expect("a default command");
+    assert!(!cmd.contains("0.0.0.0"), "{cmd}");
+    assert!(cmd.contains("127.0.0.1:9090"), "{cmd}");
+    let compose = std::fs::read_to_string(root.join("compose.yaml")).unwrap();
+    for line in compose.lines().filter(|l| l.contains("0.0.0.0")) {
+        assert!(
+            line.trim_start().starts_with("command:"),
+            "compose binds all interfaces only in a service's own command: {line}"
+        );
+    }
+}
