@@ -2,24 +2,28 @@
 //! compose. It serves `POST /v1/chat/completions` and answers with a JSON object
 //! `{"<field>": "..."}` (the field is `summary` unless configured otherwise).
 //!
-//! Each request can steer it with directives anywhere in its messages' text:
+//! Started with directives allowed ([`MockOptions::directives`],
+//! `onejob-mock-provider --directives`), each request can steer it with
+//! directives anywhere in its messages' text. The text is a tenant's prompt,
+//! so they are off by default, and clamped when on:
 //!
 //! | directive | effect |
 //! |---|---|
-//! | `mock:delay=MS` | wait MS milliseconds before answering |
-//! | `mock:status=CODE` | answer with that HTTP status and an error body |
-//! | `mock:retry_after=S` | with a status, send `Retry-After: S` |
+//! | `mock:delay=MS` | wait MS milliseconds (at most a minute) before answering |
+//! | `mock:status=CODE` | answer with that HTTP status (100 to 599) and an error body |
+//! | `mock:retry_after=S` | with a status, send `Retry-After: S` (at most an hour) |
 //! | `mock:prose` | answer with prose instead of JSON |
 //! | `mock:extra_key` | add a top-level key the schema does not allow |
 //! | `mock:wrong_type` | give the field a number instead of a string |
 //! | `mock:drop` | send the headers, then drop the connection mid-body |
 //! | `mock:nul` | put NUL characters in the answer, its id and usage (and a raw NUL byte in an error body) |
-//! | `mock:pad=BYTES` | pad the answer's text (or an error's message) with that many bytes |
+//! | `mock:pad=BYTES` | pad the answer's text (or an error's message) with that many bytes (at most [`MAX_PAD`]) |
 //!
 //! Server-wide options add a fixed delay, random latency and a random error rate.
 //! `GET /_mock/stats` reports how many completions were requested, and with which
-//! `Idempotency-Key`s.
+//! `Idempotency-Key`s (the latest [`MockOptions::record_limit`]).
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -51,7 +55,21 @@ pub struct MockOptions {
     /// Names this mock in its answers (`mock answer: from TAG: …`), to tell apart
     /// which provider's result won.
     pub tag: Option<String>,
+    /// Whether `mock:` directives in a request's text are obeyed. Off by
+    /// default: the text is a tenant's prompt.
+    pub directives: bool,
+    /// How many idempotency keys and authorizations are kept (the latest).
+    pub record_limit: usize,
 }
+
+/// The most a `mock:pad` pads, in bytes.
+pub const MAX_PAD: usize = 1 << 20;
+
+/// The longest a `mock:delay` waits, in milliseconds.
+const MAX_DELAY_MS: u64 = 60_000;
+
+/// The longest `Retry-After` a `mock:retry_after` sends, in seconds.
+const MAX_RETRY_AFTER_S: u64 = 3_600;
 
 /// How a badly behaved mock breaks the output contract.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -73,6 +91,8 @@ impl Default for MockOptions {
             error_rate: 0.0,
             misbehave: None,
             tag: None,
+            directives: false,
+            record_limit: 100_000,
         }
     }
 }
@@ -81,9 +101,9 @@ impl Default for MockOptions {
 #[derive(Debug, Default, Serialize)]
 pub struct Stats {
     requests: AtomicU64,
-    idempotency_keys: Mutex<Vec<String>>,
+    idempotency_keys: Mutex<VecDeque<String>>,
     #[serde(skip)]
-    authorizations: Mutex<Vec<String>>,
+    authorizations: Mutex<VecDeque<String>>,
 }
 
 impl Stats {
@@ -97,7 +117,7 @@ impl Stats {
     pub fn authorizations(&self) -> Vec<String> {
         self.authorizations
             .lock()
-            .map(|k| k.clone())
+            .map(|k| k.iter().cloned().collect())
             .unwrap_or_default()
     }
 
@@ -105,7 +125,7 @@ impl Stats {
     pub fn idempotency_keys(&self) -> Vec<String> {
         self.idempotency_keys
             .lock()
-            .map(|k| k.clone())
+            .map(|k| k.iter().cloned().collect())
             .unwrap_or_default()
     }
 }
@@ -216,15 +236,22 @@ fn directives(text: &str) -> Directives {
         };
         let (name, value) = rest.split_once('=').unwrap_or((rest, ""));
         match name {
-            "delay" => d.delay = value.parse().ok(),
-            "status" => d.status = value.parse().ok(),
-            "retry_after" => d.retry_after = value.parse().ok(),
+            "delay" => d.delay = value.parse::<u64>().ok().map(|ms| ms.min(MAX_DELAY_MS)),
+            "status" => d.status = value.parse().ok().filter(|c| (100..=599).contains(c)),
+            "retry_after" => {
+                d.retry_after = value.parse::<u64>().ok().map(|s| s.min(MAX_RETRY_AFTER_S));
+            }
             "prose" => d.prose = true,
             "extra_key" => d.extra_key = true,
             "wrong_type" => d.wrong_type = true,
             "drop" => d.drop = true,
             "nul" => d.nul = true,
-            "pad" => d.pad = value.parse().ok(),
+            "pad" => {
+                d.pad = value
+                    .parse::<u64>()
+                    .ok()
+                    .map(|p| p.min(MAX_PAD as u64) as usize)
+            }
             _ => {}
         }
     }
@@ -232,7 +259,8 @@ fn directives(text: &str) -> Directives {
 }
 
 async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    let n = state.stats.record(&headers);
+    let options = state.options.read().map(|o| o.clone()).unwrap_or_default();
+    let n = state.stats.record(&headers, options.record_limit);
     let request: ChatRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
@@ -249,8 +277,11 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
         .map(|m| m.content.as_str())
         .collect::<Vec<_>>()
         .join("\n");
-    let d = directives(&text);
-    let options = state.options.read().map(|o| o.clone()).unwrap_or_default();
+    let d = if options.directives {
+        directives(&text)
+    } else {
+        Directives::default()
+    };
     let fail = wait(&options, &d).await;
     if let Some(code) = d.status.or(if fail { Some(503) } else { None }) {
         return failure(code, &d);
@@ -267,20 +298,22 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
 }
 
 impl Stats {
-    /// Counts a request and keeps its idempotency key and authorization; returns
-    /// its number.
-    fn record(&self, headers: &HeaderMap) -> u64 {
+    /// Counts a request and keeps its idempotency key and authorization (the
+    /// latest `limit` of each); returns its number.
+    fn record(&self, headers: &HeaderMap, limit: usize) -> u64 {
         let n = self.requests.fetch_add(1, Ordering::SeqCst) + 1;
-        if let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok())
-            && let Ok(mut keys) = self.idempotency_keys.lock()
-        {
-            keys.push(key.to_owned());
-        }
-        if let Some(auth) = headers.get("authorization").and_then(|v| v.to_str().ok())
-            && let Ok(mut seen) = self.authorizations.lock()
-        {
-            seen.push(auth.to_owned());
-        }
+        let keep = |kept: &Mutex<VecDeque<String>>, name: &str| {
+            if let Some(value) = headers.get(name).and_then(|v| v.to_str().ok())
+                && let Ok(mut kept) = kept.lock()
+            {
+                kept.push_back(value.to_owned());
+                while kept.len() > limit {
+                    kept.pop_front();
+                }
+            }
+        };
+        keep(&self.idempotency_keys, "idempotency-key");
+        keep(&self.authorizations, "authorization");
         n
     }
 }

@@ -527,3 +527,82 @@ fn the_image_listens_on_loopback_unless_told_otherwise() {
         );
     }
 }
+
+/// Posts a chat completion whose prompt is `prompt` to the mock at `base`,
+/// with `key` as its Idempotency-Key.
+async fn ask_mock(
+    base: &str,
+    prompt: &str,
+    key: &str,
+) -> Result<reqwest::Response, reqwest::Error> {
+    reqwest::Client::new()
+        .post(format!("{base}/chat/completions"))
+        .header("idempotency-key", key)
+        .json(&serde_json::json!({"messages": [{"role": "user", "content": prompt}]}))
+        .send()
+        .await
+}
+
+/// The mock provider's `mock:` directives come from the prompt, which is a
+/// tenant's text: it honours them only when started with them allowed, clamps
+/// them when it does, and keeps a bounded record of what it saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_mock_takes_no_orders_from_tenants_by_default() {
+    let addr = "127.0.0.1:0".parse().unwrap();
+    let plain = onejob::mock::start(addr, MockOptions::default())
+        .await
+        .unwrap();
+    let answer = ask_mock(&plain.base_url(), "hello mock:status=503 mock:prose", "k")
+        .await
+        .unwrap();
+    assert_eq!(
+        answer.status(),
+        reqwest::StatusCode::OK,
+        "a directive was obeyed"
+    );
+    let text = answer.text().await.unwrap();
+    assert!(text.contains("mock answer"), "{text}");
+
+    let steered = onejob::mock::start(
+        addr,
+        MockOptions {
+            directives: true,
+            record_limit: 100,
+            ..MockOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let answer = ask_mock(&steered.base_url(), "mock:status=503", "k")
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
+    // A pad no machine could hold is clamped, not attempted.
+    let answer = ask_mock(&steered.base_url(), "mock:pad=1000000000000000000", "k")
+        .await
+        .expect("an answer, not a crash");
+    assert_eq!(answer.status(), reqwest::StatusCode::OK);
+    let size = answer.bytes().await.unwrap().len();
+    assert!(size <= onejob::mock::MAX_PAD + 4096, "{size} bytes");
+    let answer = ask_mock(&steered.base_url(), "mock:status=99999", "k")
+        .await
+        .unwrap();
+    assert_eq!(
+        answer.status(),
+        reqwest::StatusCode::OK,
+        "no such status: ignored"
+    );
+
+    for i in 0..150 {
+        ask_mock(&steered.base_url(), "hi", &format!("key-{i}"))
+            .await
+            .unwrap();
+    }
+    let keys = steered.stats.idempotency_keys();
+    assert_eq!(keys.len(), 100, "the record is bounded");
+    assert_eq!(
+        keys.last().map(String::as_str),
+        Some("key-149"),
+        "the latest kept"
+    );
+}

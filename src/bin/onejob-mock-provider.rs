@@ -8,9 +8,9 @@ use std::time::Duration;
 use clap::Parser;
 
 /// An OpenAI-compatible mock provider for tests, the quick start and compose.
-/// Requests steer it with directives in their text: mock:delay=MS,
-/// mock:status=CODE, mock:retry_after=S, mock:prose, mock:extra_key,
-/// mock:wrong_type, mock:drop, mock:nul, mock:pad=BYTES.
+/// With --directives, requests steer it with directives in their text:
+/// mock:delay=MS, mock:status=CODE, mock:retry_after=S, mock:prose,
+/// mock:extra_key, mock:wrong_type, mock:drop, mock:nul, mock:pad=BYTES.
 #[derive(Parser, Debug)]
 #[command(name = "onejob-mock-provider", version, about)]
 struct Args {
@@ -35,6 +35,11 @@ struct Args {
     /// Name this mock in its answers ("mock answer: from TAG: ...").
     #[arg(long)]
     tag: Option<String>,
+    /// Obey `mock:` directives in a request's text (clamped: a delay of at
+    /// most a minute, a pad of at most 1 MiB). Off by default: the text is a
+    /// tenant's prompt, and tenants do not steer a provider.
+    #[arg(long)]
+    directives: bool,
 }
 
 #[tokio::main]
@@ -52,6 +57,8 @@ async fn main() -> ExitCode {
         error_rate: args.error_rate,
         misbehave: args.misbehave,
         tag: args.tag,
+        directives: args.directives,
+        ..onejob::mock::MockOptions::default()
     };
     let handle = match onejob::mock::start(args.listen, options).await {
         Ok(h) => h,

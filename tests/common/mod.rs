@@ -235,8 +235,13 @@ impl Fleet {
     }
 }
 
-/// Starts a mock provider on a free port.
+/// A mock provider on a free port. Tests steer it: its `mock:` directives are
+/// on.
 pub async fn mock(options: MockOptions) -> MockHandle {
+    let options = MockOptions {
+        directives: true,
+        ..options
+    };
     onejob::mock::start("127.0.0.1:0".parse().expect("addr"), options)
         .await
         .expect("start mock provider")
