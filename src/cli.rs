@@ -105,6 +105,10 @@ struct ConsoleArgs {
     /// How long a sign-in lasts.
     #[arg(long, default_value = "8h", value_parser = humantime::parse_duration)]
     session_ttl: std::time::Duration,
+    /// Sign-in attempts one client address may make a minute; past it, 429.
+    /// Behind a proxy every client shares its address: raise it there.
+    #[arg(long, default_value_t = 10)]
+    sign_ins_per_minute: u32,
 }
 
 #[derive(Subcommand, Debug)]
@@ -423,6 +427,8 @@ async fn console(c: &Connections, args: ConsoleArgs) -> Outcome {
         amqp_url: c.amqp_url.clone(),
         secure_cookies: args.secure_cookies,
         session_ttl: args.session_ttl,
+        sign_ins_per_minute: args.sign_ins_per_minute,
+        ..crate::console::Options::default()
     };
     let addr = listener.local_addr().unwrap_or(args.listen);
     eprintln!("onejob console listening on http://{addr}/ (sign in with an operator token)");

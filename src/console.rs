@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::extract::{ConnectInfo, FromRequestParts, Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
@@ -50,6 +50,24 @@ pub struct Options {
     pub secure_cookies: bool,
     /// How long a sign-in lasts.
     pub session_ttl: Duration,
+    /// Sign-in attempts one client address may make a minute (in a burst,
+    /// then one every `60 / n` seconds); past it, 429 before the database is
+    /// asked.
+    pub sign_ins_per_minute: u32,
+    /// How often sessions past their expiry are deleted.
+    pub session_sweep: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            amqp_url: crate::cli::DEFAULT_AMQP_URL.to_owned(),
+            secure_cookies: false,
+            session_ttl: Duration::from_secs(8 * 3600),
+            sign_ins_per_minute: 10,
+            session_sweep: Duration::from_secs(60),
+        }
+    }
 }
 
 struct Inner {
@@ -57,6 +75,7 @@ struct Inner {
     config: Arc<Config>,
     options: Options,
     pages: Environment<'static>,
+    sign_ins: crate::throttle::Throttle,
 }
 
 /// The console's state, shared by its handlers.
@@ -69,6 +88,7 @@ impl Console {
         Console(Arc::new(Inner {
             store,
             config,
+            sign_ins: crate::throttle::Throttle::new(options.sign_ins_per_minute),
             options,
             pages: pages(),
         }))
@@ -127,13 +147,32 @@ pub async fn serve(
     console: Console,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    crate::http::serve(
+    let sweeper = tokio::spawn(sweep_sessions(
+        console.0.store.clone(),
+        console.0.options.session_sweep,
+    ));
+    let served = crate::http::serve(
         listener,
         console.router(),
         crate::http::ClientLimits::default(),
         shutdown,
     )
-    .await
+    .await;
+    sweeper.abort();
+    served
+}
+
+/// Deletes sessions past their expiry every `every`, for as long as the
+/// console serves.
+async fn sweep_sessions(store: Store, every: Duration) {
+    let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = store.expire_sessions().await {
+            tracing::warn!(error = %e, "console: cannot delete expired sessions; trying again later");
+        }
+    }
 }
 
 /// The templates, compiled in. Names ending in `.html` are autoescaped.
@@ -387,6 +426,7 @@ struct LoginForm {
 
 async fn login(
     State(app): State<Console>,
+    ConnectInfo(client): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     Form(form): Form<LoginForm>,
 ) -> Response {
@@ -396,6 +436,19 @@ async fn login(
         *page.status_mut() = status;
         page
     };
+    // Counted per client before anything else is done for it.
+    if let Err(wait) = app.0.sign_ins.take(client.ip()) {
+        let secs = wait.as_secs().max(1);
+        tracing::warn!(client = %client.ip(), "console: sign-in attempts throttled");
+        let mut page = refuse_with(
+            StatusCode::TOO_MANY_REQUESTS,
+            &format!("Too many sign-in attempts from this address: try again in {secs} s."),
+        );
+        if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+            page.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+        return page;
+    }
     let refuse = |text: &str| refuse_with(StatusCode::UNAUTHORIZED, text);
     // The form must be the one this browser got from the sign-in page.
     // (A cookie planted by a sibling host could match a field of the

@@ -3,17 +3,20 @@
 //! send a request's line and headers (and, on a kept-alive connection, to
 //! start its next request), and at most `max_connections` connections are
 //! held at once; the rest wait in the listen backlog until one closes. Bodies
-//! are timed by the handlers that read them.
+//! are timed by the handlers that read them. Each request carries its peer's
+//! address as [`ConnectInfo<SocketAddr>`](ConnectInfo), as `axum::serve`
+//! gives it.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::extract::ConnectInfo;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tower_service::Service;
 
 /// What one listener allows its clients.
 #[derive(Clone, Copy, Debug)]
@@ -57,9 +60,9 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of descriptors, or a connection reset before it was
                     // taken: wait a little rather than spin, and go on.
@@ -70,7 +73,13 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let service = TowerToHyperService::new(app.clone());
+        let app = app.clone();
+        let service = hyper::service::service_fn(
+            move |mut request: hyper::Request<hyper::body::Incoming>| {
+                request.extensions_mut().insert(ConnectInfo(peer));
+                app.clone().call(request)
+            },
+        );
         let connection = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
         tokio::spawn(async move {
             // A client that goes away, or is too slow, ends only its own

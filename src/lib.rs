@@ -58,4 +58,5 @@ pub mod shutdown;
 pub mod store;
 pub mod telemetry;
 mod terminal;
+mod throttle;
 pub mod token;

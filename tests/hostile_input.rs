@@ -606,3 +606,63 @@ async fn the_mock_takes_no_orders_from_tenants_by_default() {
         "the latest kept"
     );
 }
+
+/// Sign-in is throttled per client: past the allowance, an attempt is
+/// refused at once (429, with when to retry) before the database is asked,
+/// even with a good token.
+#[tokio::test]
+async fn sign_in_is_throttled_per_client() {
+    use common::console::{serve_with, two_providers};
+    use onejob::token::Token;
+
+    let (config, _file) = config(&two_providers());
+    let env = TestEnv::new(&config).await;
+    let served = serve_with(&env, config, |o| o.sign_ins_per_minute = 5).await;
+    let good = Token::generate_operator();
+    env.store
+        .create_operator_token("ada", &good, &onejob::store::Actor::cli(None))
+        .await
+        .unwrap();
+    let wrong = Token::generate_operator();
+    for _ in 0..5 {
+        let answer = served.login(wrong.reveal()).await;
+        assert_eq!(answer.status(), reqwest::StatusCode::UNAUTHORIZED);
+    }
+    let answer = served.login(good.reveal()).await;
+    assert_eq!(answer.status(), reqwest::StatusCode::TOO_MANY_REQUESTS);
+    assert!(answer.headers().contains_key("retry-after"));
+    assert!(
+        common::console::session_set(&answer).is_none(),
+        "not signed in"
+    );
+    let text = answer.text().await.unwrap();
+    assert!(text.contains("Too many sign-in attempts"), "{text}");
+}
+
+/// Sessions past their expiry are deleted by a timer, not only when someone
+/// next signs in.
+#[tokio::test]
+async fn expired_sessions_are_swept_on_a_timer() {
+    use common::console::{serve_with, two_providers};
+
+    let (config, _file) = config(&two_providers());
+    let env = TestEnv::new(&config).await;
+    let served = serve_with(&env, config, |o| {
+        o.session_ttl = std::time::Duration::from_secs(1);
+        o.session_sweep = std::time::Duration::from_millis(200);
+    })
+    .await;
+    served.sign_in(&env.store, "ada").await;
+    common::wait_for(
+        "the expired session to be deleted",
+        std::time::Duration::from_secs(20),
+        || async {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM operator_sessions")
+                .fetch_one(env.store.pool())
+                .await
+                .unwrap();
+            (n == 0).then_some(())
+        },
+    )
+    .await;
+}

@@ -91,9 +91,20 @@ pub struct Overview {
 }
 
 impl Store {
+    /// Deletes the sessions past their expiry (a timer of the console's
+    /// calls it); how many.
+    pub async fn expire_sessions(&self) -> Result<u64> {
+        Ok(
+            sqlx::query!("DELETE FROM operator_sessions WHERE expires_at < now()")
+                .execute(&self.pool)
+                .await?
+                .rows_affected(),
+        )
+    }
+
     /// Signs in with an operator token: a new session of `ttl`, whose id's
     /// digest is `session_digest`. The operator, or `None` when the token is
-    /// unknown or revoked. Sessions past their expiry are deleted on the way.
+    /// unknown or revoked.
     pub async fn sign_in(
         &self,
         token: &Token,
@@ -101,9 +112,6 @@ impl Store {
         csrf: &str,
         ttl: Duration,
     ) -> Result<Option<String>> {
-        sqlx::query!("DELETE FROM operator_sessions WHERE expires_at < now()")
-            .execute(&self.pool)
-            .await?;
         Ok(sqlx::query_scalar!(
             r#"WITH t AS (
                    SELECT id, operator FROM operator_tokens

@@ -29,13 +29,23 @@ impl Drop for Served {
 }
 
 pub async fn serve(env: &TestEnv, config: Arc<Config>, secure_cookies: bool) -> Served {
+    serve_with(env, config, |o| o.secure_cookies = secure_cookies).await
+}
+
+/// [`serve`], with `change` made to the console's options first.
+pub async fn serve_with(
+    env: &TestEnv,
+    config: Arc<Config>,
+    change: impl FnOnce(&mut Options),
+) -> Served {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    let options = Options {
+    let mut options = Options {
         amqp_url: env.amqp_url.clone(),
-        secure_cookies,
         session_ttl: Duration::from_secs(600),
+        ..Options::default()
     };
+    change(&mut options);
     let console = Console::new(env.store.clone(), config, options);
     let task = tokio::spawn(onejob::console::serve(
         listener,
