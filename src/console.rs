@@ -568,19 +568,41 @@ async fn overview(State(app): State<Console>, who: Operator) -> Response {
     )
 }
 
+/// How long a page waits for the broker before it shows without it.
+const BROKER_WAIT: Duration = Duration::from_secs(3);
+
+/// A broker connection for a page, or why there is none, within
+/// [`BROKER_WAIT`]: a broker that accepts and never answers costs a page a
+/// short wait, not the page.
+async fn broker_connection(app: &Console) -> Result<lapin::Connection, String> {
+    match tokio::time::timeout(
+        BROKER_WAIT,
+        runtime::operator_connection(&app.0.options.amqp_url, &app.0.config),
+    )
+    .await
+    {
+        Ok(connected) => connected,
+        Err(_) => Err(format!(
+            "the broker did not answer within {} s",
+            BROKER_WAIT.as_secs()
+        )),
+    }
+}
+
 /// Each dead-letter queue's depth, or, when the broker cannot be asked, why
 /// not (the rest of the overview comes from Postgres and still shows).
 async fn dead_letter_depths(app: &Console) -> minijinja::Value {
-    let conn = match runtime::operator_connection(&app.0.options.amqp_url, &app.0.config).await {
+    let conn = match broker_connection(app).await {
         Ok(c) => c,
         Err(e) => return context! { error => format!("the broker cannot be asked: {e}") },
     };
     let mut queues = Vec::new();
     for q in dlq::queues(&app.0.config) {
-        let depth = broker::depth(&conn, &q).await;
+        let depth = tokio::time::timeout(BROKER_WAIT, broker::depth(&conn, &q)).await;
         queues.push(match depth {
-            Ok(n) => context! { name => q, depth => n },
-            Err(e) => context! { name => q, error => e.to_string() },
+            Ok(Ok(n)) => context! { name => q, depth => n },
+            Ok(Err(e)) => context! { name => q, error => e.to_string() },
+            Err(_) => context! { name => q, error => "the broker did not answer in time" },
         });
     }
     let _ = conn.close(200, "done".into()).await;
@@ -1143,7 +1165,7 @@ async fn resolve(
 /// A broker connection for one page or action, or the page that says why
 /// there is none.
 async fn broker_for(app: &Console, who: &Operator) -> Result<lapin::Connection, Box<Response>> {
-    runtime::operator_connection(&app.0.options.amqp_url, &app.0.config)
+    broker_connection(app)
         .await
         .map_err(|e| Box::new(app.message(Some(who), Failure(StatusCode::SERVICE_UNAVAILABLE, e))))
 }

@@ -666,3 +666,34 @@ async fn expired_sessions_are_swept_on_a_timer() {
     )
     .await;
 }
+
+/// A broker that accepts connections and never answers (a network partition,
+/// a wedged node) costs the console's overview a short wait, not the page:
+/// it shows with the reason, and the dead-letter page says so too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_overview_does_not_wait_out_a_silent_broker() {
+    use common::console::{serve_with, two_providers};
+
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_url = format!("amqp://guest:guest@{}/%2f", silent.local_addr().unwrap());
+    let held = tokio::spawn(async move {
+        let mut kept = Vec::new();
+        while let Ok((c, _)) = silent.accept().await {
+            kept.push(c);
+        }
+    });
+    let (config, _file) = config(&two_providers());
+    let env = TestEnv::new(&config).await;
+    let served = serve_with(&env, config, |o| o.amqp_url = silent_url).await;
+    let session = served.sign_in(&env.store, "ada").await;
+    for path in ["/", "/dead-letters"] {
+        let (status, page) = tokio::time::timeout(
+            std::time::Duration::from_secs(15),
+            served.get(&session.cookie, path),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{path} waited on the broker"));
+        assert!(page.contains("did not answer"), "{path}: {status} {page}");
+    }
+    held.abort();
+}
