@@ -497,3 +497,60 @@ async fn a_replay_goes_only_to_its_own_work_queue_whatever_the_letter_says() {
     assert!(skipped.contains("onejob.intents"), "{skipped}");
     drop(ctx);
 }
+
+/// `dlq list` racing the reconciler's scans (which take a queue's letters and
+/// hand them back at once) still shows every letter: a listing that saw fewer
+/// letters than the queue holds once it is done is taken again. And a replay
+/// racing them loses nothing: what it did not see this time stays for the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn listings_and_replays_racing_the_reconcilers_scans_lose_nothing() {
+    let text = config_text("http://127.0.0.1:9/v1", None, "")
+        .replace("[worker]\n", "[worker]\ndead_letter_scan = \"10ms\"\n");
+    let (config, file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![Role::Reconciler]).await;
+    const N: usize = 6;
+    for i in 0..N {
+        common::console::dead_letter_intent(
+            &env,
+            &format!("raced-{i}"),
+            "acct_r",
+            &format!("r-{i}"),
+        )
+        .await;
+    }
+    let conn = env.amqp().await;
+    let dlq = broker::dead_letter_queue(broker::INTENTS_QUEUE);
+    let mut short = 0;
+    for _ in 0..40 {
+        let seen = onejob::dlq::browse(&conn, &dlq, 100).await.unwrap();
+        if seen.len() != N {
+            short += 1;
+        }
+    }
+    assert_eq!(
+        short, 0,
+        "{short} of 40 listings missed letters the scans held"
+    );
+
+    // Replays racing the scans: run until every letter has been replayed once.
+    let mut replayed = 0;
+    for _ in 0..20 {
+        let out = json(&env.cli(
+            &file.path,
+            &["dlq", "replay", "onejob.intents.dlq", "--all", "--json"],
+        ));
+        replayed += out["replayed"].as_u64().unwrap() as usize;
+        if replayed >= N {
+            break;
+        }
+    }
+    assert_eq!(replayed, N, "every letter replayed exactly once");
+    let ch = conn.create_channel().await.unwrap();
+    let intents = depth(&ch, broker::INTENTS_QUEUE).await;
+    assert_eq!(
+        intents as usize, N,
+        "each letter's intent is back in its queue, once"
+    );
+    fleet.stop().await;
+}
