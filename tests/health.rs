@@ -297,3 +297,53 @@ async fn metrics_are_served_from_a_cache_not_the_tables() {
         .unwrap();
     server.abort();
 }
+
+/// The worker's probes listener bounds slow clients as the gateway does: a
+/// connection that sends half a request line is closed after the header
+/// timeout (10 s), not held for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_probes_listener_closes_slow_headers() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let (config, file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
+    let env = TestEnv::new(&config).await;
+    let addr = {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        free.local_addr().unwrap()
+    };
+    let mut worker = std::process::Command::new(common::chaos::worker_bin())
+        .args(["--http", &addr.to_string()])
+        .env("DATABASE_URL", &env.database_url)
+        .env("AMQP_URL", &env.amqp_url)
+        .env("ONEJOB_CONFIG", &file.path)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let http = reqwest::Client::new();
+    common::wait_for("the probes", Duration::from_secs(30), || async {
+        let r = http
+            .get(format!("http://{addr}/healthz"))
+            .send()
+            .await
+            .ok()?;
+        (r.status() == StatusCode::OK).then_some(())
+    })
+    .await;
+    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    slow.write_all(b"GET /heal").await.unwrap();
+    let mut buf = [0u8; 1024];
+    let closed = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match slow.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    let _ = worker.kill();
+    let _ = worker.wait();
+    assert!(closed.is_ok(), "the slow connection was never closed");
+}

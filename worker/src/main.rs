@@ -112,9 +112,11 @@ async fn main() -> ExitCode {
         let app = runtime::health_router(ctx.clone());
         let stop = shutdown.clone();
         tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async move { stop.wait().await })
-                .await;
+            // Slow or many clients of the probes are bounded as the
+            // gateway's are.
+            let limits = onejob::http::ClientLimits::default();
+            let _ =
+                onejob::http::serve(listener, app, limits, async move { stop.wait().await }).await;
         });
         tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
     }
