@@ -315,3 +315,131 @@ async fn moved(workers: &mut Workers, worker: usize, node: usize, connections: u
         began.elapsed().as_secs_f64()
     );
 }
+
+/// A Postgres outage longer than the broker's `consumer_timeout` (30 minutes
+/// by default; 3 s on the throwaway cluster here, checked every second): the
+/// broker takes back the intents a worker holds through the outage, closing
+/// its channel, again and again, past the intents' delivery limit. Nothing is
+/// lost and nothing is admitted twice: once Postgres is back every intent is
+/// one job, and the worker, restarted when a role stops as an orchestrator
+/// would restart it, goes on taking intents.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_postgres_outage_past_the_consumer_timeout_loses_nothing() {
+    onejob::telemetry::init_quiet();
+    let already = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"))
+        .arg("status")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let _cluster = Cluster {
+        started_here: !already,
+    };
+    cluster(&["start"]);
+    cluster(&["consumer-timeout", "3000"]);
+
+    let primary = mock(MockOptions::default()).await;
+    let text = config_for(&[P("primary", &primary.base_url(), "")], "").replace(
+        "[worker]\n",
+        "[worker]\ndelivery_limit = 2\ndead_letter_scan = \"1s\"\n",
+    );
+    let (config, _file) = config(&text);
+    let mut env = TestEnv::new(&config).await;
+    cluster(&["add-vhost", &env.name]);
+    env.amqp_url = nodes_from(0, &env.name);
+    let path = common::lossy::LossyPostgres::to(&common::database::pg_server(), 1, 0).await;
+    let database_url = path.url(&env.name);
+
+    // The worker, restarted whenever it stops (as an orchestrator would).
+    let shutdown = onejob::shutdown::Shutdown::new();
+    let restarts = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let supervisor = {
+        let (config, amqp, shutdown, restarts) = (
+            config.clone(),
+            env.amqp_url.clone(),
+            shutdown.clone(),
+            restarts.clone(),
+        );
+        tokio::spawn(async move {
+            while !shutdown.is_triggered() {
+                // Each run has its own shutdown: a worker that stops a failed
+                // role stops the rest of itself, not the test.
+                let run = onejob::shutdown::Shutdown::new();
+                match onejob::runtime::Context::connect(config.clone(), &database_url, &amqp).await
+                {
+                    Ok(ctx) => {
+                        let worker = onejob::fleet::run(ctx, vec![], run.clone());
+                        tokio::pin!(worker);
+                        let ended = tokio::select! {
+                            ended = &mut worker => ended,
+                            () = shutdown.wait() => {
+                                run.trigger();
+                                worker.await
+                            }
+                        };
+                        if let Err(e) = ended {
+                            println!("consumer timeout: the worker stopped: {e}");
+                        }
+                    }
+                    Err(e) => println!("consumer timeout: the worker cannot start: {e}"),
+                }
+                if !shutdown.is_triggered() {
+                    restarts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        })
+    };
+
+    let producer = onejob_producer::Producer::connect_with(
+        &env.amqp_url,
+        onejob_producer::ProducerOptions {
+            receipt_timeout: Duration::from_secs(30),
+            delivery_limit: config.worker.delivery_limit,
+        },
+    )
+    .await
+    .unwrap();
+    let first = common::submit(&producer, "acct_o", "before", "before the outage").await;
+    common::wait_for_status(&env, first, onejob::domain::JobStatus::Succeeded).await;
+
+    // The outage: intents arrive, the worker holds them, the broker takes them
+    // back every 3 s, for 15 s (five timeouts, past the delivery limit of 2).
+    path.go_down();
+    const N: usize = 10;
+    for i in 0..N {
+        let intent = common::intent("acct_o", &format!("during-{i}"), "during the outage");
+        producer.publish_only(&intent).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    path.come_up();
+
+    common::wait_for(
+        "every intent to be one job",
+        Duration::from_secs(120),
+        || async {
+            let (jobs, succeeded): (i64, i64) = sqlx::query_as(
+                "SELECT count(*), count(*) FILTER (WHERE status = 'succeeded') FROM jobs
+             WHERE idempotency_key LIKE 'during-%'",
+            )
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap();
+            (jobs == N as i64 && succeeded == N as i64).then_some(())
+        },
+    )
+    .await;
+    // And the worker still takes intents.
+    let after = common::submit(&producer, "acct_o", "after", "after the outage").await;
+    common::wait_for_status(&env, after, onejob::domain::JobStatus::Succeeded).await;
+    let jobs: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs")
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(jobs, N as i64 + 2, "one job per intent, none twice");
+    println!(
+        "consumer timeout: {N} intents held through a 15 s Postgres outage under a 3 s consumer timeout: {N} jobs; the worker restarted {} time(s)",
+        restarts.load(std::sync::atomic::Ordering::SeqCst)
+    );
+    shutdown.trigger();
+    let _ = supervisor.await;
+    producer.close().await;
+}

@@ -20,6 +20,9 @@ use tokio::net::{TcpListener, TcpStream};
 
 pub struct LossyPostgres {
     pub addr: SocketAddr,
+    /// Whether the path is down: when it goes down every connection through
+    /// it is cut, and new ones are closed at once, until it is up again.
+    down: tokio::sync::watch::Sender<bool>,
     lost: Arc<AtomicU64>,
     losing: Arc<AtomicBool>,
     next_commit: Arc<AtomicBool>,
@@ -78,16 +81,28 @@ impl LossyPostgres {
             next_commit: next_commit.clone(),
         });
         let target = target.to_owned();
+        let (down, watch) = tokio::sync::watch::channel(false);
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                if *watch.borrow() {
+                    drop(client);
+                    continue;
+                }
                 let Ok(server) = TcpStream::connect(&target).await else {
                     continue;
                 };
-                tokio::spawn(link(client, server, rule.clone()));
+                let (rule, mut watch) = (rule.clone(), watch.clone());
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = link(client, server, rule) => {}
+                        _ = watch.wait_for(|down| *down) => {}
+                    }
+                });
             }
         });
         LossyPostgres {
             addr,
+            down,
             lost,
             losing,
             next_commit,
@@ -118,6 +133,17 @@ impl LossyPostgres {
     /// Loses nothing from now on.
     pub fn stop_losing(&self) {
         self.losing.store(false, Ordering::SeqCst);
+    }
+
+    /// Postgres is unreachable through this path from now on, as in an
+    /// outage: every connection is cut and new ones are closed at once.
+    pub fn go_down(&self) {
+        self.down.send_replace(true);
+    }
+
+    /// Postgres is reachable again.
+    pub fn come_up(&self) {
+        self.down.send_replace(false);
     }
 }
 
