@@ -20,10 +20,7 @@ use crate::policy::Planner;
 use crate::runtime;
 use crate::store::{Action, Actor, AuditEntry, JobView, Refusal, Resolution, Settled, Store};
 
-/// The default database URL.
-pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/onejob";
-/// The default AMQP URL.
-pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub use crate::config::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 
 /// Connection and configuration settings every program shares.
 #[derive(Args, Clone, Debug)]

@@ -17,6 +17,11 @@ use serde_json::Value;
 use crate::domain::JobStatus;
 use crate::intent::{DEFAULT_MAX_BODY_BYTES, Intent, RejectReason};
 
+/// The default database URL.
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/onejob";
+/// The default AMQP URL.
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
 /// The configuration used when no `onejob.toml` exists and none was asked for:
 /// one provider, the bundled mock on 127.0.0.1:8081, and a `summarize` operation.
 pub const EMBEDDED_DEFAULT: &str = include_str!("default.toml");

@@ -61,7 +61,7 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Options {
-            amqp_url: crate::cli::DEFAULT_AMQP_URL.to_owned(),
+            amqp_url: crate::config::DEFAULT_AMQP_URL.to_owned(),
             secure_cookies: false,
             session_ttl: Duration::from_secs(8 * 3600),
             sign_ins_per_minute: 10,

@@ -105,6 +105,21 @@ struct Cluster {
     started_here: bool,
 }
 
+impl Cluster {
+    /// Starts the cluster (if it is not running already).
+    fn start() -> Cluster {
+        let already = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"))
+            .arg("status")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        let guard = Cluster {
+            started_here: !already,
+        };
+        cluster(&["start"]);
+        guard
+    }
+}
+
 impl Drop for Cluster {
     fn drop(&mut self) {
         if self.started_here {
@@ -121,15 +136,8 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
     let seconds = env_or("ONEJOB_CLUSTER_CHAOS_SECONDS", 30) as u64;
     let concurrency = 8;
 
-    let already = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"))
-        .arg("status")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    let _cluster = Cluster {
-        started_here: !already,
-    };
     let began = Instant::now();
-    cluster(&["start"]);
+    let _cluster = Cluster::start();
     println!(
         "cluster chaos: three-node cluster up in {:.1}s",
         began.elapsed().as_secs_f64()
@@ -326,14 +334,7 @@ async fn moved(workers: &mut Workers, worker: usize, node: usize, connections: u
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_postgres_outage_past_the_consumer_timeout_loses_nothing() {
     onejob::telemetry::init_quiet();
-    let already = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"))
-        .arg("status")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    let _cluster = Cluster {
-        started_here: !already,
-    };
-    cluster(&["start"]);
+    let _cluster = Cluster::start();
     cluster(&["consumer-timeout", "3000"]);
 
     let primary = mock(MockOptions::default()).await;

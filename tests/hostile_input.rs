@@ -329,33 +329,12 @@ fn listed_operator(env: &TestEnv, path: &std::path::Path) -> String {
 /// and `headers`, as anyone who can publish there could (the topology of
 /// `config_text`'s one provider declared first).
 async fn plant_letter(env: &TestEnv, message_id: &str, body: &[u8], headers: &[(&str, &str)]) {
-    use lapin::options::BasicPublishOptions;
-    use lapin::types::{AMQPValue, FieldTable, LongString};
-
     let conn = env.amqp().await;
     onejob::broker::declare_topology(&conn, &["primary".to_owned()], 5)
         .await
         .unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(Default::default()).await.unwrap();
-    let mut table = FieldTable::default();
-    for (k, v) in headers {
-        table.insert((*k).into(), AMQPValue::LongString(LongString::from(*v)));
-    }
-    ch.basic_publish(
-        onejob::broker::DLX.into(),
-        onejob::broker::INTENTS_QUEUE.into(),
-        BasicPublishOptions::default(),
-        body,
-        onejob::broker::json_properties()
-            .with_message_id(message_id.into())
-            .with_headers(table),
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
     let _ = conn.close(200, "done".into()).await;
+    common::console::dead_letter_with(env, message_id, body, headers).await;
 }
 
 /// Runs the CLI with `args` and returns its output and its peak resident set

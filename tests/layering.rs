@@ -66,13 +66,24 @@ const LAYERS: &[(&str, &[&str], bool)] = &[
         &["runtime", "policy", "qualify", "dlq"],
         true,
     ),
-    ("edges", &["store", "provider", "metrics"], true),
+    ("edges", &["store", "provider", "metrics", "gauges"], true),
     (
         "core",
         &["broker", "config", "token", "intent", "domain"],
         true,
     ),
-    ("apart", &["mock", "shutdown", "telemetry"], false),
+    (
+        "apart",
+        &[
+            "mock",
+            "shutdown",
+            "telemetry",
+            "http",
+            "terminal",
+            "throttle",
+        ],
+        false,
+    ),
 ];
 
 fn layer_of(module: &str) -> Option<(usize, bool)> {

@@ -248,21 +248,30 @@ pub async fn dead_letter_intent(env: &TestEnv, id: &str, owner: &str, key: &str)
 /// Puts `body` on the intents' dead-letter queue as message `id`, with the
 /// origin headers a replay needs when `origin`.
 pub async fn dead_letter(env: &TestEnv, id: &str, body: &[u8], origin: bool) {
+    let headers: &[(&str, &str)] = if origin {
+        &[
+            ("x-onejob-original-exchange", onejob::broker::EXCHANGE),
+            ("x-onejob-original-routing-key", onejob::broker::INTENTS_KEY),
+            ("x-onejob-error", "invalid: a test put it here"),
+        ]
+    } else {
+        &[]
+    };
+    dead_letter_with(env, id, body, headers).await;
+}
+
+/// Puts `body` on the intents' dead-letter queue as message `id` with
+/// `headers`, as anyone who can publish there could.
+pub async fn dead_letter_with(env: &TestEnv, id: &str, body: &[u8], headers: &[(&str, &str)]) {
     use lapin::options::BasicPublishOptions;
     use lapin::types::{AMQPValue, FieldTable, LongString};
 
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(Default::default()).await.unwrap();
-    let mut headers = FieldTable::default();
-    if origin {
-        for (k, v) in [
-            ("x-onejob-original-exchange", onejob::broker::EXCHANGE),
-            ("x-onejob-original-routing-key", onejob::broker::INTENTS_KEY),
-            ("x-onejob-error", "invalid: a test put it here"),
-        ] {
-            headers.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
-        }
+    let mut table = FieldTable::default();
+    for (k, v) in headers {
+        table.insert((*k).into(), AMQPValue::LongString(LongString::from(*v)));
     }
     ch.basic_publish(
         onejob::broker::DLX.into(),
@@ -271,7 +280,7 @@ pub async fn dead_letter(env: &TestEnv, id: &str, body: &[u8], origin: bool) {
         body,
         onejob::broker::json_properties()
             .with_message_id(id.into())
-            .with_headers(headers),
+            .with_headers(table),
     )
     .await
     .unwrap()
