@@ -676,3 +676,54 @@ async fn the_overview_does_not_wait_out_a_silent_broker() {
     }
     held.abort();
 }
+
+/// A password pasted with an unencoded `#`, `/` or `?` cuts a URL's login
+/// short: the rest of it lands in the path, the query or the fragment, where
+/// a driver may log it as it parses. The worker and the gateway refuse such a
+/// URL at once, saying how to fix it, and print no part of the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_url_whose_login_was_cut_short_is_refused_unprinted() {
+    let (config, file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
+    let env = TestEnv::new(&config).await;
+    let producer =
+        std::path::Path::new(env!("CARGO_BIN_EXE_onejob")).with_file_name("onejob-producer");
+    for url in [
+        "postgres://svc:2024#Winter@127.0.0.1:1/onejob",
+        "postgres://svc:12/Winter@127.0.0.1:1/onejob",
+        "postgres://svc:2024?Winter@127.0.0.1:1/onejob",
+    ] {
+        for (program, args) in [
+            (common::chaos::worker_bin(), vec![]),
+            (producer.clone(), vec!["serve", "--listen", "127.0.0.1:0"]),
+        ] {
+            let mut child = std::process::Command::new(&program)
+                .args(&args)
+                .env("DATABASE_URL", url)
+                .env("AMQP_URL", &env.amqp_url)
+                .env("ONEJOB_CONFIG", &file.path)
+                .env_remove("RUST_LOG")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let exited = common::wait_for(
+                "the program to exit",
+                std::time::Duration::from_secs(30),
+                || {
+                    let status = child.try_wait().unwrap();
+                    async move { status }
+                },
+            )
+            .await;
+            let out = child.wait_with_output().unwrap();
+            let all = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(!exited.success(), "{program:?} {url}: {all}");
+            assert!(!all.contains("Winter"), "{program:?} {url}: {all}");
+            assert!(all.contains("percent-encode"), "{program:?} {url}: {all}");
+        }
+    }
+}

@@ -40,6 +40,9 @@ pub enum BrokerError {
     /// The AMQP client failed.
     #[error("amqp: {0}")]
     Amqp(#[from] lapin::Error),
+    /// The URL's login was cut short ([`login_cut_short`]): refused unread.
+    #[error("the AMQP URL has {CUT_SHORT}")]
+    CutShort,
     /// The broker refused the message.
     #[error("broker nacked the publish to {exchange:?} with key {routing_key:?}")]
     Nacked {
@@ -247,6 +250,9 @@ fn describe_uri(uri: &AMQPUri) -> String {
 /// is lost, recovery (with [`Recovery::Auto`]) moves on to the next node that
 /// answers.
 pub async fn connect(url: &str, recovery: Recovery) -> Result<Connection> {
+    if login_cut_short(url) {
+        return Err(BrokerError::CutShort);
+    }
     let nodes = Nodes::parse(url)?;
     let props = ConnectionProperties::default().with_connection_name("onejob".into());
     let props = match recovery {
@@ -738,25 +744,34 @@ pub fn escape_controls(text: &str) -> String {
     out
 }
 
+/// What to say of a URL whose login was cut short ([`login_cut_short`]).
+pub const CUT_SHORT: &str = "'@' after the host: a password with an unencoded '#', '/' or '?' \
+     ends the login there; percent-encode them (%23, %2F, %3F)";
+
+/// Whether a URL (or any node of a comma-separated list) has an '@' past its
+/// host: its authority was cut short, since a password pasted with an
+/// unencoded '#', '/' or '?' ends it there, and the rest of the password sits
+/// in the path, the query or the fragment, where a driver may log it as it
+/// parses. Such a URL is refused before any driver sees it.
+pub fn login_cut_short(url: &str) -> bool {
+    url.split(',').any(|piece| {
+        url::Url::parse(piece.trim()).is_ok_and(|parsed| {
+            parsed.has_host()
+                && [Some(parsed.path()), parsed.query(), parsed.fragment()]
+                    .into_iter()
+                    .flatten()
+                    .any(|part| part.contains('@'))
+        })
+    })
+}
+
 /// Replaces the password in a URL with `***`, for logs and errors.
 pub fn redact_url(url: &str) -> String {
     // One URL: shown only when it parses with an authority, its password masked.
     // Anything else could be a password split off at a comma, and is not shown.
     let one = |u: &str| match url::Url::parse(u) {
-        // An '@' past the host means the authority was cut short: a password
-        // pasted with an unencoded '#', '/' or '?' ends it there, and the rest
-        // of the password sits in the path, the query or the fragment.
-        Ok(parsed)
-            if parsed.has_host()
-                && [Some(parsed.path()), parsed.query(), parsed.fragment()]
-                    .into_iter()
-                    .flatten()
-                    .any(|part| part.contains('@')) =>
-        {
-            format!(
-                "{}://<hidden: '@' after the host; percent-encode '#', '/' and '?' in the login>",
-                parsed.scheme()
-            )
+        Ok(parsed) if login_cut_short(u) => {
+            format!("{}://<hidden: {CUT_SHORT}>", parsed.scheme())
         }
         Ok(mut parsed) if parsed.has_host() => {
             if parsed.password().is_some() {

@@ -64,6 +64,10 @@ pub enum StoreError {
     /// A row holds something the code does not understand.
     #[error("corrupt row: {0}")]
     Corrupt(String),
+    /// The URL's login was cut short ([`crate::broker::login_cut_short`]):
+    /// refused before the driver reads it.
+    #[error("the database URL has {}", crate::broker::CUT_SHORT)]
+    CutShort,
 }
 
 /// Result alias for the store.
@@ -670,6 +674,9 @@ impl Store {
         // way mid-transaction) and probes a silent client's socket, so that a
         // half-open connection's locks are released within a minute or two.
         // A setting the URL's own `options` names is left as the URL says.
+        if crate::broker::login_cut_short(url) {
+            return Err(StoreError::CutShort);
+        }
         let options: PgConnectOptions = url.parse()?;
         let named = options.get_options().unwrap_or_default().to_owned();
         let options = options.options(
@@ -709,6 +716,9 @@ impl Store {
     /// the loser's "already exists" is ignored.
     pub async fn ensure_database(url: &str) -> Result<()> {
         use sqlx::migrate::MigrateDatabase;
+        if crate::broker::login_cut_short(url) {
+            return Err(StoreError::CutShort);
+        }
         if !sqlx::Postgres::database_exists(url).await? {
             if let Err(e) = sqlx::Postgres::create_database(url).await
                 && !sqlx::Postgres::database_exists(url).await.unwrap_or(false)
