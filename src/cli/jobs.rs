@@ -1,0 +1,285 @@
+//! `onejob jobs …`: show, find, cancel and prune jobs.
+
+use std::io::Write;
+
+use clap::Subcommand;
+use serde_json::json;
+use uuid::Uuid;
+
+use super::{Connections, Failure, Outcome, publish_now, shown, store};
+use crate::config::Config;
+use crate::domain::{AttemptStatus, JobId};
+use crate::store::{Actor, AuditEntry, JobView, Store};
+
+#[derive(Subcommand, Debug)]
+pub(super) enum JobsCommand {
+    /// Show a job and its attempts.
+    Show {
+        /// The job id.
+        job_id: Uuid,
+    },
+    /// Cancel a job: its version is bumped, queued and unknown attempts are
+    /// cancelled, and any later result is discarded. Refused on a terminal job.
+    /// Recorded in the audit table, with who and why.
+    Cancel {
+        /// The job id.
+        job_id: Uuid,
+        /// Why, for the audit table (`jobs show` prints it).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Find the job of an identity.
+    Find {
+        /// The owner.
+        #[arg(long)]
+        owner: String,
+        /// The idempotency key.
+        #[arg(long)]
+        key: String,
+    },
+    /// Delete ended jobs past their retention, with their attempts, as the
+    /// reconciler does every 10 s. `unknown`, `queued` and `running` jobs are never
+    /// pruned, nor a job whose event is not yet published. Once a job is pruned, a
+    /// re-send of its identity makes a new job.
+    Prune {
+        /// Prune every ended job that ended longer ago than this (e.g. "2d"),
+        /// instead of the configured `[retention]`.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        older_than: Option<std::time::Duration>,
+        /// Count what would be pruned; delete nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+/// `onejob jobs …`.
+pub(super) async fn run(
+    c: &Connections,
+    command: JobsCommand,
+    json: bool,
+    out: &mut impl Write,
+) -> Outcome {
+    let config = c.load_config()?;
+    match command {
+        JobsCommand::Show { job_id } => {
+            let store = store(c, &config).await?;
+            let job = store.job(JobId(job_id)).await?;
+            let job = job.ok_or_else(|| Failure(format!("job {job_id} not found")))?;
+            let audit = store.audit_of_job(job.id).await?;
+            print_job(out, &job, &audit, json)?;
+        }
+        JobsCommand::Cancel { job_id, reason } => {
+            let store = store(c, &config).await?;
+            cancel(c, &config, &store, job_id, reason.as_deref(), json, out).await?;
+        }
+        JobsCommand::Find { owner, key } => {
+            let store = store(c, &config).await?;
+            let job = store.find_job(&owner, &key).await?;
+            let job =
+                job.ok_or_else(|| Failure(format!("no job for owner {owner:?} and key {key:?}")))?;
+            let audit = store.audit_of_job(job.id).await?;
+            print_job(out, &job, &audit, json)?;
+        }
+        JobsCommand::Prune {
+            older_than,
+            dry_run,
+        } => prune(c, &config, older_than, dry_run, json, out).await?,
+    }
+    Ok(())
+}
+
+/// `onejob jobs cancel`: cancels, then publishes the job's event now (or
+/// leaves it to the reconciler's relay if the broker is down).
+async fn cancel(
+    c: &Connections,
+    config: &Config,
+    store: &Store,
+    job_id: Uuid,
+    reason: Option<&str>,
+    json: bool,
+    out: &mut impl Write,
+) -> Outcome {
+    let actor = Actor::cli(reason);
+    let publish = match store.cancel_job(JobId(job_id), &actor).await? {
+        Ok(p) => p,
+        Err(refusal) => return Err(Failure(refusal.to_string())),
+    };
+    let published = match publish_now(c, config, store, &publish).await {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("onejob: warning: {e}; the reconciler will publish the event");
+            false
+        }
+    };
+    let job = store.job(JobId(job_id)).await?;
+    if json {
+        writeln!(
+            out,
+            "{}",
+            json!({ "cancelled": true, "event_published": published, "job": job })
+        )?;
+    } else {
+        writeln!(
+            out,
+            "job {job_id} cancelled; a result still in flight will be discarded"
+        )?;
+    }
+    Ok(())
+}
+
+/// `onejob jobs prune`: past `--older-than`, or the configured retention.
+async fn prune(
+    c: &Connections,
+    config: &Config,
+    older_than: Option<std::time::Duration>,
+    dry_run: bool,
+    json: bool,
+    out: &mut impl Write,
+) -> Outcome {
+    let policy = match older_than {
+        Some(age) if age.is_zero() => {
+            return Err(Failure(
+                "--older-than: must be greater than zero".to_owned(),
+            ));
+        }
+        Some(age) => crate::store::Policy::older_than(age),
+        None => crate::store::Policy::of(config),
+    };
+    let store = store(c, config).await?;
+    let pass = if dry_run {
+        store.prune_jobs(&policy, i64::MAX, true).await?
+    } else {
+        store
+            .prune_batches(&policy, 1000, usize::MAX, std::time::Duration::ZERO, || {
+                false
+            })
+            .await?
+    };
+    let oldest = pass.oldest.map(|d| d.as_secs());
+    if json {
+        writeln!(
+            out,
+            "{}",
+            json!({
+                "dry_run": dry_run,
+                "jobs": pass.pruned.jobs,
+                "attempts": pass.pruned.attempts,
+                "oldest_ended_seconds_ago": oldest,
+            })
+        )?;
+    } else {
+        let verb = if dry_run { "would prune" } else { "pruned" };
+        let since = oldest.map_or(String::new(), |s| {
+            format!(
+                " (the oldest had ended {} ago)",
+                humantime::format_duration(std::time::Duration::from_secs(s))
+            )
+        });
+        writeln!(
+            out,
+            "{verb} {} ended jobs and {} attempts{since}",
+            pass.pruned.jobs, pass.pruned.attempts
+        )?;
+    }
+    Ok(())
+}
+
+fn print_job(
+    out: &mut impl Write,
+    job: &JobView,
+    audit: &[AuditEntry],
+    as_json: bool,
+) -> std::io::Result<()> {
+    if as_json {
+        let mut value = serde_json::to_value(job).unwrap_or_default();
+        if let Some(fields) = value.as_object_mut() {
+            fields.insert(
+                "audit".into(),
+                serde_json::to_value(audit).unwrap_or_default(),
+            );
+        }
+        return writeln!(out, "{value}");
+    }
+    writeln!(
+        out,
+        "job {}  {}  version {}",
+        job.id, job.status, job.version
+    )?;
+    writeln!(out, "  owner        {}", shown(&job.owner_id))?;
+    writeln!(out, "  key          {}", shown(&job.idempotency_key))?;
+    writeln!(out, "  operation    {}", shown(&job.operation))?;
+    writeln!(out, "  fingerprint  {}", job.request_fingerprint)?;
+    writeln!(out, "  created      {}", job.created_at.to_rfc3339())?;
+    writeln!(out, "  updated      {}", job.updated_at.to_rfc3339())?;
+    if let Some(by) = job.completed_by {
+        writeln!(out, "  completed by {by}")?;
+    }
+    if let Some(result) = &job.result {
+        writeln!(out, "  result       {result}")?;
+    }
+    if let Some(error) = &job.error {
+        writeln!(out, "  error        {}", shown(error))?;
+    }
+    write_attempts(out, job)?;
+    write_audit(out, audit)
+}
+
+/// A job's attempts, and a note when any besides the winner reported usage.
+fn write_attempts(out: &mut impl Write, job: &JobView) -> std::io::Result<()> {
+    writeln!(out, "  attempts     {}", job.attempts.len())?;
+    for a in &job.attempts {
+        writeln!(
+            out,
+            "    #{} {}  {:<9} {}",
+            a.number,
+            a.id,
+            a.status,
+            shown(&a.provider)
+        )?;
+        if let Some(e) = &a.error {
+            writeln!(out, "       error    {}", shown(e))?;
+        }
+        if let Some(u) = &a.usage {
+            writeln!(out, "       usage    {u}")?;
+        }
+        if let Some(r) = &a.provider_request_id {
+            writeln!(out, "       request  {}", shown(r))?;
+        }
+    }
+    let spent_elsewhere = job
+        .attempts
+        .iter()
+        .filter(|a| a.usage.is_some() && a.status != AttemptStatus::Succeeded)
+        .count();
+    if spent_elsewhere > 0 {
+        writeln!(
+            out,
+            "  note         {spent_elsewhere} attempt(s) besides the winner reported usage: duplicate or wasted spend"
+        )?;
+    }
+    Ok(())
+}
+
+/// The audit rows that touched a job: when, who, what, and why.
+fn write_audit(out: &mut impl Write, audit: &[AuditEntry]) -> std::io::Result<()> {
+    if !audit.is_empty() {
+        writeln!(out, "  audit        {}", audit.len())?;
+        for a in audit {
+            let touched = a.attempt_id.map(|id| format!(" {id}")).unwrap_or_default();
+            let why = if a.reason.is_empty() {
+                "(no reason given)".to_owned()
+            } else {
+                format!("{:?}", a.reason)
+            };
+            writeln!(
+                out,
+                "    {}  {}  {}{touched}  {}",
+                a.at.format("%Y-%m-%d %H:%M:%S UTC"),
+                shown(&a.actor),
+                shown(&a.action),
+                shown(&why)
+            )?;
+        }
+    }
+    Ok(())
+}
