@@ -1,0 +1,159 @@
+//! `[providers.NAME]`: where a provider is, what it is asked for, and how
+//! long and how much of it onejob waits for.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::Result;
+use super::checks::{at_least, check_name, duration, invalid};
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawProvider {
+    kind: String,
+    base_url: String,
+    model: String,
+    api_key_env: Option<String>,
+    timeout: Option<String>,
+    concurrency: Option<u32>,
+    context_window: Option<u32>,
+    max_retry_after: Option<String>,
+    unknown_statuses: Option<Vec<u16>>,
+    max_response_bytes: Option<usize>,
+}
+
+/// The kind of API a provider speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProviderKind {
+    /// Any OpenAI-compatible `/chat/completions` endpoint.
+    OpenAi,
+}
+
+/// One configured provider.
+#[derive(Clone, Debug)]
+pub struct Provider {
+    /// Its name, the key under `[providers]`.
+    pub name: String,
+    /// Its API.
+    pub kind: ProviderKind,
+    /// Base URL, e.g. `http://127.0.0.1:8081/v1`.
+    pub base_url: reqwest::Url,
+    /// The model to ask for.
+    pub model: String,
+    /// The environment variable holding the API key, if any. The key itself is read
+    /// at call time and never stored here, so it cannot reach logs or output.
+    pub api_key_env: Option<String>,
+    /// Past this the attempt is `unknown`, not `failed`.
+    pub timeout: Duration,
+    /// Calls in flight at most, per worker.
+    pub concurrency: u32,
+    /// The model's context window in tokens, if known.
+    pub context_window: Option<u32>,
+    /// The longest `Retry-After` honoured; a longer one is capped to this.
+    pub max_retry_after: Duration,
+    /// HTTP statuses by which a proxy says it forwarded the request and stopped
+    /// waiting: the call may have run, so the attempt is `unknown`.
+    pub unknown_statuses: Vec<u16>,
+    /// The largest answer read from the provider; a larger one fails the attempt.
+    pub max_response_bytes: usize,
+}
+
+/// The default `max_retry_after` of a provider.
+pub const DEFAULT_MAX_RETRY_AFTER: Duration = Duration::from_secs(600);
+/// The default `unknown_statuses` of a provider: gateway timeout, and
+/// Cloudflare's "a timeout occurred".
+pub const DEFAULT_UNKNOWN_STATUSES: [u16; 2] = [504, 524];
+/// The default `max_response_bytes` of a provider.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+
+/// A provider's base URL: http or https, no credentials, ending in `/` so
+/// that paths join beneath it.
+fn base_url(origin: &str, at: &str, text: &str) -> Result<reqwest::Url> {
+    let mut base_url =
+        reqwest::Url::parse(text).map_err(|e| invalid(origin, at, format!("not a URL: {e}")))?;
+    if !matches!(base_url.scheme(), "http" | "https") {
+        return Err(invalid(origin, at, "must be an http or https URL"));
+    }
+    if !base_url.username().is_empty() || base_url.password().is_some() {
+        return Err(invalid(
+            origin,
+            at,
+            "must not carry credentials; use api_key_env",
+        ));
+    }
+    if !base_url.path().ends_with('/') {
+        let path = format!("{}/", base_url.path());
+        base_url.set_path(&path);
+    }
+    Ok(base_url)
+}
+
+impl Provider {
+    /// One `[providers.NAME]` table.
+    pub(super) fn parse(origin: &str, name: String, p: RawProvider) -> Result<Provider> {
+        let at = |field: &str| format!("providers.{name}.{field}");
+        check_name(origin, &format!("providers.{name}"), &name)?;
+        let kind = match p.kind.as_str() {
+            "openai" => ProviderKind::OpenAi,
+            other => {
+                return Err(invalid(
+                    origin,
+                    at("kind"),
+                    format!("{other:?} is not a known kind (expected \"openai\")"),
+                ));
+            }
+        };
+        let base_url = base_url(origin, &at("base_url"), &p.base_url)?;
+        if p.model.is_empty() {
+            return Err(invalid(origin, at("model"), "must not be empty"));
+        }
+        let timeout = duration(origin, &at("timeout"), &p.timeout, Duration::from_secs(30))?;
+        let concurrency = at_least(origin, &at("concurrency"), p.concurrency, 1, 16)?;
+        let max_retry_after = duration(
+            origin,
+            &at("max_retry_after"),
+            &p.max_retry_after,
+            DEFAULT_MAX_RETRY_AFTER,
+        )?;
+        let unknown_statuses = p
+            .unknown_statuses
+            .unwrap_or_else(|| DEFAULT_UNKNOWN_STATUSES.to_vec());
+        if let Some(bad) = unknown_statuses.iter().find(|s| !(100..=599).contains(*s)) {
+            return Err(invalid(
+                origin,
+                at("unknown_statuses"),
+                format!("{bad} is not an HTTP status"),
+            ));
+        }
+        let max_response_bytes = at_least(
+            origin,
+            &at("max_response_bytes"),
+            p.max_response_bytes,
+            1024,
+            DEFAULT_MAX_RESPONSE_BYTES,
+        )?;
+        if let Some(env) = &p.api_key_env
+            && env.is_empty()
+        {
+            return Err(invalid(
+                origin,
+                at("api_key_env"),
+                "must name an environment variable",
+            ));
+        }
+        Ok(Provider {
+            name,
+            kind,
+            base_url,
+            model: p.model,
+            api_key_env: p.api_key_env,
+            timeout,
+            concurrency,
+            context_window: p.context_window,
+            max_retry_after,
+            unknown_statuses,
+            max_response_bytes,
+        })
+    }
+}
