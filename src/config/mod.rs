@@ -23,23 +23,23 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use checks::{invalid, line_of};
+use operations::RawOperation;
+use providers::RawProvider;
+use retention::{RawRetention, parse_retention};
 use serde::Deserialize;
 use serde_json::Value;
+use worker::RawWorker;
 
 use crate::intent::{Intent, RejectReason};
 
 pub use checks::MAX_DURATION;
-use checks::{invalid, line_of};
-use operations::RawOperation;
 pub use operations::{ContractViolation, Operation, Rendered, TemplateError};
-use providers::RawProvider;
 pub use providers::{
     DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_RETRY_AFTER, DEFAULT_UNKNOWN_STATUSES, Provider,
     ProviderKind,
 };
 pub use retention::{MAX_RETENTION, Retention};
-use retention::{RawRetention, parse_retention};
-use worker::RawWorker;
 pub use worker::{MAX_BATCH_SIZE, MAX_FLUSH_INTERVAL, WorkerSettings};
 
 /// The default database URL.

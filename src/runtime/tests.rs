@@ -1,0 +1,55 @@
+//! Retries: an outage is waited out until shutdown; other failures are
+//! retried a bounded number of times.
+
+use super::*;
+use crate::shutdown::Shutdown;
+
+fn unreachable() -> Result<()> {
+    Err(WorkerError::Store(StoreError::Db(
+        sqlx::Error::PoolTimedOut,
+    )))
+}
+
+/// Item 4 of issue 8: an outage longer than any retry window (here ten
+/// minutes, on tokio's paused clock) never makes `with_retries` give the work
+/// back; shutdown does, at once.
+#[tokio::test(start_paused = true)]
+async fn an_outage_is_waited_out_until_shutdown() {
+    let shutdown = Shutdown::new();
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let task = {
+        let (shutdown, calls) = (shutdown.clone(), calls.clone());
+        tokio::spawn(async move {
+            with_retries(&shutdown, "test", || {
+                calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { unreachable() }
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    assert!(!task.is_finished(), "gave up during the outage");
+    assert!(
+        calls.load(std::sync::atomic::Ordering::SeqCst) > 60,
+        "kept trying"
+    );
+    shutdown.trigger();
+    let result = tokio::time::timeout(Duration::from_millis(10), task)
+        .await
+        .expect("returns at once on shutdown")
+        .unwrap();
+    assert!(result.is_err());
+}
+
+/// Other failures are still bounded: a poison message does not spin forever.
+#[tokio::test(start_paused = true)]
+async fn other_failures_are_retried_a_bounded_number_of_times() {
+    let calls = std::sync::atomic::AtomicU32::new(0);
+    let result: Result<()> = with_retries(&Shutdown::new(), "test", || {
+        calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async { Err(WorkerError::RoleStopped("x".into(), "y".into())) }
+    })
+    .await;
+    assert!(result.is_err());
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 16);
+}
