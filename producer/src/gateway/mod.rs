@@ -26,6 +26,7 @@
 //! owner's, not the operator's: no provider error excerpts, request ids or usage.
 //! `/openapi.json` describes all of it. `/healthz` and `/readyz` are served on the
 //! public listener too; `/metrics` only on the probes listener (`--http`), as the
+//! worker does, since request counts across owners are not a tenant's business.
 //!
 //! | file | holds |
 //! |---|---|
@@ -34,6 +35,8 @@
 //! | `create` | `POST /v1/jobs`: the request read, checked and published |
 //! | `show` | `GET /v1/jobs/{id}`: a job as its owner sees it |
 //! | `answers` | the HTTP answers: receipts, refusals and errors |
+//!
+//! [`Intent::from_request`]: onejob::intent::Intent::from_request
 
 use std::sync::Arc;
 use std::time::Duration;
