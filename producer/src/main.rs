@@ -125,16 +125,9 @@ async fn main() -> ExitCode {
             wait,
             timeout,
         } => {
-            let input = match serde_json::from_str::<serde_json::Value>(&input) {
-                Ok(serde_json::Value::Object(map)) => map,
-                Ok(_) => {
-                    eprintln!("onejob-producer: --input must be a JSON object");
-                    return ExitCode::from(2);
-                }
-                Err(e) => {
-                    eprintln!("onejob-producer: --input is not JSON: {e}");
-                    return ExitCode::from(2);
-                }
+            let input = match input_object(&input) {
+                Ok(map) => map,
+                Err(code) => return code,
             };
             let intent = Intent {
                 owner_id: owner,
@@ -178,6 +171,22 @@ async fn main() -> ExitCode {
                 options,
             )
             .await
+        }
+    }
+}
+
+/// `--input` as the JSON object an intent carries, or the exit code that
+/// refuses it (said on stderr).
+fn input_object(input: &str) -> Result<serde_json::Map<String, serde_json::Value>, ExitCode> {
+    match serde_json::from_str::<serde_json::Value>(input) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(_) => {
+            eprintln!("onejob-producer: --input must be a JSON object");
+            Err(ExitCode::from(2))
+        }
+        Err(e) => {
+            eprintln!("onejob-producer: --input is not JSON: {e}");
+            Err(ExitCode::from(2))
         }
     }
 }

@@ -1,0 +1,140 @@
+//! `POST /v1/jobs`: a request read within its limits, checked as intake would
+//! check it, published with a confirm, and answered with the fleet's receipt.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::Response;
+use onejob::intent::{Intent, RejectReason};
+
+use super::Gateway;
+use super::answers::{answer, overloaded, problem, refused, rejected, unavailable};
+use super::bearer::owner;
+use crate::ProducerError;
+
+/// An over-long body is read (and dropped) up to this multiple of the limit before
+/// the `413`, so the client reads the answer instead of a reset connection.
+const DRAIN_FACTOR: usize = 4;
+
+/// The body size a request declares (`Content-Length`), if it does.
+fn declared_length(headers: &HeaderMap) -> Option<usize> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// Reads a request body of at most `limit` bytes, within `timeout`.
+async fn read_body(body: Body, limit: usize, timeout: Duration) -> Result<Vec<u8>, Response> {
+    use futures_util::StreamExt;
+    let mut stream = body.into_data_stream();
+    let mut kept = Vec::new();
+    let mut size = 0usize;
+    let read = async {
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|_| {
+                problem(
+                    StatusCode::BAD_REQUEST,
+                    "bad_body: the request body could not be read".into(),
+                )
+            })?;
+            size = size.saturating_add(chunk.len());
+            if size <= limit {
+                kept.extend_from_slice(&chunk);
+            } else if size > limit.saturating_mul(DRAIN_FACTOR) {
+                break;
+            }
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(timeout, read).await {
+        Err(_) => Err(problem(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "request_timeout: the body did not arrive within {}",
+                humantime::format_duration(timeout)
+            ),
+        )),
+        Ok(Err(response)) => Err(response),
+        Ok(Ok(())) if size > limit => Err(rejected(&RejectReason::TooLarge { size, limit })),
+        Ok(Ok(())) => Ok(kept),
+    }
+}
+
+pub(super) async fn create_job(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
+    let Ok(_permit) = gateway.in_flight.try_acquire() else {
+        return overloaded();
+    };
+    let (parts, body) = request.into_parts();
+    let owner = match owner(&gateway, &parts.headers).await {
+        Ok(o) => o,
+        Err(response) => return response,
+    };
+    let Some(key) = parts.headers.get("idempotency-key") else {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "missing_idempotency_key: send an `Idempotency-Key` header, the same on every retry of one intention".into(),
+        );
+    };
+    let Ok(key) = key.to_str() else {
+        return rejected(&RejectReason::BadCharacters {
+            field: "idempotency_key",
+            allowed: "printable ASCII",
+        });
+    };
+    let limit = gateway.config.worker.max_message_bytes;
+    // What this owner holds is bounded, so that it cannot hold the gateway's
+    // places from every other owner.
+    let declared = declared_length(&parts.headers).unwrap_or(limit);
+    let _held = match gateway
+        .owners
+        .take(&owner, declared.min(limit.saturating_add(1)))
+    {
+        Ok(held) => held,
+        Err(refusal) => return refused(&owner, refusal, &gateway.options),
+    };
+    let body = match read_body(body, limit, gateway.options.body_timeout).await {
+        Ok(b) => b,
+        Err(response) => return response,
+    };
+    let intent = match Intent::from_request(&body, &owner, key, limit) {
+        Ok(i) => i,
+        Err(reason) => return rejected(&reason),
+    };
+    if let Err(reason) = gateway.config.admit(&intent) {
+        return rejected(&reason);
+    }
+    // The message carries the owner and key as well: it must fit the limit that
+    // intake applies, or it would only be rejected there.
+    let message = serde_json::to_vec(&intent).unwrap_or_default();
+    if message.len() > limit {
+        return rejected(&RejectReason::TooLarge {
+            size: message.len(),
+            limit,
+        });
+    }
+    match gateway.producer.submit_raw(&message).await {
+        Ok(receipt) => {
+            tracing::debug!(owner = %intent.owner_id, outcome = ?receipt.outcome, "intent answered");
+            answer(receipt, &intent.idempotency_key)
+        }
+        Err(e @ ProducerError::ReceiptTimeout(_)) => {
+            unavailable(StatusCode::GATEWAY_TIMEOUT, format!("receipt_timeout: {e}"))
+        }
+        Err(e @ ProducerError::ReplyChannelClosed) => {
+            unavailable(StatusCode::SERVICE_UNAVAILABLE, format!("unavailable: {e}"))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot publish an intent");
+            unavailable(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("unavailable: the intent was not published ({e}); retry with the same key"),
+            )
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! The guarded start: queued attempts claimed for a call, their jobs marked
+//! `running`, and a claim handed back when its caller gave up on it.
+
+use super::*;
+
+impl Store {
+    /// Moves queued attempts to `started` with one guarded statement and marks their
+    /// jobs `running`, under a claim of its own ([`Store::claim`]). An id missing
+    /// from the result was a duplicate delivery (the attempt had already left
+    /// `queued`), belongs to a job that has ended, to a job blocked by an
+    /// `unknown` attempt ([`Store::attempt_state`] tells which), or to a job row
+    /// held under someone else's lock.
+    pub async fn start(
+        &self,
+        provider: &str,
+        ids: &[AttemptId],
+        timeout: Duration,
+    ) -> Result<Vec<Started>> {
+        Ok(self
+            .claim(provider, ids, timeout, Uuid::now_v7())
+            .await?
+            .started)
+    }
+
+    /// Moves queued attempts to `started` with one guarded statement and marks
+    /// their jobs `running`; `token` names this claim on the rows it starts.
+    ///
+    /// The same claim run again returns the attempts it has already started:
+    /// a claim whose commit took effect although its reply was lost (the
+    /// connection broke after the server ran it) is retried with the same
+    /// token and finds its attempts its own, so the calls go ahead. Without the
+    /// token such attempts would look like another worker's, be dropped as
+    /// duplicates, and stay `started` with no call.
+    ///
+    /// The jobs are locked first and their status checked under the lock, so a
+    /// timeout that commits meanwhile is seen: a job that just became `unknown` is
+    /// never written back to `running`, and no attempt of it starts. A job row
+    /// held under someone else's lock is skipped, not waited for: its attempts
+    /// come back in [`Claim::busy`], and the rest of the claim goes ahead.
+    ///
+    /// Attempts are found by primary key. A status test that implies the
+    /// predicate of the partial index `attempts_one_open_per_lane` is written
+    /// `(…) IS TRUE` (the same filter, which the planner cannot match to the
+    /// predicate): otherwise the planner, seeing few open attempts, scans that
+    /// whole index, whose entries for attempts that closed a moment ago are
+    /// dead until vacuum, and under load those dead entries cost more than the
+    /// rest of the statement.
+    pub async fn claim(
+        &self,
+        provider: &str,
+        ids: &[AttemptId],
+        timeout: Duration,
+        token: Uuid,
+    ) -> Result<Claim> {
+        if ids.is_empty() {
+            return Ok(Claim::default());
+        }
+        let ids: Vec<Uuid> = ids.iter().map(|a| a.0).collect();
+        let rows = self
+            .retrying(|| {
+                sqlx::query_as!(
+                    ClaimRow,
+                    r#"WITH candidates AS (
+                         SELECT id, job_id FROM attempts
+                         WHERE id = ANY($1) AND provider = $2
+                           AND ((status = 'queued') IS TRUE
+                                OR (status = 'started' AND claim = $4) IS TRUE)
+                     ), claimed AS (
+                         SELECT j.id FROM jobs j
+                         WHERE j.id IN (SELECT job_id FROM candidates)
+                           AND j.status IN ('queued', 'running')
+                         ORDER BY j.id
+                         FOR UPDATE SKIP LOCKED
+                     ), started AS (
+                         UPDATE attempts a
+                         SET status = 'started', claim = $4,
+                             started_at = COALESCE(a.started_at, now()),
+                             deadline_at = COALESCE(a.deadline_at, now() + make_interval(secs => $3))
+                         FROM claimed c
+                         WHERE a.id = ANY($1) AND a.job_id = c.id AND a.provider = $2
+                           AND ((a.status = 'queued') IS TRUE
+                                OR (a.status = 'started' AND a.claim = $4) IS TRUE)
+                         RETURNING a.id, a.job_id, a.number
+                     ), running AS (
+                         UPDATE jobs j SET status = 'running', updated_at = now()
+                         FROM (SELECT DISTINCT job_id FROM started) s
+                         WHERE j.id = s.job_id
+                         RETURNING j.id, j.version, j.operation, j.input
+                     )
+                     SELECT s.id AS "attempt_id!: AttemptId", s.job_id AS "job_id!: JobId",
+                            s.number AS "number!", r.version AS "version!",
+                            r.operation AS "operation!", r.input AS "input!",
+                            false AS "busy!"
+                     FROM started s JOIN running r ON r.id = s.job_id
+                     UNION ALL
+                     -- Queued attempts of open jobs that the lock skipped.
+                     SELECT c.id, c.job_id, 0, 0, '', '{}'::jsonb, true
+                     FROM candidates c JOIN jobs j ON j.id = c.job_id
+                     WHERE j.status IN ('queued', 'running')
+                       AND c.job_id NOT IN (SELECT id FROM claimed)"#,
+                    &ids,
+                    provider,
+                    timeout.as_secs_f64(),
+                    token,
+                )
+                .fetch_all(&self.pool)
+                .map_err(StoreError::from)
+            })
+            .await?;
+        claim_of(rows)
+    }
+
+    /// Hands back what the claim `token` started: its attempts go back to
+    /// `queued`, for their redelivered messages to claim again. For a claim
+    /// whose caller gave up without knowing whether it took effect: an attempt
+    /// it did start would otherwise stay `started` with no call, until the
+    /// vanished sweep made it `unknown`. Returns how many it handed back.
+    pub async fn unclaim(&self, token: Uuid) -> Result<u64> {
+        self.retrying(|| async {
+            let back = sqlx::query!(
+                "UPDATE attempts SET status = 'queued', claim = NULL, started_at = NULL,
+                     deadline_at = NULL
+                 WHERE claim = $1 AND status = 'started'",
+                token
+            )
+            .execute(&self.pool)
+            .await?;
+            Ok(back.rows_affected())
+        })
+        .await
+    }
+}
+
+/// A row of [`Store::claim`]: an attempt that left `queued`, with its job, or
+/// (`busy`) a queued attempt whose job row was held.
+struct ClaimRow {
+    attempt_id: AttemptId,
+    job_id: JobId,
+    number: i32,
+    version: i64,
+    operation: String,
+    input: Value,
+    busy: bool,
+}
+
+/// What a claim's rows say: the attempts it started, each with its job's
+/// operation and input, and the attempts whose job row was held.
+fn claim_of(rows: Vec<ClaimRow>) -> Result<Claim> {
+    let mut claim = Claim::default();
+    for r in rows {
+        if r.busy {
+            claim.busy.push(r.attempt_id);
+            continue;
+        }
+        let input = match r.input {
+            Value::Object(m) => m,
+            other => return Err(corrupt(format!("job input is not an object: {other}"))),
+        };
+        claim.started.push(Started {
+            attempt_id: r.attempt_id,
+            job_id: r.job_id,
+            number: r.number,
+            version: r.version,
+            operation: r.operation,
+            input,
+        });
+    }
+    Ok(claim)
+}

@@ -1,0 +1,39 @@
+//! Attempts whose message was lost for good: failed while still `queued`, and
+//! what follows planned as for any definite failure.
+
+use super::*;
+
+impl Store {
+    /// Fails attempts that are still `queued` (their message was lost for good), and
+    /// plans what follows each, as for any definite failure.
+    pub async fn fail_queued(
+        &self,
+        attempts: &[(AttemptId, String)],
+        plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
+    ) -> Result<(Vec<(AttemptId, Settled)>, Vec<OutboxMessage>)> {
+        if attempts.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        self.retrying(|| async {
+            let mut tx = self.pool.begin().await?;
+            let failures: Vec<Failure> = attempts
+                .iter()
+                .map(|(id, error)| Failure {
+                    attempt_id: *id,
+                    error: error.clone(),
+                    retryable: true,
+                    retry_after: None,
+                    usage: None,
+                    request_id: None,
+                })
+                .collect();
+            let (outcomes, drafts) = self
+                .settle_failures(&mut tx, &failures, &[AttemptStatus::Queued], plan, false)
+                .await?;
+            let publish = self.insert_outbox(&mut tx, &drafts).await?;
+            tx.commit().await?;
+            Ok((outcomes, publish))
+        })
+        .await
+    }
+}
