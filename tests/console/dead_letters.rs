@@ -3,8 +3,9 @@
 
 use std::time::Duration;
 
-use crate::common::console::{field, serve, two_providers, unescape};
+use crate::common::console::{Served, Session, field, serve, two_providers, unescape};
 use crate::common::{self, TestEnv, config};
+use onejob::store::Store;
 use reqwest::StatusCode;
 use reqwest::header::LOCATION;
 
@@ -35,8 +36,24 @@ async fn an_operator_browses_replays_and_purges_dead_letters() {
     assert!(page.contains("invalid: a test put it here"), "{page}");
     assert_eq!(common::depth(&ch, &dlq).await, 2);
 
-    // Replay the good one: its link leads to a confirmation that says what
-    // happens, and the form replays it.
+    replay_from_its_link(&served, &session, &page).await;
+    common::wait_for(
+        "the replayed intent's job",
+        Duration::from_secs(20),
+        || async { env.store.find_job("acct_d", "good").await.unwrap() },
+    )
+    .await;
+    common::wait_for_depth("the orphan alone", Duration::from_secs(20), &ch, &dlq, 1).await;
+
+    purge_needs_the_csrf_token(&served, &session, &ch, &dlq).await;
+
+    both_actions_are_audited(&env.store, &dlq).await;
+    fleet.stop().await;
+}
+
+/// Replay the good one: its link leads to a confirmation that says what
+/// happens, and the form replays it.
+async fn replay_from_its_link(served: &Served, session: &Session, page: &str) {
     let start = page.find("class=\"replay-one\" href=\"").unwrap() + 25;
     let link = unescape(&page[start..start + page[start..].find('"').unwrap()]);
     assert!(link.contains("good-1"), "{link}");
@@ -63,25 +80,25 @@ async fn an_operator_browses_replays_and_purges_dead_letters() {
         page.contains("1 dead letter(s) replayed, 0 skipped"),
         "{back}: {page}"
     );
-    common::wait_for(
-        "the replayed intent's job",
-        Duration::from_secs(20),
-        || async { env.store.find_job("acct_d", "good").await.unwrap() },
-    )
-    .await;
-    common::wait_for_depth("the orphan alone", Duration::from_secs(20), &ch, &dlq, 1).await;
+}
 
-    // Purging without the session's CSRF token does nothing; with it, the
-    // queue is empty.
+/// Purging without the session's CSRF token does nothing; with it, the
+/// queue is empty.
+async fn purge_needs_the_csrf_token(
+    served: &Served,
+    session: &Session,
+    ch: &lapin::Channel,
+    dlq: &str,
+) {
     let answer = served
         .post(
             &session.cookie,
             "/dead-letters/purge",
-            &[("queue", &dlq), ("reason", "junk")],
+            &[("queue", dlq), ("reason", "junk")],
         )
         .await;
     assert_eq!(answer.status(), StatusCode::FORBIDDEN);
-    assert_eq!(common::depth(&ch, &dlq).await, 1);
+    assert_eq!(common::depth(ch, dlq).await, 1);
     let (_, confirm) = served
         .get(
             &session.cookie,
@@ -93,14 +110,16 @@ async fn an_operator_browses_replays_and_purges_dead_letters() {
         .post(
             &session.cookie,
             "/dead-letters/purge",
-            &[("queue", &dlq), ("reason", "junk"), ("csrf", &session.csrf)],
+            &[("queue", dlq), ("reason", "junk"), ("csrf", &session.csrf)],
         )
         .await;
     assert_eq!(answer.status(), StatusCode::SEE_OTHER);
-    assert_eq!(common::depth(&ch, &dlq).await, 0);
+    assert_eq!(common::depth(ch, dlq).await, 0);
+}
 
-    // Both actions are audited, with who and why.
-    let mut audit = env.store.audit_recent(10).await.unwrap();
+/// Both actions are audited, with who and why.
+async fn both_actions_are_audited(store: &Store, dlq: &str) {
+    let mut audit = store.audit_recent(10).await.unwrap();
     audit.retain(|a| a.action.starts_with("dlq."));
     let actions: Vec<(&str, &str, &str)> = audit
         .iter()
@@ -116,9 +135,8 @@ async fn an_operator_browses_replays_and_purges_dead_letters() {
     assert_eq!(audit[1].detail["message_id"], "good-1");
     assert_eq!(audit[1].detail["outcome"], "done");
     assert_eq!(audit[1].detail["replayed"], 1);
-    assert_eq!(audit[0].target.as_deref(), Some(dlq.as_str()));
+    assert_eq!(audit[0].target.as_deref(), Some(dlq));
     assert_eq!(audit[0].detail["outcome"], "done");
-    fleet.stop().await;
 }
 
 /// A replay or a purge touches the broker, not the database, so its audit row

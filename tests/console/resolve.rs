@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use crate::common::console::{field, serve, two_providers, unknown_job};
 use crate::common::{self, TestEnv, config};
-use onejob::domain::{AttemptStatus, JobStatus};
+use onejob::domain::{AttemptStatus, JobId, JobStatus};
+use onejob::store::JobView;
 use reqwest::StatusCode;
 use reqwest::header::LOCATION;
 
@@ -54,24 +55,7 @@ async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appe
         format!("/jobs/{job_id}").as_str()
     );
 
-    // The job runs again: attempt #2 is queued, and its message is on the
-    // primary's queue.
-    let job = env.store.job(job_id).await.unwrap().unwrap();
-    assert_eq!(job.status, JobStatus::Running, "no longer blocked");
-    assert_eq!(job.attempts.len(), 2);
-    assert_eq!(job.attempts[0].status, AttemptStatus::Failed);
-    assert_eq!(job.attempts[1].status, AttemptStatus::Queued);
-    assert_eq!(job.attempts[1].provider, "primary");
-    let conn = env.amqp().await;
-    let ch = conn.create_channel().await.unwrap();
-    common::wait_for_depth(
-        "the next attempt's message",
-        Duration::from_secs(20),
-        &ch,
-        &onejob::broker::attempts_queue("primary"),
-        1,
-    )
-    .await;
+    let (job, _conn) = the_job_runs_again(&env, job_id).await;
 
     // The job's page shows both attempts and the audit row.
     let (status, page) = served
@@ -100,6 +84,28 @@ async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appe
         .await;
     assert_eq!(answer.status(), StatusCode::CONFLICT);
     assert_eq!(env.store.audit_of_job(job_id).await.unwrap().len(), 1);
+}
+
+/// The job runs again: attempt #2 is queued, and its message is on the
+/// primary's queue. The job, and the connection that saw the message.
+async fn the_job_runs_again(env: &TestEnv, job_id: JobId) -> (JobView, lapin::Connection) {
+    let job = env.store.job(job_id).await.unwrap().unwrap();
+    assert_eq!(job.status, JobStatus::Running, "no longer blocked");
+    assert_eq!(job.attempts.len(), 2);
+    assert_eq!(job.attempts[0].status, AttemptStatus::Failed);
+    assert_eq!(job.attempts[1].status, AttemptStatus::Queued);
+    assert_eq!(job.attempts[1].provider, "primary");
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    common::wait_for_depth(
+        "the next attempt's message",
+        Duration::from_secs(20),
+        &ch,
+        &onejob::broker::attempts_queue("primary"),
+        1,
+    )
+    .await;
+    (job, conn)
 }
 
 #[tokio::test]

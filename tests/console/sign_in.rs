@@ -2,7 +2,9 @@
 //! console's own form; the cookie's flags; an action without its CSRF token
 //! is refused and does nothing.
 
-use crate::common::console::{FORM, encode, field, serve, session_set, two_providers, unknown_job};
+use crate::common::console::{
+    FORM, Served, encode, field, serve, session_set, two_providers, unknown_job,
+};
 use crate::common::{TestEnv, config};
 use onejob::domain::JobStatus;
 use onejob::token::Token;
@@ -14,28 +16,7 @@ async fn only_a_live_operator_token_signs_in() {
     let (config, _file) = config(&two_providers());
     let env = TestEnv::new(&config).await;
     let served = serve(&env, config, false).await;
-
-    // A tenant's gateway token is refused, and says why.
-    let tenant = Token::generate();
-    env.store
-        .create_token("acct_c", &tenant, &onejob::store::Actor::cli(None))
-        .await
-        .unwrap();
-    let answer = served.login(tenant.reveal()).await;
-    assert_eq!(answer.status(), StatusCode::UNAUTHORIZED);
-    assert!(session_set(&answer).is_none());
-    assert!(answer.text().await.unwrap().contains("tenant"));
-
-    // So are an operator token nobody made, and garbage.
-    for bad in [
-        Token::generate_operator().reveal().to_owned(),
-        "ojo_123".into(),
-        String::new(),
-    ] {
-        let answer = served.login(&bad).await;
-        assert_eq!(answer.status(), StatusCode::UNAUTHORIZED, "{bad:?}");
-        assert!(session_set(&answer).is_none());
-    }
+    tokens_not_an_operators_are_refused(&env, &served).await;
 
     // Without a session every page sends the browser to sign in.
     for path in ["/", "/jobs", "/unknowns"] {
@@ -92,6 +73,30 @@ async fn only_a_live_operator_token_signs_in() {
     );
 }
 
+/// A tenant's gateway token is refused, and says why; so are an operator
+/// token nobody made, and garbage.
+async fn tokens_not_an_operators_are_refused(env: &TestEnv, served: &Served) {
+    let tenant = Token::generate();
+    env.store
+        .create_token("acct_c", &tenant, &onejob::store::Actor::cli(None))
+        .await
+        .unwrap();
+    let answer = served.login(tenant.reveal()).await;
+    assert_eq!(answer.status(), StatusCode::UNAUTHORIZED);
+    assert!(session_set(&answer).is_none());
+    assert!(answer.text().await.unwrap().contains("tenant"));
+
+    for bad in [
+        Token::generate_operator().reveal().to_owned(),
+        "ojo_123".into(),
+        String::new(),
+    ] {
+        let answer = served.login(&bad).await;
+        assert_eq!(answer.status(), StatusCode::UNAUTHORIZED, "{bad:?}");
+        assert!(session_set(&answer).is_none());
+    }
+}
+
 /// Login CSRF: a page of another site could post the sign-in form with the
 /// attacker's own operator token and sign the victim's browser in as the
 /// attacker (whose actions the victim would then take). The form carries a
@@ -113,20 +118,7 @@ async fn a_sign_in_not_from_the_consoles_own_form_is_refused() {
             .unwrap()
     };
 
-    // The sign-in page's own form: a field, and a cookie for /login alone.
-    let page = served
-        .http
-        .get(format!("{}/login", served.base))
-        .send()
-        .await
-        .unwrap();
-    let set = page.headers()[SET_COOKIE].to_str().unwrap().to_owned();
-    assert!(set.starts_with("onejob_login="), "{set}");
-    for flag in ["HttpOnly", "SameSite=Strict", "Path=/login"] {
-        assert!(set.contains(flag), "{flag} in {set}");
-    }
-    let cookie = set.split(';').next().unwrap().to_owned();
-    let field_value = field(&page.text().await.unwrap(), "login_csrf");
+    let (cookie, field_value) = sign_in_form(&served).await;
 
     // Posted without the cookie (as from another site), with another form's
     // token, or with none: refused, and no session begins.
@@ -135,19 +127,7 @@ async fn a_sign_in_not_from_the_consoles_own_form_is_refused() {
         (Some(cookie.as_str()), Some(&"0".repeat(64)[..])),
         (Some(cookie.as_str()), None),
     ] {
-        let mut form = vec![("token", token.reveal())];
-        if let Some(t) = form_token {
-            form.push(("login_csrf", t));
-        }
-        let mut request = served
-            .http
-            .post(format!("{}/login", served.base))
-            .header(CONTENT_TYPE, FORM)
-            .body(encode(&form));
-        if let Some(c) = cookie {
-            request = request.header(reqwest::header::COOKIE, c);
-        }
-        let answer = request.send().await.unwrap();
+        let answer = post_sign_in(&served, token.reveal(), cookie, form_token).await;
         assert_eq!(
             answer.status(),
             StatusCode::FORBIDDEN,
@@ -187,6 +167,48 @@ async fn a_sign_in_not_from_the_consoles_own_form_is_refused() {
     let answer = served.login(token.reveal()).await;
     assert_eq!(answer.status(), StatusCode::SEE_OTHER);
     assert_eq!(sessions().await, 1);
+}
+
+/// The sign-in page's own form: a field, and a cookie for /login alone. The
+/// cookie (its name and value) and the field's value.
+async fn sign_in_form(served: &Served) -> (String, String) {
+    let page = served
+        .http
+        .get(format!("{}/login", served.base))
+        .send()
+        .await
+        .unwrap();
+    let set = page.headers()[SET_COOKIE].to_str().unwrap().to_owned();
+    assert!(set.starts_with("onejob_login="), "{set}");
+    for flag in ["HttpOnly", "SameSite=Strict", "Path=/login"] {
+        assert!(set.contains(flag), "{flag} in {set}");
+    }
+    let cookie = set.split(';').next().unwrap().to_owned();
+    let field_value = field(&page.text().await.unwrap(), "login_csrf");
+    (cookie, field_value)
+}
+
+/// Posts the sign-in form with `token`, the form's token `form_token` and the
+/// sign-in `cookie`, each only if given.
+async fn post_sign_in(
+    served: &Served,
+    token: &str,
+    cookie: Option<&str>,
+    form_token: Option<&str>,
+) -> reqwest::Response {
+    let mut form = vec![("token", token)];
+    if let Some(t) = form_token {
+        form.push(("login_csrf", t));
+    }
+    let mut request = served
+        .http
+        .post(format!("{}/login", served.base))
+        .header(CONTENT_TYPE, FORM)
+        .body(encode(&form));
+    if let Some(c) = cookie {
+        request = request.header(reqwest::header::COOKIE, c);
+    }
+    request.send().await.unwrap()
 }
 
 #[tokio::test]
