@@ -54,34 +54,7 @@ async fn main() {
     let mut db = sqlx::PgConnection::connect(&env.database_url)
         .await
         .expect("connect");
-    let began = Instant::now();
-    fill_jobs(&mut db, "p-", n, "mix", 60.0, 86400.0, "summarize").await;
-    fill_jobs(&mut db, "u-", 1000, "unknown", 60.0, 86400.0, "summarize").await;
-    // One attempt in 10,000 went to the fallback: a provider filter that
-    // matches few jobs, spread over the whole table.
-    let rare: u64 = sqlx::query(
-        "UPDATE attempts SET provider = 'fallback' WHERE abs(hashtext(id::text)) % 10000 = 0",
-    )
-    .execute(&mut db)
-    .await
-    .expect("rare provider")
-    .rows_affected();
-    println!("paging: {rare} attempts on the fallback");
-    sqlx::raw_sql("VACUUM ANALYZE jobs, attempts")
-        .execute(&mut db)
-        .await
-        .expect("analyze");
-    println!(
-        "paging: filled {} jobs in {:.1} s",
-        n + 1000,
-        began.elapsed().as_secs_f64()
-    );
-    let middle: String =
-        sqlx::query_scalar("SELECT id::text FROM jobs ORDER BY id OFFSET $1 LIMIT 1")
-            .bind(n / 2)
-            .fetch_one(&mut db)
-            .await
-            .expect("a middle id");
+    let middle = fill(&mut db, n).await;
 
     let served = common::console::serve(&env, config.clone(), false).await;
     let cookie = served.sign_in(&env.store, "bench").await.cookie;
@@ -104,54 +77,14 @@ async fn main() {
         }
     };
 
-    // The baseline: the bare keyset query for a first page, on the same pool.
-    let mut baseline = Vec::new();
-    for _ in 0..ROUNDS {
-        let t = Instant::now();
-        env.store
-            .jobs_page(&JobFilter::default(), None, 51)
-            .await
-            .expect("page");
-        baseline.push(t.elapsed().as_secs_f64() * 1000.0);
-    }
+    let baseline = bare_query(&env).await;
     let (b50, b99, bmax) = summary(baseline);
     println!("\n| page | p50 ms | p99 ms | max ms | p50 / bare query | under 100 ms (p99) |");
     println!("|---|---|---|---|---|---|");
     println!(
         "| bare keyset query, first page (baseline) | {b50:.1} | {b99:.1} | {bmax:.1} | 1.00 | |"
     );
-    let kinds: Vec<(&str, String)> = vec![
-        ("first page", "/jobs".into()),
-        ("a page from the middle", format!("/jobs?after={middle}")),
-        ("status=unknown (0.1%)", "/jobs?status=unknown".into()),
-        (
-            "status=failed, from the middle",
-            format!("/jobs?status=failed&after={middle}"),
-        ),
-        ("one owner's (1 in 1,000)", "/jobs?owner=tenant-7".into()),
-        ("provider=primary", "/jobs?provider=primary".into()),
-        (
-            "provider=fallback (1 job in 10,000)",
-            "/jobs?provider=fallback".into(),
-        ),
-        (
-            "provider=fallback, from the middle",
-            format!("/jobs?provider=fallback&after={middle}"),
-        ),
-        (
-            "provider=fallback, status=cancelled (about 1 in 200,000)",
-            "/jobs?provider=fallback&status=cancelled".into(),
-        ),
-        (
-            "created in one hour a day ago",
-            format!(
-                "/jobs?since={}&until={}",
-                (chrono::Utc::now() - chrono::Duration::hours(12)).format("%Y-%m-%dT%H:%M"),
-                (chrono::Utc::now() - chrono::Duration::hours(11)).format("%Y-%m-%dT%H:%M")
-            ),
-        ),
-    ];
-    for (what, path) in kinds {
+    for (what, path) in kinds(&middle) {
         let mut samples = Vec::new();
         for _ in 0..ROUNDS {
             samples.push(get(path.clone()).await.0);
@@ -182,4 +115,87 @@ async fn main() {
         if p99 < 100.0 { "yes" } else { "**no**" }
     );
     db.close().await.ok();
+}
+
+/// Fills the jobs table with `n` ended jobs and a thousand `unknown` ones,
+/// sends one attempt in 10,000 to the fallback, and analyzes the tables. A
+/// job id from the middle.
+async fn fill(db: &mut sqlx::PgConnection, n: i64) -> String {
+    let began = Instant::now();
+    fill_jobs(db, "p-", n, "mix", 60.0, 86400.0, "summarize").await;
+    fill_jobs(db, "u-", 1000, "unknown", 60.0, 86400.0, "summarize").await;
+    // One attempt in 10,000 went to the fallback: a provider filter that
+    // matches few jobs, spread over the whole table.
+    let rare: u64 = sqlx::query(
+        "UPDATE attempts SET provider = 'fallback' WHERE abs(hashtext(id::text)) % 10000 = 0",
+    )
+    .execute(&mut *db)
+    .await
+    .expect("rare provider")
+    .rows_affected();
+    println!("paging: {rare} attempts on the fallback");
+    sqlx::raw_sql("VACUUM ANALYZE jobs, attempts")
+        .execute(&mut *db)
+        .await
+        .expect("analyze");
+    println!(
+        "paging: filled {} jobs in {:.1} s",
+        n + 1000,
+        began.elapsed().as_secs_f64()
+    );
+    sqlx::query_scalar("SELECT id::text FROM jobs ORDER BY id OFFSET $1 LIMIT 1")
+        .bind(n / 2)
+        .fetch_one(&mut *db)
+        .await
+        .expect("a middle id")
+}
+
+/// The baseline: the bare keyset query for a first page, on the same pool.
+/// Its times, in ms.
+async fn bare_query(env: &TestEnv) -> Vec<f64> {
+    let mut baseline = Vec::new();
+    for _ in 0..ROUNDS {
+        let t = Instant::now();
+        env.store
+            .jobs_page(&JobFilter::default(), None, 51)
+            .await
+            .expect("page");
+        baseline.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    baseline
+}
+
+/// Each kind of page: what it is, and its path.
+fn kinds(middle: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("first page", "/jobs".into()),
+        ("a page from the middle", format!("/jobs?after={middle}")),
+        ("status=unknown (0.1%)", "/jobs?status=unknown".into()),
+        (
+            "status=failed, from the middle",
+            format!("/jobs?status=failed&after={middle}"),
+        ),
+        ("one owner's (1 in 1,000)", "/jobs?owner=tenant-7".into()),
+        ("provider=primary", "/jobs?provider=primary".into()),
+        (
+            "provider=fallback (1 job in 10,000)",
+            "/jobs?provider=fallback".into(),
+        ),
+        (
+            "provider=fallback, from the middle",
+            format!("/jobs?provider=fallback&after={middle}"),
+        ),
+        (
+            "provider=fallback, status=cancelled (about 1 in 200,000)",
+            "/jobs?provider=fallback&status=cancelled".into(),
+        ),
+        (
+            "created in one hour a day ago",
+            format!(
+                "/jobs?since={}&until={}",
+                (chrono::Utc::now() - chrono::Duration::hours(12)).format("%Y-%m-%dT%H:%M"),
+                (chrono::Utc::now() - chrono::Duration::hours(11)).format("%Y-%m-%dT%H:%M")
+            ),
+        ),
+    ]
 }

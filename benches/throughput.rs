@@ -16,10 +16,12 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{TestEnv, config, config_text, intent, mock};
 use futures_util::StreamExt;
+use onejob::config::Config;
 use onejob::domain::{JobId, JobStatus};
 use onejob::fleet::Role;
 use onejob::intent::{Outcome, Receipt};
@@ -95,179 +97,184 @@ async fn main() {
         "bench: {count} per phase, {IN_FLIGHT} in flight, on this machine's PostgreSQL and RabbitMQ"
     );
 
-    // Baseline: the AMQP round trip alone, through an echo consumer.
-    let amqp_baseline = {
-        let env = TestEnv::new(&config).await;
-        let ctx = env.context(config.clone()).await;
-        let shutdown = Shutdown::new();
-        let echo_ctx = ctx.clone();
-        let echo_stop = shutdown.clone();
-        let echo = tokio::spawn(async move {
-            let prefetch = echo_ctx.config.worker.intake_prefetch;
-            let inner = echo_ctx.clone();
-            runtime::consume(
-                &echo_ctx,
-                onejob::broker::INTENTS_QUEUE,
-                prefetch,
-                &echo_stop,
-                move |d| {
-                    let ctx = inner.clone();
-                    async move {
-                        let receipt = Receipt::for_job(Outcome::Created, JobId::new());
-                        let body = serde_json::to_vec(&receipt).unwrap_or_default();
-                        let mut props = onejob::broker::json_properties();
-                        if let Some(id) = d.properties.correlation_id() {
-                            props = props.with_correlation_id(id.clone());
-                        }
-                        if let Some(reply_to) = d.properties.reply_to() {
-                            let _ = ctx
-                                .publisher
-                                .publish("", reply_to.as_str(), &body, props, false)
-                                .await;
-                        }
-                        let _ = runtime::ack(&d).await;
-                    }
-                },
-            )
-            .await
-        });
-        let producer = producer(&env.amqp_url).await;
-        let per_second = submit_all(&producer, count, "echo", None).await;
-        shutdown.trigger();
-        let _ = echo.await;
-        producer.close().await;
-        per_second
-    };
+    let amqp_baseline = amqp_round_trip(&config, count).await;
     line(
         "AMQP round trip, echo consumer",
         amqp_baseline,
         "msg/s",
         None,
     );
+    intake(&config, count, amqp_baseline).await;
+    admission(&config, count).await;
+    end_to_end(&config, count, amqp_baseline).await;
+    drop(primary);
+}
 
-    // Intake: the same round trip, with a job admitted (and its first attempt
-    // published) before each receipt.
-    {
-        let env = TestEnv::new(&config).await;
-        let fleet = env.fleet(config.clone(), vec![Role::Intake]).await;
-        let producer = producer(&env.amqp_url).await;
-        // The same keys twice: first each is created, then a duplicate, which
-        // takes the same path without the insert.
-        for (what, unit, expected) in [
-            ("intake: intent → job → receipt", "jobs/s", Outcome::Created),
-            (
-                "intake: a duplicate → its receipt",
-                "/s",
-                Outcome::Duplicate,
-            ),
-        ] {
-            let per_second = submit_all(&producer, count, "in", Some(expected)).await;
-            line(
-                what,
-                per_second,
-                unit,
-                Some((amqp_baseline, "AMQP round trip")),
-            );
-        }
-        producer.close().await;
-        fleet.stop().await;
-    }
-
-    // Admission against raw inserts, and batches against single rows.
-    {
-        let env = TestEnv::new(&config).await;
-        let pool = env.store.pool();
-        sqlx::query("CREATE TABLE bench_jobs (LIKE jobs INCLUDING ALL)")
-            .execute(pool)
-            .await
-            .unwrap();
-        let raw = rate(count, |i| async move {
-            sqlx::query(
-                "INSERT INTO bench_jobs (id, owner_id, idempotency_key, request_fingerprint, operation, input, status)
-                 VALUES ($1, 'bench', $2, 'f', 'summarize', '{}', 'queued')
-                 ON CONFLICT DO NOTHING",
-            )
-            .bind(uuid::Uuid::now_v7())
-            .bind(format!("raw-{i}"))
-            .execute(pool)
-            .await
-            .unwrap();
-        })
-        .await;
-        line(
-            "raw INSERT … ON CONFLICT, one row a statement",
-            raw,
-            "rows/s",
-            None,
-        );
-        let single = rate(count, |i| {
-            let job = common::new_job("bench", &format!("one-{i}"), "x");
-            let store = &env.store;
-            async move {
-                store.admit(&[job]).await.unwrap();
-            }
-        })
-        .await;
-        line(
-            "store.admit, one intent a call (job + attempt + outbox)",
-            single,
-            "jobs/s",
-            Some((raw, "raw INSERT")),
-        );
-        let batches = count.div_ceil(100);
-        let batched = rate(batches, |b| {
-            let jobs: Vec<NewJob> = (0..100)
-                .map(|j| common::new_job("bench", &format!("batch-{b}-{j}"), "x"))
-                .collect();
-            let store = &env.store;
-            async move {
-                store.admit(&jobs).await.unwrap();
-            }
-        })
+/// Baseline: the AMQP round trip alone, through an echo consumer. Per second.
+async fn amqp_round_trip(config: &Arc<Config>, count: usize) -> f64 {
+    let env = TestEnv::new(config).await;
+    let ctx = env.context(config.clone()).await;
+    let shutdown = Shutdown::new();
+    let echo_ctx = ctx.clone();
+    let echo_stop = shutdown.clone();
+    let echo = tokio::spawn(async move {
+        let prefetch = echo_ctx.config.worker.intake_prefetch;
+        let inner = echo_ctx.clone();
+        runtime::consume(
+            &echo_ctx,
+            onejob::broker::INTENTS_QUEUE,
+            prefetch,
+            &echo_stop,
+            move |d| {
+                let ctx = inner.clone();
+                async move {
+                    let receipt = Receipt::for_job(Outcome::Created, JobId::new());
+                    let body = serde_json::to_vec(&receipt).unwrap_or_default();
+                    let mut props = onejob::broker::json_properties();
+                    if let Some(id) = d.properties.correlation_id() {
+                        props = props.with_correlation_id(id.clone());
+                    }
+                    if let Some(reply_to) = d.properties.reply_to() {
+                        let _ = ctx
+                            .publisher
+                            .publish("", reply_to.as_str(), &body, props, false)
+                            .await;
+                    }
+                    let _ = runtime::ack(&d).await;
+                }
+            },
+        )
         .await
-            * 100.0;
-        line(
-            "store.admit, batches of 100",
-            batched,
-            "jobs/s",
-            Some((single, "one a call")),
-        );
-    }
+    });
+    let producer = producer(&env.amqp_url).await;
+    let per_second = submit_all(&producer, count, "echo", None).await;
+    shutdown.trigger();
+    let _ = echo.await;
+    producer.close().await;
+    per_second
+}
 
-    // End to end: intent to succeeded job through the zero-latency mock.
-    {
-        let env = TestEnv::new(&config).await;
-        let fleet = env.fleet(config.clone(), vec![]).await;
-        let producer = producer(&env.amqp_url).await;
-        let start = Instant::now();
-        submit_all(&producer, count, "e2e", None).await;
-        let want = i64::try_from(count).unwrap_or(i64::MAX);
-        loop {
-            let (done,): (i64,) = sqlx::query_as("SELECT count(*) FROM jobs WHERE status = $1")
-                .bind(JobStatus::Succeeded.as_str())
-                .fetch_one(env.store.pool())
-                .await
-                .unwrap();
-            if done >= want {
-                break;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(600),
-                "jobs did not finish: {done}/{want}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let per_second = count as f64 / start.elapsed().as_secs_f64();
+/// Intake: the same round trip, with a job admitted (and its first attempt
+/// published) before each receipt.
+async fn intake(config: &Arc<Config>, count: usize, amqp_baseline: f64) {
+    let env = TestEnv::new(config).await;
+    let fleet = env.fleet(config.clone(), vec![Role::Intake]).await;
+    let producer = producer(&env.amqp_url).await;
+    // The same keys twice: first each is created, then a duplicate, which
+    // takes the same path without the insert.
+    for (what, unit, expected) in [
+        ("intake: intent → job → receipt", "jobs/s", Outcome::Created),
+        (
+            "intake: a duplicate → its receipt",
+            "/s",
+            Outcome::Duplicate,
+        ),
+    ] {
+        let per_second = submit_all(&producer, count, "in", Some(expected)).await;
         line(
-            "end to end: intent → succeeded job",
+            what,
             per_second,
-            "jobs/s",
+            unit,
             Some((amqp_baseline, "AMQP round trip")),
         );
-        producer.close().await;
-        fleet.stop().await;
     }
-    drop(primary);
+    producer.close().await;
+    fleet.stop().await;
+}
+
+/// Admission against raw inserts, and batches against single rows.
+async fn admission(config: &Arc<Config>, count: usize) {
+    let env = TestEnv::new(config).await;
+    let pool = env.store.pool();
+    sqlx::query("CREATE TABLE bench_jobs (LIKE jobs INCLUDING ALL)")
+        .execute(pool)
+        .await
+        .unwrap();
+    let raw = rate(count, |i| async move {
+        sqlx::query(
+            "INSERT INTO bench_jobs (id, owner_id, idempotency_key, request_fingerprint, operation, input, status)
+             VALUES ($1, 'bench', $2, 'f', 'summarize', '{}', 'queued')
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(uuid::Uuid::now_v7())
+        .bind(format!("raw-{i}"))
+        .execute(pool)
+        .await
+        .unwrap();
+    })
+    .await;
+    line(
+        "raw INSERT … ON CONFLICT, one row a statement",
+        raw,
+        "rows/s",
+        None,
+    );
+    let single = rate(count, |i| {
+        let job = common::new_job("bench", &format!("one-{i}"), "x");
+        let store = &env.store;
+        async move {
+            store.admit(&[job]).await.unwrap();
+        }
+    })
+    .await;
+    line(
+        "store.admit, one intent a call (job + attempt + outbox)",
+        single,
+        "jobs/s",
+        Some((raw, "raw INSERT")),
+    );
+    let batches = count.div_ceil(100);
+    let batched = rate(batches, |b| {
+        let jobs: Vec<NewJob> = (0..100)
+            .map(|j| common::new_job("bench", &format!("batch-{b}-{j}"), "x"))
+            .collect();
+        let store = &env.store;
+        async move {
+            store.admit(&jobs).await.unwrap();
+        }
+    })
+    .await
+        * 100.0;
+    line(
+        "store.admit, batches of 100",
+        batched,
+        "jobs/s",
+        Some((single, "one a call")),
+    );
+}
+
+/// End to end: intent to succeeded job through the zero-latency mock.
+async fn end_to_end(config: &Arc<Config>, count: usize, amqp_baseline: f64) {
+    let env = TestEnv::new(config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = producer(&env.amqp_url).await;
+    let start = Instant::now();
+    submit_all(&producer, count, "e2e", None).await;
+    let want = i64::try_from(count).unwrap_or(i64::MAX);
+    loop {
+        let (done,): (i64,) = sqlx::query_as("SELECT count(*) FROM jobs WHERE status = $1")
+            .bind(JobStatus::Succeeded.as_str())
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap();
+        if done >= want {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(600),
+            "jobs did not finish: {done}/{want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let per_second = count as f64 / start.elapsed().as_secs_f64();
+    line(
+        "end to end: intent → succeeded job",
+        per_second,
+        "jobs/s",
+        Some((amqp_baseline, "AMQP round trip")),
+    );
+    producer.close().await;
+    fleet.stop().await;
 }
 
 async fn producer(amqp_url: &str) -> Producer {

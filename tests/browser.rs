@@ -8,12 +8,14 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::browser::Browser;
 use common::console::{Served, dead_letter_intent, serve, two_providers, unknown_job};
 use common::{P, TestEnv, config, config_for, mock, submit, wait_for, wait_for_status};
-use onejob::domain::{AttemptStatus, JobStatus};
+use onejob::config::Config;
+use onejob::domain::{AttemptStatus, JobId, JobStatus};
 use onejob::mock::MockOptions;
 use onejob::store::Store;
 use onejob::token::Token;
@@ -322,7 +324,32 @@ async fn qualify_now_then_a_hedge_on_its_own_lane_and_the_main_pages() {
     let browser = Browser::start().await;
     sign_in(&browser, &served, &env.store, "ada").await;
 
-    // The fallback has never qualified: it takes no failover and no hedge.
+    qualify_the_fallback(&browser, &env.store).await;
+    shots.take(&browser, "providers").await;
+
+    let hedged = a_hedged_job_and_some_more(&env, &config).await;
+
+    the_hedge_has_a_lane_of_its_own(&browser, &served, hedged).await;
+    shots.take(&browser, "job").await;
+
+    for (path, name, shows) in [
+        ("/", "overview", "Jobs by status"),
+        ("/jobs", "jobs", "acct_a"),
+        ("/unknowns", "unknowns", "req_console_1"),
+        ("/dead-letters", "dead-letters", "dead-1"),
+    ] {
+        browser.goto(&format!("{}{path}", served.base)).await;
+        browser.wait_for_text(shows).await;
+        shots.take(&browser, name).await;
+    }
+    browser.goto(&format!("{}/login", served.base)).await;
+    shots.take(&browser, "sign-in").await;
+    browser.quit().await;
+}
+
+/// The fallback has never qualified: it takes no failover and no hedge.
+/// It qualifies from its page, and the run is audited.
+async fn qualify_the_fallback(browser: &Browser, store: &Store) {
     browser
         .click(&browser.find("a[href='/providers']").await)
         .await;
@@ -342,22 +369,25 @@ async fn qualify_now_then_a_hedge_on_its_own_lane_and_the_main_pages() {
         .wait_for_text("fallback for summarize: qualified (1 of 1 case(s) passed)")
         .await;
     assert!(page.contains("1 of 1 passed"), "{page}");
-    let audit = env.store.audit_recent(5).await.unwrap();
+    let audit = store.audit_recent(5).await.unwrap();
     assert!(
         audit.iter().any(|a| a.action == "provider.qualify"
             && a.target.as_deref() == Some("fallback/summarize")
             && a.detail["qualified"] == true),
         "{audit:?}"
     );
-    shots.take(&browser, "providers").await;
+}
 
-    // A job on the slow primary is hedged onto the fallback, which wins.
+/// A job on the slow primary is hedged onto the fallback, which wins.
+/// Some more jobs follow for the overview and the list, one of them unknown,
+/// and a dead letter; the hedged job.
+async fn a_hedged_job_and_some_more(env: &TestEnv, config: &Arc<Config>) -> JobId {
     let fleet = env.fleet(config.clone(), vec![]).await;
     let producer = onejob_producer::Producer::connect(&env.amqp_url)
         .await
         .unwrap();
     let hedged = submit(&producer, "acct_h", "hedged", "hedge me").await;
-    wait_for_status(&env, hedged, JobStatus::Succeeded).await;
+    wait_for_status(env, hedged, JobStatus::Succeeded).await;
     wait_for(
         "the primary's late result",
         Duration::from_secs(20),
@@ -376,7 +406,7 @@ async fn qualify_now_then_a_hedge_on_its_own_lane_and_the_main_pages() {
         submit(&producer, "acct_a", &format!("k{i}"), "a short text").await;
     }
     unknown_job(&env.store, "blocked").await;
-    dead_letter_intent(&env, "dead-1", "acct_b", "replay-me").await;
+    dead_letter_intent(env, "dead-1", "acct_b", "replay-me").await;
     wait_for("the jobs to end", Duration::from_secs(30), || async {
         let o = env.store.overview().await.unwrap();
         let open: i64 = o
@@ -389,7 +419,12 @@ async fn qualify_now_then_a_hedge_on_its_own_lane_and_the_main_pages() {
     })
     .await;
     fleet.stop().await;
+    hedged
+}
 
+/// The hedged job's page draws the hedge on a lane of its own, beside the
+/// job's events.
+async fn the_hedge_has_a_lane_of_its_own(browser: &Browser, served: &Served, hedged: JobId) {
     browser
         .goto(&format!("{}/jobs/{hedged}", served.base))
         .await;
@@ -411,21 +446,6 @@ async fn qualify_now_then_a_hedge_on_its_own_lane_and_the_main_pages() {
         .find(|l| l.contains("event job.succeeded"))
         .unwrap_or_else(|| panic!("no job.succeeded event in:\n{events}"));
     assert!(event.contains("published at"), "{event}");
-    shots.take(&browser, "job").await;
-
-    for (path, name, shows) in [
-        ("/", "overview", "Jobs by status"),
-        ("/jobs", "jobs", "acct_a"),
-        ("/unknowns", "unknowns", "req_console_1"),
-        ("/dead-letters", "dead-letters", "dead-1"),
-    ] {
-        browser.goto(&format!("{}{path}", served.base)).await;
-        browser.wait_for_text(shows).await;
-        shots.take(&browser, name).await;
-    }
-    browser.goto(&format!("{}/login", served.base)).await;
-    shots.take(&browser, "sign-in").await;
-    browser.quit().await;
 }
 
 /// Where the screenshots go.

@@ -56,6 +56,41 @@ fn restart_postgres() {
     postgres("restart");
 }
 
+/// The fire, for `run_for`: kill a random worker every 1-3 s; restart RabbitMQ
+/// at 30% of the run and Postgres at 60%; stop Postgres for `outage` at 45%,
+/// with no kill meanwhile (a killed worker hands its deliveries back, which
+/// counts against their limit whatever the worker does: this fault is the
+/// outage alone).
+async fn fire(workers: &mut Workers, run_for: Duration, outage: Duration) {
+    let start = Instant::now();
+    let (mut rabbit_done, mut pg_done, mut outage_done) = (false, false, false);
+    while start.elapsed() < run_for {
+        let pause = rand::rng().random_range(1000..3000);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        let victim = rand::rng().random_range(0..3);
+        workers.kill_one(victim);
+        if !rabbit_done && start.elapsed() > run_for * 3 / 10 {
+            rabbit_done = true;
+            tokio::task::spawn_blocking(restart_rabbitmq).await.unwrap();
+        }
+        if !outage_done && start.elapsed() > run_for * 45 / 100 {
+            outage_done = true;
+            tokio::task::spawn_blocking(|| postgres("stop"))
+                .await
+                .unwrap();
+            tokio::time::sleep(outage).await;
+            tokio::task::spawn_blocking(|| postgres("start"))
+                .await
+                .unwrap();
+        }
+        if !pg_done && start.elapsed() > run_for * 6 / 10 {
+            pg_done = true;
+            tokio::task::spawn_blocking(restart_postgres).await.unwrap();
+        }
+        workers.supervise();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn chaos_loses_nothing_and_duplicates_nothing() {
     let intents = env_or("ONEJOB_CHAOS_INTENTS", 1500);
@@ -86,38 +121,7 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
     let sent = Sent::default();
     let producers = start_producers(2, intents, seconds, |_| env.amqp_url.clone(), &sent);
 
-    // The fire: kill a random worker every 1-3 s; restart RabbitMQ at 30% of the
-    // run and Postgres at 60%; stop Postgres for `outage` at 45%, with no kill
-    // meanwhile (a killed worker hands its deliveries back, which counts against
-    // their limit whatever the worker does: this fault is the outage alone).
-    let start = Instant::now();
-    let run_for = Duration::from_secs(seconds);
-    let (mut rabbit_done, mut pg_done, mut outage_done) = (false, false, false);
-    while start.elapsed() < run_for {
-        let pause = rand::rng().random_range(1000..3000);
-        tokio::time::sleep(Duration::from_millis(pause)).await;
-        let victim = rand::rng().random_range(0..3);
-        workers.kill_one(victim);
-        if !rabbit_done && start.elapsed() > run_for * 3 / 10 {
-            rabbit_done = true;
-            tokio::task::spawn_blocking(restart_rabbitmq).await.unwrap();
-        }
-        if !outage_done && start.elapsed() > run_for * 45 / 100 {
-            outage_done = true;
-            tokio::task::spawn_blocking(|| postgres("stop"))
-                .await
-                .unwrap();
-            tokio::time::sleep(outage).await;
-            tokio::task::spawn_blocking(|| postgres("start"))
-                .await
-                .unwrap();
-        }
-        if !pg_done && start.elapsed() > run_for * 6 / 10 {
-            pg_done = true;
-            tokio::task::spawn_blocking(restart_postgres).await.unwrap();
-        }
-        workers.supervise();
-    }
+    fire(&mut workers, Duration::from_secs(seconds), outage).await;
     for p in producers {
         p.await.unwrap();
     }

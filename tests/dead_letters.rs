@@ -4,6 +4,8 @@
 
 mod common;
 
+use std::path::Path;
+
 use common::{TestEnv, config, config_text, depth, mock, wait_for, wait_for_status};
 use lapin::options::{BasicGetOptions, BasicNackOptions, BasicPublishOptions};
 use onejob::broker;
@@ -90,7 +92,46 @@ async fn dlq_list_browses_without_consuming_and_purge_needs_yes() {
         "browsing twice gives the same listing"
     );
     assert_eq!(depth(&ch, &dlq).await, 2, "browsing consumed nothing");
-    let letters = first.as_array().unwrap();
+    each_letter_says_what_it_was(first.as_array().unwrap());
+    let human = env.cli(&file.path, &["dlq", "list"]);
+    let text = String::from_utf8_lossy(&human.stdout);
+    assert!(
+        text.contains("onejob.intents.dlq: 2 dead letter(s)") && text.contains("invalid_json"),
+        "{text}"
+    );
+
+    refused_commands_do_nothing(&env, &file.path, &ch, &dlq).await;
+    let purged = json(&env.cli(
+        &file.path,
+        &[
+            "dlq",
+            "purge",
+            "onejob.intents.dlq",
+            "--yes",
+            "--json",
+            "--reason",
+            "junk from a test",
+        ],
+    ));
+    assert_eq!(purged["purged"]["onejob.intents.dlq"], 2);
+    assert_eq!(depth(&ch, &dlq).await, 0);
+    // Audited: who, why, and what came of it.
+    let audit = env.store.audit_recent(10).await.unwrap();
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(audit[0].action, "dlq.purge");
+    assert!(audit[0].actor.starts_with("cli:"), "{:?}", audit[0]);
+    assert_eq!(audit[0].reason, "junk from a test");
+    assert_eq!(audit[0].target.as_deref(), Some("onejob.intents.dlq"));
+    assert_eq!(audit[0].detail["outcome"], "done");
+    assert_eq!(audit[0].detail["purged"]["onejob.intents.dlq"], 2);
+
+    producer.close().await;
+    fleet.stop().await;
+}
+
+/// Both letters, the invalid JSON first: each with its reason, its message id
+/// and age, where it was going, and the start of its body.
+fn each_letter_says_what_it_was(letters: &[serde_json::Value]) {
     assert_eq!(letters.len(), 2);
     assert!(
         letters[0]["reason"]
@@ -122,25 +163,23 @@ async fn dlq_list_browses_without_consuming_and_purge_needs_yes() {
     assert_eq!(letters[0]["original_exchange"], "onejob");
     assert_eq!(letters[0]["original_routing_key"], "intents");
     assert_eq!(letters[0]["body_preview"], "not json");
-    let human = env.cli(&file.path, &["dlq", "list"]);
-    let text = String::from_utf8_lossy(&human.stdout);
-    assert!(
-        text.contains("onejob.intents.dlq: 2 dead letter(s)") && text.contains("invalid_json"),
-        "{text}"
-    );
+}
 
-    let refused = env.cli(&file.path, &["dlq", "purge", "onejob.intents.dlq"]);
+/// `purge` without --yes, `list` of a queue that is not there and `replay`
+/// without --id or --all are refused, and do and record nothing.
+async fn refused_commands_do_nothing(env: &TestEnv, config: &Path, ch: &lapin::Channel, dlq: &str) {
+    let refused = env.cli(config, &["dlq", "purge", "onejob.intents.dlq"]);
     assert_eq!(refused.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--yes"));
-    assert_eq!(depth(&ch, &dlq).await, 2);
+    assert_eq!(depth(ch, dlq).await, 2);
     assert_eq!(
-        env.cli(&file.path, &["dlq", "list", "no.such.queue"])
+        env.cli(config, &["dlq", "list", "no.such.queue"])
             .status
             .code(),
         Some(1)
     );
     assert_eq!(
-        env.cli(&file.path, &["dlq", "replay", "onejob.intents.dlq"])
+        env.cli(config, &["dlq", "replay", "onejob.intents.dlq"])
             .status
             .code(),
         Some(2),
@@ -150,32 +189,6 @@ async fn dlq_list_browses_without_consuming_and_purge_needs_yes() {
         env.store.audit_recent(10).await.unwrap().is_empty(),
         "refused commands record nothing"
     );
-    let purged = json(&env.cli(
-        &file.path,
-        &[
-            "dlq",
-            "purge",
-            "onejob.intents.dlq",
-            "--yes",
-            "--json",
-            "--reason",
-            "junk from a test",
-        ],
-    ));
-    assert_eq!(purged["purged"]["onejob.intents.dlq"], 2);
-    assert_eq!(depth(&ch, &dlq).await, 0);
-    // Audited: who, why, and what came of it.
-    let audit = env.store.audit_recent(10).await.unwrap();
-    assert_eq!(audit.len(), 1, "{audit:?}");
-    assert_eq!(audit[0].action, "dlq.purge");
-    assert!(audit[0].actor.starts_with("cli:"), "{:?}", audit[0]);
-    assert_eq!(audit[0].reason, "junk from a test");
-    assert_eq!(audit[0].target.as_deref(), Some("onejob.intents.dlq"));
-    assert_eq!(audit[0].detail["outcome"], "done");
-    assert_eq!(audit[0].detail["purged"]["onejob.intents.dlq"], 2);
-
-    producer.close().await;
-    fleet.stop().await;
 }
 
 /// An attempt message that keeps failing (a worker crashing on it) is
@@ -407,7 +420,6 @@ async fn the_chaos_checker_counts_dead_lettered_valid_intents() {
 /// anywhere else is reported, skipped, and left in place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replay_goes_only_to_its_own_work_queue_whatever_the_letter_says() {
-    use lapin::types::{AMQPValue, FieldTable, LongString};
     let (config, file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
     let env = TestEnv::new(&config).await;
     let ctx = env.context(config.clone()).await;
@@ -416,41 +428,11 @@ async fn a_replay_goes_only_to_its_own_work_queue_whatever_the_letter_says() {
     let ch = amqp.create_channel().await.unwrap();
     ch.confirm_select(Default::default()).await.unwrap();
     let dlq = broker::dead_letter_queue(broker::INTENTS_QUEUE);
-    let plant = |id: &'static str, exchange: &'static str, key: &'static str, body: Vec<u8>| {
-        let ch = ch.clone();
-        let dlq = dlq.clone();
-        async move {
-            let mut headers = FieldTable::default();
-            headers.insert(
-                "x-onejob-error".into(),
-                AMQPValue::LongString(LongString::from("planted")),
-            );
-            headers.insert(
-                "x-onejob-original-exchange".into(),
-                AMQPValue::LongString(LongString::from(exchange)),
-            );
-            headers.insert(
-                "x-onejob-original-routing-key".into(),
-                AMQPValue::LongString(LongString::from(key)),
-            );
-            ch.basic_publish(
-                "".into(),
-                dlq.as_str().into(),
-                BasicPublishOptions::default(),
-                &body,
-                lapin::BasicProperties::default()
-                    .with_message_id(id.into())
-                    .with_headers(headers),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        }
-    };
     let forged = serde_json::json!({"type": "job.succeeded", "job_id": uuid::Uuid::now_v7(),
                                      "owner_id": "someone_else", "status": "succeeded"});
     plant(
+        &ch,
+        &dlq,
         "forged",
         "onejob.events",
         "job.succeeded",
@@ -458,7 +440,7 @@ async fn a_replay_goes_only_to_its_own_work_queue_whatever_the_letter_says() {
     )
     .await;
     let honest = serde_json::to_vec(&common::intent("acct_r", "k-honest", "text")).unwrap();
-    plant("honest", "onejob", "intents", honest).await;
+    plant(&ch, &dlq, "honest", "onejob", "intents", honest).await;
     assert_eq!(depth(&ch, &dlq).await, 2);
 
     let out = env.cli(
@@ -496,6 +478,38 @@ async fn a_replay_goes_only_to_its_own_work_queue_whatever_the_letter_says() {
         .to_string();
     assert!(skipped.contains("onejob.intents"), "{skipped}");
     drop(ctx);
+}
+
+/// Puts `body` on `dlq` as message `id`, with headers that say it was going
+/// to `exchange` with `key`: as anyone who can publish there could.
+async fn plant(ch: &lapin::Channel, dlq: &str, id: &str, exchange: &str, key: &str, body: Vec<u8>) {
+    use lapin::types::{AMQPValue, FieldTable, LongString};
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "x-onejob-error".into(),
+        AMQPValue::LongString(LongString::from("planted")),
+    );
+    headers.insert(
+        "x-onejob-original-exchange".into(),
+        AMQPValue::LongString(LongString::from(exchange)),
+    );
+    headers.insert(
+        "x-onejob-original-routing-key".into(),
+        AMQPValue::LongString(LongString::from(key)),
+    );
+    ch.basic_publish(
+        "".into(),
+        dlq.into(),
+        BasicPublishOptions::default(),
+        &body,
+        lapin::BasicProperties::default()
+            .with_message_id(id.into())
+            .with_headers(headers),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
 }
 
 /// `dlq list` racing the reconciler's scans (which take a queue's letters and

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::path::Path;
 use std::time::Duration;
 
 use common::{
@@ -12,8 +13,8 @@ use common::{
 };
 use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
 use onejob::fleet::Role;
-use onejob::mock::{Misbehaviour, MockOptions};
-use onejob::store::NewJob;
+use onejob::mock::{Misbehaviour, MockHandle, MockOptions};
+use onejob::store::{JobView, NewJob};
 use onejob_producer::Producer;
 
 fn closed_port_url() -> String {
@@ -55,21 +56,9 @@ fn states(list: &serde_json::Value) -> std::collections::BTreeMap<String, (Strin
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn qualification_passes_fails_and_goes_stale() {
     let good = mock(MockOptions::default()).await;
-    let extra = mock(MockOptions {
-        misbehave: Some(Misbehaviour::ExtraKey),
-        ..MockOptions::default()
-    })
-    .await;
-    let prose = mock(MockOptions {
-        misbehave: Some(Misbehaviour::Prose),
-        ..MockOptions::default()
-    })
-    .await;
-    let wrong = mock(MockOptions {
-        misbehave: Some(Misbehaviour::WrongType),
-        ..MockOptions::default()
-    })
-    .await;
+    let extra = misbehaving(Misbehaviour::ExtraKey).await;
+    let prose = misbehaving(Misbehaviour::Prose).await;
+    let wrong = misbehaving(Misbehaviour::WrongType).await;
     let (good_url, extra_url, prose_url, wrong_url) = (
         good.base_url(),
         extra.base_url(),
@@ -87,60 +76,8 @@ async fn qualification_passes_fails_and_goes_stale() {
     let (config, file) = config(&config_for(&providers, ""));
     let env = TestEnv::new(&config).await;
 
-    let out = env.cli_ok(
-        &file.path,
-        &[
-            "providers",
-            "qualify",
-            "good",
-            "--operation",
-            "summarize",
-            "--json",
-        ],
-    );
-    let report = stdout_json(&out);
-    assert_eq!(report[0]["passed"], true);
-    assert_eq!(report[0]["cases"][0]["passed"], true);
-    assert!(report[0]["cases"][0]["prompt_tokens"].as_u64().unwrap() > 10);
-    assert_eq!(
-        report[0]["cases"][0]["tokens_estimated"], true,
-        "mock-model has no known encoding"
-    );
-    let human = env.cli(&file.path, &["providers", "qualify", "good"]);
-    let text = String::from_utf8_lossy(&human.stdout);
-    assert!(
-        text.contains("QUALIFIED") && text.contains("(estimate)"),
-        "{text}"
-    );
-
-    for (provider, expect) in [
-        ("extra", "contract_violation"),
-        ("prose", "contract_violation: content is not JSON"),
-        ("wrong", "contract_violation: at /summary"),
-        ("tiny", "prompt_too_long"),
-    ] {
-        let out = env.cli(&file.path, &["providers", "qualify", provider, "--json"]);
-        assert_eq!(out.status.code(), Some(1), "{provider} must not qualify");
-        let report = stdout_json(&out);
-        assert_eq!(report[0]["passed"], false);
-        let detail = report[0]["cases"][0]["detail"].as_str().unwrap_or("");
-        assert!(detail.starts_with(expect), "{provider}: {detail}");
-    }
-    assert_eq!(
-        env.cli(&file.path, &["providers", "qualify", "nobody"])
-            .status
-            .code(),
-        Some(1)
-    );
-    assert_eq!(
-        env.cli(
-            &file.path,
-            &["providers", "qualify", "good", "--operation", "nothing"]
-        )
-        .status
-        .code(),
-        Some(1)
-    );
+    good_qualifies(&env, &file.path);
+    the_misbehaving_do_not_qualify(&env, &file.path);
 
     let listed = states(&stdout_json(
         &env.cli(&file.path, &["providers", "list", "--json"]),
@@ -176,6 +113,79 @@ async fn qualification_passes_fails_and_goes_stale() {
         listed["good"],
         ("stale".into(), false),
         "the old contract's qualification is not current any more"
+    );
+}
+
+/// A mock provider that misbehaves as `how`.
+async fn misbehaving(how: Misbehaviour) -> MockHandle {
+    mock(MockOptions {
+        misbehave: Some(how),
+        ..MockOptions::default()
+    })
+    .await
+}
+
+/// `providers qualify good` passes, in JSON and in words, with its prompt
+/// tokens estimated.
+fn good_qualifies(env: &TestEnv, config: &Path) {
+    let out = env.cli_ok(
+        config,
+        &[
+            "providers",
+            "qualify",
+            "good",
+            "--operation",
+            "summarize",
+            "--json",
+        ],
+    );
+    let report = stdout_json(&out);
+    assert_eq!(report[0]["passed"], true);
+    assert_eq!(report[0]["cases"][0]["passed"], true);
+    assert!(report[0]["cases"][0]["prompt_tokens"].as_u64().unwrap() > 10);
+    assert_eq!(
+        report[0]["cases"][0]["tokens_estimated"], true,
+        "mock-model has no known encoding"
+    );
+    let human = env.cli(config, &["providers", "qualify", "good"]);
+    let text = String::from_utf8_lossy(&human.stdout);
+    assert!(
+        text.contains("QUALIFIED") && text.contains("(estimate)"),
+        "{text}"
+    );
+}
+
+/// A provider that breaks the contract, or whose prompt does not fit, does
+/// not qualify, and says why; nor does a provider or an operation nobody
+/// configured.
+fn the_misbehaving_do_not_qualify(env: &TestEnv, config: &Path) {
+    for (provider, expect) in [
+        ("extra", "contract_violation"),
+        ("prose", "contract_violation: content is not JSON"),
+        ("wrong", "contract_violation: at /summary"),
+        ("tiny", "prompt_too_long"),
+    ] {
+        let out = env.cli(config, &["providers", "qualify", provider, "--json"]);
+        assert_eq!(out.status.code(), Some(1), "{provider} must not qualify");
+        let report = stdout_json(&out);
+        assert_eq!(report[0]["passed"], false);
+        let detail = report[0]["cases"][0]["detail"].as_str().unwrap_or("");
+        assert!(detail.starts_with(expect), "{provider}: {detail}");
+    }
+    assert_eq!(
+        env.cli(config, &["providers", "qualify", "nobody"])
+            .status
+            .code(),
+        Some(1)
+    );
+    assert_eq!(
+        env.cli(
+            config,
+            &["providers", "qualify", "good", "--operation", "nothing"]
+        )
+        .status
+        .code(),
+        Some(1)
     );
 }
 
@@ -318,6 +328,29 @@ async fn a_hedge_that_answers_first_wins_and_the_late_primary_is_discarded() {
         },
     )
     .await;
+    the_hedge_won_and_the_primary_was_discarded(&job, &won);
+
+    // The late primary settled; the outbox all published and the relay run
+    // twice more: one job.succeeded event, no second.
+    let got = common::events_once_settled(&env, &events, &events_queue).await;
+    assert_eq!(got.len(), 1, "one job.succeeded event, no second");
+    assert_eq!(got[0].routing_key.as_str(), "job.succeeded");
+
+    let shown = env.cli(&file.path, &["jobs", "show", &job_id.to_string()]);
+    let text = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        text.contains("discarded") && text.contains("duplicate or wasted spend"),
+        "{text}"
+    );
+
+    producer.close().await;
+    fleet.stop().await;
+}
+
+/// The hedge on the fallback won; the primary, started first and answered
+/// last, was discarded with its spend recorded; the job is as it was when it
+/// was `won`.
+fn the_hedge_won_and_the_primary_was_discarded(job: &JobView, won: &JobView) {
     assert_eq!(job.attempts.len(), 2, "exactly one hedge");
     let (main, hedge) = (&job.attempts[0], &job.attempts[1]);
     assert_eq!(
@@ -342,22 +375,6 @@ async fn a_hedge_that_answers_first_wins_and_the_late_primary_is_discarded() {
         (job.version, &job.result, job.updated_at),
         (won.version, &won.result, won.updated_at)
     );
-
-    // The late primary settled; the outbox all published and the relay run
-    // twice more: one job.succeeded event, no second.
-    let got = common::events_once_settled(&env, &events, &events_queue).await;
-    assert_eq!(got.len(), 1, "one job.succeeded event, no second");
-    assert_eq!(got[0].routing_key.as_str(), "job.succeeded");
-
-    let shown = env.cli(&file.path, &["jobs", "show", &job_id.to_string()]);
-    let text = String::from_utf8_lossy(&shown.stdout);
-    assert!(
-        text.contains("discarded") && text.contains("duplicate or wasted spend"),
-        "{text}"
-    );
-
-    producer.close().await;
-    fleet.stop().await;
 }
 
 /// Cancelling a job while its attempt is in flight: the late result is discarded

@@ -9,6 +9,9 @@
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
+// By its path, as the smoke tests include it: the modules run.rs declares
+// are then its siblings in this folder.
+#[path = "run.rs"]
 #[allow(unreachable_pub, missing_docs)]
 mod run;
 

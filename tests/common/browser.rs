@@ -53,6 +53,36 @@ async fn ready(http: &reqwest::Client, port: u16, process: &mut tokio::process::
     false
 }
 
+/// Starts ChromeDriver on a free port: the port, and the process. A free port
+/// is only free until someone takes it: if ChromeDriver could not have it (it
+/// exits), it tries another.
+async fn start_driver(http: &reqwest::Client, chromedriver: &str) -> (u16, tokio::process::Child) {
+    let mut started = None;
+    for _ in 0..5 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        // Its own process group, so that ending it ends the Chromium it
+        // started as well.
+        let mut process = tokio::process::Command::new(chromedriver)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {chromedriver}: {e}"));
+        if ready(http, port, &mut process).await {
+            started = Some((port, process));
+            break;
+        }
+        let _ = process.kill().await;
+    }
+    started.expect("chromedriver never answered on a port of its own")
+}
+
 /// Ends a process group: ChromeDriver and every Chromium process it started.
 fn kill_group(process: &tokio::process::Child) {
     if let Some(pid) = process.id() {
@@ -88,32 +118,7 @@ impl Browser {
                  and chromium-driver), or say where it is with ONEJOB_CHROMEDRIVER / ONEJOB_CHROMIUM"
             );
         }
-        // A free port is only free until someone takes it: if ChromeDriver
-        // could not have it (it exits), try another.
-        let mut started = None;
-        for _ in 0..5 {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
-            // Its own process group, so that ending it ends the Chromium it
-            // started as well.
-            let mut process = tokio::process::Command::new(&chromedriver)
-                .arg(format!("--port={port}"))
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .process_group(0)
-                .kill_on_drop(true)
-                .spawn()
-                .unwrap_or_else(|e| panic!("starting {chromedriver}: {e}"));
-            if ready(&http, port, &mut process).await {
-                started = Some((port, process));
-                break;
-            }
-            let _ = process.kill().await;
-        }
-        let (port, process) = started.expect("chromedriver never answered on a port of its own");
+        let (port, process) = start_driver(&http, &chromedriver).await;
         let driver = format!("http://127.0.0.1:{port}");
         // A profile of its own, removed when the browser ends: no cookie of
         // an earlier run is ever seen.

@@ -179,54 +179,7 @@ pub fn start_producers(
                     };
                     let key = format!("chaos-{key}");
                     let intent = super::intent("acct_chaos", &key, &format!("input of {key}"));
-                    // However the broker fails, a publish is confirmed or fails,
-                    // and the producer gets through again within a minute.
-                    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-                    let mut last_error = String::new();
-                    loop {
-                        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-                        assert!(
-                            !left.is_zero(),
-                            "producer {p}: {key} not confirmed within a minute; last error: {last_error}"
-                        );
-                        if producer.is_none() {
-                            let options = onejob_producer::ProducerOptions {
-                                delivery_limit: 1,
-                                ..Default::default()
-                            };
-                            // A call that hangs counts against the minute too.
-                            producer = match tokio::time::timeout(
-                                left,
-                                Producer::connect_with(&amqp, options),
-                            )
-                            .await
-                            {
-                                Ok(Ok(p)) => Some(p),
-                                Ok(Err(e)) => {
-                                    last_error = e.to_string();
-                                    None
-                                }
-                                Err(_) => {
-                                    last_error = "connect hung".into();
-                                    None
-                                }
-                            };
-                        }
-                        match &producer {
-                            Some(pr) => match tokio::time::timeout(left, pr.publish_only(&intent)).await {
-                                Ok(Ok(())) => break,
-                                Ok(Err(e)) => {
-                                    last_error = e.to_string();
-                                    producer = None;
-                                }
-                                Err(_) => {
-                                    last_error = "publish hung".into();
-                                    producer = None;
-                                }
-                            },
-                            None => tokio::time::sleep(Duration::from_millis(250)).await,
-                        }
-                    }
+                    publish_until_confirmed(&mut producer, &amqp, p, &key, &intent).await;
                     sent.confirmed.lock().unwrap().insert(key);
                     sent.count.fetch_add(1, Ordering::Relaxed);
                     tokio::time::sleep(pace).await;
@@ -237,6 +190,61 @@ pub fn start_producers(
             })
         })
         .collect()
+}
+
+/// Publishes `intent` (keyed `key`) as producer `p` until the broker confirms
+/// it, connecting `producer` to `amqp` again after a failed publish. However
+/// the broker fails, a publish is confirmed or fails, and the producer gets
+/// through again within a minute.
+async fn publish_until_confirmed(
+    producer: &mut Option<Producer>,
+    amqp: &str,
+    p: usize,
+    key: &str,
+    intent: &onejob::intent::Intent,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut last_error = String::new();
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        assert!(
+            !left.is_zero(),
+            "producer {p}: {key} not confirmed within a minute; last error: {last_error}"
+        );
+        if producer.is_none() {
+            let options = onejob_producer::ProducerOptions {
+                delivery_limit: 1,
+                ..Default::default()
+            };
+            // A call that hangs counts against the minute too.
+            *producer =
+                match tokio::time::timeout(left, Producer::connect_with(amqp, options)).await {
+                    Ok(Ok(p)) => Some(p),
+                    Ok(Err(e)) => {
+                        last_error = e.to_string();
+                        None
+                    }
+                    Err(_) => {
+                        last_error = "connect hung".into();
+                        None
+                    }
+                };
+        }
+        match producer.as_ref() {
+            Some(pr) => match tokio::time::timeout(left, pr.publish_only(intent)).await {
+                Ok(Ok(())) => break,
+                Ok(Err(e)) => {
+                    last_error = e.to_string();
+                    *producer = None;
+                }
+                Err(_) => {
+                    last_error = "publish hung".into();
+                    *producer = None;
+                }
+            },
+            None => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
+    }
 }
 
 /// A small pool on `env`'s database for the checks.
@@ -314,16 +322,7 @@ impl Invariants {
     /// Checks contract section 5 on `env`'s tables and dead-letter queue against
     /// the keys the broker confirmed.
     pub async fn check(env: &TestEnv, store: &onejob::store::Store, confirmed: &[String]) -> Self {
-        let q = |sql: &'static str| {
-            let pool = store.pool().clone();
-            async move {
-                sqlx::query_as::<_, (i64,)>(sql)
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap()
-                    .0
-            }
-        };
+        let q = |sql: &'static str| count(store, sql);
         let by_status: BTreeMap<String, i64> =
             sqlx::query_as("SELECT status, count(*) FROM jobs GROUP BY status")
                 .fetch_all(store.pool())
@@ -363,31 +362,8 @@ impl Invariants {
         // 6. Every confirmed intent is a job: all were valid and consistent, so
         //    a dead letter is no excuse. Dead-lettered valid intents are counted
         //    on their own.
-        let jobs_for_keys: HashSet<String> =
-            sqlx::query_as::<_, (String,)>("SELECT idempotency_key FROM jobs")
-                .fetch_all(store.pool())
-                .await
-                .unwrap()
-                .into_iter()
-                .map(|(k,)| k)
-                .collect();
-        let amqp = env.amqp().await;
-        let ch = amqp.create_channel().await.unwrap();
-        let letters = env.drain(&ch, "onejob.intents.dlq").await;
-        let _ = amqp.close(200, "checked".into()).await;
-        // Why each died: onejob's own reason, else the broker's (x-death).
-        let mut dead_reasons: BTreeMap<String, usize> = BTreeMap::new();
-        for d in &letters {
-            let letter = onejob::dlq::describe("onejob.intents.dlq", 0, &d.properties, &d.data);
-            *dead_reasons.entry(letter.reason).or_default() += 1;
-        }
-        let dead_valid: Vec<String> = letters
-            .iter()
-            .filter_map(|d| {
-                onejob::intent::Intent::parse(&d.data, onejob::intent::DEFAULT_MAX_BODY_BYTES).ok()
-            })
-            .map(|intent| intent.idempotency_key)
-            .collect();
+        let jobs_for_keys = job_keys(store).await;
+        let (dead, dead_reasons, dead_valid) = dead_letters(env).await;
         let dead_valid_with_job = dead_valid
             .iter()
             .filter(|k| jobs_for_keys.contains(*k))
@@ -403,7 +379,7 @@ impl Invariants {
             attempts,
             discarded,
             dead_reasons,
-            dead: letters.len(),
+            dead,
             dead_valid: dead_valid.len(),
             dead_valid_with_job,
             duplicated_identities,
@@ -480,4 +456,47 @@ impl Invariants {
             self.unknown
         );
     }
+}
+
+/// One count from `sql` on `store`.
+async fn count(store: &onejob::store::Store, sql: &'static str) -> i64 {
+    sqlx::query_as::<_, (i64,)>(sql)
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+        .0
+}
+
+/// Every job's idempotency key.
+async fn job_keys(store: &onejob::store::Store) -> HashSet<String> {
+    sqlx::query_as::<_, (String,)>("SELECT idempotency_key FROM jobs")
+        .fetch_all(store.pool())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(k,)| k)
+        .collect()
+}
+
+/// The intents' dead letters, taken off their queue: how many, why each died
+/// (onejob's own reason, else the broker's x-death), and the keys of the
+/// valid intents among them.
+async fn dead_letters(env: &TestEnv) -> (usize, BTreeMap<String, usize>, Vec<String>) {
+    let amqp = env.amqp().await;
+    let ch = amqp.create_channel().await.unwrap();
+    let letters = env.drain(&ch, "onejob.intents.dlq").await;
+    let _ = amqp.close(200, "checked".into()).await;
+    let mut dead_reasons: BTreeMap<String, usize> = BTreeMap::new();
+    for d in &letters {
+        let letter = onejob::dlq::describe("onejob.intents.dlq", 0, &d.properties, &d.data);
+        *dead_reasons.entry(letter.reason).or_default() += 1;
+    }
+    let dead_valid: Vec<String> = letters
+        .iter()
+        .filter_map(|d| {
+            onejob::intent::Intent::parse(&d.data, onejob::intent::DEFAULT_MAX_BODY_BYTES).ok()
+        })
+        .map(|intent| intent.idempotency_key)
+        .collect();
+    (letters.len(), dead_reasons, dead_valid)
 }

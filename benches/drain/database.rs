@@ -1,0 +1,90 @@
+//! What the run's database says once the worker has gone: its committed
+//! transactions, its jobs and attempts, and the backlog's jobs.
+
+use std::time::{Duration, Instant};
+
+use sqlx::{Connection, PgConnection};
+
+use crate::common::{TestEnv, pg_base};
+
+/// The database's committed transactions, once every backend that had it open
+/// has gone (a backend reports its counts when it exits, or up to ten seconds
+/// after it goes idle).
+pub(super) async fn settled_commits(database: &str) -> i64 {
+    let mut admin = PgConnection::connect(&format!("{}/postgres", pg_base()))
+        .await
+        .expect("connect to read pg_stat_database");
+    let began = Instant::now();
+    loop {
+        let others: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+        )
+        .bind(database)
+        .fetch_one(&mut admin)
+        .await
+        .expect("read pg_stat_activity");
+        if others == 0 {
+            break;
+        }
+        assert!(
+            began.elapsed() < Duration::from_secs(30),
+            "{others} connections to {database} stayed open"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A backend leaves pg_stat_activity just before it reports its counts.
+    let mut last = xact_commit(&mut admin, database).await;
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = xact_commit(&mut admin, database).await;
+        if now == last {
+            admin.close().await.ok();
+            return now;
+        }
+        last = now;
+    }
+}
+
+async fn xact_commit(admin: &mut PgConnection, database: &str) -> i64 {
+    sqlx::query_scalar("SELECT xact_commit FROM pg_stat_database WHERE datname = $1")
+        .bind(database)
+        .fetch_one(admin)
+        .await
+        .expect("read pg_stat_database")
+}
+
+/// Jobs, succeeded jobs and attempt rows in the run's database.
+pub(super) async fn counts(env: &TestEnv) -> (i64, i64, i64) {
+    let mut conn = PgConnection::connect(&env.database_url)
+        .await
+        .expect("connect to count");
+    let row: (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM jobs), \
+                (SELECT count(*) FROM jobs WHERE status = 'succeeded'), \
+                (SELECT count(*) FROM attempts)",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("count jobs and attempts");
+    conn.close().await.ok();
+    row
+}
+
+/// Jobs whose identity is one of the backlog's keys (`bench`, `d-0` to
+/// `d-{n-1}`), each counted once.
+pub(super) async fn backlog_jobs(env: &TestEnv, n: usize) -> i64 {
+    let mut conn = PgConnection::connect(&env.database_url)
+        .await
+        .expect("connect to count");
+    let keys: Vec<String> = (0..n).map(|i| format!("d-{i}")).collect();
+    let found: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT idempotency_key) FROM jobs
+         WHERE owner_id = 'bench' AND idempotency_key = ANY($1)",
+    )
+    .bind(&keys)
+    .fetch_one(&mut conn)
+    .await
+    .expect("count the backlog's jobs");
+    conn.close().await.ok();
+    found
+}

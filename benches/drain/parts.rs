@@ -1,0 +1,129 @@
+//! The parts of a job's latency, each measured alone: one broker hop, one
+//! commit, one call to the mock provider.
+
+use std::time::Instant;
+
+use futures_util::StreamExt;
+use lapin::options::{BasicConsumeOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use sqlx::{Connection, Executor, PgConnection};
+
+use super::Percentiles;
+use crate::common::TestEnv;
+
+/// One broker hop: a persistent publish to a quorum queue, from the publish until
+/// both its confirm and its delivery to a consumer have arrived.
+pub(super) async fn hop_latency(env: &TestEnv, samples: usize) -> Percentiles {
+    let conn = env.amqp().await;
+    let publisher = onejob::broker::Publisher::open(&conn)
+        .await
+        .expect("publisher");
+    let ch = conn.create_channel().await.expect("channel");
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    let queue = "onejob.bench.hop";
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        },
+        args,
+    )
+    .await
+    .expect("declare the hop queue");
+    let mut consumer = no_ack_consumer(&ch, queue).await;
+    let mut times = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let began = Instant::now();
+        let body = format!("{i}");
+        let (published, delivered) = tokio::join!(
+            publisher.publish(
+                "",
+                queue,
+                body.as_bytes(),
+                onejob::broker::json_properties(),
+                true
+            ),
+            consumer.next()
+        );
+        published.expect("hop publish confirmed");
+        let delivery = delivered.expect("hop delivery").expect("hop delivery");
+        assert_eq!(delivery.data, body.as_bytes());
+        times.push(began.elapsed());
+    }
+    let _ = ch
+        .queue_delete(queue.into(), QueueDeleteOptions::default())
+        .await;
+    let _ = conn.close(200, "hop measured".into()).await;
+    Percentiles::of(times)
+}
+
+/// A consumer of `queue` whose deliveries need no ack.
+pub(super) async fn no_ack_consumer(ch: &lapin::Channel, queue: &str) -> lapin::Consumer {
+    ch.basic_consume(
+        queue.into(),
+        "".into(),
+        BasicConsumeOptions {
+            no_ack: true,
+            ..BasicConsumeOptions::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("consume {queue}: {e}"))
+}
+
+/// One commit: a one-row INSERT, autocommitted, on the run's database.
+pub(super) async fn commit_latency(env: &TestEnv, samples: usize) -> Percentiles {
+    let mut conn = PgConnection::connect(&env.database_url)
+        .await
+        .expect("connect for the commit probe");
+    conn.execute("CREATE TABLE bench_commit_probe (id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT now())")
+        .await
+        .expect("create the commit probe table");
+    let mut times = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        let began = Instant::now();
+        sqlx::query("INSERT INTO bench_commit_probe DEFAULT VALUES")
+            .execute(&mut conn)
+            .await
+            .expect("commit probe");
+        times.push(began.elapsed());
+    }
+    conn.execute("DROP TABLE bench_commit_probe")
+        .await
+        .expect("drop the commit probe table");
+    conn.close().await.ok();
+    Percentiles::of(times)
+}
+
+/// One provider call: the chat completion the worker sends, to the mock.
+pub(super) async fn call_latency(base_url: &str, samples: usize) -> Percentiles {
+    let client = reqwest::Client::new();
+    let body = serde_json::json!({
+        "model": "mock-model",
+        "temperature": 0.0,
+        "messages": [
+            {"role": "system", "content": "Answer with one JSON object only."},
+            {"role": "user", "content": "Summarize: x"}
+        ]
+    });
+    let mut times = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        let began = Instant::now();
+        let answer = client
+            .post(format!("{base_url}/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .expect("mock call");
+        assert!(answer.status().is_success(), "mock answered {answer:?}");
+        answer.bytes().await.expect("mock answer");
+        times.push(began.elapsed());
+    }
+    Percentiles::of(times)
+}

@@ -1,0 +1,236 @@
+//! One test's private database and vhost on the real services, removed again
+//! when it ends, and the roles it runs in process.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use onejob::config::Config;
+use onejob::fleet::{self, Role};
+use onejob::runtime::{self, Context};
+use onejob::shutdown::Shutdown;
+use onejob::store::Store;
+use sqlx::{Connection, Executor, PgConnection};
+
+use super::{config, config_text, intent};
+
+/// The Postgres server, without a database name.
+pub fn pg_base() -> String {
+    std::env::var("ONEJOB_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+}
+
+/// The RabbitMQ server, without a vhost.
+pub fn amqp_base() -> String {
+    std::env::var("ONEJOB_TEST_AMQP").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672".into())
+}
+
+fn rabbitmqctl(args: &[&str]) {
+    let out = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("rabbitmqctl must be on PATH to create test vhosts");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// One test's private database and vhost.
+pub struct TestEnv {
+    pub name: String,
+    pub database_url: String,
+    pub amqp_url: String,
+    pub store: Store,
+}
+
+impl TestEnv {
+    /// Creates the database (migrated) and the vhost.
+    pub async fn new(config: &Config) -> TestEnv {
+        let name = format!("onejob_t_{}", uuid::Uuid::now_v7().simple());
+        let mut admin = PgConnection::connect(&format!("{}/postgres", pg_base()))
+            .await
+            .expect("Postgres must be reachable for tests");
+        admin
+            .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .expect("create test database");
+        admin.close().await.ok();
+        rabbitmqctl(&["add_vhost", &name]);
+        rabbitmqctl(&["set_permissions", "-p", &name, "guest", ".*", ".*", ".*"]);
+        let database_url = format!("{}/{name}", pg_base());
+        let amqp_url = format!("{}/{name}", amqp_base());
+        let store = Store::connect(
+            &database_url,
+            16,
+            runtime::routes(config),
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("connect test database");
+        store.migrate().await.expect("migrate test database");
+        TestEnv {
+            name,
+            database_url,
+            amqp_url,
+            store,
+        }
+    }
+
+    /// Connects a worker context (migrations, topology, publisher) to this env.
+    pub async fn context(&self, config: Arc<Config>) -> Context {
+        Context::connect(config, &self.database_url, &self.amqp_url)
+            .await
+            .expect("worker context")
+    }
+
+    /// Starts the roles in-process.
+    pub async fn fleet(&self, config: Arc<Config>, roles: Vec<Role>) -> Fleet {
+        let ctx = self.context(config).await;
+        let shutdown = Shutdown::new();
+        let task = tokio::spawn(fleet::run(ctx.clone(), roles, shutdown.clone()));
+        Fleet {
+            ctx,
+            shutdown,
+            task,
+        }
+    }
+
+    /// Runs the operator CLI binary against this env.
+    pub fn cli(&self, config_path: &std::path::Path, args: &[&str]) -> std::process::Output {
+        Command::new(env!("CARGO_BIN_EXE_onejob"))
+            .args(args)
+            .env("DATABASE_URL", &self.database_url)
+            .env("AMQP_URL", &self.amqp_url)
+            .env("ONEJOB_CONFIG", config_path)
+            .env("RUST_LOG", "warn")
+            .output()
+            .expect("run the onejob CLI")
+    }
+
+    /// Runs the CLI and asserts it succeeded.
+    pub fn cli_ok(&self, config_path: &std::path::Path, args: &[&str]) -> std::process::Output {
+        let out = self.cli(config_path, args);
+        assert!(
+            out.status.success(),
+            "onejob {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    /// Admits a `summarize` intent as intake would, without publishing its first
+    /// attempt: returns the job and the attempt's outbox message.
+    pub async fn admit(
+        &self,
+        ctx: &Context,
+        owner: &str,
+        key: &str,
+        text: &str,
+    ) -> (onejob::domain::JobId, onejob::store::OutboxMessage) {
+        let body = serde_json::to_vec(&intent(owner, key, text)).expect("intent json");
+        let new = onejob::intake::validate(ctx, &body).expect("valid intent");
+        let job_id = new.job_id;
+        match self.store.admit(&[new]).await.expect("admit").remove(0) {
+            onejob::store::Admission::Created { publish, .. } => (job_id, publish),
+            other => panic!("expected created, got {other:?}"),
+        }
+    }
+
+    /// A fresh AMQP connection to this env's vhost.
+    pub async fn amqp(&self) -> lapin::Connection {
+        // Through onejob's own connect, so that a list of nodes works too.
+        onejob::broker::connect(&self.amqp_url, onejob::broker::Recovery::None)
+            .await
+            .expect("amqp connect")
+    }
+
+    /// Binds a new exclusive queue to the events exchange, to watch events.
+    pub async fn watch_events(&self, conn: &lapin::Connection) -> (lapin::Channel, String) {
+        let ch = conn.create_channel().await.expect("channel");
+        let q = ch
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("declare event watcher");
+        let name = q.name().to_string();
+        ch.queue_bind(
+            name.as_str().into(),
+            onejob::broker::EVENTS.into(),
+            "job.#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind event watcher");
+        (ch, name)
+    }
+
+    /// Every message now in `queue`, taken off it.
+    pub async fn drain(&self, ch: &lapin::Channel, queue: &str) -> Vec<lapin::message::Delivery> {
+        let mut out = Vec::new();
+        while let Some(m) = ch
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await
+            .expect("basic_get")
+        {
+            out.push(m.delivery);
+        }
+        out
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        let _ = Command::new("psql")
+            .args([
+                &format!("{}/postgres", pg_base()),
+                "-q",
+                "-c",
+                &format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name),
+            ])
+            .output();
+        let _ = Command::new("rabbitmqctl")
+            .args(["delete_vhost", &self.name])
+            .output();
+    }
+}
+
+/// Roles running in-process.
+pub struct Fleet {
+    pub ctx: Context,
+    pub shutdown: Shutdown,
+    task: tokio::task::JoinHandle<runtime::Result<()>>,
+}
+
+impl Fleet {
+    /// Stops the roles and waits for them; panics if one had failed.
+    pub async fn stop(self) {
+        self.shutdown.trigger();
+        let task = self.task;
+        let result = tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("fleet stops within 30s")
+            .expect("fleet task");
+        result.expect("fleet ran without errors");
+        let _ = self.ctx.connection.close(200, "test over".into()).await;
+    }
+}
+
+/// A database (and vhost) for store-level tests; no provider is ever called.
+pub async fn store_env() -> TestEnv {
+    let (config, _file) = config(&config_text(
+        "http://127.0.0.1:9/v1",
+        Some("http://127.0.0.1:9/v1"),
+        "",
+    ));
+    TestEnv::new(&config).await
+}

@@ -1,0 +1,14 @@
+//! The operator console over real HTTP, on the real PostgreSQL and RabbitMQ:
+//! sign-in takes operator tokens and nothing else, the session cookie's flags,
+//! CSRF on actions, resolving an unknown with a reason (audited, the next
+//! attempt planned and published), and the job list paged by keyset.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod cli;
+mod dead_letters;
+mod job_list;
+mod qualify;
+mod resolve;
+mod sign_in;
