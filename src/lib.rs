@@ -13,9 +13,23 @@
 //! | `onejob-producer` (`producer/`) | the client library services embed (lapin, serde, uuid: no sqlx, no axum without its `gateway` feature), its CLI and the HTTP gateway |
 //!
 //! This library holds everything the binaries share; binaries stay thin so tests
-//! reach all of it in-process. Imports go one way, down these layers;
+//! reach all of it in-process. Its folders read like the design's picture:
+//!
+//! ```text
+//! src/fleet.rs     composition: starts, supervises and stops the roles (the one place that names them)
+//! src/roles/       what a pod runs: intake, attempts, reconciler
+//! src/operator/    the operator's tools: cli, console (and their terminal escaping, throttle)
+//! src/shared/      what roles and tools share: runtime, policy, qualify, dlq, provider,
+//!                  metrics, gauges, config, token, http, shutdown, telemetry
+//! src/store/       all SQL, one file per aggregate: the one seam to Postgres
+//! src/mock.rs      the bundled OpenAI-compatible mock provider (not part of a pod)
+//! ```
+//!
+//! Each module is re-exported here under its own name (`crate::runtime` is
+//! `src/shared/runtime/`). Imports go one way, down these layers;
 //! `tests/layering.rs` holds the same table and fails the build on an upward
-//! import, a cycle, or a module with no layer:
+//! import, a cycle, a module with no layer, or a module other than the fleet
+//! that names a role:
 //!
 //! | layer | modules |
 //! |---|---|
@@ -38,25 +52,16 @@
 
 pub use onejob_core::{broker, domain, intent};
 
-mod attempts;
-pub mod cli;
-pub mod config;
-pub mod console;
-pub mod dlq;
 pub mod fleet;
-mod gauges;
-pub mod http;
-pub mod intake;
-pub mod metrics;
 pub mod mock;
-mod policy;
-mod provider;
-mod qualify;
-mod reconciler;
-pub mod runtime;
-pub mod shutdown;
+mod operator;
+mod roles;
+mod shared;
 pub mod store;
-pub mod telemetry;
-mod terminal;
-mod throttle;
-pub mod token;
+
+pub use operator::{cli, console};
+pub(crate) use operator::{terminal, throttle};
+pub use roles::intake;
+pub(crate) use roles::{attempts, reconciler};
+pub use shared::{config, dlq, http, metrics, runtime, shutdown, telemetry, token};
+pub(crate) use shared::{gauges, policy, provider, qualify};

@@ -7,44 +7,42 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// module → the modules it names. A directory (`src/store/`) is one module; the
-/// core crate's modules (`core/src/`) sit beside the worker's, since `onejob`
+/// The folders of `src/` that group modules (lib.rs re-exports each module
+/// under its own name, so `crate::runtime` is `src/shared/runtime/`).
+const GROUPS: &[&str] = &["roles", "operator", "shared"];
+
+/// module → the modules it names. A module is a file or a folder of files
+/// (`src/store/`, `src/shared/runtime/`: every file beneath it, however deep);
+/// the group folders ([`GROUPS`]) are not modules but hold them. The core
+/// crate's modules (`core/src/`) sit beside the worker's, since `onejob`
 /// re-exports them under the same names.
 fn imports() -> BTreeMap<String, BTreeSet<String>> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut graph = BTreeMap::new();
+    let mut modules = Vec::new();
     for src in [root.join("src"), root.join("core/src")] {
-        for entry in std::fs::read_dir(&src).expect("a source directory") {
-            let path = entry.expect("entry").path();
-            let module = path.file_stem().unwrap().to_string_lossy().into_owned();
-            let files: Vec<_> = if path.is_dir() {
-                if module == "bin" {
-                    continue;
-                }
-                std::fs::read_dir(&path)
-                    .expect("a module directory")
-                    .map(|e| e.expect("entry").path())
-                    .collect()
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                vec![path]
-            } else {
-                continue;
-            };
-            let deps: &mut BTreeSet<String> = graph.entry(module.clone()).or_default();
-            for file in files
-                .iter()
-                .filter(|f| f.extension().is_some_and(|e| e == "rs"))
-            {
-                let text = std::fs::read_to_string(file).expect("read a module");
-                for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
-                    for (i, _) in line.match_indices("crate::") {
-                        let name: String = line[i + 7..]
-                            .chars()
-                            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                            .collect();
-                        if !name.is_empty() && name != module {
-                            deps.insert(name);
-                        }
+        for path in entries(&src) {
+            let name = stem(&path);
+            if path.is_dir() && GROUPS.contains(&name.as_str()) {
+                modules.extend(entries(&path).into_iter().filter(|p| stem(p) != "mod"));
+            } else if name != "bin" {
+                modules.push(path);
+            }
+        }
+    }
+    let mut graph = BTreeMap::new();
+    for path in modules {
+        let module = stem(&path);
+        let deps: &mut BTreeSet<String> = graph.entry(module.clone()).or_default();
+        for file in rust_files(&path) {
+            let text = std::fs::read_to_string(&file).expect("read a module");
+            for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
+                for (i, _) in line.match_indices("crate::") {
+                    let name: String = line[i + 7..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    if !name.is_empty() && name != module {
+                        deps.insert(name);
                     }
                 }
             }
@@ -52,6 +50,26 @@ fn imports() -> BTreeMap<String, BTreeSet<String>> {
     }
     graph.remove("lib");
     graph
+}
+
+fn entries(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .expect("a source directory")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.is_dir() || p.extension().is_some_and(|e| e == "rs"))
+        .collect()
+}
+
+fn stem(path: &std::path::Path) -> String {
+    path.file_stem().unwrap().to_string_lossy().into_owned()
+}
+
+/// The Rust files of a module: the file, or every file beneath the folder.
+fn rust_files(path: &std::path::Path) -> Vec<std::path::PathBuf> {
+    if !path.is_dir() {
+        return vec![path.to_owned()];
+    }
+    entries(path).iter().flat_map(|p| rust_files(p)).collect()
 }
 
 /// The layers, top first. A module imports only from layers below its own, or
@@ -193,6 +211,47 @@ fn roles_stand_apart() {
                 !deps.contains(above),
                 "{role} imports {above}\n\n{}",
                 show(&graph)
+            );
+        }
+    }
+}
+
+#[test]
+fn only_the_fleet_names_the_roles() {
+    let graph = imports();
+    for (module, deps) in &graph {
+        for role in ["intake", "attempts", "reconciler"] {
+            assert!(
+                module == "fleet" || module == role || !deps.contains(role),
+                "{module} imports the role {role}: only fleet names the roles\n\n{}",
+                show(&graph)
+            );
+        }
+    }
+}
+
+#[test]
+fn the_folders_hold_what_lib_rs_says() {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let held = |group: &str| -> BTreeSet<String> {
+        entries(&src.join(group))
+            .iter()
+            .map(|p| stem(p))
+            .filter(|m| m != "mod")
+            .collect()
+    };
+    let set = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<BTreeSet<_>>();
+    assert_eq!(held("roles"), set(&["attempts", "intake", "reconciler"]));
+    assert_eq!(
+        held("operator"),
+        set(&["cli", "console", "terminal", "throttle"])
+    );
+    let lib = std::fs::read_to_string(src.join("lib.rs")).expect("lib.rs");
+    for group in GROUPS {
+        for module in held(group) {
+            assert!(
+                lib.contains(&format!("{group}::{{")) && lib.contains(&module),
+                "lib.rs neither re-exports nor documents {group}/{module}"
             );
         }
     }
