@@ -38,7 +38,7 @@ impl Actor {
 pub struct Action<'a> {
     /// The audit row's id, when the caller chose it: an action whose commit
     /// reply was lost is then known done by finding its row
-    /// ([`Store::recorded`]). A new id for each row otherwise.
+    /// (`Store::recorded`). A new id for each row otherwise.
     pub id: Option<Uuid>,
     /// What was done: `attempt.resolve_failed`, `attempt.resolve_cancelled`,
     /// `job.cancel`, `dlq.replay`, `dlq.purge`, `provider.qualify`.

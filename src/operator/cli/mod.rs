@@ -5,9 +5,9 @@
 
 //!
 //! One file per command group, each holding its arguments beside its body
-//! (as mini-redis keeps a command's parsing with the command): [`jobs`],
-//! [`attempts`], [`providers`], [`dlq`], [`tokens`], [`setup`] (migrate,
-//! queues, config) and [`console`]. This file holds what they share: the
+//! (as mini-redis keeps a command's parsing with the command): `jobs`,
+//! `attempts`, `providers`, `dlq`, `tokens`, `setup` (migrate,
+//! queues, config) and `console`. This file holds what they share: the
 //! connection settings, the dispatcher, and how a failure is reported.
 
 mod attempts;

@@ -11,11 +11,11 @@
 //! SHA-256 is stored; revoking the operator's token ends its sessions.
 //!
 //! The router lists the pages; each page group is a file of its own:
-//! [`overview`], [`jobs`] (the list), [`job`] (one job's timeline and
-//! history), [`unknowns`] (resolving them), [`dead_letters`], [`providers`]
-//! (qualifying them). [`session`] signs operators in and out and checks each
-//! form's CSRF token; [`action`] holds what every action shares (a reason, an
-//! audit row written first); [`page`] renders templates and failures.
+//! `overview`, `jobs` (the list), `job` (one job's timeline and
+//! history), `unknowns` (resolving them), `dead_letters`, `providers`
+//! (qualifying them). `session` signs operators in and out and checks each
+//! form's CSRF token; `action` holds what every action shares (a reason, an
+//! audit row written first); `page` renders templates and failures.
 
 mod action;
 mod dead_letters;

@@ -21,7 +21,7 @@
 //! outbox rows a flush wrote are published together, their confirms awaited
 //! together, and marked published by one statement.
 //!
-//! The rooms: [`consumer`] (slots, pauses), [`claim`], [`call`], [`settle`].
+//! The rooms: `consumer` (slots, pauses), `claim`, `call`, `settle`.
 
 mod call;
 mod claim;

@@ -7,8 +7,8 @@
 //! schemas are kept here so the hot path never parses them again.
 //!
 //! Each table has its own room, its raw shape, its settings type and its
-//! checks side by side: [`worker`], [`providers`], [`operations`],
-//! [`retention`]; [`checks`] holds the checks they share (durations, counts,
+//! checks side by side: `worker`, `providers`, `operations`,
+//! `retention`; `checks` holds the checks they share (durations, counts,
 //! names). This file reads the whole text and checks what spans tables.
 
 mod checks;

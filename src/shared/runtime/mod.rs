@@ -7,9 +7,9 @@
 //! committed and, for publishes, confirmed. A crash at any instant then means a
 //! redelivery, which the database turns into a no-op.
 //!
-//! The rooms: [`publish`] (confirms, the outbox, marks), [`delivery`] (ack,
-//! requeue, retries), [`consume`] (prefetch, batches), [`group_commit`], and
-//! [`health`] (supervision, probes). This file holds the context itself.
+//! The rooms: `publish` (confirms, the outbox, marks), `delivery` (ack,
+//! requeue, retries), `consume` (prefetch, batches), `group_commit`, and
+//! `health` (supervision, probes). This file holds the context itself.
 
 mod consume;
 mod delivery;

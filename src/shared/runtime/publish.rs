@@ -13,7 +13,7 @@ use crate::broker::{self, BrokerError, Publisher};
 use crate::config::Config;
 use crate::store::{OutboxMessage, Store};
 
-/// How many fresh copies of an intent onejob has made ([`Context::hand_on_intent`]).
+/// How many fresh copies of an intent onejob has made ([`Context::hand_on_intent`](super::Context::hand_on_intent)).
 pub const HANDED_ON_HEADER: &str = "x-onejob-handed-on";
 
 /// What a copy of a message keeps: the contract's list, and nothing else.
@@ -86,7 +86,7 @@ pub(super) async fn publish_rows(
 const MARK_EVERY: Duration = Duration::from_millis(50);
 
 /// Marks published outbox rows in batches, at most one statement every
-/// [`MARK_EVERY`]: nobody waits for a mark (it only keeps the relay from
+/// `MARK_EVERY`: nobody waits for a mark (it only keeps the relay from
 /// publishing the row again once its lease is over, 30 s by default), so a
 /// busy worker need not pay a commit per publish. A mark that fails, or that a
 /// crash loses, costs a second publish of the row, which its consumers already

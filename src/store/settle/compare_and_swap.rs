@@ -32,7 +32,7 @@ impl Store {
     }
 }
 
-/// A row of [`compare_and_swap`]: a won job, or a discarded attempt.
+/// A row of [`compare_and_swap()`]: a won job, or a discarded attempt.
 struct CasRow {
     job_id: Option<JobId>,
     version: Option<i64>,

@@ -30,7 +30,7 @@ pub(super) struct AttemptCounts {
     pub(super) queued_providers: Vec<String>,
 }
 
-/// An attempt [`mark_failed`] changed.
+/// An attempt [`mark_failed`](super::failures) changed.
 #[derive(Debug)]
 pub(super) struct FailedAttempt {
     pub(super) attempt_id: Uuid,
