@@ -75,6 +75,52 @@ async fn a_claim_run_again_after_a_lost_reply_finds_its_own_attempts() {
     assert_eq!(retaken.started.len(), 3);
 }
 
+/// A claim whose commit took effect unseen, run again while another session
+/// holds its job's row, still finds its attempt its own: it needs no lock on
+/// a job it has already started. (Answered "busy" instead, the consumer
+/// claimed it again under a new claim, which took it for another worker's and
+/// dropped it: started with no call, until the vanished sweep made it
+/// `unknown`, as the database chaos test once saw.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_run_again_finds_its_own_attempt_while_its_job_row_is_held() {
+    use sqlx::{Connection, Executor};
+    let env = store_env().await;
+    let new = new_job("acct_db", "lost-held", "text");
+    env.store.admit(std::slice::from_ref(&new)).await.unwrap();
+    let attempts = [new.attempt_id];
+    let token = uuid::Uuid::now_v7();
+    let first = env
+        .store
+        .claim("primary", &attempts, Duration::from_secs(30), token)
+        .await
+        .unwrap();
+    assert_eq!(first.started.len(), 1);
+    // The reply was lost, and another session holds the job's row meanwhile.
+    let mut holder = sqlx::PgConnection::connect(&env.database_url)
+        .await
+        .unwrap();
+    holder.execute("BEGIN").await.unwrap();
+    sqlx::query("SELECT 1 FROM jobs WHERE id = $1 FOR UPDATE")
+        .bind(new.job_id.0)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let again = tokio::time::timeout(
+        Duration::from_secs(10),
+        env.store
+            .claim("primary", &attempts, Duration::from_secs(30), token),
+    )
+    .await
+    .expect("the claim does not wait for the held row")
+    .unwrap();
+    let ids: Vec<_> = again.started.iter().map(|s| s.attempt_id).collect();
+    assert_eq!(ids, vec![new.attempt_id], "busy: {:?}", again.busy);
+    assert!(again.busy.is_empty());
+    assert_eq!(again.started[0].version, first.started[0].version);
+    assert_eq!(again.started[0].input, first.started[0].input);
+    holder.execute("ROLLBACK").await.unwrap();
+}
+
 /// Replies lost after Postgres ran a statement (a connection reset between
 /// the server's commit and the client hearing of it), through the whole fleet:
 /// every intent ends as one succeeded job, every attempt's provider was called

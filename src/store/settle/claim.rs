@@ -30,7 +30,10 @@ impl Store {
     /// connection broke after the server ran it) is retried with the same
     /// token and finds its attempts its own, so the calls go ahead. Without the
     /// token such attempts would look like another worker's, be dropped as
-    /// duplicates, and stay `started` with no call.
+    /// duplicates, and stay `started` with no call. They are returned without
+    /// locking their jobs again: a job row held by someone else meanwhile must
+    /// not turn them `busy`, since the next claim (under a new token) would
+    /// take them for another worker's.
     ///
     /// The jobs are locked first and their status checked under the lock, so a
     /// timeout that commits meanwhile is seen: a job that just became `unknown` is
@@ -61,13 +64,13 @@ impl Store {
                 sqlx::query_as!(
                     ClaimRow,
                     r#"WITH candidates AS (
-                         SELECT id, job_id FROM attempts
+                         SELECT id, job_id, (status = 'started') AS ours FROM attempts
                          WHERE id = ANY($1) AND provider = $2
                            AND ((status = 'queued') IS TRUE
                                 OR (status = 'started' AND claim = $4) IS TRUE)
                      ), claimed AS (
                          SELECT j.id FROM jobs j
-                         WHERE j.id IN (SELECT job_id FROM candidates)
+                         WHERE j.id IN (SELECT job_id FROM candidates WHERE NOT ours)
                            AND j.status IN ('queued', 'running')
                          ORDER BY j.id
                          FOR UPDATE SKIP LOCKED
@@ -78,8 +81,7 @@ impl Store {
                              deadline_at = COALESCE(a.deadline_at, now() + make_interval(secs => $3))
                          FROM claimed c
                          WHERE a.id = ANY($1) AND a.job_id = c.id AND a.provider = $2
-                           AND ((a.status = 'queued') IS TRUE
-                                OR (a.status = 'started' AND a.claim = $4) IS TRUE)
+                           AND (a.status = 'queued') IS TRUE
                          RETURNING a.id, a.job_id, a.number
                      ), running AS (
                          UPDATE jobs j SET status = 'running', updated_at = now()
@@ -93,10 +95,19 @@ impl Store {
                             false AS "busy!"
                      FROM started s JOIN running r ON r.id = s.job_id
                      UNION ALL
+                     -- Attempts this claim started in a try whose reply was lost:
+                     -- already its own, their jobs already running, so no lock
+                     -- is needed (a held job row does not make them wait).
+                     SELECT a.id, a.job_id, a.number, j.version, j.operation, j.input, false
+                     FROM candidates c
+                     JOIN attempts a ON a.id = c.id
+                     JOIN jobs j ON j.id = c.job_id
+                     WHERE c.ours AND j.status IN ('queued', 'running')
+                     UNION ALL
                      -- Queued attempts of open jobs that the lock skipped.
                      SELECT c.id, c.job_id, 0, 0, '', '{}'::jsonb, true
                      FROM candidates c JOIN jobs j ON j.id = c.job_id
-                     WHERE j.status IN ('queued', 'running')
+                     WHERE NOT c.ours AND j.status IN ('queued', 'running')
                        AND c.job_id NOT IN (SELECT id FROM claimed)"#,
                     &ids,
                     provider,
