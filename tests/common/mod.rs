@@ -10,6 +10,7 @@ pub mod chaos;
 pub mod console;
 pub mod database;
 pub mod lossy;
+pub mod raw_http;
 
 use std::future::Future;
 use std::process::Command;
