@@ -15,6 +15,7 @@ mod winners;
 
 use std::time::Duration;
 
+use common::database::success;
 use onejob::domain::JobId;
 use onejob::store::{Admission, Finished, NewJob, Settled, Started, Store, Verdict};
 use serde_json::json;
@@ -58,13 +59,6 @@ fn finished(s: &Started, verdict: Verdict) -> Finished {
         usage: Some(json!({"total_tokens": 10})),
         verdict,
     }
-}
-
-fn success(s: &Started) -> Finished {
-    finished(
-        s,
-        Verdict::Succeeded(json!({ "summary": s.attempt_id.to_string() })),
-    )
 }
 
 /// Settles `batch` as the attempt path does (see [`common::settle_with`]).
