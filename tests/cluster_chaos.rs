@@ -16,11 +16,15 @@
 mod common;
 
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::chaos::{Invariants, Sent, Workers, env_or, settle, start_producers};
 use common::{P, TestEnv, config, config_for, mock};
+use onejob::config::Config;
 use onejob::mock::MockOptions;
+use onejob::shutdown::Shutdown;
 
 /// Worker processes, one per node.
 const WORKERS: usize = 3;
@@ -149,15 +153,7 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
         ..MockOptions::default()
     })
     .await;
-    let text = config_for(
-        &[P("primary", &primary.base_url(), "timeout = \"2s\"")],
-        "",
-    )
-    .replace(
-        "[worker]\n",
-        "[worker]\nstuck_after = \"5s\"\nmax_republish = 5\nintake_prefetch = 64\ndelivery_limit = 1\n",
-    );
-    let (config, file) = config(&text);
+    let (config, file) = config(&chaos_config(&primary.base_url()));
     let mut env = TestEnv::new(&config).await;
     // The same vhost name, on the cluster.
     cluster(&["add-vhost", &env.name]);
@@ -180,71 +176,9 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
 
     // Every queue the workers declared (each through its own node, at once) is
     // replicated on the three nodes.
-    for queue in [
-        "onejob.intents",
-        "onejob.intents.dlq",
-        "onejob.attempts.primary",
-        "onejob.attempts.primary.dlq",
-    ] {
-        let vhost = env.name.clone();
-        common::wait_for(
-            &format!("{queue} replicated on three nodes"),
-            Duration::from_secs(60),
-            || {
-                let vhost = vhost.clone();
-                async move {
-                    let members = tokio::task::spawn_blocking(move || {
-                        cluster(&["members", queue, &vhost]).parse::<usize>().ok()
-                    })
-                    .await
-                    .unwrap();
-                    (members == Some(3)).then_some(())
-                }
-            },
-        )
-        .await;
-    }
+    replicated_on_three_nodes(&env.name).await;
 
-    // The fire: at 25% of the run the leader of onejob.intents is killed; at 50%
-    // it is restarted; at 70% a follower is killed, and at 90% restarted, so
-    // that the cluster ends whole.
-    let start = Instant::now();
-    let at = |share: u32| Duration::from_secs(seconds) * share / 100;
-    let mut faults: Vec<(String, f64)> = Vec::new();
-    let wait_until = |t: Duration| async move {
-        while start.elapsed() < t {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
-    wait_until(at(25)).await;
-    let vhost = env.name.clone();
-    let led = blocking(move || leader("onejob.intents", &vhost)).await;
-    faults.push((
-        format!("leader of onejob.intents (node {led}) killed"),
-        epoch_now(),
-    ));
-    // Worker i connected to node i + 1 first: the one on the killed node must
-    // move to another.
-    moved(&mut workers, led - 1, led, 2).await;
-    wait_until(at(50)).await;
-    workers.supervise();
-    blocking(move || cluster(&["restart", &led.to_string()])).await;
-    wait_until(at(70)).await;
-    workers.supervise();
-    let vhost = env.name.clone();
-    let now_leads = blocking(move || leader("onejob.intents", &vhost)).await;
-    // A follower that still has the worker that connected to it first (not the
-    // node killed before, whose worker moved on), so that the loss moves one.
-    let follower = (1..=3)
-        .find(|n| *n != now_leads && *n != led)
-        .or_else(|| (1..=3).find(|n| *n != now_leads))
-        .unwrap();
-    faults.push((format!("follower (node {follower}) killed"), epoch_now()));
-    let before = workers.connections(follower - 1);
-    moved(&mut workers, follower - 1, follower, before + 1).await;
-    wait_until(at(90)).await;
-    workers.supervise();
-    blocking(move || cluster(&["restart", &follower.to_string()])).await;
+    let faults = the_fire(&mut workers, &env.name, seconds).await;
     for p in producers {
         p.await.unwrap();
     }
@@ -264,8 +198,111 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
         settle_time.as_secs_f64(),
         log_dir.display()
     );
-    for (fault, when) in &faults {
-        let stalled = stall(&store, *when, 5.0).await;
+    print_stalls_and_storage(&store, &faults).await;
+    // Calls in flight at the faults: a node loss kills no worker, but each of
+    // the three may have had `concurrency` calls running when its connection
+    // went; any worker exit counts too.
+    let bound = (faults.len() * WORKERS + kills_and_crashes) * concurrency;
+    Invariants::check(&env, &store, &confirmed)
+        .await
+        .assert_held("cluster chaos", primary.stats.requests(), bound);
+    cluster(&["delete-vhost", &env.name]);
+    common::chaos::remove_logs(&log_dir);
+}
+
+/// The configuration of the node-loss test: the provider at `provider_url`
+/// with a 2 s timeout; attempts stuck after 5 s and republished 5 times at
+/// most, 64 intents prefetched, a delivery limit of 1.
+fn chaos_config(provider_url: &str) -> String {
+    config_for(
+        &[P("primary", provider_url, "timeout = \"2s\"")],
+        "",
+    )
+    .replace(
+        "[worker]\n",
+        "[worker]\nstuck_after = \"5s\"\nmax_republish = 5\nintake_prefetch = 64\ndelivery_limit = 1\n",
+    )
+}
+
+/// Waits until every queue the workers declare is replicated on the three
+/// nodes.
+async fn replicated_on_three_nodes(vhost: &str) {
+    for queue in [
+        "onejob.intents",
+        "onejob.intents.dlq",
+        "onejob.attempts.primary",
+        "onejob.attempts.primary.dlq",
+    ] {
+        let vhost = vhost.to_owned();
+        common::wait_for(
+            &format!("{queue} replicated on three nodes"),
+            Duration::from_secs(60),
+            || {
+                let vhost = vhost.clone();
+                async move {
+                    let members = tokio::task::spawn_blocking(move || {
+                        cluster(&["members", queue, &vhost]).parse::<usize>().ok()
+                    })
+                    .await
+                    .unwrap();
+                    (members == Some(3)).then_some(())
+                }
+            },
+        )
+        .await;
+    }
+}
+
+/// The faults, timed over the run of `seconds`: each as what happened and
+/// when (seconds since the epoch).
+async fn the_fire(workers: &mut Workers, vhost_name: &str, seconds: u64) -> Vec<(String, f64)> {
+    // The fire: at 25% of the run the leader of onejob.intents is killed; at 50%
+    // it is restarted; at 70% a follower is killed, and at 90% restarted, so
+    // that the cluster ends whole.
+    let start = Instant::now();
+    let at = |share: u32| Duration::from_secs(seconds) * share / 100;
+    let mut faults: Vec<(String, f64)> = Vec::new();
+    let wait_until = |t: Duration| async move {
+        while start.elapsed() < t {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    wait_until(at(25)).await;
+    let vhost = vhost_name.to_owned();
+    let led = blocking(move || leader("onejob.intents", &vhost)).await;
+    faults.push((
+        format!("leader of onejob.intents (node {led}) killed"),
+        epoch_now(),
+    ));
+    // Worker i connected to node i + 1 first: the one on the killed node must
+    // move to another.
+    moved(workers, led - 1, led, 2).await;
+    wait_until(at(50)).await;
+    workers.supervise();
+    blocking(move || cluster(&["restart", &led.to_string()])).await;
+    wait_until(at(70)).await;
+    workers.supervise();
+    let vhost = vhost_name.to_owned();
+    let now_leads = blocking(move || leader("onejob.intents", &vhost)).await;
+    // A follower that still has the worker that connected to it first (not the
+    // node killed before, whose worker moved on), so that the loss moves one.
+    let follower = (1..=3)
+        .find(|n| *n != now_leads && *n != led)
+        .or_else(|| (1..=3).find(|n| *n != now_leads))
+        .unwrap();
+    faults.push((format!("follower (node {follower}) killed"), epoch_now()));
+    let before = workers.connections(follower - 1);
+    moved(workers, follower - 1, follower, before + 1).await;
+    wait_until(at(90)).await;
+    workers.supervise();
+    blocking(move || cluster(&["restart", &follower.to_string()])).await;
+    faults
+}
+
+/// How long intake stalled after each fault, and what a job costs to keep.
+async fn print_stalls_and_storage(store: &onejob::store::Store, faults: &[(String, f64)]) {
+    for (fault, when) in faults {
+        let stalled = stall(store, *when, 5.0).await;
         println!(
             "cluster chaos: {fault}: intake stalled {:.2}s (the longest pause in admissions over the next 5 s)",
             stalled.as_secs_f64()
@@ -286,15 +323,6 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
         per_job(attempt_bytes),
         per_job(outbox_bytes)
     );
-    // Calls in flight at the faults: a node loss kills no worker, but each of
-    // the three may have had `concurrency` calls running when its connection
-    // went; any worker exit counts too.
-    let bound = (faults.len() * WORKERS + kills_and_crashes) * concurrency;
-    Invariants::check(&env, &store, &confirmed)
-        .await
-        .assert_held("cluster chaos", primary.stats.requests(), bound);
-    cluster(&["delete-vhost", &env.name]);
-    common::chaos::remove_logs(&log_dir);
 }
 
 /// Runs blocking work (a `scripts/cluster` call, which takes a second or so)
@@ -350,45 +378,9 @@ async fn a_postgres_outage_past_the_consumer_timeout_loses_nothing() {
     let database_url = path.url(&env.name);
 
     // The worker, restarted whenever it stops (as an orchestrator would).
-    let shutdown = onejob::shutdown::Shutdown::new();
-    let restarts = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let supervisor = {
-        let (config, amqp, shutdown, restarts) = (
-            config.clone(),
-            env.amqp_url.clone(),
-            shutdown.clone(),
-            restarts.clone(),
-        );
-        tokio::spawn(async move {
-            while !shutdown.is_triggered() {
-                // Each run has its own shutdown: a worker that stops a failed
-                // role stops the rest of itself, not the test.
-                let run = onejob::shutdown::Shutdown::new();
-                match onejob::runtime::Context::connect(config.clone(), &database_url, &amqp).await
-                {
-                    Ok(ctx) => {
-                        let worker = onejob::fleet::run(ctx, vec![], run.clone());
-                        tokio::pin!(worker);
-                        let ended = tokio::select! {
-                            ended = &mut worker => ended,
-                            () = shutdown.wait() => {
-                                run.trigger();
-                                worker.await
-                            }
-                        };
-                        if let Err(e) = ended {
-                            println!("consumer timeout: the worker stopped: {e}");
-                        }
-                    }
-                    Err(e) => println!("consumer timeout: the worker cannot start: {e}"),
-                }
-                if !shutdown.is_triggered() {
-                    restarts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
-            }
-        })
-    };
+    let shutdown = Shutdown::new();
+    let restarts = Arc::new(AtomicUsize::new(0));
+    let supervisor = supervised_worker(&config, &env.amqp_url, database_url, &shutdown, &restarts);
 
     let producer = onejob_producer::Producer::connect_with(
         &env.amqp_url,
@@ -438,9 +430,55 @@ async fn a_postgres_outage_past_the_consumer_timeout_loses_nothing() {
     assert_eq!(jobs, N as i64 + 2, "one job per intent, none twice");
     println!(
         "consumer timeout: {N} intents held through a 15 s Postgres outage under a 3 s consumer timeout: {N} jobs; the worker restarted {} time(s)",
-        restarts.load(std::sync::atomic::Ordering::SeqCst)
+        restarts.load(Ordering::SeqCst)
     );
     shutdown.trigger();
     let _ = supervisor.await;
     producer.close().await;
+}
+
+/// Runs a worker with every role until `shutdown`, starting it again (after
+/// half a second) whenever it stops, as an orchestrator would, and counting
+/// the restarts.
+fn supervised_worker(
+    config: &Arc<Config>,
+    amqp_url: &str,
+    database_url: String,
+    shutdown: &Shutdown,
+    restarts: &Arc<AtomicUsize>,
+) -> tokio::task::JoinHandle<()> {
+    let (config, amqp, shutdown, restarts) = (
+        config.clone(),
+        amqp_url.to_owned(),
+        shutdown.clone(),
+        restarts.clone(),
+    );
+    tokio::spawn(async move {
+        while !shutdown.is_triggered() {
+            // Each run has its own shutdown: a worker that stops a failed
+            // role stops the rest of itself, not the test.
+            let run = Shutdown::new();
+            match onejob::runtime::Context::connect(config.clone(), &database_url, &amqp).await {
+                Ok(ctx) => {
+                    let worker = onejob::fleet::run(ctx, vec![], run.clone());
+                    tokio::pin!(worker);
+                    let ended = tokio::select! {
+                        ended = &mut worker => ended,
+                        () = shutdown.wait() => {
+                            run.trigger();
+                            worker.await
+                        }
+                    };
+                    if let Err(e) = ended {
+                        println!("consumer timeout: the worker stopped: {e}");
+                    }
+                }
+                Err(e) => println!("consumer timeout: the worker cannot start: {e}"),
+            }
+            if !shutdown.is_triggered() {
+                restarts.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    })
 }

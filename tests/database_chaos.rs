@@ -3,11 +3,15 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use common::{P, TestEnv, config, config_for, mock, wait_for};
+use onejob::config::Config;
 use onejob::mock::MockOptions;
+use onejob::shutdown::Shutdown;
 use sqlx::{Connection, Executor, PgConnection};
+use tokio::task::JoinHandle;
 
 /// Chaos of the database's everyday faults, through three in-process workers
 /// under load: replies lost after Postgres ran a statement (one committed
@@ -21,7 +25,6 @@ use sqlx::{Connection, Executor, PgConnection};
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unknown() {
     use common::chaos::{Invariants, Sent, env_or, start_producers};
-    use rand::Rng;
 
     let intents = env_or("ONEJOB_DB_CHAOS_INTENTS", 600);
     let seconds = env_or("ONEJOB_DB_CHAOS_SECONDS", 15) as u64;
@@ -40,44 +43,11 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
     common::database::set_lock_timeout(&env).await;
     let server = common::database::pg_server();
     let lossy = common::lossy::LossyPostgres::to(&server, 20, u64::MAX).await;
-    let mut fleets = Vec::new();
-    for _ in 0..3 {
-        let ctx =
-            onejob::runtime::Context::connect(config.clone(), &lossy.url(&env.name), &env.amqp_url)
-                .await
-                .expect("worker context");
-        let shutdown = onejob::shutdown::Shutdown::new();
-        let task = tokio::spawn(onejob::fleet::run(ctx, vec![], shutdown.clone()));
-        fleets.push((shutdown, task));
-    }
+    let fleets = Fleets::start(&config, &lossy.url(&env.name), &env.amqp_url).await;
     lossy.start_losing();
 
     // Another session holds a random open job's row now and then.
-    let holding = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let holds = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let holder = {
-        let (url, holding, holds) = (env.database_url.clone(), holding.clone(), holds.clone());
-        tokio::spawn(async move {
-            let mut conn = PgConnection::connect(&url).await.unwrap();
-            while holding.load(std::sync::atomic::Ordering::SeqCst) {
-                conn.execute("BEGIN").await.unwrap();
-                let picked: Option<uuid::Uuid> = sqlx::query_scalar(
-                    "SELECT id FROM jobs WHERE status IN ('queued', 'running')
-                     ORDER BY random() LIMIT 1 FOR UPDATE SKIP LOCKED",
-                )
-                .fetch_optional(&mut conn)
-                .await
-                .unwrap();
-                if picked.is_some() {
-                    holds.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                }
-                tokio::time::sleep(Duration::from_millis(1500)).await;
-                conn.execute("COMMIT").await.unwrap();
-                let pause = rand::rng().random_range(100..400);
-                tokio::time::sleep(Duration::from_millis(pause)).await;
-            }
-        })
-    };
+    let holder = RowHolder::start(&env.database_url);
 
     let sent = Sent::default();
     let amqp = env.amqp_url.clone();
@@ -86,21 +56,8 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
     }
     let confirmed = sent.keys();
 
-    // Settled: every confirmed key has a job, and none is queued or running.
-    let recovery = std::time::Instant::now();
-    wait_for("every job to end", Duration::from_secs(120), || async {
-        let (open, jobs): (i64, i64) = sqlx::query_as(
-            "SELECT count(*) FILTER (WHERE status IN ('queued', 'running')), count(*) FROM jobs",
-        )
-        .fetch_one(env.store.pool())
-        .await
-        .unwrap();
-        (open == 0 && jobs as usize >= confirmed.len()).then_some(())
-    })
-    .await;
-    let settled_in = recovery.elapsed();
-    holding.store(false, std::sync::atomic::Ordering::SeqCst);
-    holder.await.unwrap();
+    let settled_in = settled(&env, confirmed.len()).await;
+    let held_rows = holder.stop().await;
     let lost_replies = lossy.lost();
     lossy.stop_losing();
     // The last events' outbox rows are published by the relay.
@@ -113,16 +70,8 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
         (pending == 0).then_some(())
     })
     .await;
-    for (shutdown, task) in fleets {
-        shutdown.trigger();
-        tokio::time::timeout(Duration::from_secs(30), task)
-            .await
-            .expect("worker stops")
-            .expect("worker task")
-            .expect("worker ran without errors");
-    }
+    fleets.stop().await;
 
-    let held_rows = holds.load(std::sync::atomic::Ordering::SeqCst);
     assert!(lost_replies >= 10, "replies were lost: {lost_replies}");
     assert!(held_rows >= 3, "job rows were held: {held_rows}");
     let invariants = Invariants::check(&env, &env.store, &confirmed).await;
@@ -137,7 +86,7 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
         "database chaos: {} intents sent ({} keys), {lost_replies} replies lost after commits, \
          {held_rows} job rows held 1.5 s under lock_timeout 300 ms; settled {settled_in:?} after the last publish; \
          {} provider calls for {} attempts, {} called twice; {without_call} attempts started or unknown",
-        sent.count.load(std::sync::atomic::Ordering::SeqCst),
+        sent.count.load(Ordering::SeqCst),
         confirmed.len(),
         calls.len(),
         invariants.attempts,
@@ -150,4 +99,108 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
         "no attempt's provider called twice"
     );
     assert_eq!(without_call, 0, "no attempt left started or unknown");
+}
+
+/// The three in-process workers, each with every role, their Postgres
+/// connections through `database_url`.
+struct Fleets(
+    Vec<(
+        Shutdown,
+        JoinHandle<Result<(), onejob::runtime::WorkerError>>,
+    )>,
+);
+
+impl Fleets {
+    async fn start(config: &Arc<Config>, database_url: &str, amqp_url: &str) -> Fleets {
+        let mut fleets = Vec::new();
+        for _ in 0..3 {
+            let ctx = onejob::runtime::Context::connect(config.clone(), database_url, amqp_url)
+                .await
+                .expect("worker context");
+            let shutdown = Shutdown::new();
+            let task = tokio::spawn(onejob::fleet::run(ctx, vec![], shutdown.clone()));
+            fleets.push((shutdown, task));
+        }
+        Fleets(fleets)
+    }
+
+    async fn stop(self) {
+        for (shutdown, task) in self.0 {
+            shutdown.trigger();
+            tokio::time::timeout(Duration::from_secs(30), task)
+                .await
+                .expect("worker stops")
+                .expect("worker task")
+                .expect("worker ran without errors");
+        }
+    }
+}
+
+/// Another session that holds a random open job's row for 1.5 s at a time,
+/// until stopped, counting the rows it held.
+struct RowHolder {
+    holding: Arc<AtomicBool>,
+    holds: Arc<AtomicU64>,
+    task: JoinHandle<()>,
+}
+
+impl RowHolder {
+    fn start(database_url: &str) -> RowHolder {
+        use rand::Rng;
+
+        let holding = Arc::new(AtomicBool::new(true));
+        let holds = Arc::new(AtomicU64::new(0));
+        let task = {
+            let (url, holding, holds) = (database_url.to_owned(), holding.clone(), holds.clone());
+            tokio::spawn(async move {
+                let mut conn = PgConnection::connect(&url).await.unwrap();
+                while holding.load(Ordering::SeqCst) {
+                    conn.execute("BEGIN").await.unwrap();
+                    let picked: Option<uuid::Uuid> = sqlx::query_scalar(
+                        "SELECT id FROM jobs WHERE status IN ('queued', 'running')
+                     ORDER BY random() LIMIT 1 FOR UPDATE SKIP LOCKED",
+                    )
+                    .fetch_optional(&mut conn)
+                    .await
+                    .unwrap();
+                    if picked.is_some() {
+                        holds.fetch_add(1, Ordering::SeqCst);
+                    }
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                    conn.execute("COMMIT").await.unwrap();
+                    let pause = rand::rng().random_range(100..400);
+                    tokio::time::sleep(Duration::from_millis(pause)).await;
+                }
+            })
+        };
+        RowHolder {
+            holding,
+            holds,
+            task,
+        }
+    }
+
+    /// Stops holding rows, and says how many it held.
+    async fn stop(self) -> u64 {
+        self.holding.store(false, Ordering::SeqCst);
+        self.task.await.unwrap();
+        self.holds.load(Ordering::SeqCst)
+    }
+}
+
+/// Waits until every confirmed key has a job and none is queued or running,
+/// and says how long that took.
+async fn settled(env: &TestEnv, confirmed: usize) -> Duration {
+    let recovery = std::time::Instant::now();
+    wait_for("every job to end", Duration::from_secs(120), || async {
+        let (open, jobs): (i64, i64) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE status IN ('queued', 'running')), count(*) FROM jobs",
+        )
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+        (open == 0 && jobs as usize >= confirmed).then_some(())
+    })
+    .await;
+    recovery.elapsed()
 }

@@ -5,12 +5,15 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::{TestEnv, config, config_text, mock, submit, wait_for_status};
-use onejob::domain::JobStatus;
+use onejob::config::Config;
+use onejob::domain::{JobId, JobStatus};
 use onejob::intent::Outcome;
 use onejob::mock::MockOptions;
+use onejob::shutdown::Shutdown;
 use onejob_producer::Producer;
 use reqwest::StatusCode;
 use sqlx::Connection;
@@ -69,61 +72,100 @@ async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
         (StatusCode::OK, "postgres: ok\nrabbitmq: ok\n".into())
     );
 
-    // One job created, one duplicate, one rejected intent.
+    let job_id = the_work_is_counted(&env, &get).await;
+    the_gateway_counts_its_answers(&config, &env, &http, job_id).await;
+
+    // RabbitMQ lost: not ready. Postgres lost too: both say so.
+    fleet.stop().await;
+    let (status, text) = get("/readyz").await;
+    assert_eq!(
+        (status, text.as_str()),
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "postgres: ok\nrabbitmq: down\n"
+        )
+    );
+    ctx.store.pool().close().await;
+    let (status, text) = get("/readyz").await;
+    assert_eq!(
+        (status, text.as_str()),
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "postgres: down\nrabbitmq: down\n"
+        )
+    );
+    assert_eq!(
+        get("/healthz").await.0,
+        StatusCode::OK,
+        "alive all the same"
+    );
+    server.abort();
+}
+
+/// What the work of the readiness test leaves in `/metrics`: one job created,
+/// one duplicate, one rejected intent.
+const WORK_SAMPLES: &[(&str, f64)] = &[
+    (
+        r#"onejob_attempts_settled_total{provider="primary",settled="won"}"#,
+        1.0,
+    ),
+    // The first attempt's message and the job.succeeded event.
+    ("onejob_outbox_published_total", 2.0),
+    (r#"onejob_intents_total{outcome="created"}"#, 1.0),
+    (r#"onejob_intents_total{outcome="duplicate"}"#, 1.0),
+    (r#"onejob_intents_total{outcome="rejected"}"#, 1.0),
+    (r#"onejob_dead_letters_total{queue="onejob.intents"}"#, 1.0),
+    (
+        r#"onejob_provider_call_seconds_count{provider="primary",result="answered"}"#,
+        1.0,
+    ),
+    (
+        r#"onejob_provider_call_seconds_bucket{provider="primary",result="answered",le="+Inf"}"#,
+        1.0,
+    ),
+    // Each stage of the way is timed: two intents admitted, one attempt
+    // through every stage of its path.
+    (r#"onejob_stage_seconds_count{stage="intake_admit"}"#, 2.0),
+    (r#"onejob_stage_seconds_count{stage="intake_publish"}"#, 1.0),
+    (r#"onejob_stage_seconds_count{stage="intake_answer"}"#, 3.0),
+    (
+        r#"onejob_stage_seconds_count{stage="attempt_slot_wait"}"#,
+        1.0,
+    ),
+    (r#"onejob_stage_seconds_count{stage="claim_wait"}"#, 1.0),
+    (r#"onejob_stage_seconds_count{stage="claim"}"#, 1.0),
+    (r#"onejob_stage_seconds_count{stage="attempt_call"}"#, 1.0),
+    (r#"onejob_stage_seconds_count{stage="settle_wait"}"#, 1.0),
+    (r#"onejob_stage_seconds_count{stage="settle"}"#, 1.0),
+    (r#"onejob_stage_seconds_count{stage="attempt_ack"}"#, 1.0),
+    (r#"onejob_stage_seconds_count{stage="settle_publish"}"#, 1.0),
+    (
+        r#"onejob_stage_seconds_bucket{stage="settle",le="+Inf"}"#,
+        1.0,
+    ),
+    // The gauges read from the tables are there too.
+    (r#"onejob_jobs{status="succeeded"}"#, 1.0),
+    (r#"onejob_attempts{status="succeeded"}"#, 1.0),
+    ("onejob_outbox_unpublished", 0.0),
+];
+
+/// One job created, one duplicate, one rejected intent: `/metrics` counts
+/// each, and what the job went through. Returns the job.
+async fn the_work_is_counted<F, Fut>(env: &TestEnv, get: &F) -> JobId
+where
+    F: Fn(&'static str) -> Fut,
+    Fut: std::future::Future<Output = (StatusCode, String)>,
+{
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
     let job_id = submit(&producer, "acct_m", "k-1", "counted").await;
     assert_eq!(submit(&producer, "acct_m", "k-1", "counted").await, job_id);
     let rejected = producer.submit_raw(b"not json").await.unwrap();
     assert_eq!(rejected.outcome, Outcome::Rejected);
-    wait_for_status(&env, job_id, JobStatus::Succeeded).await;
+    wait_for_status(env, job_id, JobStatus::Succeeded).await;
 
-    let expected = [
-        (
-            r#"onejob_attempts_settled_total{provider="primary",settled="won"}"#,
-            1.0,
-        ),
-        // The first attempt's message and the job.succeeded event.
-        ("onejob_outbox_published_total", 2.0),
-        (r#"onejob_intents_total{outcome="created"}"#, 1.0),
-        (r#"onejob_intents_total{outcome="duplicate"}"#, 1.0),
-        (r#"onejob_intents_total{outcome="rejected"}"#, 1.0),
-        (r#"onejob_dead_letters_total{queue="onejob.intents"}"#, 1.0),
-        (
-            r#"onejob_provider_call_seconds_count{provider="primary",result="answered"}"#,
-            1.0,
-        ),
-        (
-            r#"onejob_provider_call_seconds_bucket{provider="primary",result="answered",le="+Inf"}"#,
-            1.0,
-        ),
-        // Each stage of the way is timed: two intents admitted, one attempt
-        // through every stage of its path.
-        (r#"onejob_stage_seconds_count{stage="intake_admit"}"#, 2.0),
-        (r#"onejob_stage_seconds_count{stage="intake_publish"}"#, 1.0),
-        (r#"onejob_stage_seconds_count{stage="intake_answer"}"#, 3.0),
-        (
-            r#"onejob_stage_seconds_count{stage="attempt_slot_wait"}"#,
-            1.0,
-        ),
-        (r#"onejob_stage_seconds_count{stage="claim_wait"}"#, 1.0),
-        (r#"onejob_stage_seconds_count{stage="claim"}"#, 1.0),
-        (r#"onejob_stage_seconds_count{stage="attempt_call"}"#, 1.0),
-        (r#"onejob_stage_seconds_count{stage="settle_wait"}"#, 1.0),
-        (r#"onejob_stage_seconds_count{stage="settle"}"#, 1.0),
-        (r#"onejob_stage_seconds_count{stage="attempt_ack"}"#, 1.0),
-        (r#"onejob_stage_seconds_count{stage="settle_publish"}"#, 1.0),
-        (
-            r#"onejob_stage_seconds_bucket{stage="settle",le="+Inf"}"#,
-            1.0,
-        ),
-        // The gauges read from the tables are there too.
-        (r#"onejob_jobs{status="succeeded"}"#, 1.0),
-        (r#"onejob_attempts{status="succeeded"}"#, 1.0),
-        ("onejob_outbox_unpublished", 0.0),
-    ];
-    let text = settled(&get, &expected).await;
-    for (series, value) in expected {
-        assert_eq!(sample(&text, series), Some(value), "{series} in\n{text}");
+    let text = settled(get, WORK_SAMPLES).await;
+    for (series, value) in WORK_SAMPLES {
+        assert_eq!(sample(&text, series), Some(*value), "{series} in\n{text}");
     }
     assert_eq!(
         sample(&text, r#"onejob_intents_total{outcome="conflict"}"#),
@@ -131,25 +173,18 @@ async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
     );
     producer.close().await;
 
-    // The gateway counts its answers by route and status, on its probes listener
-    // only.
-    let gateway = onejob_producer::gateway::Gateway::connect(
-        config.clone(),
-        &env.database_url,
-        &env.amqp_url,
-        onejob_producer::gateway::GatewayOptions::default(),
-    )
-    .await
-    .unwrap();
-    let public = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let probes = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let (public_url, probes_url) = (
-        format!("http://{}", public.local_addr().unwrap()),
-        format!("http://{}", probes.local_addr().unwrap()),
-    );
-    let stop = onejob::shutdown::Shutdown::new();
-    let serving =
-        tokio::spawn(std::sync::Arc::new(gateway).serve(public, Some(probes), stop.clone()));
+    job_id
+}
+
+/// The gateway counts its answers by route and status, on its probes listener
+/// only.
+async fn the_gateway_counts_its_answers(
+    config: &Arc<Config>,
+    env: &TestEnv,
+    http: &reqwest::Client,
+    job_id: JobId,
+) {
+    let (public_url, probes_url, stop, serving) = gateway_with_probes(config, env).await;
     let token = onejob::token::Token::generate();
     env.store
         .create_token("acct_m", &token, &onejob::store::Actor::cli(None))
@@ -182,6 +217,44 @@ async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
         StatusCode::NOT_FOUND,
         "no metrics for tenants"
     );
+    probes_count_the_answers(http, &probes_url).await;
+    stop.trigger();
+    serving.await.unwrap().unwrap();
+}
+
+/// A gateway in front of `env`, serving its public listener and its probes
+/// listener: their URLs, its shutdown and its task.
+async fn gateway_with_probes(
+    config: &Arc<Config>,
+    env: &TestEnv,
+) -> (
+    String,
+    String,
+    Shutdown,
+    tokio::task::JoinHandle<onejob_producer::gateway::Result<()>>,
+) {
+    let gateway = onejob_producer::gateway::Gateway::connect(
+        config.clone(),
+        &env.database_url,
+        &env.amqp_url,
+        onejob_producer::gateway::GatewayOptions::default(),
+    )
+    .await
+    .unwrap();
+    let public = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let probes = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (public_url, probes_url) = (
+        format!("http://{}", public.local_addr().unwrap()),
+        format!("http://{}", probes.local_addr().unwrap()),
+    );
+    let stop = Shutdown::new();
+    let serving = tokio::spawn(Arc::new(gateway).serve(public, Some(probes), stop.clone()));
+    (public_url, probes_url, stop, serving)
+}
+
+/// The probes listener's `/metrics` counts the gateway's answers by route and
+/// status, and its `/readyz` says ready.
+async fn probes_count_the_answers(http: &reqwest::Client, probes_url: &str) {
     let text = http
         .get(format!("{probes_url}/metrics"))
         .send()
@@ -212,34 +285,6 @@ async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
         .await
         .unwrap();
     assert_eq!(ready.status(), StatusCode::OK);
-    stop.trigger();
-    serving.await.unwrap().unwrap();
-
-    // RabbitMQ lost: not ready. Postgres lost too: both say so.
-    fleet.stop().await;
-    let (status, text) = get("/readyz").await;
-    assert_eq!(
-        (status, text.as_str()),
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "postgres: ok\nrabbitmq: down\n"
-        )
-    );
-    ctx.store.pool().close().await;
-    let (status, text) = get("/readyz").await;
-    assert_eq!(
-        (status, text.as_str()),
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "postgres: down\nrabbitmq: down\n"
-        )
-    );
-    assert_eq!(
-        get("/healthz").await.0,
-        StatusCode::OK,
-        "alive all the same"
-    );
-    server.abort();
 }
 
 /// A scrape never reads the tables: the gauges come from a cache that a timer
@@ -303,7 +348,7 @@ async fn metrics_are_served_from_a_cache_not_the_tables() {
 /// timeout (10 s), not held for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_probes_listener_closes_slow_headers() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use common::raw_http::{stalled, until_closed};
 
     let (config, file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
     let env = TestEnv::new(&config).await;
@@ -331,18 +376,8 @@ async fn the_probes_listener_closes_slow_headers() {
         (r.status() == StatusCode::OK).then_some(())
     })
     .await;
-    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
-    slow.write_all(b"GET /heal").await.unwrap();
-    let mut buf = [0u8; 1024];
-    let closed = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            match slow.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-        }
-    })
-    .await;
+    let mut slow = stalled(&addr.to_string(), "GET /heal").await;
+    let closed = tokio::time::timeout(Duration::from_secs(30), until_closed(&mut slow)).await;
     let _ = worker.kill();
     let _ = worker.wait();
     assert!(closed.is_ok(), "the slow connection was never closed");

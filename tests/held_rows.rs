@@ -13,7 +13,7 @@ use common::database::{
 };
 use common::{P, TestEnv, config, config_for, mock, new_job, store_env, submit, wait_for};
 use futures_util::future::join_all;
-use onejob::domain::{AttemptStatus, JobId, JobStatus};
+use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
 use onejob::mock::MockOptions;
 use onejob::store::{Actor, Finished, Settled, Verdict};
 use onejob_producer::Producer;
@@ -179,7 +179,7 @@ async fn held_job_rows_under_a_lock_timeout_lose_no_answer_and_hold_up_no_neighb
     let mut held = Vec::new();
     for (job, attempt) in first_wave.into_iter().step_by(3).take(3) {
         holders.push(Holder::hold(&env.database_url, JobId(job)).await);
-        held.push((JobId(job), onejob::domain::AttemptId(attempt)));
+        held.push((JobId(job), AttemptId(attempt)));
     }
     let others: Vec<JobId> = submitting
         .await
@@ -191,11 +191,40 @@ async fn held_job_rows_under_a_lock_timeout_lose_no_answer_and_hold_up_no_neighb
 
     // While the rows are held: every neighbour succeeds, and the held jobs'
     // answers, arrived, are kept on their attempts, which stay open.
+    neighbours_succeed_and_held_answers_are_kept(&env, &others, &held).await;
+
+    for holder in holders {
+        holder.release().await;
+    }
+    for (job, attempt) in &held {
+        let job = common::wait_for_status(&env, *job, JobStatus::Succeeded).await;
+        assert_eq!(job.completed_by, Some(*attempt));
+        assert_eq!(job.attempts.len(), 1);
+        assert_eq!(
+            job.result.as_ref().and_then(|r| r["summary"].as_str()),
+            Some("mock answer: Summarize: held")
+        );
+    }
+    assert_eq!(
+        primary.stats.requests(),
+        30,
+        "one call per job, none repeated"
+    );
+    fleet.stop().await;
+}
+
+/// Every neighbour in `others` succeeds while the rows of `held` are held, and
+/// each held job's answer is kept on its attempt, which stays open.
+async fn neighbours_succeed_and_held_answers_are_kept(
+    env: &TestEnv,
+    others: &[JobId],
+    held: &[(JobId, AttemptId)],
+) {
     wait_for(
         "the 27 neighbours to succeed while the rows are held",
         Duration::from_secs(20),
         || async {
-            for job in &others {
+            for job in others {
                 if env.store.job(*job).await.unwrap()?.status != JobStatus::Succeeded {
                     return None;
                 }
@@ -204,7 +233,7 @@ async fn held_job_rows_under_a_lock_timeout_lose_no_answer_and_hold_up_no_neighb
         },
     )
     .await;
-    for (job, attempt) in &held {
+    for (job, attempt) in held {
         wait_for(
             "a held job's answer to be kept",
             Duration::from_secs(20),
@@ -225,25 +254,6 @@ async fn held_job_rows_under_a_lock_timeout_lose_no_answer_and_hold_up_no_neighb
             "an answer received is never turned unknown while its row is held"
         );
     }
-
-    for holder in holders {
-        holder.release().await;
-    }
-    for (job, attempt) in &held {
-        let job = common::wait_for_status(&env, *job, JobStatus::Succeeded).await;
-        assert_eq!(job.completed_by, Some(*attempt));
-        assert_eq!(job.attempts.len(), 1);
-        assert_eq!(
-            job.result.as_ref().and_then(|r| r["summary"].as_str()),
-            Some("mock answer: Summarize: held")
-        );
-    }
-    assert_eq!(
-        primary.stats.requests(),
-        30,
-        "one call per job, none repeated"
-    );
-    fleet.stop().await;
 }
 
 /// A worker that stops while an answer's job row is held keeps the answer on

@@ -3,13 +3,15 @@
 
 mod common;
 
-use std::process::Command;
+use std::path::Path;
+use std::process::{Command, Output};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{P, TestEnv, config, config_for, mock, submit, wait_for_status};
+use onejob::config::Config;
 use onejob::domain::JobStatus;
-use onejob::mock::MockOptions;
+use onejob::mock::{MockHandle, MockOptions};
 use onejob_producer::Producer;
 
 const API_KEY: &str = "sk-live-API-KEY-0123456789abcdef";
@@ -80,6 +82,33 @@ fn assert_clean(what: &str, text: &str) {
     }
 }
 
+/// The operator CLI at debug level, with the API key in its environment: it
+/// asserts that a run's output and logs hold no secret, and returns it.
+struct Cli<'a> {
+    config: &'a Path,
+}
+
+impl Cli<'_> {
+    fn run(&self, args: &[&str], db: &str, amqp: &str) -> Output {
+        let out = Command::new(env!("CARGO_BIN_EXE_onejob"))
+            .args(args)
+            .env("DATABASE_URL", db)
+            .env("AMQP_URL", amqp)
+            .env("ONEJOB_CONFIG", self.config)
+            .env("ONEJOB_TEST_API_KEY", API_KEY)
+            .env("RUST_LOG", "debug")
+            .output()
+            .unwrap();
+        let all = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_clean(&format!("onejob {args:?}"), &all);
+        out
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn secrets_never_reach_logs_errors_or_json_output() {
     let capture = Capture::default();
@@ -108,101 +137,9 @@ async fn secrets_never_reach_logs_errors_or_json_output() {
 
     // The CLI, at debug level, with the key in its environment: every command's
     // output, --json or not, and its logs.
-    let cli = |args: &[&str], db: &str, amqp: &str| {
-        let out = Command::new(env!("CARGO_BIN_EXE_onejob"))
-            .args(args)
-            .env("DATABASE_URL", db)
-            .env("AMQP_URL", amqp)
-            .env("ONEJOB_CONFIG", &file.path)
-            .env("ONEJOB_TEST_API_KEY", API_KEY)
-            .env("RUST_LOG", "debug")
-            .output()
-            .unwrap();
-        let all = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert_clean(&format!("onejob {args:?}"), &all);
-        out
-    };
-    let qualified = cli(
-        &["providers", "qualify", "primary", "--json"],
-        &database_url,
-        &amqp_url,
-    );
-    assert!(
-        qualified.status.success(),
-        "{}",
-        String::from_utf8_lossy(&qualified.stderr)
-    );
-    assert_eq!(
-        primary.stats.authorizations(),
-        vec![format!("Bearer {API_KEY}")],
-        "the key was sent to the provider, and only there"
-    );
-    for args in [
-        vec!["config", "check", "--json"],
-        vec!["providers", "list", "--json"],
-        vec!["dlq", "list", "--json"],
-        vec!["jobs", "find", "--owner", "o", "--key", "k", "--json"],
-        vec!["--help"],
-    ] {
-        cli(&args, &database_url, &amqp_url);
-    }
-    // Unreachable services: the errors name the URL with its password masked.
-    let down = cli(
-        &["jobs", "find", "--owner", "o", "--key", "k"],
-        &database_url.replace(":5432", ":1"),
-        &amqp_url,
-    );
-    assert_eq!(down.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&down.stderr).contains("***"));
-    let down = cli(
-        &["dlq", "list"],
-        &database_url,
-        &amqp_url.replace(":5672", ":1"),
-    );
-    assert_eq!(down.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&down.stderr).contains("***"));
-    // A list of a cluster's nodes: the CLI takes the first that answers, and
-    // every URL of the list is masked wherever it is shown.
-    let node = |port: &str| amqp_url.replace(":5672", &format!(":{port}"));
-    let listed = cli(
-        &["dlq", "list", "--json"],
-        &database_url,
-        &format!("{},{amqp_url}", node("1")),
-    );
-    assert!(
-        listed.status.success(),
-        "{}",
-        String::from_utf8_lossy(&listed.stderr)
-    );
-    let down = cli(
-        &["dlq", "list", "--json"],
-        &database_url,
-        &format!("{},{}", node("1"), node("2")),
-    );
-    assert_eq!(down.status.code(), Some(1));
-    let said =
-        String::from_utf8_lossy(&down.stderr).into_owned() + &String::from_utf8_lossy(&down.stdout);
-    assert!(
-        said.matches("***").count() >= 2,
-        "both nodes named, masked: {said}"
-    );
-    let other = amqp_url.replace(AMQP_PASSWORD, "a-second-secret");
-    let refused = cli(
-        &["dlq", "list"],
-        &database_url,
-        &format!("{amqp_url},{other}"),
-    );
-    assert_eq!(refused.status.code(), Some(1));
-    let said = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        said.contains("another user, password or virtual host")
-            && !said.contains("a-second-secret"),
-        "{said}"
-    );
+    let cli = Cli { config: &file.path };
+    every_command_is_clean(&cli, &primary, &database_url, &amqp_url);
+    unreachable_services_are_masked(&cli, &database_url, &amqp_url);
 
     // The worker, in this process, at debug level, through a whole job.
     let ctx = onejob::runtime::Context::connect(config.clone(), &database_url, &amqp_url)
@@ -225,18 +162,137 @@ async fn secrets_never_reach_logs_errors_or_json_output() {
     );
 
     // The gateway, in this process, at debug level: its tokens are secrets too.
-    let created = cli(
-        &["tokens", "create", "--owner", "acct_s", "--json"],
+    let secret_part = gateway_tokens_stay_secret(&cli, &config, &database_url, &amqp_url).await;
+
+    shutdown.trigger();
+    task.await.unwrap().unwrap();
+    producer.close().await;
+    let shown = cli.run(
+        &["jobs", "show", &job_id.to_string(), "--json"],
         &database_url,
         &amqp_url,
+    );
+    assert!(shown.status.success());
+
+    let logs = String::from_utf8_lossy(&capture.0.lock().unwrap()).into_owned();
+    assert!(
+        logs.contains("job created"),
+        "the capture saw the worker's logs"
+    );
+    assert_clean("the worker's logs", &logs);
+    assert!(
+        logs.contains("intent answered"),
+        "the capture saw the gateway's logs"
+    );
+    assert!(
+        !logs.contains(&secret_part),
+        "the logs show a gateway token"
+    );
+}
+
+/// A qualification sends the key to the provider and only there; and every
+/// command, `--json` or not, `--help` too, prints no secret.
+fn every_command_is_clean(cli: &Cli<'_>, primary: &MockHandle, db: &str, amqp: &str) {
+    let qualified = cli.run(&["providers", "qualify", "primary", "--json"], db, amqp);
+    assert!(
+        qualified.status.success(),
+        "{}",
+        String::from_utf8_lossy(&qualified.stderr)
+    );
+    assert_eq!(
+        primary.stats.authorizations(),
+        vec![format!("Bearer {API_KEY}")],
+        "the key was sent to the provider, and only there"
+    );
+    for args in [
+        vec!["config", "check", "--json"],
+        vec!["providers", "list", "--json"],
+        vec!["dlq", "list", "--json"],
+        vec!["jobs", "find", "--owner", "o", "--key", "k", "--json"],
+        vec!["--help"],
+    ] {
+        cli.run(&args, db, amqp);
+    }
+}
+
+/// Unreachable services: the errors name the URL with its password masked,
+/// every URL of a cluster's list included.
+fn unreachable_services_are_masked(cli: &Cli<'_>, database_url: &str, amqp_url: &str) {
+    let down = cli.run(
+        &["jobs", "find", "--owner", "o", "--key", "k"],
+        &database_url.replace(":5432", ":1"),
+        amqp_url,
+    );
+    assert_eq!(down.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&down.stderr).contains("***"));
+    let down = cli.run(
+        &["dlq", "list"],
+        database_url,
+        &amqp_url.replace(":5672", ":1"),
+    );
+    assert_eq!(down.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&down.stderr).contains("***"));
+    // A list of a cluster's nodes: the CLI takes the first that answers, and
+    // every URL of the list is masked wherever it is shown.
+    let node = |port: &str| amqp_url.replace(":5672", &format!(":{port}"));
+    let listed = cli.run(
+        &["dlq", "list", "--json"],
+        database_url,
+        &format!("{},{amqp_url}", node("1")),
+    );
+    assert!(
+        listed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let down = cli.run(
+        &["dlq", "list", "--json"],
+        database_url,
+        &format!("{},{}", node("1"), node("2")),
+    );
+    assert_eq!(down.status.code(), Some(1));
+    let said =
+        String::from_utf8_lossy(&down.stderr).into_owned() + &String::from_utf8_lossy(&down.stdout);
+    assert!(
+        said.matches("***").count() >= 2,
+        "both nodes named, masked: {said}"
+    );
+    let other = amqp_url.replace(AMQP_PASSWORD, "a-second-secret");
+    let refused = cli.run(
+        &["dlq", "list"],
+        database_url,
+        &format!("{amqp_url},{other}"),
+    );
+    assert_eq!(refused.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("another user, password or virtual host")
+            && !said.contains("a-second-secret"),
+        "{said}"
+    );
+}
+
+/// The gateway's tokens are secrets too: a token made by the CLI is shown in
+/// no answer, listing or log of the gateway's. Returns its secret part, for
+/// the caller to look for in the logs.
+async fn gateway_tokens_stay_secret(
+    cli: &Cli<'_>,
+    config: &Arc<Config>,
+    database_url: &str,
+    amqp_url: &str,
+) -> String {
+    let created = cli.run(
+        &["tokens", "create", "--owner", "acct_s", "--json"],
+        database_url,
+        amqp_url,
     );
     let created: serde_json::Value = serde_json::from_slice(&created.stdout).unwrap();
     let token = created["token"].as_str().unwrap().to_owned();
     let secret_part = token["ojt_".len()..].to_owned();
     let gateway = onejob_producer::gateway::Gateway::connect(
         config.clone(),
-        &database_url,
-        &amqp_url,
+        database_url,
+        amqp_url,
         onejob_producer::gateway::GatewayOptions::default(),
     )
     .await
@@ -276,34 +332,10 @@ async fn secrets_never_reach_logs_errors_or_json_output() {
     );
     stop.trigger();
     server.await.unwrap().unwrap();
-    let listed = cli(&["tokens", "list", "--json"], &database_url, &amqp_url);
+    let listed = cli.run(&["tokens", "list", "--json"], database_url, amqp_url);
     assert!(listed.status.success());
     assert!(!String::from_utf8_lossy(&listed.stdout).contains(&secret_part));
-
-    shutdown.trigger();
-    task.await.unwrap().unwrap();
-    producer.close().await;
-    let shown = cli(
-        &["jobs", "show", &job_id.to_string(), "--json"],
-        &database_url,
-        &amqp_url,
-    );
-    assert!(shown.status.success());
-
-    let logs = String::from_utf8_lossy(&capture.0.lock().unwrap()).into_owned();
-    assert!(
-        logs.contains("job created"),
-        "the capture saw the worker's logs"
-    );
-    assert_clean("the worker's logs", &logs);
-    assert!(
-        logs.contains("intent answered"),
-        "the capture saw the gateway's logs"
-    );
-    assert!(
-        !logs.contains(&secret_part),
-        "the logs show a gateway token"
-    );
+    secret_part
 }
 
 /// On shutdown the worker stops taking deliveries but finishes the call in flight,

@@ -87,45 +87,61 @@ fn minutes(m: u64) -> Duration {
     Duration::from_secs(m * 60)
 }
 
-#[tokio::test]
-async fn retention_prunes_just_outside_its_window_and_nothing_else() {
-    let (config, _file) = config(&text());
-    let env = TestEnv::new(&config).await;
-    let store = &env.store;
-    let policy = Policy::of(&config);
+/// The jobs of the retention test: each just inside or just outside its
+/// window, those never pruned however old, and one held by its event
+/// (`event`, its outbox row, not yet published).
+struct Jobs {
+    inside: JobId,
+    outside: JobId,
+    failed_inside: JobId,
+    failed_outside: JobId,
+    cancelled_outside: JobId,
+    retired_inside: JobId,
+    retired_outside: JobId,
+    unknown: JobId,
+    queued: JobId,
+    running: JobId,
+    unpublished: JobId,
+    event: i64,
+}
 
-    // summarize's own retention for succeeded jobs: 90 minutes.
-    let inside = ended(store, "inside", "summarize", "succeeded", minutes(89)).await;
-    let outside = ended(store, "outside", "summarize", "succeeded", minutes(91)).await;
-    // Failed and cancelled fall back to [retention]: 3 hours and 2 hours.
-    let failed_inside = ended(store, "failed-inside", "summarize", "failed", minutes(179)).await;
-    let failed_outside = ended(store, "failed-outside", "summarize", "failed", minutes(181)).await;
-    let cancelled_outside = ended(
-        store,
-        "cancelled-outside",
-        "summarize",
-        "cancelled",
-        minutes(121),
-    )
-    .await;
-    // An operation no longer configured: [retention] alone (2 hours).
-    let retired_inside = ended(
-        store,
-        "retired-inside",
-        "retired",
-        "succeeded",
-        minutes(119),
-    )
-    .await;
-    let retired_outside = ended(
-        store,
-        "retired-outside",
-        "retired",
-        "succeeded",
-        minutes(121),
-    )
-    .await;
-    // Never pruned, however old: unknown, queued, running.
+impl Jobs {
+    async fn admit(store: &Store) -> Jobs {
+        let ended =
+            |key, operation, status, ago| ended(store, key, operation, status, minutes(ago));
+        // summarize's own retention for succeeded jobs: 90 minutes.
+        let inside = ended("inside", "summarize", "succeeded", 89).await;
+        let outside = ended("outside", "summarize", "succeeded", 91).await;
+        // Failed and cancelled fall back to [retention]: 3 hours and 2 hours.
+        let failed_inside = ended("failed-inside", "summarize", "failed", 179).await;
+        let failed_outside = ended("failed-outside", "summarize", "failed", 181).await;
+        let cancelled_outside = ended("cancelled-outside", "summarize", "cancelled", 121).await;
+        // An operation no longer configured: [retention] alone (2 hours).
+        let retired_inside = ended("retired-inside", "retired", "succeeded", 119).await;
+        let retired_outside = ended("retired-outside", "retired", "succeeded", 121).await;
+        // Never pruned, however old: unknown, queued, running.
+        let (unknown, queued, running) = never_pruned(store).await;
+        // Past its retention, but its job.succeeded event is not published yet.
+        let (unpublished, event) = held_by_its_event(store).await;
+        Jobs {
+            inside,
+            outside,
+            failed_inside,
+            failed_outside,
+            cancelled_outside,
+            retired_inside,
+            retired_outside,
+            unknown,
+            queued,
+            running,
+            unpublished,
+            event,
+        }
+    }
+}
+
+/// An unknown, a queued and a running job, each 400 days old.
+async fn never_pruned(store: &Store) -> (JobId, JobId, JobId) {
     let unknown = job(store, "unknown", "summarize").await;
     end(
         store,
@@ -146,7 +162,12 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
         .execute(store.pool())
         .await
         .unwrap();
-    // Past its retention, but its job.succeeded event is not published yet.
+    (unknown, queued, running)
+}
+
+/// A job past its retention whose job.succeeded event is not published yet,
+/// and the event's outbox row.
+async fn held_by_its_event(store: &Store) -> (JobId, i64) {
     let unpublished = ended(store, "unpublished", "summarize", "succeeded", minutes(200)).await;
     let event: (i64,) = sqlx::query_as(
         "INSERT INTO outbox (exchange, routing_key, message_id, body)
@@ -157,6 +178,17 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
     .fetch_one(store.pool())
     .await
     .unwrap();
+    (unpublished, event.0)
+}
+
+#[tokio::test]
+async fn retention_prunes_just_outside_its_window_and_nothing_else() {
+    let (config, _file) = config(&text());
+    let env = TestEnv::new(&config).await;
+    let store = &env.store;
+    let policy = Policy::of(&config);
+
+    let jobs = Jobs::admit(store).await;
 
     // A dry run counts, and deletes nothing.
     let dry = store.prune_jobs(&policy, i64::MAX, true).await.unwrap();
@@ -166,7 +198,7 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
         oldest >= minutes(181) && oldest < minutes(183),
         "{oldest:?}"
     );
-    assert!(exists(store, outside).await.0);
+    assert!(exists(store, jobs.outside).await.0);
 
     // Pruned in batches of one, to the same four.
     let pass = store
@@ -174,7 +206,12 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
         .await
         .unwrap();
     assert_eq!((pass.pruned.jobs, pass.pruned.attempts), (4, 4));
-    for gone in [outside, failed_outside, cancelled_outside, retired_outside] {
+    for gone in [
+        jobs.outside,
+        jobs.failed_outside,
+        jobs.cancelled_outside,
+        jobs.retired_outside,
+    ] {
         assert_eq!(
             exists(store, gone).await,
             (false, 0),
@@ -182,13 +219,13 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
         );
     }
     for kept in [
-        inside,
-        failed_inside,
-        retired_inside,
-        unknown,
-        queued,
-        running,
-        unpublished,
+        jobs.inside,
+        jobs.failed_inside,
+        jobs.retired_inside,
+        jobs.unknown,
+        jobs.queued,
+        jobs.running,
+        jobs.unpublished,
     ] {
         assert_eq!(exists(store, kept).await, (true, 1), "{kept} kept");
     }
@@ -203,9 +240,9 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
     assert_eq!(prune().await, 0);
 
     // Once its event is published, the held job goes too.
-    store.mark_published(&[event.0]).await.unwrap();
+    store.mark_published(&[jobs.event]).await.unwrap();
     assert_eq!(prune().await, 1);
-    assert!(!exists(store, unpublished).await.0);
+    assert!(!exists(store, jobs.unpublished).await.0);
 
     // A pruned identity makes a new job; a kept one is still a duplicate.
     let again = new_job("acct_r", "outside", "text");
@@ -220,7 +257,7 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
         .unwrap()
         .remove(0)
     {
-        Admission::Duplicate { job_id } => assert_eq!(job_id, inside),
+        Admission::Duplicate { job_id } => assert_eq!(job_id, jobs.inside),
         other => panic!("inside its window an identity is a duplicate, got {other:?}"),
     }
 }
@@ -344,63 +381,69 @@ async fn pruned_space_is_vacuumed_where_the_server_runs_no_autovacuum() {
         .unwrap();
     assert_eq!(pass.pruned.jobs, 300);
     if autovacuum {
-        // The statistics count the deletes (a backend reports within ten
-        // seconds of going idle); then each table either holds its dead rows
-        // past the threshold, the moment onejob would vacuum were autovacuum
-        // off, or the server's autovacuum has been there already.
-        wait_for(
-            "the pruned jobs' deletes to be reported",
-            Duration::from_secs(30),
-            || async {
-                let (deleted,): (i64,) = sqlx::query_as(
-                    "SELECT n_tup_del FROM pg_stat_user_tables
-                     WHERE relname = 'jobs' AND schemaname = current_schema()",
-                )
-                .fetch_one(store.pool())
-                .await
-                .unwrap();
-                (deleted >= 300).then_some(())
-            },
-        )
-        .await;
-        let due_or_done = |store: &onejob::store::Store| {
-            let pool = store.pool().clone();
-            async move {
-                sqlx::query_as::<_, (String, bool, i64)>(
-                    "SELECT s.relname::text,
-                            s.n_dead_tup > current_setting('autovacuum_vacuum_threshold')::float8
-                                + current_setting('autovacuum_vacuum_scale_factor')::float8
-                                  * greatest(c.reltuples, 0)
-                            OR s.autovacuum_count > 0,
-                            s.vacuum_count
-                     FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
-                     WHERE s.relname IN ('jobs', 'attempts') AND s.schemaname = current_schema()
-                     ORDER BY s.relname",
-                )
-                .fetch_all(&pool)
-                .await
-                .unwrap()
-            }
-        };
-        for (table, due, _) in due_or_done(store).await {
-            assert!(
-                due,
-                "{table}: dead rows neither past the threshold nor autovacuumed"
-            );
-        }
-        assert_eq!(
-            store.vacuum_if_due().await.unwrap(),
-            Vec::<String>::new(),
-            "autovacuum runs: onejob leaves the dead rows to it"
-        );
-        for (table, _, manual) in due_or_done(store).await {
-            assert_eq!(
-                manual, 0,
-                "{table} was vacuumed by hand where autovacuum runs"
-            );
-        }
+        left_to_autovacuum(store).await;
     } else {
         vacuumed_by_onejob(store).await;
+    }
+}
+
+/// Where autovacuum runs: once the pruned rows are reported dead, onejob
+/// vacuums nothing, and leaves them to the server.
+async fn left_to_autovacuum(store: &onejob::store::Store) {
+    // The statistics count the deletes (a backend reports within ten
+    // seconds of going idle); then each table either holds its dead rows
+    // past the threshold, the moment onejob would vacuum were autovacuum
+    // off, or the server's autovacuum has been there already.
+    wait_for(
+        "the pruned jobs' deletes to be reported",
+        Duration::from_secs(30),
+        || async {
+            let (deleted,): (i64,) = sqlx::query_as(
+                "SELECT n_tup_del FROM pg_stat_user_tables
+                 WHERE relname = 'jobs' AND schemaname = current_schema()",
+            )
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+            (deleted >= 300).then_some(())
+        },
+    )
+    .await;
+    let due_or_done = |store: &onejob::store::Store| {
+        let pool = store.pool().clone();
+        async move {
+            sqlx::query_as::<_, (String, bool, i64)>(
+                "SELECT s.relname::text,
+                        s.n_dead_tup > current_setting('autovacuum_vacuum_threshold')::float8
+                            + current_setting('autovacuum_vacuum_scale_factor')::float8
+                              * greatest(c.reltuples, 0)
+                        OR s.autovacuum_count > 0,
+                        s.vacuum_count
+                 FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
+                 WHERE s.relname IN ('jobs', 'attempts') AND s.schemaname = current_schema()
+                 ORDER BY s.relname",
+            )
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    for (table, due, _) in due_or_done(store).await {
+        assert!(
+            due,
+            "{table}: dead rows neither past the threshold nor autovacuumed"
+        );
+    }
+    assert_eq!(
+        store.vacuum_if_due().await.unwrap(),
+        Vec::<String>::new(),
+        "autovacuum runs: onejob leaves the dead rows to it"
+    );
+    for (table, _, manual) in due_or_done(store).await {
+        assert_eq!(
+            manual, 0,
+            "{table} was vacuumed by hand where autovacuum runs"
+        );
     }
 }
 

@@ -3,11 +3,13 @@
 
 mod common;
 
+use std::path::Path;
 use std::time::Duration;
 
 use common::{TestEnv, config, config_text, mock, submit, wait_for_status};
-use onejob::domain::{AttemptStatus, JobStatus};
-use onejob::mock::MockOptions;
+use onejob::config::Config;
+use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
+use onejob::mock::{MockHandle, MockOptions};
 use onejob_producer::Producer;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -24,7 +26,6 @@ async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
         Some(&fallback.base_url()),
         "",
     ));
-    let backoff_max = config.worker.retry_backoff_max;
     let env = TestEnv::new(&config).await;
     let fleet = env.fleet(config.clone(), vec![]).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
@@ -48,29 +49,7 @@ async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
         first.error
     );
 
-    // For three full backoff periods (at their cap) plus the vanished-worker grace,
-    // and through three whole reconciler sweeps (the vanished-worker, lost-message
-    // and hedging passes, each a chance to start something beside the unknown),
-    // nothing new starts and nobody calls the fallback.
-    let window = backoff_max * 3 + config.worker.vanished_grace;
-    common::through_sweeps(
-        &env.store,
-        3,
-        window,
-        "the unknown job's window",
-        || async {
-            let job = env.store.job(job_id).await.unwrap().unwrap();
-            assert_eq!(job.status, JobStatus::Unknown);
-            assert_eq!(job.attempts.len(), 1, "no new attempt while one is unknown");
-            assert_eq!(
-                job.attempts[0].status,
-                AttemptStatus::Unknown,
-                "never failed by time alone"
-            );
-            assert_eq!(fallback.stats.requests(), 0, "the fallback is never called");
-        },
-    )
-    .await;
+    nothing_starts_beside_the_unknown(&env, &config, job_id, &fallback).await;
     assert_eq!(primary.stats.requests(), 1);
 
     // The operator learns the provider dropped it, and resolves it as failed.
@@ -99,22 +78,57 @@ async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
     assert_eq!(job.attempts[1].provider, "primary");
     assert_eq!(fallback.stats.requests(), 0);
 
+    refusals_name_their_reason(&env, &file.path, first.id);
+
+    producer.close().await;
+    fleet.stop().await;
+}
+
+/// The unknown job `job_id` stays as it is while time passes and sweeps run.
+async fn nothing_starts_beside_the_unknown(
+    env: &TestEnv,
+    config: &Config,
+    job_id: JobId,
+    fallback: &MockHandle,
+) {
+    // For three full backoff periods (at their cap) plus the vanished-worker grace,
+    // and through three whole reconciler sweeps (the vanished-worker, lost-message
+    // and hedging passes, each a chance to start something beside the unknown),
+    // nothing new starts and nobody calls the fallback.
+    let window = config.worker.retry_backoff_max * 3 + config.worker.vanished_grace;
+    common::through_sweeps(
+        &env.store,
+        3,
+        window,
+        "the unknown job's window",
+        || async {
+            let job = env.store.job(job_id).await.unwrap().unwrap();
+            assert_eq!(job.status, JobStatus::Unknown);
+            assert_eq!(job.attempts.len(), 1, "no new attempt while one is unknown");
+            assert_eq!(
+                job.attempts[0].status,
+                AttemptStatus::Unknown,
+                "never failed by time alone"
+            );
+            assert_eq!(fallback.stats.requests(), 0, "the fallback is never called");
+        },
+    )
+    .await;
+}
+
+/// The CLI's refusals: resolving a terminal attempt or one that does not
+/// exist (exit 1, with the reason), and bad usage (exit 2).
+fn refusals_name_their_reason(env: &TestEnv, path: &Path, first: AttemptId) {
     // Resolving a terminal attempt is refused with exit 1 and the reason.
     let out = env.cli(
-        &file.path,
-        &[
-            "attempts",
-            "resolve",
-            &first.id.to_string(),
-            "--as",
-            "failed",
-        ],
+        path,
+        &["attempts", "resolve", &first.to_string(), "--as", "failed"],
     );
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("already failed"));
     // An attempt that does not exist: exit 1. Bad usage: exit 2.
     let out = env.cli(
-        &file.path,
+        path,
         &[
             "attempts",
             "resolve",
@@ -126,26 +140,14 @@ async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not found"));
     let out = env.cli(
-        &file.path,
-        &[
-            "attempts",
-            "resolve",
-            &first.id.to_string(),
-            "--as",
-            "maybe",
-        ],
+        path,
+        &["attempts", "resolve", &first.to_string(), "--as", "maybe"],
     );
     assert_eq!(out.status.code(), Some(2));
-    let out = env.cli(&file.path, &["jobs", "show", "not-a-uuid"]);
+    let out = env.cli(path, &["jobs", "show", "not-a-uuid"]);
     assert_eq!(out.status.code(), Some(2));
-    let out = env.cli(
-        &file.path,
-        &["jobs", "show", &uuid::Uuid::now_v7().to_string()],
-    );
+    let out = env.cli(path, &["jobs", "show", &uuid::Uuid::now_v7().to_string()]);
     assert_eq!(out.status.code(), Some(1));
-
-    producer.close().await;
-    fleet.stop().await;
 }
 
 /// A connection lost after the request was sent is `unknown` too; resolving it as

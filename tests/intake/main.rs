@@ -1,0 +1,17 @@
+//! Intake on the real broker: every reject reason is specific, lands in the
+//! dead-letter queue with its reason, and stops nothing; a crash between commit and
+//! ack is a redelivery that comes out as a `duplicate` of the same job.
+//!
+//! One binary, its tests by topic: what intake refuses (`rejects`), crashes and
+//! redeliveries (`redelivery`), and admission in batches (`batches`).
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod batches;
+mod redelivery;
+mod rejects;
+
+use std::time::Duration;
+
+const SETTLE: Duration = Duration::from_secs(20);

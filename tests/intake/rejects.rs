@@ -1,0 +1,165 @@
+//! What intake refuses: every bad intent with its specific reason, dead-lettered,
+//! and a receipt to a queue it was not allowed to name.
+
+use lapin::options::BasicPublishOptions;
+use onejob::broker;
+use onejob::broker::header_str;
+use onejob::fleet::Role;
+use onejob::intent::Outcome;
+use onejob::mock::MockOptions;
+use onejob_producer::Producer;
+
+use crate::common::{TestEnv, config, config_text, intent, mock, wait_for_messages};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_bad_intent_is_rejected_with_its_reason_and_dead_lettered() {
+    let primary = mock(MockOptions::default()).await;
+    let text = config_text(&primary.base_url(), None, "")
+        .replace("[worker]\n", "[worker]\nmax_message_bytes = 4096\n");
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![Role::Intake]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+
+    let long_owner = "o".repeat(129);
+    let long_key = "k".repeat(256);
+    let huge_text = "x".repeat(5000);
+    let cases: Vec<(String, &str)> = vec![
+        ("this is not json".into(), "invalid_json"),
+        ("[1, 2, 3]".into(), "not_an_object"),
+        (r#"{"owner_id":"a","idempotency_key":"k","operation":"summarize","input":{},"priority":1}"#.into(), "unknown_field"),
+        (r#"{"owner_id":"a","owner_id":"b","idempotency_key":"k","operation":"summarize","input":{}}"#.into(), "duplicate_field"),
+        (r#"{"owner_id":"a","operation":"summarize","input":{}}"#.into(), "missing_field"),
+        (r#"{"owner_id":"a","idempotency_key":"k","operation":"summarize","input":"text"}"#.into(), "wrong_type"),
+        (r#"{"owner_id":42,"idempotency_key":"k","operation":"summarize","input":{}}"#.into(), "wrong_type"),
+        (format!(r#"{{"owner_id":"{long_owner}","idempotency_key":"k","operation":"summarize","input":{{}}}}"#), "bad_length"),
+        (format!(r#"{{"owner_id":"a","idempotency_key":"{long_key}","operation":"summarize","input":{{}}}}"#), "bad_length"),
+        (r#"{"owner_id":"a b","idempotency_key":"k","operation":"summarize","input":{}}"#.into(), "bad_characters"),
+        (r#"{"owner_id":"a","idempotency_key":"k","operation":"translate","input":{}}"#.into(), "unknown_operation"),
+        (r#"{"owner_id":"a","idempotency_key":"k","operation":"summarize","input":{},"provider":"nope"}"#.into(), "provider_not_in_route"),
+        (r#"{"owner_id":"a","idempotency_key":"k","operation":"summarize","input":{"txt":"x"}}"#.into(), "bad_input"),
+        (format!(r#"{{"owner_id":"a","idempotency_key":"k","operation":"summarize","input":{{"text":"{huge_text}"}}}}"#), "too_large"),
+    ];
+    for (body, code) in &cases {
+        let receipt = producer.submit_raw(body.as_bytes()).await.unwrap();
+        assert_eq!(receipt.outcome, Outcome::Rejected, "{code}");
+        assert_eq!(receipt.job_id, None);
+        let error = receipt.error.unwrap_or_default();
+        assert!(error.starts_with(code), "expected {code}, got {error}");
+    }
+    let mut bad_utf8 =
+        br#"{"owner_id":"a","idempotency_key":"k","operation":"summarize","input":{"t":""#.to_vec();
+    bad_utf8.extend_from_slice(&[0xff, 0xfe]);
+    bad_utf8.extend_from_slice(br#""}}"#);
+    let receipt = producer.submit_raw(&bad_utf8).await.unwrap();
+    assert!(receipt.error.unwrap_or_default().starts_with("not_utf8"));
+
+    // The worker carried on: a good intent is still accepted.
+    let good = producer
+        .submit(&intent("acct_i", "good", "fine"))
+        .await
+        .unwrap();
+    assert_eq!(good.outcome, Outcome::Created);
+
+    // Each rejected message sits in the dead-letter queue, body intact, with the
+    // reason in x-onejob-error and its original routing.
+    let amqp = env.amqp().await;
+    let ch = amqp.create_channel().await.unwrap();
+    let dlq = broker::dead_letter_queue(broker::INTENTS_QUEUE);
+    let dead = env.drain(&ch, &dlq).await;
+    assert_eq!(dead.len(), cases.len() + 1);
+    for (d, (body, code)) in dead.iter().zip(&cases) {
+        assert_eq!(d.data, body.as_bytes());
+        let headers = d.properties.headers().clone().unwrap_or_default();
+        let reason = header_str(&headers, broker::ERROR_HEADER).unwrap_or_default();
+        assert!(reason.starts_with(code), "{code}: {reason}");
+        assert_eq!(
+            header_str(&headers, "x-onejob-original-routing-key").as_deref(),
+            Some("intents")
+        );
+    }
+    let (jobs,): (i64,) = sqlx::query_as("SELECT count(*) FROM jobs")
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(jobs, 1, "no rejected intent became a job");
+
+    producer.close().await;
+    fleet.stop().await;
+}
+
+/// Receipts go only to direct reply-to or a queue `worker.reply_queues` names:
+/// a publisher naming another queue (onejob's own attempts queue, another
+/// service's) would otherwise have the worker publish a message of its choice
+/// there with the worker's own permissions. Such an intent is dead-lettered
+/// with the reason and gets no receipt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn receipts_go_only_to_direct_reply_to_or_an_allowed_queue() {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
+    let text = config_text("http://127.0.0.1:9/v1", None, "")
+        .replace("[worker]\n", "[worker]\nreply_queues = [\"svc.replies\"]\n");
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![Role::Intake]).await;
+    let amqp = env.amqp().await;
+    let ch = amqp.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    ch.queue_declare(
+        "svc.replies".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let attempts = broker::attempts_queue("primary");
+    for (key, reply_to) in [
+        ("k-forged", attempts.as_str()),
+        ("k-allowed", "svc.replies"),
+    ] {
+        let body = serde_json::to_vec(&intent("acct_reply", key, "text")).unwrap();
+        ch.basic_publish(
+            broker::EXCHANGE.into(),
+            broker::INTENTS_KEY.into(),
+            BasicPublishOptions::default(),
+            &body,
+            broker::json_properties()
+                .with_reply_to(reply_to.into())
+                .with_correlation_id(key.into()),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    let dlq = format!("{}.dlq", broker::INTENTS_QUEUE);
+    let letter = wait_for_messages(&env, &ch, &dlq).await.remove(0);
+    let headers = letter.properties.headers().clone().unwrap_or_default();
+    let error = header_str(&headers, broker::ERROR_HEADER).unwrap_or_default();
+    assert!(error.starts_with("reply_to_refused"), "{error}");
+    let receipt = wait_for_messages(&env, &ch, "svc.replies").await.remove(0);
+    assert_eq!(
+        receipt
+            .properties
+            .correlation_id()
+            .as_ref()
+            .map(|c| c.as_str()),
+        Some("k-allowed")
+    );
+    // The attempts queue holds the allowed intent's first attempt, and no receipt.
+    let held = wait_for_messages(&env, &ch, &attempts).await;
+    assert_eq!(held.len(), 1);
+    assert_eq!(
+        held[0].properties.correlation_id(),
+        &None,
+        "no receipt in onejob's queue"
+    );
+    assert!(
+        env.store
+            .find_job("acct_reply", "k-forged")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    fleet.stop().await;
+}
