@@ -256,3 +256,23 @@ fn the_folders_hold_what_lib_rs_says() {
         }
     }
 }
+
+/// Small rooms: no source file over 600 lines, no function over 80, in every
+/// crate, test and benchmark (`scripts/sizes` counts them, and lists what is
+/// over).
+#[test]
+fn every_file_and_function_is_small() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = std::process::Command::new("python3")
+        .arg(root.join("scripts/sizes"))
+        .arg("--check")
+        .current_dir(root)
+        .output()
+        .expect("python3 runs scripts/sizes");
+    assert!(
+        out.status.success(),
+        "over the limits:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
