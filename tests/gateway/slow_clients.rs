@@ -87,8 +87,12 @@ async fn a_body_that_stops_arriving_is_answered_408() {
 /// bounded, and each refusal is counted for its owner.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_owner_cannot_starve_another() {
+    // The process-wide cap is not what this test is about: it stays above the
+    // 101 requests opened here, so that every refusal is the owner's. (Each
+    // request holds a process-wide slot while its token is looked up; 100 at
+    // once under a 64 cap met that cap first, a 503, when lookups were slow.)
     let options = GatewayOptions {
-        max_in_flight: 64,
+        max_in_flight: 256,
         max_in_flight_per_owner: 8,
         max_bytes_in_flight_per_owner: 64 << 10,
         body_timeout: Duration::from_secs(10),
@@ -157,6 +161,62 @@ async fn one_owner_cannot_starve_another() {
         assert!(metrics.contains(&line), "{line} in:\n{metrics}");
     }
     assert!(!metrics.contains("owner=\"acct_polite\""), "{metrics}");
+    drop(held);
+    s.stop().await;
+}
+
+/// Past the process-wide cap on requests in flight, a request is answered
+/// `503` at once, saying why, whoever sends it; once one in flight ends, the
+/// next is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn past_the_process_wide_cap_a_request_is_answered_503_at_once() {
+    let options = GatewayOptions {
+        max_in_flight: 4,
+        ..GatewayOptions::default()
+    };
+    let s = Served::start_with(true, options).await;
+    let many = s.token("acct_many");
+    let other = s.token("acct_other");
+    let mut held = Vec::new();
+    for key in 0..4 {
+        let head = format!(
+            "POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {many}\r\n\
+             Idempotency-Key: k-{key}\r\nContent-Type: application/json\r\n\
+             Content-Length: 100\r\n\r\n"
+        );
+        held.push(stalled(&s.base, &head).await);
+    }
+    let in_flight = |n: usize| async move {
+        onejob::metrics::render()
+            .contains(&format!("onejob_gateway_in_flight {n}\n"))
+            .then_some(())
+    };
+    wait_for("the four to be held", Duration::from_secs(30), || {
+        in_flight(4)
+    })
+    .await;
+    let refused = tokio::time::timeout(
+        Duration::from_secs(10),
+        s.post(Some(&other), Some("k-other"), SUMMARIZE),
+    )
+    .await
+    .expect("a refusal, not a wait");
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{refused:?}"
+    );
+    assert!(
+        refused
+            .body
+            .to_string()
+            .contains("too many requests in flight"),
+        "{refused:?}"
+    );
+    drop(held.pop());
+    wait_for("one to end", Duration::from_secs(30), || in_flight(3)).await;
+    let served = s.post(Some(&other), Some("k-other"), SUMMARIZE).await;
+    assert_eq!(served.status, StatusCode::CREATED, "{served:?}");
     drop(held);
     s.stop().await;
 }
