@@ -22,7 +22,7 @@
 //! src/shared/      what roles and tools share: runtime, policy, qualify, dlq, provider,
 //!                  metrics, gauges, config, token, http, shutdown, telemetry
 //! src/store/       all SQL, one file per aggregate: the one seam to Postgres
-//! src/mock.rs      the bundled OpenAI-compatible mock provider (not part of a pod)
+//! src/mock/        the bundled OpenAI-compatible mock provider (not part of a pod)
 //! ```
 //!
 //! Each module is re-exported here under its own name (`crate::runtime` is

@@ -40,6 +40,15 @@ struct Args {
     /// tenant's prompt, and tenants do not steer a provider.
     #[arg(long)]
     directives: bool,
+    /// Keep every completion asked with "store": true, with its metadata,
+    /// and list them: GET /v1/chat/completions?metadata[KEY]=VALUE (OpenAI's
+    /// stored completions, the evidence of `evidence = "stored"`).
+    #[arg(long)]
+    store: bool,
+    /// Answer a repeated Idempotency-Key with the first request's answer,
+    /// running no new work (the evidence of `evidence = "idempotency_key"`).
+    #[arg(long)]
+    replay: bool,
 }
 
 #[tokio::main]
@@ -58,6 +67,8 @@ async fn main() -> ExitCode {
         misbehave: args.misbehave,
         tag: args.tag,
         directives: args.directives,
+        store: args.store,
+        replay: args.replay,
         ..onejob::mock::MockOptions::default()
     };
     let handle = match onejob::mock::start(args.listen, options).await {

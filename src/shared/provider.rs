@@ -10,8 +10,8 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::config::{Operation, Provider, Rendered};
-use crate::domain::AttemptId;
+use crate::config::{EvidenceKind, Operation, Provider, Rendered};
+use crate::domain::{AttemptId, JobId};
 
 /// An answer from the provider.
 #[derive(Clone, Debug, PartialEq)]
@@ -100,11 +100,14 @@ impl Client {
     }
 
     /// Calls `POST {base_url}/chat/completions` with the rendered messages, sending
-    /// the attempt id as `Idempotency-Key` so a provider that honours it never does
-    /// the same attempt twice.
+    /// the attempt id in the provider's `idempotency_header` so a provider that
+    /// honours it never does the same attempt twice. A provider whose evidence
+    /// is `stored` is asked to store the call, with the attempt (and its job,
+    /// when it has one) as metadata, so that an unknown call can be found.
     pub(crate) async fn complete(
         &self,
         attempt: AttemptId,
+        job: Option<JobId>,
         operation: &Operation,
         rendered: &Rendered,
     ) -> Result<Answer, CallError> {
@@ -113,7 +116,7 @@ impl Client {
             .base_url
             .join("chat/completions")
             .map_err(|e| CallError::Refused(format!("bad url: {e}")))?;
-        let body = json!({
+        let mut body = json!({
             "model": self.provider.model,
             "temperature": operation.temperature,
             "messages": [
@@ -121,10 +124,17 @@ impl Client {
                 { "role": "user", "content": rendered.user },
             ],
         });
+        if self.provider.evidence.kind == EvidenceKind::Stored {
+            body["store"] = json!(true);
+            body["metadata"] = evidence_metadata(attempt, job);
+        }
         let mut request = self
             .http
             .post(url)
-            .header("Idempotency-Key", attempt.to_string())
+            .header(
+                self.provider.idempotency_header.clone(),
+                attempt.to_string(),
+            )
             .json(&body);
         if let Some(env) = &self.provider.api_key_env {
             match std::env::var(env) {
@@ -170,6 +180,17 @@ impl Client {
         }
         judge(&self.provider, status.as_u16(), retry_after, &bytes)
     }
+}
+
+/// The metadata a stored call carries (contract section 7, Evidence): the
+/// attempt, and its job when it has one (a qualification run's calls have
+/// none).
+pub(crate) fn evidence_metadata(attempt: AttemptId, job: Option<JobId>) -> Value {
+    let mut metadata = json!({ "onejob_attempt": attempt.to_string() });
+    if let Some(job) = job {
+        metadata["onejob_job"] = json!(job.to_string());
+    }
+    metadata
 }
 
 /// Judges an HTTP answer. Everything taken from it is made storable first:

@@ -180,7 +180,7 @@ async fn run_case(
     }
     let started = Instant::now();
     let answer = client
-        .complete(AttemptId::new(), operation, &rendered)
+        .complete(AttemptId::new(), None, operation, &rendered)
         .await;
     let elapsed = started.elapsed();
     result.latency_ms = Some(u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX));

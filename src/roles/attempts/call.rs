@@ -42,7 +42,12 @@ pub(crate) async fn call(config: &Config, client: &Client, started: &Started) ->
     };
     let began = std::time::Instant::now();
     let answer = client
-        .complete(started.attempt_id, operation, &rendered)
+        .complete(
+            started.attempt_id,
+            Some(started.job_id),
+            operation,
+            &rendered,
+        )
         .await;
     crate::metrics::provider_call(
         &client.provider().name,

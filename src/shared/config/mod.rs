@@ -36,8 +36,9 @@ use crate::intent::{Intent, RejectReason};
 pub use checks::MAX_DURATION;
 pub use operations::{ContractViolation, Operation, Rendered, TemplateError};
 pub use providers::{
-    DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_RETRY_AFTER, DEFAULT_UNKNOWN_STATUSES, Provider,
-    ProviderKind,
+    DEFAULT_EVIDENCE_DEADLINE, DEFAULT_EVIDENCE_DELAY, DEFAULT_IDEMPOTENCY_HEADER,
+    DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_RETRY_AFTER, DEFAULT_UNKNOWN_STATUSES, Evidence,
+    EvidenceKind, Provider, ProviderKind,
 };
 pub use retention::{MAX_RETENTION, Retention};
 pub use worker::{MAX_BATCH_SIZE, MAX_FLUSH_INTERVAL, WorkerSettings};

@@ -21,6 +21,10 @@ pub(super) struct RawProvider {
     max_retry_after: Option<String>,
     unknown_statuses: Option<Vec<u16>>,
     max_response_bytes: Option<usize>,
+    evidence: Option<String>,
+    evidence_delay: Option<String>,
+    evidence_deadline: Option<String>,
+    idempotency_header: Option<String>,
 }
 
 /// The kind of API a provider speaks.
@@ -57,6 +61,39 @@ pub struct Provider {
     pub unknown_statuses: Vec<u16>,
     /// The largest answer read from the provider; a larger one fails the attempt.
     pub max_response_bytes: usize,
+    /// How onejob can learn, after the fact, what a call whose outcome is
+    /// unknown did (`evidence`, `evidence_delay`, `evidence_deadline`).
+    pub evidence: Evidence,
+    /// The header every call carries the attempt id in (`idempotency_header`).
+    pub idempotency_header: reqwest::header::HeaderName,
+}
+
+/// What a provider keeps of the calls it completes (contract section 7,
+/// Evidence).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvidenceKind {
+    /// Nothing onejob can read: an unknown waits for an operator.
+    None,
+    /// Stored completions: every call carries `store: true` and the attempt's
+    /// metadata, and a completed call can be listed by that metadata.
+    Stored,
+    /// The same request with the same idempotency key is answered with the
+    /// first one's outcome, and runs no new work.
+    IdempotencyKey,
+}
+
+/// How, and for how long, an unknown call of a provider is settled from its
+/// evidence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Evidence {
+    /// What the provider keeps.
+    pub kind: EvidenceKind,
+    /// How long after a call ended its stored answer may take to be visible:
+    /// no look comes sooner.
+    pub delay: Duration,
+    /// From the call's start: past it, a call with no evidence is `failed`
+    /// (`no_evidence`), or waits for an operator (`idempotency_key`).
+    pub deadline: Duration,
 }
 
 /// The default `max_retry_after` of a provider.
@@ -64,6 +101,13 @@ pub const DEFAULT_MAX_RETRY_AFTER: Duration = Duration::from_secs(600);
 /// The default `unknown_statuses` of a provider: gateway timeout, and
 /// Cloudflare's "a timeout occurred".
 pub const DEFAULT_UNKNOWN_STATUSES: [u16; 2] = [504, 524];
+/// The default `evidence_delay` of a provider.
+pub const DEFAULT_EVIDENCE_DELAY: Duration = Duration::from_secs(5);
+/// The default `evidence_deadline` of a provider, unless its `timeout` and
+/// `evidence_delay` need longer.
+pub const DEFAULT_EVIDENCE_DEADLINE: Duration = Duration::from_secs(600);
+/// The default `idempotency_header` of a provider.
+pub const DEFAULT_IDEMPOTENCY_HEADER: &str = "Idempotency-Key";
 /// The default `max_response_bytes` of a provider.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
 
@@ -116,6 +160,8 @@ impl Provider {
             &p.max_retry_after,
             DEFAULT_MAX_RETRY_AFTER,
         )?;
+        let evidence = Evidence::parse(origin, &name, &p, timeout)?;
+        let idempotency_header = idempotency_header(origin, &at("idempotency_header"), &p)?;
         let unknown_statuses = p
             .unknown_statuses
             .unwrap_or_else(|| DEFAULT_UNKNOWN_STATUSES.to_vec());
@@ -154,6 +200,89 @@ impl Provider {
             max_retry_after,
             unknown_statuses,
             max_response_bytes,
+            evidence,
+            idempotency_header,
         })
     }
+}
+
+impl Evidence {
+    /// `evidence`, `evidence_delay` and `evidence_deadline`: the deadline must
+    /// leave room for a call to time out and its answer to become visible.
+    fn parse(origin: &str, name: &str, p: &RawProvider, timeout: Duration) -> Result<Evidence> {
+        let at = |field: &str| format!("providers.{name}.{field}");
+        let kind = match p.evidence.as_deref() {
+            None | Some("none") => EvidenceKind::None,
+            Some("stored") => EvidenceKind::Stored,
+            Some("idempotency_key") => EvidenceKind::IdempotencyKey,
+            Some(other) => {
+                return Err(invalid(
+                    origin,
+                    at("evidence"),
+                    format!(
+                        "{other:?} is not a kind of evidence (expected \"stored\", \"idempotency_key\" or \"none\")"
+                    ),
+                ));
+            }
+        };
+        let delay = duration(
+            origin,
+            &at("evidence_delay"),
+            &p.evidence_delay,
+            DEFAULT_EVIDENCE_DELAY,
+        )?;
+        let least = timeout + delay;
+        let deadline = duration(
+            origin,
+            &at("evidence_deadline"),
+            &p.evidence_deadline,
+            DEFAULT_EVIDENCE_DEADLINE.max(least),
+        )?;
+        if deadline < least {
+            return Err(invalid(
+                origin,
+                at("evidence_deadline"),
+                format!(
+                    "must be at least timeout + evidence_delay ({}): a call must be able to time out and its answer become visible before the deadline",
+                    humantime::format_duration(least)
+                ),
+            ));
+        }
+        Ok(Evidence {
+            kind,
+            delay,
+            deadline,
+        })
+    }
+}
+
+/// `idempotency_header`: a header name, and not one HTTP or the call itself
+/// needs for something else.
+fn idempotency_header(
+    origin: &str,
+    at: &str,
+    p: &RawProvider,
+) -> Result<reqwest::header::HeaderName> {
+    let text = p
+        .idempotency_header
+        .as_deref()
+        .unwrap_or(DEFAULT_IDEMPOTENCY_HEADER);
+    let name = reqwest::header::HeaderName::from_bytes(text.as_bytes())
+        .map_err(|_| invalid(origin, at, format!("{text:?} is not a header name")))?;
+    let taken = [
+        "authorization",
+        "content-type",
+        "content-length",
+        "host",
+        "transfer-encoding",
+        "connection",
+    ];
+    if taken.contains(&name.as_str()) {
+        return Err(invalid(
+            origin,
+            at,
+            format!("{text:?} is a header the call needs for something else"),
+        ));
+    }
+    Ok(name)
 }

@@ -401,3 +401,88 @@ fn a_contract_violation_names_the_offending_value_in_a_bounded_excerpt() {
     let e = op.check_output(&extra).unwrap_err().to_string();
     assert!(e.len() <= 600, "{} bytes", e.len());
 }
+
+/// `evidence`, `evidence_delay`, `evidence_deadline` and `idempotency_header`
+/// (contract section 7, Evidence): defaults, each kind, and each refusal named.
+#[test]
+fn evidence_settings_have_defaults_and_bounds() {
+    let with_primary = |extra: &str| {
+        EMBEDDED_DEFAULT.replace(
+            "model = \"mock-model\"",
+            &format!("model = \"mock-model\"\n{extra}"),
+        )
+    };
+    let p = Config::parse(EMBEDDED_DEFAULT, "t").unwrap().providers["primary"].clone();
+    assert_eq!(p.evidence.kind, EvidenceKind::None);
+    assert_eq!(p.evidence.delay, DEFAULT_EVIDENCE_DELAY);
+    assert_eq!(p.evidence.deadline, DEFAULT_EVIDENCE_DEADLINE);
+    assert_eq!(p.idempotency_header.as_str(), "idempotency-key");
+    for (text, kind) in [
+        ("evidence = \"stored\"", EvidenceKind::Stored),
+        (
+            "evidence = \"idempotency_key\"",
+            EvidenceKind::IdempotencyKey,
+        ),
+        ("evidence = \"none\"", EvidenceKind::None),
+    ] {
+        let c = Config::parse(&with_primary(text), "t").unwrap();
+        assert_eq!(c.providers["primary"].evidence.kind, kind, "{text}");
+    }
+    let c = Config::parse(
+        &with_primary(
+            "evidence = \"stored\"\nevidence_delay = \"2s\"\nevidence_deadline = \"40s\"\n\
+             idempotency_header = \"X-Request-Key\"",
+        ),
+        "t",
+    )
+    .unwrap();
+    let p = &c.providers["primary"];
+    assert_eq!(p.evidence.delay, Duration::from_secs(2));
+    assert_eq!(p.evidence.deadline, Duration::from_secs(40));
+    assert_eq!(p.idempotency_header.as_str(), "x-request-key");
+    // A timeout past the default deadline moves the default, not the check.
+    let c = Config::parse(
+        &EMBEDDED_DEFAULT.replace("timeout = \"30s\"", "timeout = \"15m\""),
+        "t",
+    )
+    .unwrap();
+    assert_eq!(
+        c.providers["primary"].evidence.deadline,
+        Duration::from_secs(15 * 60 + 5)
+    );
+    for (extra, setting, says) in [
+        (
+            "evidence = \"ledger\"",
+            "evidence",
+            "not a kind of evidence",
+        ),
+        (
+            "evidence_delay = \"0s\"",
+            "evidence_delay",
+            "greater than zero",
+        ),
+        (
+            "evidence_deadline = \"34s\"",
+            "evidence_deadline",
+            "at least timeout + evidence_delay (35s)",
+        ),
+        (
+            "idempotency_header = \"two words\"",
+            "idempotency_header",
+            "not a header name",
+        ),
+        (
+            "idempotency_header = \"Authorization\"",
+            "idempotency_header",
+            "needs for something else",
+        ),
+    ] {
+        let err = Config::parse(&with_primary(extra), "t")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("providers.primary.{setting}")) && err.contains(says),
+            "{extra}: {err}"
+        );
+    }
+}

@@ -20,8 +20,17 @@
 //! | `mock:pad=BYTES` | pad the answer's text (or an error's message) with that many bytes (at most [`MAX_PAD`]) |
 //!
 //! Server-wide options add a fixed delay, random latency and a random error rate.
-//! `GET /_mock/stats` reports how many completions were requested, and with which
-//! `Idempotency-Key`s (the latest [`MockOptions::record_limit`]).
+//! `GET /_mock/stats` reports how many completions were requested, how many of
+//! them ran work (a replayed key runs none), and with which `Idempotency-Key`s
+//! (the latest [`MockOptions::record_limit`]).
+//!
+//! It can keep the evidence a real provider keeps (see `evidence`): stored
+//! completions, listed by metadata ([`MockOptions::store`]), and answers
+//! replayed by idempotency key ([`MockOptions::replay`]).
+
+mod answer;
+mod directives;
+mod evidence;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -29,13 +38,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use rand::Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -58,8 +66,16 @@ pub struct MockOptions {
     /// Whether `mock:` directives in a request's text are obeyed. Off by
     /// default: the text is a tenant's prompt.
     pub directives: bool,
-    /// How many idempotency keys and authorizations are kept (the latest).
+    /// How many idempotency keys and authorizations are kept (the latest),
+    /// and how many stored completions and replayable keys.
     pub record_limit: usize,
+    /// Keep every completion asked with `"store": true` (with its
+    /// `metadata`), even when the client hung up before the answer, and list
+    /// them by metadata: OpenAI's stored completions.
+    pub store: bool,
+    /// Answer a repeated `Idempotency-Key` with the first request's answer,
+    /// running no new work (`409` if the first ended without one).
+    pub replay: bool,
 }
 
 /// The most a `mock:pad` pads, in bytes.
@@ -93,6 +109,8 @@ impl Default for MockOptions {
             tag: None,
             directives: false,
             record_limit: 100_000,
+            store: false,
+            replay: false,
         }
     }
 }
@@ -101,6 +119,7 @@ impl Default for MockOptions {
 #[derive(Debug, Default, Serialize)]
 pub struct Stats {
     requests: AtomicU64,
+    work: AtomicU64,
     idempotency_keys: Mutex<VecDeque<String>>,
     #[serde(skip)]
     authorizations: Mutex<VecDeque<String>>,
@@ -110,6 +129,11 @@ impl Stats {
     /// Completions requested so far.
     pub fn requests(&self) -> u64 {
         self.requests.load(Ordering::SeqCst)
+    }
+
+    /// Completions whose work ran: every request but a replayed key's.
+    pub fn work(&self) -> u64 {
+        self.work.load(Ordering::SeqCst)
     }
 
     /// The `Authorization` header of each request that had one, so tests can check
@@ -134,6 +158,7 @@ impl Stats {
 struct AppState {
     options: Arc<RwLock<MockOptions>>,
     stats: Arc<Stats>,
+    evidence: Arc<evidence::Evidence>,
 }
 
 /// A running mock.
@@ -190,14 +215,20 @@ pub async fn start(addr: SocketAddr, options: MockOptions) -> std::io::Result<Mo
 /// The mock's routes.
 fn router(options: Arc<RwLock<MockOptions>>, stats: Arc<Stats>) -> Router {
     Router::new()
-        .route("/v1/chat/completions", post(complete))
+        .route("/v1/chat/completions", post(complete).get(evidence::list))
+        .route("/v1/chat/completions/{id}", get(evidence::read))
         .route("/_mock/stats", get(stats_handler))
-        .with_state(AppState { options, stats })
+        .with_state(AppState {
+            options,
+            stats,
+            evidence: Arc::default(),
+        })
 }
 
 async fn stats_handler(State(state): State<AppState>) -> Json<Value> {
     Json(json!({
         "requests": state.stats.requests(),
+        "work": state.stats.work(),
         "idempotency_keys": state.stats.idempotency_keys(),
     }))
 }
@@ -206,56 +237,16 @@ async fn stats_handler(State(state): State<AppState>) -> Json<Value> {
 struct ChatRequest {
     #[serde(default)]
     messages: Vec<ChatMessage>,
+    #[serde(default)]
+    store: bool,
+    #[serde(default)]
+    metadata: Option<Value>,
 }
 
 #[derive(Deserialize)]
 struct ChatMessage {
     #[serde(default)]
     content: String,
-}
-
-/// Directives found in a request's text.
-#[derive(Debug, Default, PartialEq)]
-struct Directives {
-    delay: Option<u64>,
-    status: Option<u16>,
-    retry_after: Option<u64>,
-    prose: bool,
-    extra_key: bool,
-    wrong_type: bool,
-    drop: bool,
-    nul: bool,
-    pad: Option<usize>,
-}
-
-fn directives(text: &str) -> Directives {
-    let mut d = Directives::default();
-    for word in text.split(|c: char| c.is_whitespace() || c == '"' || c == ',') {
-        let Some(rest) = word.strip_prefix("mock:") else {
-            continue;
-        };
-        let (name, value) = rest.split_once('=').unwrap_or((rest, ""));
-        match name {
-            "delay" => d.delay = value.parse::<u64>().ok().map(|ms| ms.min(MAX_DELAY_MS)),
-            "status" => d.status = value.parse().ok().filter(|c| (100..=599).contains(c)),
-            "retry_after" => {
-                d.retry_after = value.parse::<u64>().ok().map(|s| s.min(MAX_RETRY_AFTER_S));
-            }
-            "prose" => d.prose = true,
-            "extra_key" => d.extra_key = true,
-            "wrong_type" => d.wrong_type = true,
-            "drop" => d.drop = true,
-            "nul" => d.nul = true,
-            "pad" => {
-                d.pad = value
-                    .parse::<u64>()
-                    .ok()
-                    .map(|p| p.min(MAX_PAD as u64) as usize)
-            }
-            _ => {}
-        }
-    }
-    d
 }
 
 async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
@@ -278,23 +269,46 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
         .collect::<Vec<_>>()
         .join("\n");
     let d = if options.directives {
-        directives(&text)
+        directives::directives(&text)
     } else {
-        Directives::default()
+        directives::Directives::default()
     };
-    let fail = wait(&options, &d).await;
-    if let Some(code) = d.status.or(if fail { Some(503) } else { None }) {
-        return failure(code, &d);
-    }
-    if d.drop {
-        return dropped();
-    }
     let user = request
         .messages
         .last()
-        .map(|m| m.content.as_str())
+        .map(|m| m.content.clone())
         .unwrap_or_default();
-    answer(n, &options, d, &text, user)
+    let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
+    let tell = match key.filter(|_| options.replay) {
+        Some(key) => match state.evidence.key(key, options.record_limit) {
+            evidence::Seen::Again(first) => return evidence::replayed(first).await,
+            evidence::Seen::First(tell) => Some(tell),
+        },
+        None => None,
+    };
+    let keep = (options.store && request.store).then(|| request.metadata.unwrap_or(json!({})));
+    if tell.is_none() && keep.is_none() {
+        state.stats.work.fetch_add(1, Ordering::SeqCst);
+        return answer::work(n, &options, d, &text, &user).await.respond();
+    }
+    // Work whose outcome is kept or told outlives its request: a client that
+    // hangs up does not stop it, as a real provider's does not stop.
+    let (stats, evidence) = (state.stats.clone(), state.evidence.clone());
+    let task = tokio::spawn(async move {
+        stats.work.fetch_add(1, Ordering::SeqCst);
+        let outcome = answer::work(n, &options, d, &text, &user).await;
+        if let (Some(metadata), answer::Outcome::Answer(c)) = (keep, &outcome) {
+            evidence.store(c.clone(), metadata, options.record_limit);
+        }
+        if let Some(tell) = tell {
+            let _ = tell.send(Some(outcome.clone()));
+        }
+        outcome
+    });
+    match task.await {
+        Ok(outcome) => outcome.respond(),
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
 }
 
 impl Stats {
@@ -315,142 +329,5 @@ impl Stats {
         keep(&self.idempotency_keys, "idempotency-key");
         keep(&self.authorizations, "authorization");
         n
-    }
-}
-
-/// Waits the asked or configured delay plus jitter; returns whether the
-/// server-wide error rate picked this request to fail.
-async fn wait(options: &MockOptions, d: &Directives) -> bool {
-    let (jitter_ms, fail) = {
-        let mut rng = rand::rng();
-        let jitter_ms = match options.jitter.as_millis() {
-            0 => 0,
-            max => rng.random_range(0..=max as u64),
-        };
-        (
-            jitter_ms,
-            options.error_rate > 0.0 && rng.random_bool(options.error_rate.min(1.0)),
-        )
-    };
-    let delay = d.delay.map(Duration::from_millis).unwrap_or(options.delay)
-        + Duration::from_millis(jitter_ms);
-    if !delay.is_zero() {
-        tokio::time::sleep(delay).await;
-    }
-    fail
-}
-
-/// An error answer with status `code` (`mock:status`, or the error rate).
-fn failure(code: u16, d: &Directives) -> Response {
-    let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut response = if d.nul {
-        (status, b"mock: a raw \0 byte in an error body".to_vec()).into_response()
-    } else {
-        (
-            status,
-            Json(json!({"error": {"message": format!("mock: asked to fail with {code}{}", "x".repeat(d.pad.unwrap_or(0))), "type": "mock_error"}})),
-        )
-            .into_response()
-    };
-    if let Some(secs) = d.retry_after
-        && let Ok(v) = secs.to_string().parse()
-    {
-        response.headers_mut().insert("retry-after", v);
-    }
-    response
-}
-
-/// A 200 whose body breaks off: the connection drops mid-answer (`mock:drop`).
-fn dropped() -> Response {
-    let stream = futures_util::stream::once(async {
-        Err::<Bytes, std::io::Error>(std::io::Error::other("mock: dropping the connection"))
-    });
-    Response::builder()
-        .status(StatusCode::OK)
-        .header("content-type", "application/json")
-        .body(Body::from_stream(stream))
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
-}
-
-/// The chat completion: a JSON answer about the last message, or one that
-/// misbehaves as the directives or the server's options ask.
-fn answer(n: u64, options: &MockOptions, d: Directives, text: &str, user: &str) -> Response {
-    let usage = json!({
-        "prompt_tokens": text.split_whitespace().count(),
-        "completion_tokens": 12,
-        "total_tokens": text.split_whitespace().count() + 12,
-    });
-    let mut gist: String = user.chars().take(80).collect();
-    if d.nul {
-        gist.push('\0');
-    }
-    if let Some(pad) = d.pad {
-        gist.push_str(&"x".repeat(pad));
-    }
-    let gist = match &options.tag {
-        Some(tag) => format!("from {tag}: {gist}"),
-        None => gist,
-    };
-    let d = Directives {
-        prose: d.prose || options.misbehave == Some(Misbehaviour::Prose),
-        extra_key: d.extra_key || options.misbehave == Some(Misbehaviour::ExtraKey),
-        wrong_type: d.wrong_type || options.misbehave == Some(Misbehaviour::WrongType),
-        ..d
-    };
-    let content = if d.prose {
-        format!("Sure! Here is a summary: {gist}")
-    } else {
-        let mut answer = serde_json::Map::new();
-        let value = if d.wrong_type {
-            json!(42)
-        } else {
-            json!(format!("mock answer: {gist}"))
-        };
-        answer.insert(options.field.clone(), value);
-        if d.extra_key {
-            answer.insert("confidence".into(), json!(0.9));
-        }
-        Value::Object(answer).to_string()
-    };
-    let (id, usage) = if d.nul {
-        let mut usage = usage;
-        usage["note"] = json!("spent\0");
-        (format!("chatcmpl-mock-{n}\0"), usage)
-    } else {
-        (format!("chatcmpl-mock-{n}"), usage)
-    };
-    Json(json!({
-        "id": id,
-        "object": "chat.completion",
-        "model": "mock-model",
-        "choices": [{
-            "index": 0,
-            "message": { "role": "assistant", "content": content },
-            "finish_reason": "stop",
-        }],
-        "usage": usage,
-    }))
-    .into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn directives_are_found_in_text() {
-        let d = directives(
-            "Summarize: hello mock:delay=250 mock:status=503, \"mock:drop\" mock:unknown",
-        );
-        assert_eq!(
-            d,
-            Directives {
-                delay: Some(250),
-                status: Some(503),
-                drop: true,
-                ..Directives::default()
-            }
-        );
-        assert_eq!(directives("nothing here"), Directives::default());
     }
 }
