@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 
 use crate::config::{EvidenceKind, Operation, Provider, Rendered};
 use crate::domain::{AttemptId, JobId};
+use crate::store::{Finished, Verdict};
 
 /// An answer from the provider.
 #[derive(Clone, Debug, PartialEq)]
@@ -128,7 +129,7 @@ impl Client {
             body["store"] = json!(true);
             body["metadata"] = evidence_metadata(attempt, job);
         }
-        let mut request = self
+        let request = self
             .http
             .post(url)
             .header(
@@ -136,18 +137,7 @@ impl Client {
                 attempt.to_string(),
             )
             .json(&body);
-        if let Some(env) = &self.provider.api_key_env {
-            match std::env::var(env) {
-                Ok(key) => request = request.bearer_auth(key),
-                Err(_) => {
-                    return Err(CallError::Refused(format!(
-                        "environment variable {env} (api_key_env of provider {}) is not set",
-                        self.provider.name
-                    )));
-                }
-            }
-        }
-        let mut response = request.send().await.map_err(classify)?;
+        let mut response = self.authorized(request)?.send().await.map_err(classify)?;
         let status = response.status();
         let retry_after = response
             .headers()
@@ -179,6 +169,118 @@ impl Client {
             bytes.extend_from_slice(&chunk);
         }
         judge(&self.provider, status.as_u16(), retry_after, &bytes)
+    }
+
+    /// The request with the provider's API key, if it has one.
+    fn authorized(
+        &self,
+        request: reqwest::RequestBuilder,
+    ) -> Result<reqwest::RequestBuilder, CallError> {
+        let Some(env) = &self.provider.api_key_env else {
+            return Ok(request);
+        };
+        match std::env::var(env) {
+            Ok(key) => Ok(request.bearer_auth(key)),
+            Err(_) => Err(CallError::Refused(format!(
+                "environment variable {env} (api_key_env of provider {}) is not set",
+                self.provider.name
+            ))),
+        }
+    }
+
+    /// What the provider stored of `attempt`'s call (`evidence = "stored"`):
+    /// its completions listed by the attempt's metadata, and one taken only if
+    /// its metadata names this attempt of this job. `Ok(None)` when none is
+    /// stored; `Some` holds the completion judged as a live answer is; `Err`
+    /// when the provider could not be asked (look again later).
+    pub(crate) async fn stored(
+        &self,
+        attempt: AttemptId,
+        job: JobId,
+    ) -> Result<Option<Result<Answer, CallError>>, String> {
+        let mut url = self
+            .provider
+            .base_url
+            .join("chat/completions")
+            .map_err(|e| format!("bad url: {e}"))?;
+        url.query_pairs_mut()
+            .append_pair("metadata[onejob_attempt]", &attempt.to_string());
+        let request = self
+            .authorized(self.http.get(url))
+            .map_err(|e| e.to_string())?;
+        let mut response = request.send().await.map_err(|e| without_url(&e))?;
+        let status = response.status();
+        if !status.is_success() {
+            return Err(format!(
+                "listing stored completions answered HTTP {}",
+                status.as_u16()
+            ));
+        }
+        let mut bytes = Vec::new();
+        while let Some(chunk) = response.chunk().await.map_err(|e| without_url(&e))? {
+            if bytes.len() + chunk.len() > self.provider.max_response_bytes {
+                return Err("the list of stored completions is over max_response_bytes".into());
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        let list: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| format!("the list of stored completions is not JSON: {e}"))?;
+        let want = evidence_metadata(attempt, Some(job));
+        let found = list["data"].as_array().into_iter().flatten().find(|c| {
+            c["metadata"]["onejob_attempt"] == want["onejob_attempt"]
+                && c["metadata"]["onejob_job"] == want["onejob_job"]
+        });
+        Ok(found.map(|c| {
+            let body = serde_json::to_vec(c).unwrap_or_default();
+            judge(&self.provider, 200, None, &body)
+        }))
+    }
+}
+
+/// The verdict on a provider's answer: a success only when the output meets
+/// the operation's contract; the provider's usage and request id are kept
+/// whatever the verdict.
+pub(crate) fn verdict(
+    operation: &Operation,
+    answer: std::result::Result<Answer, CallError>,
+    finished: &mut Finished,
+) -> Verdict {
+    match answer {
+        Ok(answer) => {
+            finished.provider_request_id = answer.request_id;
+            finished.usage = answer.usage;
+            match operation.check_output(&answer.content) {
+                Ok(value) => Verdict::Succeeded(value),
+                Err(violation) => Verdict::Failed {
+                    error: violation.to_string(),
+                    retryable: true,
+                    retry_after: None,
+                },
+            }
+        }
+        Err(CallError::Unknown(e)) => Verdict::Unknown {
+            error: format!("outcome_unknown: {e}"),
+        },
+        Err(e @ CallError::Refused(_)) => Verdict::Failed {
+            error: e.to_string(),
+            retryable: true,
+            retry_after: None,
+        },
+        Err(e @ CallError::Rejected { .. }) => {
+            let mut wait = None;
+            if let CallError::Rejected {
+                usage, retry_after, ..
+            } = &e
+            {
+                finished.usage = usage.clone();
+                wait = *retry_after;
+            }
+            Verdict::Failed {
+                error: e.to_string(),
+                retryable: true,
+                retry_after: wait,
+            }
+        }
     }
 }
 

@@ -20,6 +20,15 @@ impl Actor {
         }
     }
 
+    /// The reconciler's evidence pass: a resolution taken from what the
+    /// provider kept.
+    pub fn evidence() -> Actor {
+        Actor {
+            name: "evidence".into(),
+            reason: String::new(),
+        }
+    }
+
     /// Someone at the CLI, by their login name (`$USER`, else `unknown`).
     pub fn cli(reason: Option<&str>) -> Actor {
         let user = std::env::var("USER")

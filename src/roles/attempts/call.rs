@@ -1,8 +1,8 @@
 //! Calling the provider with the attempt id as `Idempotency-Key`, and judging
 //! its answer against the operation's output contract.
 
-use crate::config::{Config, Operation};
-use crate::provider::{Answer, CallError, Client};
+use crate::config::Config;
+use crate::provider::{CallError, Client, verdict};
 use crate::store::{Finished, Started, Verdict};
 
 /// Calls the provider for a started attempt and judges the answer.
@@ -59,53 +59,6 @@ pub(crate) async fn call(config: &Config, client: &Client, started: &Started) ->
         },
         began.elapsed(),
     );
-    finished.verdict = judge(operation, answer, &mut finished);
+    finished.verdict = verdict(operation, answer, &mut finished);
     finished
-}
-
-/// The verdict on a provider's answer: a success only when the output meets
-/// the operation's contract; the provider's usage and request id are kept
-/// whatever the verdict.
-pub(super) fn judge(
-    operation: &Operation,
-    answer: std::result::Result<Answer, CallError>,
-    finished: &mut Finished,
-) -> Verdict {
-    match answer {
-        Ok(answer) => {
-            finished.provider_request_id = answer.request_id;
-            finished.usage = answer.usage;
-            match operation.check_output(&answer.content) {
-                Ok(value) => Verdict::Succeeded(value),
-                Err(violation) => Verdict::Failed {
-                    error: violation.to_string(),
-                    retryable: true,
-                    retry_after: None,
-                },
-            }
-        }
-        Err(CallError::Unknown(e)) => Verdict::Unknown {
-            error: format!("outcome_unknown: {e}"),
-        },
-        Err(e @ CallError::Refused(_)) => Verdict::Failed {
-            error: e.to_string(),
-            retryable: true,
-            retry_after: None,
-        },
-        Err(e @ CallError::Rejected { .. }) => {
-            let mut wait = None;
-            if let CallError::Rejected {
-                usage, retry_after, ..
-            } = &e
-            {
-                finished.usage = usage.clone();
-                wait = *retry_after;
-            }
-            Verdict::Failed {
-                error: e.to_string(),
-                retryable: true,
-                retry_after: wait,
-            }
-        }
-    }
 }

@@ -1,8 +1,8 @@
 //! Judging answers and labelling settlements.
 
-use super::call::judge;
 use crate::config::{Config, Operation};
 use crate::domain::{AttemptId, JobId};
+use crate::provider::verdict as judge;
 use crate::provider::{Answer, CallError};
 use crate::store::{Finished, Verdict};
 

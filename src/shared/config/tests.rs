@@ -450,6 +450,17 @@ fn evidence_settings_have_defaults_and_bounds() {
         c.providers["primary"].evidence.deadline,
         Duration::from_secs(15 * 60 + 5)
     );
+}
+
+/// Each evidence setting that cannot work is refused, naming it.
+#[test]
+fn evidence_settings_that_cannot_work_are_named() {
+    let with_primary = |extra: &str| {
+        EMBEDDED_DEFAULT.replace(
+            "model = \"mock-model\"",
+            &format!("model = \"mock-model\"\n{extra}"),
+        )
+    };
     for (extra, setting, says) in [
         (
             "evidence = \"ledger\"",

@@ -25,11 +25,16 @@
 //! - **Statistics**: the busy tables are analyzed when their statistics are
 //!   missing or far behind, as on a fresh database taking a backlog
 //!   ([`crate::store::Store::refresh_statistics`]).
+//! - **Evidence**: an `unknown` attempt of a provider that stores its calls is
+//!   settled from the completion the provider kept, or failed (`no_evidence`)
+//!   when none is kept by its deadline (`evidence`).
 //! - **Hedging**: for operations with `hedge_after`, a job whose attempt has been
 //!   silent that long gets one parallel attempt on the next qualified provider.
 //!
 //! Several reconcilers may run at once: every pass claims rows with
 //! `FOR UPDATE SKIP LOCKED` or goes through a guarded statement.
+
+mod evidence;
 
 use std::time::Duration;
 
@@ -53,9 +58,12 @@ const PRUNE_BATCHES: usize = 100;
 /// Runs every pass until shutdown.
 pub(crate) async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
     let pruner = tokio::spawn(prune_loop(ctx.clone(), shutdown.clone()));
+    let evidence = tokio::spawn(evidence::evidence_loop(ctx.clone(), shutdown.clone()));
     let outcome = passes(ctx, shutdown).await;
-    pruner.abort();
-    let _ = pruner.await;
+    for task in [pruner, evidence] {
+        task.abort();
+        let _ = task.await;
+    }
     outcome
 }
 

@@ -1,0 +1,96 @@
+//! Evidence lookups: the `unknown` attempts of providers that keep evidence,
+//! taken one pod at a time under a lease, and what each look found.
+
+use super::*;
+
+/// An unknown attempt due for a look at its provider's evidence.
+#[derive(Clone, Debug)]
+pub struct EvidenceDue {
+    /// The attempt.
+    pub attempt_id: AttemptId,
+    /// Its job.
+    pub job_id: JobId,
+    /// Its provider.
+    pub provider: String,
+    /// Its job's operation.
+    pub operation: String,
+    /// Its job's version now: the compare-and-swap's guard.
+    pub version: i64,
+    /// When its call started: the evidence deadline counts from here.
+    pub started_at: DateTime<Utc>,
+    /// Looks taken so far, this one included.
+    pub looks: i32,
+}
+
+impl Store {
+    /// Takes up to `limit` unknown attempts of `providers` (each with its
+    /// `evidence_delay`) whose next look is due: the first no sooner than the
+    /// delay after the call's deadline. Each is leased for `lease`: no other
+    /// pod takes it meanwhile. Rows held by someone else are skipped.
+    pub async fn evidence_due(
+        &self,
+        providers: &[(String, Duration)],
+        lease: Duration,
+        limit: i64,
+    ) -> Result<Vec<EvidenceDue>> {
+        let names: Vec<String> = providers.iter().map(|p| p.0.clone()).collect();
+        let delays: Vec<f64> = providers.iter().map(|p| p.1.as_secs_f64()).collect();
+        self.retrying(|| async {
+            Ok(sqlx::query_as!(
+                EvidenceDue,
+                r#"WITH p AS (
+                     SELECT * FROM unnest($1::text[], $2::float8[]) AS p(name, delay)
+                   ), due AS (
+                     SELECT a.id FROM attempts a JOIN p ON p.name = a.provider
+                     WHERE a.status = 'unknown'
+                       AND COALESCE(a.evidence_next_at,
+                                    COALESCE(a.deadline_at, a.started_at, a.created_at)
+                                      + make_interval(secs => p.delay)) <= now()
+                     ORDER BY a.id
+                     LIMIT $4
+                     FOR UPDATE OF a SKIP LOCKED
+                   )
+                   UPDATE attempts a
+                   SET evidence_next_at = now() + make_interval(secs => $3),
+                       evidence_looks = a.evidence_looks + 1
+                   FROM due, jobs j
+                   WHERE a.id = due.id AND j.id = a.job_id
+                   RETURNING a.id AS "attempt_id: AttemptId", a.job_id AS "job_id: JobId",
+                             a.provider, j.operation, j.version,
+                             COALESCE(a.started_at, a.created_at) AS "started_at!",
+                             a.evidence_looks AS looks"#,
+                &names,
+                &delays,
+                lease.as_secs_f64(),
+                limit,
+            )
+            .fetch_all(&self.pool)
+            .await?)
+        })
+        .await
+    }
+
+    /// Writes what a look found, and when the next may come (while the
+    /// attempt is still `unknown`).
+    pub async fn note_evidence(
+        &self,
+        attempt: AttemptId,
+        note: &str,
+        next_in: Duration,
+    ) -> Result<()> {
+        self.retrying(|| async {
+            sqlx::query!(
+                "UPDATE attempts SET evidence_note = $2,
+                     evidence_next_at = now() + make_interval(secs => $3)
+                 WHERE id = $1 AND status = 'unknown'",
+                attempt.0,
+                note,
+                next_in.as_secs_f64(),
+            )
+            .execute(&self.pool)
+            .await?;
+            Ok(())
+        })
+        .await
+    }
+}
