@@ -16,6 +16,8 @@ pub struct EvidenceDue {
     pub operation: String,
     /// Its job's version now: the compare-and-swap's guard.
     pub version: i64,
+    /// Its job's input: an `idempotency_key` look sends the request again.
+    pub input: Value,
     /// When its call started: the evidence deadline counts from here.
     pub started_at: DateTime<Utc>,
     /// Looks taken so far, this one included.
@@ -56,7 +58,7 @@ impl Store {
                    FROM due, jobs j
                    WHERE a.id = due.id AND j.id = a.job_id
                    RETURNING a.id AS "attempt_id: AttemptId", a.job_id AS "job_id: JobId",
-                             a.provider, j.operation, j.version,
+                             a.provider, j.operation, j.version, j.input,
                              COALESCE(a.started_at, a.created_at) AS "started_at!",
                              a.evidence_looks AS looks"#,
                 &names,

@@ -1,13 +1,21 @@
 //! The evidence pass (contract section 7, Evidence): each `unknown` attempt of
-//! a provider whose evidence is `stored` is looked up at the provider, one pod
-//! at a time under a lease, no sooner than `evidence_delay` after its call's
-//! deadline and then with a growing pause. A stored completion that names the
-//! attempt and its job is the attempt's answer: judged as a live answer and
-//! settled by the same compare-and-swap (a job that ended meanwhile discards
-//! it, its usage kept). None by `evidence_deadline` after the call started:
-//! the attempt fails (`no_evidence`) and the route moves on. A provider that
-//! cannot be asked is asked again later. No row is locked during a look, and
-//! every resolution is audited with the actor `evidence`.
+//! a provider that keeps evidence is looked up at the provider, one pod at a
+//! time under a lease, no sooner than `evidence_delay` after its call's
+//! deadline and then with a growing pause. No row is locked during a look,
+//! and every resolution is audited with the actor `evidence`.
+//!
+//! - `stored`: a stored completion that names the attempt and its job is the
+//!   attempt's answer, judged as a live answer and settled by the same
+//!   compare-and-swap (a job that ended meanwhile discards it, its usage
+//!   kept). None by `evidence_deadline` after the call started: the attempt
+//!   fails (`no_evidence`) and the route moves on. A provider that cannot be
+//!   asked is asked again later.
+//! - `idempotency_key`: the identical request is sent again with the same
+//!   key; the provider answers with the first one's outcome, so the work runs
+//!   at most once, and that answer settles the attempt. A `409` (the first
+//!   request did not complete) is a definite failure. A re-send that is itself
+//!   unknown is tried again until `evidence_deadline`; then the attempt waits
+//!   for an operator.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -16,7 +24,7 @@ use serde_json::json;
 
 use crate::config::EvidenceKind;
 use crate::policy::Planner;
-use crate::provider::{Client, verdict};
+use crate::provider::{CallError, Client, verdict};
 use crate::runtime::{Context, Result};
 use crate::shutdown::Shutdown;
 use crate::store::{Action, Actor, EvidenceDue, FailedJob, Finished, Verdict};
@@ -27,6 +35,8 @@ const LEASE: Duration = Duration::from_secs(60);
 const BATCH: i64 = 32;
 /// The longest pause between two looks at one unknown.
 const MAX_PAUSE: Duration = Duration::from_secs(60);
+/// The pause of an unknown that waits for an operator: no more looks.
+const NEVER: Duration = Duration::from_secs(100 * 366 * 24 * 3600);
 /// How often the pass runs.
 const EVERY: Duration = Duration::from_secs(1);
 /// The longest one look may take: a provider that does not answer in time
@@ -55,7 +65,7 @@ pub(crate) async fn evidence_once(ctx: &Context) -> Result<()> {
         .config
         .providers
         .values()
-        .filter(|p| p.evidence.kind == EvidenceKind::Stored)
+        .filter(|p| p.evidence.kind != EvidenceKind::None)
         .map(|p| (p.name.clone(), p.evidence.delay))
         .collect();
     if providers.is_empty() {
@@ -83,9 +93,80 @@ pub(crate) async fn evidence_once(ctx: &Context) -> Result<()> {
     Ok(())
 }
 
-/// Looks `unknown` up once, and settles it, fails it, or notes when to look
-/// again.
+/// Looks `unknown` up once, as its provider's evidence allows.
 async fn look(ctx: &Context, client: &Client, unknown: &EvidenceDue) -> Result<()> {
+    match client.provider().evidence.kind {
+        EvidenceKind::Stored => look_stored(ctx, client, unknown).await,
+        EvidenceKind::IdempotencyKey => send_again(ctx, client, unknown).await,
+        EvidenceKind::None => Ok(()),
+    }
+}
+
+/// Whether `unknown`'s evidence deadline has passed.
+fn past_deadline(client: &Client, unknown: &EvidenceDue) -> bool {
+    let deadline = client.provider().evidence.deadline;
+    chrono::Utc::now()
+        > unknown.started_at + chrono::Duration::from_std(deadline).unwrap_or(chrono::Duration::MAX)
+}
+
+/// Sends `unknown`'s request again with its key, and settles it by the
+/// answer, fails it on a `409`, or notes when to send again (or, past the
+/// deadline, that it waits for an operator).
+async fn send_again(ctx: &Context, client: &Client, unknown: &EvidenceDue) -> Result<()> {
+    let evidence = client.provider().evidence;
+    let (Some(operation), Some(input)) = (
+        ctx.config.operations.get(&unknown.operation),
+        unknown.input.as_object(),
+    ) else {
+        return Ok(());
+    };
+    let answer = match ctx.config.render(operation, input) {
+        Ok(rendered) => {
+            client
+                .complete(
+                    unknown.attempt_id,
+                    Some(unknown.job_id),
+                    operation,
+                    &rendered,
+                )
+                .await
+        }
+        Err(e) => Err(CallError::Refused(e.to_string())),
+    };
+    match answer {
+        Ok(answer) => settle(ctx, unknown, Ok(answer), "replayed").await,
+        Err(CallError::Rejected { message, .. }) if message.starts_with("HTTP 409") => {
+            let error = format!(
+                "not_completed: the provider says the first request with this attempt's key did not complete: {message}"
+            );
+            resolve(ctx, unknown, failed(unknown, error), "not completed").await
+        }
+        Err(e) if past_deadline(client, unknown) => {
+            let note = format!(
+                "sent again until evidence_deadline, with no answer ({e}): waits for an operator"
+            );
+            Ok(ctx
+                .store
+                .note_evidence(unknown.attempt_id, &note, NEVER)
+                .await?)
+        }
+        Err(e) => {
+            let note = format!("sent again, no answer yet: {e}");
+            Ok(ctx
+                .store
+                .note_evidence(
+                    unknown.attempt_id,
+                    &note,
+                    pause(evidence.delay, unknown.looks),
+                )
+                .await?)
+        }
+    }
+}
+
+/// Looks for `unknown`'s stored completion, and settles it by what it finds,
+/// fails it past the deadline, or notes when to look again.
+async fn look_stored(ctx: &Context, client: &Client, unknown: &EvidenceDue) -> Result<()> {
     let evidence = client.provider().evidence;
     let found = tokio::time::timeout(
         LOOK_TIMEOUT,
@@ -93,11 +174,9 @@ async fn look(ctx: &Context, client: &Client, unknown: &EvidenceDue) -> Result<(
     )
     .await
     .unwrap_or_else(|_| Err(format!("no answer within {} s", LOOK_TIMEOUT.as_secs())));
-    let past_deadline = chrono::Utc::now()
-        > unknown.started_at
-            + chrono::Duration::from_std(evidence.deadline).unwrap_or(chrono::Duration::MAX);
+    let past_deadline = past_deadline(client, unknown);
     match found {
-        Ok(Some(answer)) => settle(ctx, unknown, answer).await,
+        Ok(Some(answer)) => settle(ctx, unknown, answer, "found").await,
         Ok(None) if past_deadline => {
             let error = format!(
                 "no_evidence: the provider stored no completion of this attempt within evidence_deadline ({})",
@@ -138,18 +217,19 @@ fn pause(delay: Duration, looks: i32) -> Duration {
     delay.saturating_mul(1 << doublings).min(MAX_PAUSE)
 }
 
-/// The found answer, judged as a live one, settled.
+/// The answer found (`what`: how), judged as a live one, settled.
 async fn settle(
     ctx: &Context,
     unknown: &EvidenceDue,
-    answer: std::result::Result<crate::provider::Answer, crate::provider::CallError>,
+    answer: std::result::Result<crate::provider::Answer, CallError>,
+    what: &str,
 ) -> Result<()> {
     let mut finished = failed(unknown, String::new());
     let Some(operation) = ctx.config.operations.get(&unknown.operation) else {
         return Ok(());
     };
     finished.verdict = verdict(operation, answer, &mut finished);
-    resolve(ctx, unknown, finished, "found").await
+    resolve(ctx, unknown, finished, what).await
 }
 
 /// A finished attempt for `unknown` with a definite failure `error`.
