@@ -530,3 +530,56 @@ async fn a_409_for_the_key_fails_the_attempt_and_the_route_moves_on() {
     producer.close().await;
     fleet.stop().await;
 }
+
+/// An operator asks for a look now (`onejob attempts evidence`): the stored
+/// answer settles the attempt, and `jobs show` says what was found. Asked of
+/// an attempt that is not unknown, it refuses, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_operator_looks_now_and_sees_what_was_found() {
+    let slow = mock(MockOptions {
+        store: true,
+        delay: Duration::from_secs(1),
+        ..MockOptions::default()
+    })
+    .await;
+    // A long delay: the pass will not look before the operator does.
+    let text = stored_config(&slow.base_url(), "")
+        .replace("evidence_delay = \"1s\"", "evidence_delay = \"5m\"");
+    let (config, file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let receipt = producer
+        .submit(&intent("acct_ev", "k-now", "look now"))
+        .await
+        .unwrap();
+    let job_id = receipt.job_id.unwrap();
+    let job = wait_for_status(&env, job_id, JobStatus::Unknown).await;
+    let id = job.attempts[0].id.to_string();
+    wait_for("the call to be kept", Duration::from_secs(30), || async {
+        (!stored(&slow, "onejob_attempt", &id).await.is_empty()).then_some(())
+    })
+    .await;
+    let out = env.cli_ok(&file.path, &["attempts", "evidence", &id]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("found: succeeded") && text.contains("settled"),
+        "{text}"
+    );
+    let job = wait_for_status(&env, job_id, JobStatus::Succeeded).await;
+    assert_eq!(job.attempts.len(), 1);
+    assert_eq!(evidence_rows(&env, job_id).await.len(), 1);
+    let out = env.cli_ok(&file.path, &["jobs", "show", &job_id.to_string()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("evidence 1 look(s): found: succeeded"),
+        "{text}"
+    );
+    // Not unknown any more: nothing to look up.
+    let out = env.cli(&file.path, &["attempts", "evidence", &id, "--json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not unknown"), "{err}");
+    producer.close().await;
+    fleet.stop().await;
+}

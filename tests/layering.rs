@@ -81,7 +81,7 @@ const LAYERS: &[(&str, &[&str], bool)] = &[
     ("roles", &["intake", "attempts", "reconciler"], false),
     (
         "shared by the roles",
-        &["runtime", "policy", "qualify", "dlq"],
+        &["runtime", "policy", "qualify", "evidence", "dlq"],
         true,
     ),
     ("edges", &["store", "provider", "metrics", "gauges"], true),

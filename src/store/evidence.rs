@@ -72,6 +72,35 @@ impl Store {
         .await
     }
 
+    /// Takes the unknown attempt `attempt` for a look now, whenever its next
+    /// look was due (an operator asks), under the same lease as the pass's
+    /// looks. `None` when it is not `unknown`.
+    pub async fn evidence_now(
+        &self,
+        attempt: AttemptId,
+        lease: Duration,
+    ) -> Result<Option<EvidenceDue>> {
+        self.retrying(|| async {
+            Ok(sqlx::query_as!(
+                EvidenceDue,
+                r#"UPDATE attempts a
+                   SET evidence_next_at = now() + make_interval(secs => $2),
+                       evidence_looks = a.evidence_looks + 1
+                   FROM jobs j
+                   WHERE a.id = $1 AND a.status = 'unknown' AND j.id = a.job_id
+                   RETURNING a.id AS "attempt_id: AttemptId", a.job_id AS "job_id: JobId",
+                             a.provider, j.operation, j.version, j.input,
+                             COALESCE(a.started_at, a.created_at) AS "started_at!",
+                             a.evidence_looks AS looks"#,
+                attempt.0,
+                lease.as_secs_f64(),
+            )
+            .fetch_optional(&self.pool)
+            .await?)
+        })
+        .await
+    }
+
     /// Writes what a look found, and when the next may come (while the
     /// attempt is still `unknown`).
     pub async fn note_evidence(

@@ -176,7 +176,8 @@ impl Store {
             AttemptView,
             r#"SELECT id AS "id: AttemptId", job_id AS "job_id: JobId", number, provider,
                       status AS "status: AttemptStatus", error, created_at, not_before,
-                      started_at, finished_at, provider_request_id, usage
+                      started_at, finished_at, provider_request_id, usage,
+                      evidence_looks, evidence_note, evidence_next_at
                FROM attempts WHERE job_id = $1 ORDER BY number"#,
             job.id.0
         )

@@ -117,4 +117,10 @@ pub struct AttemptView {
     pub provider_request_id: Option<String>,
     /// What the provider reported it spent.
     pub usage: Option<Value>,
+    /// Looks taken at the provider's evidence while it was `unknown`.
+    pub evidence_looks: i32,
+    /// What the last look found.
+    pub evidence_note: Option<String>,
+    /// When the next look may come.
+    pub evidence_next_at: Option<DateTime<Utc>>,
 }

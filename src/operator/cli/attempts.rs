@@ -8,13 +8,24 @@ use clap::{Subcommand, ValueEnum};
 use serde_json::json;
 use uuid::Uuid;
 
-use super::{Connections, Failure, Outcome, publish_now, store};
-use crate::domain::AttemptId;
+use super::{Connections, Failure, Outcome, publish_now, shown, store};
+use crate::config::EvidenceKind;
+use crate::domain::{AttemptId, AttemptStatus};
+use crate::evidence::Looker;
 use crate::policy::Planner;
+use crate::provider::Client;
 use crate::store::{Actor, Refusal, Resolution, Settled};
 
 #[derive(Subcommand, Debug)]
 pub(super) enum AttemptsCommand {
+    /// Look up an unknown attempt's evidence at its provider now, and settle
+    /// it by what is found, as the reconciler does by itself (a stored
+    /// completion, or the answer to the same request sent again with the same
+    /// key). Audited with the actor `evidence`.
+    Evidence {
+        /// The attempt id.
+        attempt_id: Uuid,
+    },
     /// Resolve an open (usually `unknown`) attempt. `failed` lets the route rule
     /// start the next attempt; `cancelled` ends the attempt and its job.
     Resolve {
@@ -43,6 +54,7 @@ pub(super) async fn run(
     out: &mut impl Write,
 ) -> Outcome {
     match command {
+        AttemptsCommand::Evidence { attempt_id } => evidence(c, attempt_id, json, out).await,
         AttemptsCommand::Resolve {
             attempt_id,
             resolution,
@@ -53,6 +65,9 @@ pub(super) async fn run(
         }
     }
 }
+
+/// How long a look asked for at the CLI holds its unknown from the pass.
+const LOOK_LEASE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// `onejob attempts resolve`.
 async fn resolve(
@@ -130,6 +145,69 @@ async fn resolve(
         }
         if let Some(job) = job {
             writeln!(out, "job {} is now {}", job.id, job.status)?;
+        }
+    }
+    Ok(())
+}
+
+/// `onejob attempts evidence`: one look now.
+async fn evidence(c: &Connections, attempt_id: Uuid, json: bool, out: &mut impl Write) -> Outcome {
+    let config = c.load_config()?;
+    let store = store(c, &config).await?;
+    let attempt = AttemptId(attempt_id);
+    let job = match store.attempt_job(attempt).await? {
+        Some(job) => store.job(job).await?,
+        None => None,
+    };
+    let a = job
+        .iter()
+        .flat_map(|j| &j.attempts)
+        .find(|a| a.id == attempt)
+        .ok_or_else(|| Failure(format!("attempt {attempt_id} not found")))?;
+    if a.status != AttemptStatus::Unknown {
+        return Err(Failure(format!(
+            "attempt {attempt_id} is {}, not unknown: there is no evidence to look up",
+            a.status
+        )));
+    }
+    let provider = config.providers.get(&a.provider).cloned().ok_or_else(|| {
+        Failure(format!(
+            "attempt {attempt_id}'s provider {:?} is not configured",
+            a.provider
+        ))
+    })?;
+    if provider.evidence.kind == EvidenceKind::None {
+        return Err(Failure(format!(
+            "provider {} keeps no evidence (evidence = \"none\"): resolve the attempt with `onejob attempts resolve`",
+            provider.name
+        )));
+    }
+    let Some(unknown) = store.evidence_now(attempt, LOOK_LEASE).await? else {
+        return Err(Failure(format!(
+            "attempt {attempt_id} is no longer unknown"
+        )));
+    };
+    let client = Client::new(provider).map_err(|e| Failure(e.to_string()))?;
+    let looker = Looker {
+        store: &store,
+        config: &config,
+    };
+    let look = looker.look(&client, &unknown).await?;
+    let published = publish_now(c, &config, &store, &look.publish).await;
+    if let Err(e) = &published {
+        eprintln!("onejob: warning: {e}; the reconciler will publish it");
+    }
+    if json {
+        writeln!(
+            out,
+            "{}",
+            json!({ "attempt_id": attempt_id, "found": look.found, "settled": look.settled,
+                    "published": published.is_ok() })
+        )?;
+    } else {
+        writeln!(out, "attempt {attempt_id}: {}", shown(&look.found))?;
+        if let Some(settled) = &look.settled {
+            writeln!(out, "settled: {settled}")?;
         }
     }
     Ok(())

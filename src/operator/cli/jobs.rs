@@ -245,6 +245,20 @@ fn write_attempts(out: &mut impl Write, job: &JobView) -> std::io::Result<()> {
         if let Some(r) = &a.provider_request_id {
             writeln!(out, "       request  {}", shown(r))?;
         }
+        if a.evidence_looks > 0 {
+            let next = match a.evidence_next_at {
+                Some(t) if a.status == AttemptStatus::Unknown => {
+                    format!(", next look {}", t.format("%Y-%m-%d %H:%M:%S UTC"))
+                }
+                _ => String::new(),
+            };
+            writeln!(
+                out,
+                "       evidence {} look(s): {}{next}",
+                a.evidence_looks,
+                shown(a.evidence_note.as_deref().unwrap_or("-"))
+            )?;
+        }
     }
     let spent_elsewhere = job
         .attempts

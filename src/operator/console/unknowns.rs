@@ -15,6 +15,7 @@ use super::Console;
 use super::action::authorised;
 use super::page::{Failure, age};
 use super::session::Operator;
+use crate::config::EvidenceKind;
 use crate::domain::{AttemptId, AttemptStatus};
 use crate::policy::Planner;
 use crate::runtime;
@@ -39,6 +40,7 @@ pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response 
                 since => u.since.to_rfc3339(),
                 age => age(u.age_seconds),
                 error => u.error.clone(),
+                evidence => evidence_state(&app, u),
             }
         })
         .collect();
@@ -46,6 +48,32 @@ pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response 
         "unknowns.html",
         context! { title => "Unknowns", operator => who.name, csrf => who.csrf, unknowns => rows },
     )
+}
+
+/// An unknown's evidence as the page shows it: what its provider keeps,
+/// the looks taken, what the last found, and when the next comes.
+fn evidence_state(app: &Console, u: &crate::store::Unknown) -> minijinja::Value {
+    let kind = app
+        .0
+        .config
+        .providers
+        .get(&u.provider)
+        .map(|p| p.evidence.kind);
+    let kind = match kind {
+        Some(EvidenceKind::Stored) => "stored completions",
+        Some(EvidenceKind::IdempotencyKey) => "idempotency key",
+        Some(EvidenceKind::None) | None => "none: waits for an operator",
+    };
+    let next = u
+        .evidence_next_at
+        .filter(|_| u.evidence_looks > 0)
+        .map(|t| t.to_rfc3339());
+    context! {
+        kind,
+        looks => u.evidence_looks,
+        found => u.evidence_note.clone(),
+        next,
+    }
 }
 
 #[derive(Deserialize)]

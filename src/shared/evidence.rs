@@ -1,0 +1,254 @@
+//! One look at an `unknown` attempt's evidence (contract section 7,
+//! Evidence), as the reconciler's pass takes it and as an operator asks for it
+//! (`onejob attempts evidence`). No row is locked during a look, and every
+//! resolution is audited with the actor `evidence` before it is settled.
+//!
+//! - `stored`: a stored completion that names the attempt and its job is the
+//!   attempt's answer, judged as a live answer and settled by the same
+//!   compare-and-swap (a job that ended meanwhile discards it, its usage
+//!   kept). None by `evidence_deadline` after the call started: the attempt
+//!   fails (`no_evidence`) and the route moves on. A provider that cannot be
+//!   asked is asked again later.
+//! - `idempotency_key`: the identical request is sent again with the same
+//!   key; the provider answers with the first one's outcome, so the work runs
+//!   at most once, and that answer settles the attempt. A `409` (the first
+//!   request did not complete) is a definite failure. A re-send that is itself
+//!   unknown is tried again until `evidence_deadline`; then the attempt waits
+//!   for an operator.
+
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::json;
+
+use crate::config::{Config, EvidenceKind};
+use crate::policy::Planner;
+use crate::provider::{Answer, CallError, Client, verdict};
+use crate::runtime::Result;
+use crate::store::{
+    Action, Actor, EvidenceDue, FailedJob, Finished, OutboxMessage, Store, Verdict,
+};
+
+/// The longest pause between two looks at one unknown.
+const MAX_PAUSE: Duration = Duration::from_secs(60);
+/// The longest one look at stored completions may take: a provider that does
+/// not answer in time is asked again later.
+const LOOK_TIMEOUT: Duration = Duration::from_secs(10);
+/// The pause of an unknown that waits for an operator: no more looks.
+const NEVER: Duration = Duration::from_secs(100 * 366 * 24 * 3600);
+
+/// What one look came to.
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct Look {
+    /// What it found, in words (also kept on the attempt).
+    pub(crate) found: String,
+    /// How the attempt was settled, when the look resolved it.
+    pub(crate) settled: Option<String>,
+    /// The outbox rows the resolution wrote, to publish now.
+    #[serde(skip)]
+    pub(crate) publish: Vec<OutboxMessage>,
+}
+
+/// Where a look runs.
+pub(crate) struct Looker<'a> {
+    /// The store.
+    pub(crate) store: &'a Store,
+    /// The configuration.
+    pub(crate) config: &'a Config,
+}
+
+impl Looker<'_> {
+    /// Looks `unknown` up once, as its provider's evidence allows.
+    pub(crate) async fn look(&self, client: &Client, unknown: &EvidenceDue) -> Result<Look> {
+        match client.provider().evidence.kind {
+            EvidenceKind::Stored => self.look_stored(client, unknown).await,
+            EvidenceKind::IdempotencyKey => self.send_again(client, unknown).await,
+            EvidenceKind::None => Ok(Look {
+                found: "the provider keeps no evidence: an operator resolves it".into(),
+                ..Look::default()
+            }),
+        }
+    }
+
+    /// Looks for `unknown`'s stored completion, and settles it by what it
+    /// finds, fails it past the deadline, or notes when to look again.
+    async fn look_stored(&self, client: &Client, unknown: &EvidenceDue) -> Result<Look> {
+        let found = tokio::time::timeout(
+            LOOK_TIMEOUT,
+            client.stored(unknown.attempt_id, unknown.job_id),
+        )
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {} s", LOOK_TIMEOUT.as_secs())));
+        match found {
+            Ok(Some(answer)) => self.settle(unknown, answer, "found").await,
+            Ok(None) if past_deadline(client, unknown) => {
+                let error = format!(
+                    "no_evidence: the provider stored no completion of this attempt within evidence_deadline ({})",
+                    humantime::format_duration(client.provider().evidence.deadline)
+                );
+                self.resolve(unknown, failed(unknown, error), "not found")
+                    .await
+            }
+            Ok(None) => {
+                self.note(client, unknown, "nothing stored yet".into())
+                    .await
+            }
+            Err(e) => {
+                tracing::warn!(attempt_id = %unknown.attempt_id, error = %e, "evidence: the provider could not be asked; looking again later");
+                let note = format!("the provider could not be asked: {e}");
+                self.note(client, unknown, note).await
+            }
+        }
+    }
+
+    /// Sends `unknown`'s request again with its key, and settles it by the
+    /// answer, fails it on a `409`, or notes when to send again (or, past the
+    /// deadline, that it waits for an operator).
+    async fn send_again(&self, client: &Client, unknown: &EvidenceDue) -> Result<Look> {
+        let (Some(operation), Some(input)) = (
+            self.config.operations.get(&unknown.operation),
+            unknown.input.as_object(),
+        ) else {
+            return Ok(Look::default());
+        };
+        let answer = match self.config.render(operation, input) {
+            Ok(rendered) => {
+                let job = Some(unknown.job_id);
+                client
+                    .complete(unknown.attempt_id, job, operation, &rendered)
+                    .await
+            }
+            Err(e) => Err(CallError::Refused(e.to_string())),
+        };
+        match answer {
+            Ok(answer) => self.settle(unknown, Ok(answer), "replayed").await,
+            Err(CallError::Rejected { message, .. }) if message.starts_with("HTTP 409") => {
+                let error = format!(
+                    "not_completed: the provider says the first request with this attempt's key did not complete: {message}"
+                );
+                self.resolve(unknown, failed(unknown, error), "not completed")
+                    .await
+            }
+            Err(e) if past_deadline(client, unknown) => {
+                let found = format!(
+                    "sent again until evidence_deadline, with no answer ({e}): waits for an operator"
+                );
+                self.store
+                    .note_evidence(unknown.attempt_id, &found, NEVER)
+                    .await?;
+                Ok(Look {
+                    found,
+                    ..Look::default()
+                })
+            }
+            Err(e) => {
+                let note = format!("sent again, no answer yet: {e}");
+                self.note(client, unknown, note).await
+            }
+        }
+    }
+
+    /// Keeps what a look found, and when the next may come.
+    async fn note(&self, client: &Client, unknown: &EvidenceDue, found: String) -> Result<Look> {
+        let next = pause(client.provider().evidence.delay, unknown.looks);
+        self.store
+            .note_evidence(unknown.attempt_id, &found, next)
+            .await?;
+        Ok(Look {
+            found,
+            ..Look::default()
+        })
+    }
+
+    /// The answer found (`what`: how), judged as a live one, settled.
+    async fn settle(
+        &self,
+        unknown: &EvidenceDue,
+        answer: std::result::Result<Answer, CallError>,
+        what: &str,
+    ) -> Result<Look> {
+        let mut finished = failed(unknown, String::new());
+        let Some(operation) = self.config.operations.get(&unknown.operation) else {
+            return Ok(Look::default());
+        };
+        finished.verdict = verdict(operation, answer, &mut finished);
+        self.resolve(unknown, finished, what).await
+    }
+
+    /// Records the resolution first (actor `evidence`), keeps what was found
+    /// on the attempt, then settles it by the same settlement as a live
+    /// answer.
+    async fn resolve(&self, unknown: &EvidenceDue, finished: Finished, what: &str) -> Result<Look> {
+        let judged = match &finished.verdict {
+            Verdict::Succeeded(_) => "succeeded".to_owned(),
+            Verdict::Failed { error, .. } | Verdict::Unknown { error } => error.clone(),
+        };
+        let action = Action {
+            action: "attempt.evidence",
+            job: Some(unknown.job_id),
+            attempt: Some(unknown.attempt_id),
+            target: Some(unknown.provider.clone()),
+            detail: json!({
+                "evidence": what,
+                "request_id": finished.provider_request_id,
+                "verdict": judged,
+            }),
+            ..Action::default()
+        };
+        let audit = self.store.audit_begin(&Actor::evidence(), &action).await?;
+        let found = format!("{what}: {judged}");
+        self.store
+            .note_evidence(unknown.attempt_id, &found, NEVER)
+            .await?;
+        let planner = Planner::load_all(self.config, self.store).await?;
+        let plan = |f: &FailedJob| planner.plan(f);
+        let (settled, publish) = self
+            .store
+            .finalize(std::slice::from_ref(&finished), &plan)
+            .await?;
+        let settled = settled
+            .first()
+            .map(|s| format!("{s:?}"))
+            .unwrap_or_default();
+        tracing::info!(attempt_id = %unknown.attempt_id, job_id = %unknown.job_id, evidence = what, %settled, "evidence: an unknown attempt was settled");
+        let outcome = json!({ "settled": settled });
+        if let Err(e) = self.store.audit_outcome(audit, false, &outcome).await {
+            tracing::warn!(error = %e, %audit, "evidence: the outcome was not written to its audit row");
+        }
+        Ok(Look {
+            found,
+            settled: Some(settled),
+            publish,
+        })
+    }
+}
+
+/// Whether `unknown`'s evidence deadline has passed.
+fn past_deadline(client: &Client, unknown: &EvidenceDue) -> bool {
+    let deadline = client.provider().evidence.deadline;
+    chrono::Utc::now()
+        > unknown.started_at + chrono::Duration::from_std(deadline).unwrap_or(chrono::Duration::MAX)
+}
+
+/// The pause before the next look: the delay, doubled with each look, at
+/// most [`MAX_PAUSE`].
+fn pause(delay: Duration, looks: i32) -> Duration {
+    let doublings = u32::try_from(looks.clamp(1, 16) - 1).unwrap_or(0);
+    delay.saturating_mul(1 << doublings).min(MAX_PAUSE)
+}
+
+/// A finished attempt for `unknown` with a definite failure `error`.
+fn failed(unknown: &EvidenceDue, error: String) -> Finished {
+    Finished {
+        attempt_id: unknown.attempt_id,
+        job_id: unknown.job_id,
+        version: unknown.version,
+        provider_request_id: None,
+        usage: None,
+        verdict: Verdict::Failed {
+            error,
+            retryable: true,
+            retry_after: None,
+        },
+    }
+}
