@@ -257,6 +257,23 @@ async fn an_unknown_is_settled_from_the_completion_the_provider_kept() {
     assert_eq!(rows.len(), 1, "{rows:?}");
     assert_eq!(rows[0].action, "attempt.evidence");
     assert_eq!(rows[0].detail["evidence"], "found");
+    // Counted: the look, the resolution and its time, and the hour's gauge.
+    let metrics = onejob::metrics::render();
+    for line in [
+        "onejob_unknowns_resolved_total{how=\"stored\"} 1",
+        "onejob_unknown_resolution_seconds_count{how=\"stored\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in:\n{metrics}");
+    }
+    assert!(
+        metrics.contains("onejob_evidence_looks_total{provider=\"primary\",outcome=\"stored\"} 1"),
+        "{metrics}"
+    );
+    let gauges = env.store.gauges().await.unwrap();
+    assert!(
+        gauges.contains("onejob_unknowns_resolved_last_hour{how=\"stored\"} 1"),
+        "{gauges}"
+    );
     producer.close().await;
     fleet.stop().await;
 }
@@ -387,6 +404,12 @@ async fn an_operator_resolving_first_wins() {
     assert_eq!(job.status, JobStatus::Cancelled);
     assert_eq!(job.attempts[0].status, AttemptStatus::Cancelled);
     assert!(evidence_rows(&env, job_id).await.is_empty());
+    let gauges = env.store.gauges().await.unwrap();
+    assert!(
+        gauges.contains("onejob_unknowns_resolved_last_hour{how=\"operator\"} 1")
+            && gauges.contains("onejob_unknowns_resolved_last_hour{how=\"stored\"} 0"),
+        "{gauges}"
+    );
     producer.close().await;
     fleet.stop().await;
 }

@@ -44,6 +44,9 @@ pub(crate) struct Look {
     pub(crate) found: String,
     /// How the attempt was settled, when the look resolved it.
     pub(crate) settled: Option<String>,
+    /// The look's outcome, for the metrics ([`crate::metrics::evidence_look`]).
+    #[serde(skip)]
+    pub(crate) outcome: &'static str,
     /// The outbox rows the resolution wrote, to publish now.
     #[serde(skip)]
     pub(crate) publish: Vec<OutboxMessage>,
@@ -58,16 +61,29 @@ pub(crate) struct Looker<'a> {
 }
 
 impl Looker<'_> {
-    /// Looks `unknown` up once, as its provider's evidence allows.
+    /// Looks `unknown` up once, as its provider's evidence allows, and
+    /// counts what came of it.
     pub(crate) async fn look(&self, client: &Client, unknown: &EvidenceDue) -> Result<Look> {
-        match client.provider().evidence.kind {
-            EvidenceKind::Stored => self.look_stored(client, unknown).await,
-            EvidenceKind::IdempotencyKey => self.send_again(client, unknown).await,
-            EvidenceKind::None => Ok(Look {
+        let look = match client.provider().evidence.kind {
+            EvidenceKind::Stored => self.look_stored(client, unknown).await?,
+            EvidenceKind::IdempotencyKey => self.send_again(client, unknown).await?,
+            EvidenceKind::None => Look {
                 found: "the provider keeps no evidence: an operator resolves it".into(),
+                outcome: "waits_for_operator",
                 ..Look::default()
-            }),
+            },
+        };
+        let provider = client.provider();
+        crate::metrics::evidence_look(&provider.name, look.outcome);
+        if look.settled.is_some() {
+            let unknown_since = unknown.started_at
+                + chrono::Duration::from_std(provider.timeout).unwrap_or_default();
+            let unknown_for = (chrono::Utc::now() - unknown_since)
+                .to_std()
+                .unwrap_or_default();
+            crate::metrics::unknown_resolved(look.outcome, unknown_for);
         }
+        Ok(look)
     }
 
     /// Looks for `unknown`'s stored completion, and settles it by what it
@@ -80,23 +96,23 @@ impl Looker<'_> {
         .await
         .unwrap_or_else(|_| Err(format!("no answer within {} s", LOOK_TIMEOUT.as_secs())));
         match found {
-            Ok(Some(answer)) => self.settle(unknown, answer, "found").await,
+            Ok(Some(answer)) => self.settle(unknown, answer, ("found", "stored")).await,
             Ok(None) if past_deadline(client, unknown) => {
                 let error = format!(
                     "no_evidence: the provider stored no completion of this attempt within evidence_deadline ({})",
                     humantime::format_duration(client.provider().evidence.deadline)
                 );
-                self.resolve(unknown, failed(unknown, error), "not found")
-                    .await
+                let how = ("not found", "no_evidence");
+                self.resolve(unknown, failed(unknown, error), how).await
             }
             Ok(None) => {
-                self.note(client, unknown, "nothing stored yet".into())
-                    .await
+                let found = "nothing stored yet".into();
+                self.note(client, unknown, found, "nothing_yet").await
             }
             Err(e) => {
                 tracing::warn!(attempt_id = %unknown.attempt_id, error = %e, "evidence: the provider could not be asked; looking again later");
                 let note = format!("the provider could not be asked: {e}");
-                self.note(client, unknown, note).await
+                self.note(client, unknown, note, "unreachable").await
             }
         }
     }
@@ -121,13 +137,16 @@ impl Looker<'_> {
             Err(e) => Err(CallError::Refused(e.to_string())),
         };
         match answer {
-            Ok(answer) => self.settle(unknown, Ok(answer), "replayed").await,
+            Ok(answer) => {
+                self.settle(unknown, Ok(answer), ("replayed", "replayed"))
+                    .await
+            }
             Err(CallError::Rejected { message, .. }) if message.starts_with("HTTP 409") => {
                 let error = format!(
                     "not_completed: the provider says the first request with this attempt's key did not complete: {message}"
                 );
-                self.resolve(unknown, failed(unknown, error), "not completed")
-                    .await
+                let how = ("not completed", "not_completed");
+                self.resolve(unknown, failed(unknown, error), how).await
             }
             Err(e) if past_deadline(client, unknown) => {
                 let found = format!(
@@ -138,47 +157,61 @@ impl Looker<'_> {
                     .await?;
                 Ok(Look {
                     found,
+                    outcome: "waits_for_operator",
                     ..Look::default()
                 })
             }
             Err(e) => {
                 let note = format!("sent again, no answer yet: {e}");
-                self.note(client, unknown, note).await
+                self.note(client, unknown, note, "unreachable").await
             }
         }
     }
 
     /// Keeps what a look found, and when the next may come.
-    async fn note(&self, client: &Client, unknown: &EvidenceDue, found: String) -> Result<Look> {
+    async fn note(
+        &self,
+        client: &Client,
+        unknown: &EvidenceDue,
+        found: String,
+        outcome: &'static str,
+    ) -> Result<Look> {
         let next = pause(client.provider().evidence.delay, unknown.looks);
         self.store
             .note_evidence(unknown.attempt_id, &found, next)
             .await?;
         Ok(Look {
             found,
+            outcome,
             ..Look::default()
         })
     }
 
-    /// The answer found (`what`: how), judged as a live one, settled.
+    /// The answer found (`how`: in words, and as the metrics name it), judged
+    /// as a live one, settled.
     async fn settle(
         &self,
         unknown: &EvidenceDue,
         answer: std::result::Result<Answer, CallError>,
-        what: &str,
+        how: (&str, &'static str),
     ) -> Result<Look> {
         let mut finished = failed(unknown, String::new());
         let Some(operation) = self.config.operations.get(&unknown.operation) else {
             return Ok(Look::default());
         };
         finished.verdict = verdict(operation, answer, &mut finished);
-        self.resolve(unknown, finished, what).await
+        self.resolve(unknown, finished, how).await
     }
 
     /// Records the resolution first (actor `evidence`), keeps what was found
     /// on the attempt, then settles it by the same settlement as a live
     /// answer.
-    async fn resolve(&self, unknown: &EvidenceDue, finished: Finished, what: &str) -> Result<Look> {
+    async fn resolve(
+        &self,
+        unknown: &EvidenceDue,
+        finished: Finished,
+        (what, outcome): (&str, &'static str),
+    ) -> Result<Look> {
         let judged = match &finished.verdict {
             Verdict::Succeeded(_) => "succeeded".to_owned(),
             Verdict::Failed { error, .. } | Verdict::Unknown { error } => error.clone(),
@@ -211,13 +244,14 @@ impl Looker<'_> {
             .map(|s| format!("{s:?}"))
             .unwrap_or_default();
         tracing::info!(attempt_id = %unknown.attempt_id, job_id = %unknown.job_id, evidence = what, %settled, "evidence: an unknown attempt was settled");
-        let outcome = json!({ "settled": settled });
-        if let Err(e) = self.store.audit_outcome(audit, false, &outcome).await {
+        let written = json!({ "settled": settled });
+        if let Err(e) = self.store.audit_outcome(audit, false, &written).await {
             tracing::warn!(error = %e, %audit, "evidence: the outcome was not written to its audit row");
         }
         Ok(Look {
             found,
             settled: Some(settled),
+            outcome,
             publish,
         })
     }

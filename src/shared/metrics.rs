@@ -36,6 +36,17 @@ pub const ATTEMPT_BATCH_SIZE: &str = "onejob_attempt_batch_size";
 /// (what a settlement wrote, published and confirmed).
 pub const STAGE_SECONDS: &str = "onejob_stage_seconds";
 
+/// Seconds from an attempt becoming `unknown` (its call's deadline) to its
+/// resolution by evidence, by how (`stored`, `replayed`, `no_evidence`,
+/// `not_completed`).
+pub const UNKNOWN_RESOLUTION_SECONDS: &str = "onejob_unknown_resolution_seconds";
+
+/// Bucket bounds for resolving unknowns: from the evidence delay (seconds) to
+/// the evidence deadline (minutes, an hour).
+const RESOLUTION_BUCKETS: [f64; 11] = [
+    1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+];
+
 /// Bucket bounds for stages: from a fraction of a millisecond (a commit on a
 /// quiet database) to seconds (an outage waited out).
 const STAGE_BUCKETS: [f64; 14] = [
@@ -66,6 +77,11 @@ pub fn install() -> Option<&'static PrometheusHandle> {
                 .set_buckets_for_metric(Matcher::Full(ATTEMPT_BATCH_SIZE.into()), &BATCH_BUCKETS)
                 .ok()?
                 .set_buckets_for_metric(Matcher::Full(STAGE_SECONDS.into()), &STAGE_BUCKETS)
+                .ok()?
+                .set_buckets_for_metric(
+                    Matcher::Full(UNKNOWN_RESOLUTION_SECONDS.into()),
+                    &RESOLUTION_BUCKETS,
+                )
                 .ok()?;
             match builder.install_recorder() {
                 Ok(handle) => Some(handle),
@@ -132,6 +148,26 @@ pub fn provider_call(provider: &str, result: &'static str, elapsed: Duration) {
         "result" => result
     )
     .record(elapsed.as_secs_f64());
+}
+
+/// A look at an unknown's evidence came to `outcome`: `stored`, `replayed`,
+/// `no_evidence`, `not_completed` (each resolves it), `nothing_yet`,
+/// `unreachable` (the provider could not be asked or did not answer), or
+/// `waits_for_operator`.
+pub fn evidence_look(provider: &str, outcome: &'static str) {
+    counter!(
+        "onejob_evidence_looks_total",
+        "provider" => provider.to_owned(),
+        "outcome" => outcome
+    )
+    .increment(1);
+}
+
+/// An unknown was resolved by evidence (`how`), `unknown_for` after its
+/// call's deadline.
+pub fn unknown_resolved(how: &'static str, unknown_for: Duration) {
+    counter!("onejob_unknowns_resolved_total", "how" => how).increment(1);
+    histogram!(UNKNOWN_RESOLUTION_SECONDS, "how" => how).record(unknown_for.as_secs_f64());
 }
 
 /// A stage of the way took `elapsed` (see [`STAGE_SECONDS`]).
