@@ -8,6 +8,7 @@
 mod common;
 
 mod calls;
+mod measured;
 mod operators;
 mod replay;
 mod stored;
