@@ -37,7 +37,7 @@ async fn two_hundred_timed_out_calls_end_from_replayed_keys() {
         delay: LATENCY,
         ..MockOptions::default()
     };
-    measure("idempotency_key", options, |base| replay_config(base)).await;
+    measure("idempotency_key", options, replay_config).await;
 }
 
 /// Sends [`CALLS`] intents through a fleet whose provider (the mock, with
