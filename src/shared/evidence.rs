@@ -21,12 +21,13 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::config::{Config, EvidenceKind};
+use crate::config::{Config, EvidenceKind, Operation, Provider};
+use crate::domain::AttemptId;
 use crate::policy::Planner;
 use crate::provider::{Answer, CallError, Client, verdict};
 use crate::runtime::Result;
 use crate::store::{
-    Action, Actor, EvidenceDue, FailedJob, Finished, OutboxMessage, Store, Verdict,
+    Action, Actor, EvidenceClaim, EvidenceDue, FailedJob, Finished, OutboxMessage, Store, Verdict,
 };
 
 /// The longest pause between two looks at one unknown.
@@ -91,7 +92,7 @@ impl Looker<'_> {
     async fn look_stored(&self, client: &Client, unknown: &EvidenceDue) -> Result<Look> {
         let found = tokio::time::timeout(
             LOOK_TIMEOUT,
-            client.stored(unknown.attempt_id, unknown.job_id),
+            client.stored(unknown.attempt_id, Some(unknown.job_id)),
         )
         .await
         .unwrap_or_else(|_| Err(format!("no answer within {} s", LOOK_TIMEOUT.as_secs())));
@@ -285,4 +286,119 @@ fn failed(unknown: &EvidenceDue, error: String) -> Finished {
             retry_after: None,
         },
     }
+}
+
+/// Tests a provider's evidence claim with the operation's first golden case
+/// (configuring `evidence` is the operator's statement; qualification checks
+/// it): a stored call must be found by its metadata after `evidence_delay`; a
+/// call sent twice with one key must come back with the first answer (the
+/// same response id), no new work. `None` for a provider that claims none;
+/// else whether the claim held, and what was seen.
+pub(crate) async fn check_claim(
+    config: &Config,
+    provider: &Provider,
+    operation: &Operation,
+) -> Option<(bool, String)> {
+    let kind = provider.evidence.kind;
+    if kind == EvidenceKind::None {
+        return None;
+    }
+    let Some(input) = operation.cases.first() else {
+        return Some((false, "no golden case to test the claim with".into()));
+    };
+    let rendered = match config.render(operation, input) {
+        Ok(r) => r,
+        Err(e) => return Some((false, format!("the first golden case does not render: {e}"))),
+    };
+    let client = match Client::new(provider.clone()) {
+        Ok(c) => c,
+        Err(e) => return Some((false, e.to_string())),
+    };
+    let attempt = AttemptId::new();
+    let first = match client.complete(attempt, None, operation, &rendered).await {
+        Ok(a) => a,
+        Err(e) => return Some((false, format!("the test call failed: {e}"))),
+    };
+    Some(match kind {
+        EvidenceKind::Stored => {
+            tokio::time::sleep(provider.evidence.delay.min(Duration::from_secs(30))).await;
+            match client.stored(attempt, None).await {
+                Ok(Some(Ok(found))) if found.request_id == first.request_id => (
+                    true,
+                    "the test call was stored and found by its metadata".into(),
+                ),
+                Ok(Some(_)) => (
+                    false,
+                    "a completion was found by the test call's metadata, but not the test call's"
+                        .into(),
+                ),
+                Ok(None) => (
+                    false,
+                    format!(
+                        "the test call was not found by its metadata {} after it ended",
+                        humantime::format_duration(provider.evidence.delay)
+                    ),
+                ),
+                Err(e) => (
+                    false,
+                    format!("stored completions could not be listed: {e}"),
+                ),
+            }
+        }
+        EvidenceKind::IdempotencyKey => {
+            match client.complete(attempt, None, operation, &rendered).await {
+                Ok(again)
+                    if again.request_id == first.request_id && again.content == first.content =>
+                {
+                    (
+                        true,
+                        "the same key was answered with the first answer".into(),
+                    )
+                }
+                Ok(_) => (
+                    false,
+                    "the same key ran new work: another answer came back".into(),
+                ),
+                Err(e) => (false, format!("the test call sent again failed: {e}")),
+            }
+        }
+        EvidenceKind::None => return None,
+    })
+}
+
+/// The word for a kind of evidence, as configuration spells it.
+pub(crate) fn kind_name(kind: EvidenceKind) -> &'static str {
+    match kind {
+        EvidenceKind::Stored => "stored",
+        EvidenceKind::IdempotencyKey => "idempotency_key",
+        EvidenceKind::None => "none",
+    }
+}
+
+/// Where a provider's evidence stands, as `providers list` and the console
+/// show it: its kind, whether the pass uses it (`none`, `on`, `unchecked`,
+/// `off`), and why, in words.
+pub(crate) fn standing(provider: &Provider, claim: Option<&EvidenceClaim>) -> serde_json::Value {
+    let kind = kind_name(provider.evidence.kind);
+    let at = |c: &EvidenceClaim| c.checked_at.format("%Y-%m-%d %H:%M:%S UTC").to_string();
+    let (state, why) = match (provider.evidence.kind, claim) {
+        (EvidenceKind::None, _) => (
+            "none",
+            "keeps none: unknowns wait for an operator".to_owned(),
+        ),
+        (_, None) => (
+            "unchecked",
+            "on; no qualification has tested the claim yet".to_owned(),
+        ),
+        (_, Some(c)) if c.held => ("on", format!("on; the claim held at {}", at(c))),
+        (_, Some(c)) => (
+            "off",
+            format!(
+                "off: the qualification at {} found the claim false ({}); unknowns wait for an operator until a qualification finds it holds",
+                at(c),
+                c.detail
+            ),
+        ),
+    };
+    json!({ "kind": kind, "state": state, "why": why })
 }

@@ -190,13 +190,14 @@ impl Client {
 
     /// What the provider stored of `attempt`'s call (`evidence = "stored"`):
     /// its completions listed by the attempt's metadata, and one taken only if
-    /// its metadata names this attempt of this job. `Ok(None)` when none is
+    /// its metadata names this attempt of this job (of no job: a
+    /// qualification's call). `Ok(None)` when none is
     /// stored; `Some` holds the completion judged as a live answer is; `Err`
     /// when the provider could not be asked (look again later).
     pub(crate) async fn stored(
         &self,
         attempt: AttemptId,
-        job: JobId,
+        job: Option<JobId>,
     ) -> Result<Option<Result<Answer, CallError>>, String> {
         let mut url = self
             .provider
@@ -225,7 +226,7 @@ impl Client {
         }
         let list: Value = serde_json::from_slice(&bytes)
             .map_err(|e| format!("the list of stored completions is not JSON: {e}"))?;
-        let want = evidence_metadata(attempt, Some(job));
+        let want = evidence_metadata(attempt, job);
         let found = list["data"].as_array().into_iter().flatten().find(|c| {
             c["metadata"]["onejob_attempt"] == want["onejob_attempt"]
                 && c["metadata"]["onejob_job"] == want["onejob_job"]

@@ -58,8 +58,10 @@ pub(crate) fn action(provider: &Provider, operation: &Operation) -> Action<'stat
 
 /// Runs a qualification whose audit row `audit` was written first, records the
 /// run, and fills in the row with what came of it (if that last write fails
-/// the row stays `pending`, and the log says so). Returns the report and the
-/// recorded run's id.
+/// the row stays `pending`, and the log says so). A provider that claims
+/// evidence has the claim tested too, and what was found recorded
+/// ([`crate::evidence::check_claim`]). Returns the report and the recorded
+/// run's id.
 pub(crate) async fn run_audited(
     store: &Store,
     config: &Config,
@@ -69,9 +71,17 @@ pub(crate) async fn run_audited(
 ) -> (Qualification, Result<uuid::Uuid, StoreError>) {
     let report = qualify(config, provider, operation).await;
     let recorded = store.record_qualification(&report).await;
+    let claim = crate::evidence::check_claim(config, provider, operation).await;
+    if let Some((held, seen)) = &claim {
+        let kind = crate::evidence::kind_name(provider.evidence.kind);
+        if let Err(e) = store.record_claim(&provider.name, kind, *held, seen).await {
+            tracing::warn!(error = %e, provider = %provider.name, "the evidence claim's check was not recorded");
+        }
+    }
     let passed = report.cases.iter().filter(|c| c.passed).count();
     let detail = serde_json::json!({
         "run_id": recorded.as_ref().ok(),
+        "evidence_claim": claim.as_ref().map(|(held, seen)| serde_json::json!({ "held": held, "seen": seen })),
         "qualified": report.passed,
         "cases": report.cases.len(),
         "passed": passed,

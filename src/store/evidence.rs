@@ -125,3 +125,64 @@ impl Store {
         .await
     }
 }
+
+/// What qualification last found of a provider's evidence claim.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EvidenceClaim {
+    /// The kind of evidence checked: `stored` or `idempotency_key`.
+    pub kind: String,
+    /// Whether the provider kept the evidence it was said to keep.
+    pub held: bool,
+    /// What the check saw.
+    pub detail: String,
+    /// When.
+    pub checked_at: DateTime<Utc>,
+}
+
+impl Store {
+    /// Records what a qualification found of `provider`'s evidence claim.
+    pub async fn record_claim(
+        &self,
+        provider: &str,
+        kind: &str,
+        held: bool,
+        detail: &str,
+    ) -> Result<()> {
+        self.retrying(|| async {
+            sqlx::query!(
+                "INSERT INTO evidence_claims (id, provider, kind, held, detail)
+                 VALUES ($1, $2, $3, $4, $5)",
+                Uuid::now_v7(),
+                provider,
+                kind,
+                held,
+                detail,
+            )
+            .execute(&self.pool)
+            .await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Each provider's latest claim check, by provider.
+    pub async fn latest_claims(&self) -> Result<HashMap<String, EvidenceClaim>> {
+        Ok(sqlx::query!(
+            r#"SELECT DISTINCT ON (provider) provider, kind, held, detail, checked_at
+               FROM evidence_claims ORDER BY provider, checked_at DESC, id DESC"#
+        )
+        .fetch_all(&self.pool)
+        .await?
+        .into_iter()
+        .map(|r| {
+            let claim = EvidenceClaim {
+                kind: r.kind,
+                held: r.held,
+                detail: r.detail,
+                checked_at: r.checked_at,
+            };
+            (r.provider, claim)
+        })
+        .collect())
+    }
+}

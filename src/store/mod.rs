@@ -61,7 +61,7 @@ use drafts::Ended;
 pub use drafts::{OutboxDraft, OutboxMessage, Routes};
 use error::corrupt;
 pub use error::{Refusal, Result, StoreError};
-pub use evidence::EvidenceDue;
+pub use evidence::{EvidenceClaim, EvidenceDue};
 pub use qualifications::QualificationRun;
 pub use retention::{Pass, Policy, Pruned};
 pub use settle::{Claim, FailedJob, Finished, NextStep, Resolution, Settled, Started, Verdict};

@@ -8,6 +8,7 @@
 mod common;
 
 mod calls;
+mod claims;
 mod measured;
 mod operators;
 mod replay;

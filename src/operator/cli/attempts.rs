@@ -182,6 +182,16 @@ async fn evidence(c: &Connections, attempt_id: Uuid, json: bool, out: &mut impl 
             provider.name
         )));
     }
+    if let Some(claim) = store.latest_claims().await?.get(&provider.name)
+        && !claim.held
+    {
+        return Err(Failure(format!(
+            "evidence is off for provider {}: its qualification on {} found the claim false ({}); resolve the attempt with `onejob attempts resolve`, or qualify the provider again",
+            provider.name,
+            claim.checked_at.format("%Y-%m-%d %H:%M:%S UTC"),
+            claim.detail
+        )));
+    }
     let Some(unknown) = store.evidence_now(attempt, LOOK_LEASE).await? else {
         return Err(Failure(format!(
             "attempt {attempt_id} is no longer unknown"

@@ -58,6 +58,7 @@ async fn list(c: &Connections, json: bool, out: &mut impl Write) -> Outcome {
     let config = c.load_config()?;
     let store = store(c, &config).await?;
     let states = crate::qualify::states(&config, &store).await?;
+    let claims = store.latest_claims().await?;
     let rows: Vec<_> = config
         .providers
         .values()
@@ -89,39 +90,14 @@ async fn list(c: &Connections, json: bool, out: &mut impl Write) -> Outcome {
                 "timeout": humantime::format_duration(p.timeout).to_string(),
                 "concurrency": p.concurrency,
                 "operations": routes,
+                "evidence": crate::evidence::standing(p, claims.get(&p.name)),
             })
         })
         .collect();
     if json {
         writeln!(out, "{}", serde_json::Value::Array(rows))?;
     } else {
-        for r in &rows {
-            let s = |v: &serde_json::Value| v.as_str().unwrap_or("").to_owned();
-            writeln!(
-                out,
-                "{}  {}  model {}  timeout {}",
-                s(&r["provider"]),
-                s(&r["base_url"]),
-                s(&r["model"]),
-                s(&r["timeout"])
-            )?;
-            for o in r["operations"].as_array().into_iter().flatten() {
-                let state = o["qualification"].as_str().unwrap_or("").replace('_', " ");
-                let eligible = if o["eligible"] == true {
-                    "eligible"
-                } else {
-                    "not eligible"
-                };
-                writeln!(
-                    out,
-                    "  {:<20} {:<9} {:<16} {}",
-                    s(&o["operation"]),
-                    s(&o["role"]),
-                    state,
-                    eligible
-                )?;
-            }
-        }
+        write_list(out, &rows)?;
     }
     Ok(())
 }
@@ -181,6 +157,17 @@ async fn qualify(
         for r in &reports {
             write_report(out, r)?;
         }
+        if p.evidence.kind != crate::config::EvidenceKind::None {
+            let claims = store.latest_claims().await?;
+            let standing = crate::evidence::standing(p, claims.get(&p.name));
+            let why = standing["why"].as_str().unwrap_or_default();
+            writeln!(
+                out,
+                "evidence {}: {}",
+                standing["kind"].as_str().unwrap_or_default(),
+                shown(why)
+            )?;
+        }
     }
     if !all_passed {
         return Err(Failure(format!(
@@ -224,6 +211,46 @@ fn write_report(out: &mut impl Write, r: &Qualification) -> std::io::Result<()> 
             "  case {} {mark}  {tokens}  {}",
             case.index,
             shown(&case.detail)
+        )?;
+    }
+    Ok(())
+}
+
+/// `providers list` as plain output: a provider per line, then its
+/// operations and its evidence.
+fn write_list(out: &mut impl Write, rows: &[serde_json::Value]) -> std::io::Result<()> {
+    for r in rows {
+        let s = |v: &serde_json::Value| v.as_str().unwrap_or("").to_owned();
+        writeln!(
+            out,
+            "{}  {}  model {}  timeout {}",
+            s(&r["provider"]),
+            s(&r["base_url"]),
+            s(&r["model"]),
+            s(&r["timeout"])
+        )?;
+        for o in r["operations"].as_array().into_iter().flatten() {
+            let state = o["qualification"].as_str().unwrap_or("").replace('_', " ");
+            let eligible = if o["eligible"] == true {
+                "eligible"
+            } else {
+                "not eligible"
+            };
+            writeln!(
+                out,
+                "  {:<20} {:<9} {:<16} {}",
+                s(&o["operation"]),
+                s(&o["role"]),
+                state,
+                eligible
+            )?;
+        }
+        let e = &r["evidence"];
+        writeln!(
+            out,
+            "  evidence {}: {}",
+            s(&e["kind"]),
+            shown(&s(&e["why"]))
         )?;
     }
     Ok(())

@@ -31,6 +31,10 @@ pub(super) async fn page(
         Ok(s) => s,
         Err(e) => return app.message(Some(&who), e.into()),
     };
+    let claims = match app.0.store.latest_claims().await {
+        Ok(c) => c,
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
     let rows: Vec<_> = config
         .providers
         .values()
@@ -74,6 +78,9 @@ pub(super) async fn page(
                 timeout => humantime::format_duration(p.timeout).to_string(),
                 concurrency => p.concurrency,
                 operations,
+                evidence => minijinja::Value::from(minijinja::value::Serde(
+                    crate::evidence::standing(p, claims.get(&p.name))
+                )),
             }
         })
         .collect();

@@ -35,13 +35,17 @@ pub(crate) async fn evidence_loop(ctx: Context, shutdown: Shutdown) {
     }
 }
 
-/// One pass: the due unknowns of every provider that keeps evidence.
+/// One pass: the due unknowns of every provider that keeps evidence, unless
+/// its latest qualification found the claim false (then an operator resolves
+/// them, until a later qualification finds it holds).
 pub(crate) async fn evidence_once(ctx: &Context) -> Result<()> {
+    let claims = ctx.store.latest_claims().await?;
     let providers: Vec<(String, Duration)> = ctx
         .config
         .providers
         .values()
         .filter(|p| p.evidence.kind != EvidenceKind::None)
+        .filter(|p| claims.get(&p.name).is_none_or(|c| c.held))
         .map(|p| (p.name.clone(), p.evidence.delay))
         .collect();
     if providers.is_empty() {
