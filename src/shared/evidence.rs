@@ -3,6 +3,10 @@
 //! (`onejob attempts evidence`). No row is locked during a look, and every
 //! resolution is audited with the actor `evidence` before it is settled.
 //!
+//! An attempt discarded while still unknown (another attempt won) is looked
+//! up too, for what its call cost: what is found is kept on it, and it stays
+//! discarded. A paid answer is never thrown away.
+//!
 //! - `stored`: a stored completion that names the attempt and its job is the
 //!   attempt's answer, judged as a live answer and settled by the same
 //!   compare-and-swap (a job that ended meanwhile discards it, its usage
@@ -98,6 +102,10 @@ impl Looker<'_> {
         .unwrap_or_else(|_| Err(format!("no answer within {} s", LOOK_TIMEOUT.as_secs())));
         match found {
             Ok(Some(answer)) => self.settle(unknown, answer, ("found", "stored")).await,
+            Ok(None) if past_deadline(client, unknown) && unknown.discarded => {
+                let found = "nothing stored by evidence_deadline: its cost is not known".into();
+                self.note_final(unknown, found, "no_evidence").await
+            }
             Ok(None) if past_deadline(client, unknown) => {
                 let error = format!(
                     "no_evidence: the provider stored no completion of this attempt within evidence_deadline ({})",
@@ -142,6 +150,13 @@ impl Looker<'_> {
                 self.settle(unknown, Ok(answer), ("replayed", "replayed"))
                     .await
             }
+            Err(CallError::Rejected { message, .. })
+                if message.starts_with("HTTP 409") && unknown.discarded =>
+            {
+                let found =
+                    format!("the first request did not complete, so it cost nothing: {message}");
+                self.note_final(unknown, found, "not_completed").await
+            }
             Err(CallError::Rejected { message, .. }) if message.starts_with("HTTP 409") => {
                 let error = format!(
                     "not_completed: the provider says the first request with this attempt's key did not complete: {message}"
@@ -153,14 +168,7 @@ impl Looker<'_> {
                 let found = format!(
                     "sent again until evidence_deadline, with no answer ({e}): waits for an operator"
                 );
-                self.store
-                    .note_evidence(unknown.attempt_id, &found, NEVER)
-                    .await?;
-                Ok(Look {
-                    found,
-                    outcome: "waits_for_operator",
-                    ..Look::default()
-                })
+                self.note_final(unknown, found, "waits_for_operator").await
             }
             Err(e) => {
                 let note = format!("sent again, no answer yet: {e}");
@@ -180,6 +188,23 @@ impl Looker<'_> {
         let next = pause(client.provider().evidence.delay, unknown.looks);
         self.store
             .note_evidence(unknown.attempt_id, &found, next)
+            .await?;
+        Ok(Look {
+            found,
+            outcome,
+            ..Look::default()
+        })
+    }
+
+    /// Keeps what the last look found: no more looks.
+    async fn note_final(
+        &self,
+        unknown: &EvidenceDue,
+        found: String,
+        outcome: &'static str,
+    ) -> Result<Look> {
+        self.store
+            .note_evidence(unknown.attempt_id, &found, NEVER)
             .await?;
         Ok(Look {
             found,

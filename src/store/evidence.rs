@@ -22,12 +22,16 @@ pub struct EvidenceDue {
     pub started_at: DateTime<Utc>,
     /// Looks taken so far, this one included.
     pub looks: i32,
+    /// It was discarded while still unknown (another attempt won): a look
+    /// now only records what its call cost, if the provider kept it.
+    pub discarded: bool,
 }
 
 impl Store {
     /// Takes up to `limit` unknown attempts of `providers` (each with its
     /// `evidence_delay`) whose next look is due: the first no sooner than the
-    /// delay after the call's deadline. Each is leased for `lease`: no other
+    /// delay after the call's deadline. Attempts discarded while unknown
+    /// (another attempt won) are taken too while their cost is not known. Each is leased for `lease`: no other
     /// pod takes it meanwhile. Rows held by someone else are skipped.
     pub async fn evidence_due(
         &self,
@@ -44,7 +48,9 @@ impl Store {
                      SELECT * FROM unnest($1::text[], $2::float8[]) AS p(name, delay)
                    ), due AS (
                      SELECT a.id FROM attempts a JOIN p ON p.name = a.provider
-                     WHERE a.status = 'unknown'
+                     WHERE (a.status = 'unknown'
+                            OR (a.status = 'discarded' AND a.usage IS NULL
+                                AND a.evidence_next_at IS NOT NULL))
                        AND COALESCE(a.evidence_next_at,
                                     COALESCE(a.deadline_at, a.started_at, a.created_at)
                                       + make_interval(secs => p.delay)) <= now()
@@ -60,7 +66,8 @@ impl Store {
                    RETURNING a.id AS "attempt_id: AttemptId", a.job_id AS "job_id: JobId",
                              a.provider, j.operation, j.version, j.input,
                              COALESCE(a.started_at, a.created_at) AS "started_at!",
-                             a.evidence_looks AS looks"#,
+                             a.evidence_looks AS looks,
+                             a.status = 'discarded' AS "discarded!""#,
                 &names,
                 &delays,
                 lease.as_secs_f64(),
@@ -91,7 +98,8 @@ impl Store {
                    RETURNING a.id AS "attempt_id: AttemptId", a.job_id AS "job_id: JobId",
                              a.provider, j.operation, j.version, j.input,
                              COALESCE(a.started_at, a.created_at) AS "started_at!",
-                             a.evidence_looks AS looks"#,
+                             a.evidence_looks AS looks,
+                             false AS "discarded!""#,
                 attempt.0,
                 lease.as_secs_f64(),
             )
@@ -102,7 +110,7 @@ impl Store {
     }
 
     /// Writes what a look found, and when the next may come (while the
-    /// attempt is still `unknown`).
+    /// attempt is still `unknown`, or discarded with its cost not known).
     pub async fn note_evidence(
         &self,
         attempt: AttemptId,
@@ -113,7 +121,7 @@ impl Store {
             sqlx::query!(
                 "UPDATE attempts SET evidence_note = $2,
                      evidence_next_at = now() + make_interval(secs => $3)
-                 WHERE id = $1 AND status = 'unknown'",
+                 WHERE id = $1 AND status IN ('unknown', 'discarded')",
                 attempt.0,
                 note,
                 next_in.as_secs_f64(),

@@ -60,6 +60,7 @@ impl Store {
                    UPDATE attempts a
                    SET status = CASE WHEN a.status = 'unknown' THEN 'discarded' ELSE 'cancelled' END,
                        finished_at = now(),
+                       evidence_next_at = CASE WHEN a.status = 'unknown' THEN now() END,
                        error = CASE WHEN a.status = 'unknown'
                                     THEN 'discarded: its outcome was still unknown when attempt '
                                          || w.winner || ' won'

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::common::{TestEnv, config, intent, mock, wait_for, wait_for_status};
+use crate::common::{P, TestEnv, config, intent, mock, wait_for, wait_for_status};
 use onejob::domain::{AttemptStatus, JobStatus};
 use onejob::mock::MockOptions;
 use onejob_producer::Producer;
@@ -193,4 +193,83 @@ async fn two_pods_settle_each_unknown_once() {
     for fleet in fleets {
         fleet.stop().await;
     }
+}
+
+/// Evidence found after the job ended: the primary's call times out (its
+/// attempt `unknown`) while a hedge started before it is still running; the
+/// hedge wins, and the unknown attempt is `discarded`. Its stored answer,
+/// found later, tells what its call cost: the usage is kept on it (a paid
+/// answer is never thrown away), it stays discarded, and the job's result
+/// stays the hedge's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn evidence_found_after_the_job_ended_is_discarded_with_its_usage() {
+    let primary = mock(MockOptions {
+        store: true,
+        delay: Duration::from_secs(3),
+        tag: Some("primary".into()),
+        ..MockOptions::default()
+    })
+    .await;
+    let fallback = mock(MockOptions {
+        delay: Duration::from_millis(1500),
+        tag: Some("fallback".into()),
+        ..MockOptions::default()
+    })
+    .await;
+    let text = crate::common::config_for(
+        &[
+            P(
+                "primary",
+                &primary.base_url(),
+                "timeout = \"1500ms\"\nevidence = \"stored\"\nevidence_delay = \"1s\"",
+            ),
+            P("fallback", &fallback.base_url(), "timeout = \"10s\""),
+        ],
+        "hedge_after = \"200ms\"",
+    );
+    let (config, file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    env.cli_ok(&file.path, &["providers", "qualify", "fallback"]);
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let receipt = producer
+        .submit(&intent("acct_ev", "k-late", "found late"))
+        .await
+        .unwrap();
+    let job_id = receipt.job_id.unwrap();
+    let job = wait_for_status(&env, job_id, JobStatus::Succeeded).await;
+    assert!(
+        job.result.as_ref().unwrap()["summary"]
+            .as_str()
+            .unwrap()
+            .contains("from fallback"),
+        "{job:?}"
+    );
+    let first = job.attempts[0].clone();
+    assert_eq!(first.provider, "primary");
+    let job = wait_for(
+        "the evidence of its cost",
+        Duration::from_secs(30),
+        || async {
+            let j = env.store.job(job_id).await.unwrap().unwrap();
+            j.attempts[0].usage.is_some().then_some(j)
+        },
+    )
+    .await;
+    let a = &job.attempts[0];
+    assert_eq!(a.status, AttemptStatus::Discarded, "{a:?}");
+    let found = stored(&primary, "onejob_attempt", &a.id.to_string()).await;
+    assert_eq!(found[0]["id"].as_str(), a.provider_request_id.as_deref());
+    assert!(
+        job.result.as_ref().unwrap()["summary"]
+            .as_str()
+            .unwrap()
+            .contains("from fallback"),
+        "the result stays the hedge's: {job:?}"
+    );
+    let rows = evidence_rows(&env, job_id).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(primary.stats.work(), 1);
+    producer.close().await;
+    fleet.stop().await;
 }
