@@ -73,6 +73,8 @@ pub struct Unknown {
     pub error: Option<String>,
     /// Looks taken at the provider's evidence.
     pub evidence_looks: i32,
+    /// When the last look ended.
+    pub evidence_last_at: Option<DateTime<Utc>>,
     /// What the last look found.
     pub evidence_note: Option<String>,
     /// When the next look may come.
@@ -222,7 +224,7 @@ impl Store {
             r#"SELECT a.id AS attempt_id, a.job_id, a.number, a.provider, a.provider_request_id,
                       j.owner_id, j.operation, coalesce(a.started_at, a.created_at) AS "since!",
                       extract(epoch FROM now() - coalesce(a.started_at, a.created_at))::float8 AS "age_seconds!",
-                      a.error, a.evidence_looks, a.evidence_note, a.evidence_next_at
+                      a.error, a.evidence_looks, a.evidence_last_at, a.evidence_note, a.evidence_next_at
                FROM attempts a JOIN jobs j ON j.id = a.job_id
                WHERE a.status = 'unknown'
                ORDER BY coalesce(a.started_at, a.created_at), a.id"#

@@ -119,7 +119,7 @@ impl Store {
     ) -> Result<()> {
         self.retrying(|| async {
             sqlx::query!(
-                "UPDATE attempts SET evidence_note = $2,
+                "UPDATE attempts SET evidence_note = $2, evidence_last_at = now(),
                      evidence_next_at = now() + make_interval(secs => $3)
                  WHERE id = $1 AND status IN ('unknown', 'discarded')",
                 attempt.0,

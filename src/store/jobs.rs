@@ -177,7 +177,7 @@ impl Store {
             r#"SELECT id AS "id: AttemptId", job_id AS "job_id: JobId", number, provider,
                       status AS "status: AttemptStatus", error, created_at, not_before,
                       started_at, finished_at, provider_request_id, usage,
-                      evidence_looks, evidence_note, evidence_next_at
+                      evidence_looks, evidence_last_at, evidence_note, evidence_next_at
                FROM attempts WHERE job_id = $1 ORDER BY number"#,
             job.id.0
         )

@@ -119,6 +119,8 @@ pub struct AttemptView {
     pub usage: Option<Value>,
     /// Looks taken at the provider's evidence while it was `unknown`.
     pub evidence_looks: i32,
+    /// When the last look ended.
+    pub evidence_last_at: Option<DateTime<Utc>>,
     /// What the last look found.
     pub evidence_note: Option<String>,
     /// When the next look may come.

@@ -105,7 +105,7 @@ async fn an_operator_looks_now_and_sees_what_was_found() {
     let out = env.cli_ok(&file.path, &["jobs", "show", &job_id.to_string()]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        text.contains("evidence 1 look(s): found: succeeded"),
+        text.contains("evidence 1 look(s) (the last at ") && text.contains("): found: succeeded"),
         "{text}"
     );
     // Not unknown any more: nothing to look up.

@@ -252,9 +252,13 @@ fn write_attempts(out: &mut impl Write, job: &JobView) -> std::io::Result<()> {
                 }
                 _ => String::new(),
             };
+            let last = a
+                .evidence_last_at
+                .map(|t| format!(" (the last at {})", t.format("%Y-%m-%d %H:%M:%S UTC")))
+                .unwrap_or_default();
             writeln!(
                 out,
-                "       evidence {} look(s): {}{next}",
+                "       evidence {} look(s){last}: {}{next}",
                 a.evidence_looks,
                 shown(a.evidence_note.as_deref().unwrap_or("-"))
             )?;

@@ -71,6 +71,7 @@ fn evidence_state(app: &Console, u: &crate::store::Unknown) -> minijinja::Value 
     context! {
         kind,
         looks => u.evidence_looks,
+        last => u.evidence_last_at.map(|t| t.to_rfc3339()),
         found => u.evidence_note.clone(),
         next,
     }
