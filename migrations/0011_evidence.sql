@@ -9,5 +9,10 @@ ALTER TABLE attempts ADD COLUMN IF NOT EXISTS evidence_looks integer NOT NULL DE
 ALTER TABLE attempts ADD COLUMN IF NOT EXISTS evidence_last_at timestamptz;
 ALTER TABLE attempts ADD COLUMN IF NOT EXISTS evidence_note text;
 
--- Unknown attempts are few: found by a partial index.
-CREATE INDEX IF NOT EXISTS attempts_unknown ON attempts (id) WHERE status = 'unknown';
+-- The attempts the evidence pass looks at are few: unknown ones, and those
+-- discarded while unknown whose cost is not known yet. Found by a partial
+-- index whose predicate the pass's own filter implies, so that the pass never
+-- scans the attempts table.
+CREATE INDEX IF NOT EXISTS attempts_evidence_pending ON attempts (id)
+    WHERE status = 'unknown'
+       OR (status = 'discarded' AND usage IS NULL AND evidence_next_at IS NOT NULL);
