@@ -44,7 +44,8 @@
 //! # Public surface
 //!
 //! Modules are private unless a binary or a black-box test needs them: `attempts`,
-//! `reconciler`, `policy`, `qualify` and `provider` are internal. [`fleet::run`]
+//! `reconciler`, `policy`, `qualify`, `evidence`, `provider`, `gauges`,
+//! `terminal` and `throttle` are internal. [`fleet::run`]
 //! starts the roles; [`store::Store`] is the one seam to Postgres; [`cli::main`] is
 //! the operator CLI; [`intake::validate`] and [`intake::admit_rows`] are public so
 //! that tests drive admission without a broker; [`dlq::describe`] reads a dead

@@ -25,8 +25,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::config::{Config, EvidenceKind, Operation, Provider};
-use crate::domain::AttemptId;
+use crate::config::{Config, EvidenceKind, Provider};
 use crate::policy::Planner;
 use crate::provider::{Answer, CallError, Client, verdict};
 use crate::runtime::Result;
@@ -80,7 +79,8 @@ impl Looker<'_> {
         };
         let provider = client.provider();
         crate::metrics::evidence_look(&provider.name, look.outcome);
-        if look.settled.is_some() {
+        // A discarded attempt's look finds what it cost; it resolves nothing.
+        if look.settled.is_some() && !unknown.discarded {
             let unknown_since = unknown.started_at
                 + chrono::Duration::from_std(provider.timeout).unwrap_or_default();
             let unknown_for = (chrono::Utc::now() - unknown_since)
@@ -101,6 +101,10 @@ impl Looker<'_> {
         .await
         .unwrap_or_else(|_| Err(format!("no answer within {} s", LOOK_TIMEOUT.as_secs())));
         match found {
+            Ok(Some(answer)) if unknown.discarded => {
+                self.settle(unknown, answer, ("cost found", "cost_found"))
+                    .await
+            }
             Ok(Some(answer)) => self.settle(unknown, answer, ("found", "stored")).await,
             Ok(None) if past_deadline(client, unknown) && unknown.discarded => {
                 let found = "nothing stored by evidence_deadline: its cost is not known".into();
@@ -146,6 +150,10 @@ impl Looker<'_> {
             Err(e) => Err(CallError::Refused(e.to_string())),
         };
         match answer {
+            Ok(answer) if unknown.discarded => {
+                self.settle(unknown, Ok(answer), ("cost found", "cost_found"))
+                    .await
+            }
             Ok(answer) => {
                 self.settle(unknown, Ok(answer), ("replayed", "replayed"))
                     .await
@@ -313,99 +321,20 @@ fn failed(unknown: &EvidenceDue, error: String) -> Finished {
     }
 }
 
-/// Tests a provider's evidence claim with the operation's first golden case
-/// (configuring `evidence` is the operator's statement; qualification checks
-/// it): a stored call must be found by its metadata after `evidence_delay`; a
-/// call sent twice with one key must come back with the first answer (the
-/// same response id), no new work. `None` for a provider that claims none;
-/// else whether the claim held, and what was seen.
-pub(crate) async fn check_claim(
-    config: &Config,
-    provider: &Provider,
-    operation: &Operation,
-) -> Option<(bool, String)> {
-    let kind = provider.evidence.kind;
-    if kind == EvidenceKind::None {
-        return None;
-    }
-    let Some(input) = operation.cases.first() else {
-        return Some((false, "no golden case to test the claim with".into()));
-    };
-    let rendered = match config.render(operation, input) {
-        Ok(r) => r,
-        Err(e) => return Some((false, format!("the first golden case does not render: {e}"))),
-    };
-    let client = match Client::new(provider.clone()) {
-        Ok(c) => c,
-        Err(e) => return Some((false, e.to_string())),
-    };
-    let attempt = AttemptId::new();
-    let first = match client.complete(attempt, None, operation, &rendered).await {
-        Ok(a) => a,
-        Err(e) => return Some((false, format!("the test call failed: {e}"))),
-    };
-    Some(match kind {
-        EvidenceKind::Stored => {
-            tokio::time::sleep(provider.evidence.delay.min(Duration::from_secs(30))).await;
-            match client.stored(attempt, None).await {
-                Ok(Some(Ok(found))) if found.request_id == first.request_id => (
-                    true,
-                    "the test call was stored and found by its metadata".into(),
-                ),
-                Ok(Some(_)) => (
-                    false,
-                    "a completion was found by the test call's metadata, but not the test call's"
-                        .into(),
-                ),
-                Ok(None) => (
-                    false,
-                    format!(
-                        "the test call was not found by its metadata {} after it ended",
-                        humantime::format_duration(provider.evidence.delay)
-                    ),
-                ),
-                Err(e) => (
-                    false,
-                    format!("stored completions could not be listed: {e}"),
-                ),
-            }
-        }
-        EvidenceKind::IdempotencyKey => {
-            match client.complete(attempt, None, operation, &rendered).await {
-                Ok(again)
-                    if again.request_id == first.request_id && again.content == first.content =>
-                {
-                    (
-                        true,
-                        "the same key was answered with the first answer".into(),
-                    )
-                }
-                Ok(_) => (
-                    false,
-                    "the same key ran new work: another answer came back".into(),
-                ),
-                Err(e) => (false, format!("the test call sent again failed: {e}")),
-            }
-        }
-        EvidenceKind::None => return None,
-    })
-}
-
-/// The word for a kind of evidence, as configuration spells it.
-pub(crate) fn kind_name(kind: EvidenceKind) -> &'static str {
-    match kind {
-        EvidenceKind::Stored => "stored",
-        EvidenceKind::IdempotencyKey => "idempotency_key",
-        EvidenceKind::None => "none",
-    }
+/// Whether `provider`'s evidence may be used: no qualification found its
+/// claim false (a finding about another kind of evidence, from before the
+/// configuration changed, does not count).
+pub(crate) fn claim_holds(provider: &Provider, claim: Option<&EvidenceClaim>) -> bool {
+    claim.is_none_or(|c| c.held || c.kind != provider.evidence.kind.as_str())
 }
 
 /// Where a provider's evidence stands, as `providers list` and the console
 /// show it: its kind, whether the pass uses it (`none`, `on`, `unchecked`,
 /// `off`), and why, in words.
 pub(crate) fn standing(provider: &Provider, claim: Option<&EvidenceClaim>) -> serde_json::Value {
-    let kind = kind_name(provider.evidence.kind);
+    let kind = provider.evidence.kind.as_str();
     let at = |c: &EvidenceClaim| c.checked_at.format("%Y-%m-%d %H:%M:%S UTC").to_string();
+    let claim = claim.filter(|c| c.kind == kind);
     let (state, why) = match (provider.evidence.kind, claim) {
         (EvidenceKind::None, _) => (
             "none",

@@ -152,8 +152,9 @@ pub fn provider_call(provider: &str, result: &'static str, elapsed: Duration) {
 
 /// A look at an unknown's evidence came to `outcome`: `stored`, `replayed`,
 /// `no_evidence`, `not_completed` (each resolves it), `nothing_yet`,
-/// `unreachable` (the provider could not be asked or did not answer), or
-/// `waits_for_operator`.
+/// `unreachable` (the provider could not be asked or did not answer),
+/// `waits_for_operator`, or `cost_found` (what an attempt discarded while
+/// unknown cost).
 pub fn evidence_look(provider: &str, outcome: &'static str) {
     counter!(
         "onejob_evidence_looks_total",

@@ -8,11 +8,11 @@
 //! qualify again before it may take a failover or a hedge.
 
 use std::collections::{BTreeMap, HashSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::config::{Config, Operation, Provider, Rendered};
+use crate::config::{Config, EvidenceKind, Operation, Provider, Rendered};
 use crate::domain::AttemptId;
 pub(crate) use crate::domain::{CaseResult, Qualification};
 use crate::provider::Client;
@@ -60,7 +60,7 @@ pub(crate) fn action(provider: &Provider, operation: &Operation) -> Action<'stat
 /// run, and fills in the row with what came of it (if that last write fails
 /// the row stays `pending`, and the log says so). A provider that claims
 /// evidence has the claim tested too, and what was found recorded
-/// ([`crate::evidence::check_claim`]). Returns the report and the recorded
+/// ([`check_claim`]). Returns the report and the recorded
 /// run's id.
 pub(crate) async fn run_audited(
     store: &Store,
@@ -71,9 +71,9 @@ pub(crate) async fn run_audited(
 ) -> (Qualification, Result<uuid::Uuid, StoreError>) {
     let report = qualify(config, provider, operation).await;
     let recorded = store.record_qualification(&report).await;
-    let claim = crate::evidence::check_claim(config, provider, operation).await;
+    let claim = check_claim(config, provider, operation).await;
     if let Some((held, seen)) = &claim {
-        let kind = crate::evidence::kind_name(provider.evidence.kind);
+        let kind = provider.evidence.kind.as_str();
         if let Err(e) = store.record_claim(&provider.name, kind, *held, seen).await {
             tracing::warn!(error = %e, provider = %provider.name, "the evidence claim's check was not recorded");
         }
@@ -321,4 +321,82 @@ pub(crate) async fn warn_stale(config: &Config, store: &Store) -> Result<(), Sto
         }
     }
     Ok(())
+}
+
+/// Tests a provider's evidence claim with the operation's first golden case
+/// (configuring `evidence` is the operator's statement; qualification checks
+/// it): a stored call must be found by its metadata after `evidence_delay`; a
+/// call sent twice with one key must come back with the first answer (the
+/// same response id), no new work. `None` for a provider that claims none;
+/// else whether the claim held, and what was seen.
+async fn check_claim(
+    config: &Config,
+    provider: &Provider,
+    operation: &Operation,
+) -> Option<(bool, String)> {
+    let kind = provider.evidence.kind;
+    if kind == EvidenceKind::None {
+        return None;
+    }
+    let Some(input) = operation.cases.first() else {
+        return Some((false, "no golden case to test the claim with".into()));
+    };
+    let rendered = match config.render(operation, input) {
+        Ok(r) => r,
+        Err(e) => return Some((false, format!("the first golden case does not render: {e}"))),
+    };
+    let client = match Client::new(provider.clone()) {
+        Ok(c) => c,
+        Err(e) => return Some((false, e.to_string())),
+    };
+    let attempt = AttemptId::new();
+    let first = match client.complete(attempt, None, operation, &rendered).await {
+        Ok(a) => a,
+        Err(e) => return Some((false, format!("the test call failed: {e}"))),
+    };
+    Some(match kind {
+        EvidenceKind::Stored => {
+            tokio::time::sleep(provider.evidence.delay.min(Duration::from_secs(30))).await;
+            match client.stored(attempt, None).await {
+                Ok(Some(Ok(found))) if found.request_id == first.request_id => (
+                    true,
+                    "the test call was stored and found by its metadata".into(),
+                ),
+                Ok(Some(_)) => (
+                    false,
+                    "a completion was found by the test call's metadata, but not the test call's"
+                        .into(),
+                ),
+                Ok(None) => (
+                    false,
+                    format!(
+                        "the test call was not found by its metadata {} after it ended",
+                        humantime::format_duration(provider.evidence.delay)
+                    ),
+                ),
+                Err(e) => (
+                    false,
+                    format!("stored completions could not be listed: {e}"),
+                ),
+            }
+        }
+        EvidenceKind::IdempotencyKey => {
+            match client.complete(attempt, None, operation, &rendered).await {
+                Ok(again)
+                    if again.request_id == first.request_id && again.content == first.content =>
+                {
+                    (
+                        true,
+                        "the same key was answered with the first answer".into(),
+                    )
+                }
+                Ok(_) => (
+                    false,
+                    "the same key ran new work: another answer came back".into(),
+                ),
+                Err(e) => (false, format!("the test call sent again failed: {e}")),
+            }
+        }
+        EvidenceKind::None => return None,
+    })
 }

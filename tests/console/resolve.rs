@@ -27,7 +27,10 @@ async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appe
         "{page}"
     );
     // And what its provider keeps: no evidence, so an operator resolves it.
-    assert!(page.contains("none: waits for an operator"), "{page}");
+    assert!(
+        page.contains("keeps none: unknowns wait for an operator"),
+        "{page}"
+    );
 
     // The confirmation says what follows: the fallback is not qualified, so
     // the route rule tries the primary again after its backoff.

@@ -183,7 +183,7 @@ async fn evidence(c: &Connections, attempt_id: Uuid, json: bool, out: &mut impl 
         )));
     }
     if let Some(claim) = store.latest_claims().await?.get(&provider.name)
-        && !claim.held
+        && !crate::evidence::claim_holds(&provider, Some(claim))
     {
         return Err(Failure(format!(
             "evidence is off for provider {}: its qualification on {} found the claim false ({}); resolve the attempt with `onejob attempts resolve`, or qualify the provider again",

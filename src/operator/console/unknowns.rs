@@ -1,6 +1,7 @@
 //! Unknown attempts, and resolving one: a confirmation that says what the
 //! route rule will do next, then the store's guarded resolve.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use axum::Form;
@@ -15,15 +16,18 @@ use super::Console;
 use super::action::authorised;
 use super::page::{Failure, age};
 use super::session::Operator;
-use crate::config::EvidenceKind;
 use crate::domain::{AttemptId, AttemptStatus};
 use crate::policy::Planner;
 use crate::runtime;
-use crate::store::{Actor, FailedJob, NextStep, Refusal, Resolution};
+use crate::store::{Actor, EvidenceClaim, FailedJob, NextStep, Refusal, Resolution};
 
 pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response {
     let list = match app.0.store.unknowns().await {
         Ok(l) => l,
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
+    let claims = match app.0.store.latest_claims().await {
+        Ok(c) => c,
         Err(e) => return app.message(Some(&who), e.into()),
     };
     let rows: Vec<_> = list
@@ -40,7 +44,7 @@ pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response 
                 since => u.since.to_rfc3339(),
                 age => age(u.age_seconds),
                 error => u.error.clone(),
-                evidence => evidence_state(&app, u),
+                evidence => evidence_state(&app, &claims, u),
             }
         })
         .collect();
@@ -50,19 +54,27 @@ pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response 
     )
 }
 
-/// An unknown's evidence as the page shows it: what its provider keeps,
-/// the looks taken, what the last found, and when the next comes.
-fn evidence_state(app: &Console, u: &crate::store::Unknown) -> minijinja::Value {
-    let kind = app
+/// An unknown's evidence as the page shows it: what its provider keeps and
+/// whether it is used (off while a qualification found the claim false), the
+/// looks taken, when the last ended and what it found, and the next look.
+fn evidence_state(
+    app: &Console,
+    claims: &HashMap<String, EvidenceClaim>,
+    u: &crate::store::Unknown,
+) -> minijinja::Value {
+    let standing = app
         .0
         .config
         .providers
         .get(&u.provider)
-        .map(|p| p.evidence.kind);
-    let kind = match kind {
-        Some(EvidenceKind::Stored) => "stored completions",
-        Some(EvidenceKind::IdempotencyKey) => "idempotency key",
-        Some(EvidenceKind::None) | None => "none: waits for an operator",
+        .map(|p| crate::evidence::standing(p, claims.get(&p.name)));
+    let kind = match &standing {
+        Some(s) => format!(
+            "{}: {}",
+            s["kind"].as_str().unwrap_or_default(),
+            s["why"].as_str().unwrap_or_default()
+        ),
+        None => "the provider is no longer configured: an operator resolves it".into(),
     };
     let next = u
         .evidence_next_at

@@ -12,7 +12,8 @@ use crate::provider::Client;
 use crate::runtime::{Context, Result};
 use crate::shutdown::Shutdown;
 
-/// How long a pod holds an unknown it is looking up before another may.
+/// How long a pod holds an unknown it is looking up before another may, on
+/// top of its provider's `timeout`.
 const LEASE: Duration = Duration::from_secs(60);
 /// Unknowns one pass looks up at most.
 const BATCH: i64 = 32;
@@ -37,27 +38,41 @@ pub(crate) async fn evidence_loop(ctx: Context, shutdown: Shutdown) {
 
 /// One pass: the due unknowns of every provider that keeps evidence, unless
 /// its latest qualification found the claim false (then an operator resolves
-/// them, until a later qualification finds it holds).
+/// them, until a later qualification finds it holds). Each is taken under its
+/// own lease just before its look, one at a time, so that a lease never runs
+/// out while a slow look before it is still going; [`BATCH`] looks at most.
 pub(crate) async fn evidence_once(ctx: &Context) -> Result<()> {
     let claims = ctx.store.latest_claims().await?;
-    let providers: Vec<(String, Duration)> = ctx
+    let providers: Vec<&crate::config::Provider> = ctx
         .config
         .providers
         .values()
         .filter(|p| p.evidence.kind != EvidenceKind::None)
-        .filter(|p| claims.get(&p.name).is_none_or(|c| c.held))
-        .map(|p| (p.name.clone(), p.evidence.delay))
+        .filter(|p| crate::evidence::claim_holds(p, claims.get(&p.name)))
         .collect();
     if providers.is_empty() {
         return Ok(());
     }
-    let due = ctx.store.evidence_due(&providers, LEASE, BATCH).await?;
+    let delays: Vec<(String, Duration)> = providers
+        .iter()
+        .map(|p| (p.name.clone(), p.evidence.delay))
+        .collect();
+    // Longer than the slowest look: a re-send waits up to its provider's timeout.
+    let slowest = providers
+        .iter()
+        .map(|p| p.timeout)
+        .max()
+        .unwrap_or_default();
+    let lease = LEASE + slowest;
     let looker = Looker {
         store: &ctx.store,
         config: &ctx.config,
     };
     let mut clients: HashMap<String, Client> = HashMap::new();
-    for unknown in due {
+    for _ in 0..BATCH {
+        let Some(unknown) = ctx.store.evidence_due(&delays, lease, 1).await?.pop() else {
+            break;
+        };
         let Some(provider) = ctx.config.providers.get(&unknown.provider) else {
             continue;
         };

@@ -25,9 +25,10 @@
 //! - **Statistics**: the busy tables are analyzed when their statistics are
 //!   missing or far behind, as on a fresh database taking a backlog
 //!   ([`crate::store::Store::refresh_statistics`]).
-//! - **Evidence**: an `unknown` attempt of a provider that stores its calls is
-//!   settled from the completion the provider kept, or failed (`no_evidence`)
-//!   when none is kept by its deadline (`evidence`).
+//! - **Evidence**: an `unknown` attempt of a provider that keeps evidence is
+//!   settled from it (a stored completion, or the answer to its request sent
+//!   again with its key), or failed when there is none (`evidence`; one look
+//!   is [`crate::evidence`]).
 //! - **Hedging**: for operations with `hedge_after`, a job whose attempt has been
 //!   silent that long gets one parallel attempt on the next qualified provider.
 //!

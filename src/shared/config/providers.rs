@@ -82,6 +82,17 @@ pub enum EvidenceKind {
     IdempotencyKey,
 }
 
+impl EvidenceKind {
+    /// The kind as configuration spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EvidenceKind::Stored => "stored",
+            EvidenceKind::IdempotencyKey => "idempotency_key",
+            EvidenceKind::None => "none",
+        }
+    }
+}
+
 /// How, and for how long, an unknown call of a provider is settled from its
 /// evidence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
