@@ -7,53 +7,29 @@
 //! back. Then an invariant checker asserts contract section 5 and prints the
 //! counts.
 //!
-//! It restarts the machine's shared RabbitMQ and Postgres, so it runs alone:
-//! nextest's default filter leaves it out, and `scripts/test` runs it before the
-//! rest. `ONEJOB_CHAOS_INTENTS` and `ONEJOB_CHAOS_SECONDS` size it (CI: 1500 over
+//! It restarts a RabbitMQ node and a Postgres server of its own (a one-node
+//! `scripts/cluster` and an `initdb` directory on free ports), never the
+//! machine's, and stops and removes them at the end. It is heavy and
+//! timing-sensitive, so it runs alone: nextest's default filter leaves it out,
+//! and `scripts/test` runs it before the rest. `ONEJOB_CHAOS_INTENTS` and `ONEJOB_CHAOS_SECONDS` size it (CI: 1500 over
 //! 30 s), and `ONEJOB_CHAOS_PG_OUTAGE` is the long outage in seconds (CI: 70); the
 //! README gives a full run's figures.
 
 mod common;
 
-use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::chaos::{Invariants, Sent, Workers, env_or, settle, start_producers};
-use common::{P, TestEnv, config, config_for, mock};
+use common::throwaway::{OwnPostgres, OwnRabbit};
+use common::{P, Servers, TestEnv, config, config_for, mock};
 use onejob::mock::MockOptions;
 use rand::Rng;
 
-fn run(cmd: &str, args: &[&str]) {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn restart_rabbitmq() {
-    run("rabbitmqctl", &["stop_app"]);
-    run("rabbitmqctl", &["start_app"]);
-    run("rabbitmqctl", &["await_startup"]);
-}
-
-fn postgres(action: &str) {
-    let versions = std::fs::read_dir("/etc/postgresql").expect("/etc/postgresql");
-    for v in versions.flatten() {
-        let v = v.file_name().to_string_lossy().into_owned();
-        run(
-            "pg_ctlcluster",
-            &["--skip-systemctl-redirect", &v, "main", action],
-        );
-    }
-}
-
-fn restart_postgres() {
-    postgres("restart");
+/// The servers this test restarts: its own.
+struct Own {
+    postgres: Arc<OwnPostgres>,
+    rabbit: Arc<OwnRabbit>,
 }
 
 /// The fire, for `run_for`: kill a random worker every 1-3 s; restart RabbitMQ
@@ -61,7 +37,7 @@ fn restart_postgres() {
 /// with no kill meanwhile (a killed worker hands its deliveries back, which
 /// counts against their limit whatever the worker does: this fault is the
 /// outage alone).
-async fn fire(workers: &mut Workers, run_for: Duration, outage: Duration) {
+async fn fire(workers: &mut Workers, servers: &Own, run_for: Duration, outage: Duration) {
     let start = Instant::now();
     let (mut rabbit_done, mut pg_done, mut outage_done) = (false, false, false);
     while start.elapsed() < run_for {
@@ -71,21 +47,29 @@ async fn fire(workers: &mut Workers, run_for: Duration, outage: Duration) {
         workers.kill_one(victim);
         if !rabbit_done && start.elapsed() > run_for * 3 / 10 {
             rabbit_done = true;
-            tokio::task::spawn_blocking(restart_rabbitmq).await.unwrap();
+            let rabbit = servers.rabbit.clone();
+            tokio::task::spawn_blocking(move || rabbit.script(&["restart-app", "1"]))
+                .await
+                .unwrap();
         }
         if !outage_done && start.elapsed() > run_for * 45 / 100 {
             outage_done = true;
-            tokio::task::spawn_blocking(|| postgres("stop"))
+            let postgres = servers.postgres.clone();
+            tokio::task::spawn_blocking(move || postgres.halt())
                 .await
                 .unwrap();
             tokio::time::sleep(outage).await;
-            tokio::task::spawn_blocking(|| postgres("start"))
+            let postgres = servers.postgres.clone();
+            tokio::task::spawn_blocking(move || postgres.begin())
                 .await
                 .unwrap();
         }
         if !pg_done && start.elapsed() > run_for * 6 / 10 {
             pg_done = true;
-            tokio::task::spawn_blocking(restart_postgres).await.unwrap();
+            let postgres = servers.postgres.clone();
+            tokio::task::spawn_blocking(move || postgres.restart())
+                .await
+                .unwrap();
         }
         workers.supervise();
     }
@@ -111,7 +95,11 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
         "[worker]\nstuck_after = \"5s\"\nmax_republish = 5\nintake_prefetch = 64\ndelivery_limit = 1\ndead_letter_scan = \"2s\"\n",
     );
     let (config, file) = config(&text);
-    let env = TestEnv::new(&config).await;
+    let own = Own {
+        postgres: Arc::new(OwnPostgres::start()),
+        rabbit: Arc::new(OwnRabbit::start(1)),
+    };
+    let env = TestEnv::on(&config, Servers::own(&own.postgres, &own.rabbit)).await;
 
     let amqp = env.amqp_url.clone();
     let mut workers = Workers::start(3, &env, &file.path, move |_| amqp.clone());
@@ -121,7 +109,7 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
     let sent = Sent::default();
     let producers = start_producers(2, intents, seconds, |_| env.amqp_url.clone(), &sent);
 
-    fire(&mut workers, Duration::from_secs(seconds), outage).await;
+    fire(&mut workers, &own, Duration::from_secs(seconds), outage).await;
     for p in producers {
         p.await.unwrap();
     }

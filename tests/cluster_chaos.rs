@@ -7,21 +7,22 @@
 //! contract section 5, and the test prints how long each node loss stalled
 //! intake.
 //!
-//! It starts the cluster beside the machine's RabbitMQ (and stops it again if
-//! it started it) and loads the machine's two cores, so it runs alone, like the
+//! Each test starts a cluster of its own beside the machine's RabbitMQ (its own
+//! directory, node names and free ports; the machine's node is never touched)
+//! and stops it again at the end. It loads the machine's two cores, so it runs alone, like the
 //! chaos test: nextest's default filter leaves it out and `scripts/test` runs it
 //! after the chaos test. `ONEJOB_CLUSTER_CHAOS_INTENTS` and `ONEJOB_CLUSTER_CHAOS_SECONDS` size
 //! it (CI: 1,000 over 30 s); the README gives a full run's figures.
 
 mod common;
 
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::chaos::{Invariants, Sent, Workers, env_or, settle, start_producers};
-use common::{P, TestEnv, config, config_for, mock};
+use common::throwaway::{Nodes, OwnRabbit};
+use common::{P, Servers, TestEnv, config, config_for, mock};
 use onejob::config::Config;
 use onejob::mock::MockOptions;
 use onejob::shutdown::Shutdown;
@@ -29,43 +30,10 @@ use onejob::shutdown::Shutdown;
 /// Worker processes, one per node.
 const WORKERS: usize = 3;
 
-/// The first node's AMQP port (`scripts/cluster`'s default; the others follow).
-const FIRST_PORT: u16 = 5673;
-
-fn cluster(args: &[&str]) -> String {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster");
-    let out = Command::new(script)
-        .args(args)
-        .env("ONEJOB_CLUSTER_PORT", FIRST_PORT.to_string())
-        .output()
-        .unwrap_or_else(|e| panic!("{script}: {e}"));
-    assert!(
-        out.status.success(),
-        "scripts/cluster {args:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
-
-/// The cluster's nodes as one `AMQP_URL`, starting at node `first` (0-2), on
-/// `vhost`.
-fn nodes_from(first: usize, vhost: &str) -> String {
-    (0..3)
-        .map(|i| {
-            let node = (first + i) % 3;
-            format!(
-                "amqp://guest:guest@127.0.0.1:{}/{vhost}",
-                FIRST_PORT + node as u16
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
 /// The node (1-3) that leads `queue` in `vhost`.
-fn leader(queue: &str, vhost: &str) -> usize {
-    cluster(&["leader", queue, vhost])
+fn leader(nodes: &Nodes, queue: &str, vhost: &str) -> usize {
+    nodes
+        .script(&["leader", queue, vhost])
         .lines()
         .last()
         .and_then(|l| l.trim().parse().ok())
@@ -104,36 +72,6 @@ fn epoch_now() -> f64 {
         .as_secs_f64()
 }
 
-/// Stops the cluster when the test ends, pass or fail, if this test started it.
-struct Cluster {
-    started_here: bool,
-}
-
-impl Cluster {
-    /// Starts the cluster (if it is not running already).
-    fn start() -> Cluster {
-        let already = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"))
-            .arg("status")
-            .output()
-            .is_ok_and(|o| o.status.success());
-        let guard = Cluster {
-            started_here: !already,
-        };
-        cluster(&["start"]);
-        guard
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        if self.started_here {
-            let _ = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"))
-                .arg("stop")
-                .output();
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
     let intents = env_or("ONEJOB_CLUSTER_CHAOS_INTENTS", 1000);
@@ -141,7 +79,7 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
     let concurrency = 8;
 
     let began = Instant::now();
-    let _cluster = Cluster::start();
+    let cluster = OwnRabbit::start(3);
     println!(
         "cluster chaos: three-node cluster up in {:.1}s",
         began.elapsed().as_secs_f64()
@@ -154,14 +92,18 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
     })
     .await;
     let (config, file) = config(&chaos_config(&primary.base_url()));
-    let mut env = TestEnv::new(&config).await;
-    // The same vhost name, on the cluster.
-    cluster(&["add-vhost", &env.name]);
-    env.amqp_url = nodes_from(0, &env.name);
+    let servers = Servers {
+        rabbit: Some(Nodes::clone(&cluster)),
+        ..Servers::machine()
+    };
+    let mut env = TestEnv::on(&config, servers).await;
+    env.amqp_url = cluster.urls_from(0, &env.name);
 
     // Worker i connects first to node i; the producers to nodes 2 and 3.
-    let vhost = env.name.clone();
-    let mut workers = Workers::start(WORKERS, &env, &file.path, move |i| nodes_from(i, &vhost));
+    let (vhost, nodes) = (env.name.clone(), Nodes::clone(&cluster));
+    let mut workers = Workers::start(WORKERS, &env, &file.path, move |i| {
+        nodes.urls_from(i as u16, &vhost)
+    });
     let sent = Sent::default();
     // They publish over the whole run (start_producers spreads the intents over
     // 60% of the time it is given), so that every fault meets traffic.
@@ -169,16 +111,16 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
         2,
         intents,
         seconds * 10 / 6,
-        |p| nodes_from(p + 1, &env.name),
+        |p| cluster.urls_from(p as u16 + 1, &env.name),
         &sent,
     );
     let store = common::chaos::store(&env, &config).await;
 
     // Every queue the workers declared (each through its own node, at once) is
     // replicated on the three nodes.
-    replicated_on_three_nodes(&env.name).await;
+    replicated_on_three_nodes(&cluster, &env.name).await;
 
-    let faults = the_fire(&mut workers, &env.name, seconds).await;
+    let faults = the_fire(&mut workers, &cluster, &env.name, seconds).await;
     for p in producers {
         p.await.unwrap();
     }
@@ -206,7 +148,6 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
     Invariants::check(&env, &store, &confirmed)
         .await
         .assert_held("cluster chaos", primary.stats.requests(), bound);
-    cluster(&["delete-vhost", &env.name]);
     common::chaos::remove_logs(&log_dir);
 }
 
@@ -226,7 +167,7 @@ fn chaos_config(provider_url: &str) -> String {
 
 /// Waits until every queue the workers declare is replicated on the three
 /// nodes.
-async fn replicated_on_three_nodes(vhost: &str) {
+async fn replicated_on_three_nodes(nodes: &Nodes, vhost: &str) {
     for queue in [
         "onejob.intents",
         "onejob.intents.dlq",
@@ -238,10 +179,13 @@ async fn replicated_on_three_nodes(vhost: &str) {
             &format!("{queue} replicated on three nodes"),
             Duration::from_secs(60),
             || {
-                let vhost = vhost.clone();
+                let (vhost, nodes) = (vhost.clone(), nodes.clone());
                 async move {
                     let members = tokio::task::spawn_blocking(move || {
-                        cluster(&["members", queue, &vhost]).parse::<usize>().ok()
+                        nodes
+                            .script(&["members", queue, &vhost])
+                            .parse::<usize>()
+                            .ok()
                     })
                     .await
                     .unwrap();
@@ -255,7 +199,12 @@ async fn replicated_on_three_nodes(vhost: &str) {
 
 /// The faults, timed over the run of `seconds`: each as what happened and
 /// when (seconds since the epoch).
-async fn the_fire(workers: &mut Workers, vhost_name: &str, seconds: u64) -> Vec<(String, f64)> {
+async fn the_fire(
+    workers: &mut Workers,
+    cluster: &Nodes,
+    vhost_name: &str,
+    seconds: u64,
+) -> Vec<(String, f64)> {
     // The fire: at 25% of the run the leader of onejob.intents is killed; at 50%
     // it is restarted; at 70% a follower is killed, and at 90% restarted, so
     // that the cluster ends whole.
@@ -268,22 +217,23 @@ async fn the_fire(workers: &mut Workers, vhost_name: &str, seconds: u64) -> Vec<
         }
     };
     wait_until(at(25)).await;
-    let vhost = vhost_name.to_owned();
-    let led = blocking(move || leader("onejob.intents", &vhost)).await;
+    let (vhost, nodes) = (vhost_name.to_owned(), cluster.clone());
+    let led = blocking(move || leader(&nodes, "onejob.intents", &vhost)).await;
     faults.push((
         format!("leader of onejob.intents (node {led}) killed"),
         epoch_now(),
     ));
     // Worker i connected to node i + 1 first: the one on the killed node must
     // move to another.
-    moved(workers, led - 1, led, 2).await;
+    moved(workers, cluster, led - 1, led, 2).await;
     wait_until(at(50)).await;
     workers.supervise();
-    blocking(move || cluster(&["restart", &led.to_string()])).await;
+    let nodes = cluster.clone();
+    blocking(move || nodes.script(&["restart", &led.to_string()])).await;
     wait_until(at(70)).await;
     workers.supervise();
-    let vhost = vhost_name.to_owned();
-    let now_leads = blocking(move || leader("onejob.intents", &vhost)).await;
+    let (vhost, nodes) = (vhost_name.to_owned(), cluster.clone());
+    let now_leads = blocking(move || leader(&nodes, "onejob.intents", &vhost)).await;
     // A follower that still has the worker that connected to it first (not the
     // node killed before, whose worker moved on), so that the loss moves one.
     let follower = (1..=3)
@@ -292,10 +242,11 @@ async fn the_fire(workers: &mut Workers, vhost_name: &str, seconds: u64) -> Vec<
         .unwrap();
     faults.push((format!("follower (node {follower}) killed"), epoch_now()));
     let before = workers.connections(follower - 1);
-    moved(workers, follower - 1, follower, before + 1).await;
+    moved(workers, cluster, follower - 1, follower, before + 1).await;
     wait_until(at(90)).await;
     workers.supervise();
-    blocking(move || cluster(&["restart", &follower.to_string()])).await;
+    let nodes = cluster.clone();
+    blocking(move || nodes.script(&["restart", &follower.to_string()])).await;
     faults
 }
 
@@ -334,8 +285,15 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 /// Kills node `node` and waits until worker `worker` (connected to it) has
 /// opened its `connections`-th connection, on another node: the failover
 /// itself, within 30 s.
-async fn moved(workers: &mut Workers, worker: usize, node: usize, connections: usize) {
-    blocking(move || cluster(&["kill", &node.to_string()])).await;
+async fn moved(
+    workers: &mut Workers,
+    cluster: &Nodes,
+    worker: usize,
+    node: usize,
+    connections: usize,
+) {
+    let nodes = cluster.clone();
+    blocking(move || nodes.script(&["kill", &node.to_string()])).await;
     let began = Instant::now();
     while workers.connections(worker) < connections {
         assert!(
@@ -362,8 +320,8 @@ async fn moved(workers: &mut Workers, worker: usize, node: usize, connections: u
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_postgres_outage_past_the_consumer_timeout_loses_nothing() {
     onejob::telemetry::init_quiet();
-    let _cluster = Cluster::start();
-    cluster(&["consumer-timeout", "3000"]);
+    let cluster = OwnRabbit::start(3);
+    cluster.script(&["consumer-timeout", "3000"]);
 
     let primary = mock(MockOptions::default()).await;
     let text = config_for(&[P("primary", &primary.base_url(), "")], "").replace(
@@ -371,9 +329,12 @@ async fn a_postgres_outage_past_the_consumer_timeout_loses_nothing() {
         "[worker]\ndelivery_limit = 2\ndead_letter_scan = \"1s\"\n",
     );
     let (config, _file) = config(&text);
-    let mut env = TestEnv::new(&config).await;
-    cluster(&["add-vhost", &env.name]);
-    env.amqp_url = nodes_from(0, &env.name);
+    let servers = Servers {
+        rabbit: Some(Nodes::clone(&cluster)),
+        ..Servers::machine()
+    };
+    let mut env = TestEnv::on(&config, servers).await;
+    env.amqp_url = cluster.urls_from(0, &env.name);
     let path = common::lossy::LossyPostgres::to(&common::database::pg_server(), 1, 0).await;
     let database_url = path.url(&env.name);
 

@@ -8,7 +8,8 @@ use std::process::{Command, Output};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{P, TestEnv, config, config_for, mock, submit, wait_for_status};
+use common::throwaway::{Nodes, OwnRabbit};
+use common::{P, Servers, TestEnv, config, config_for, mock, submit, wait_for_status};
 use onejob::config::Config;
 use onejob::domain::JobStatus;
 use onejob::mock::{MockHandle, MockOptions};
@@ -39,41 +40,20 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Capture {
     }
 }
 
-/// A RabbitMQ user with a distinctive password, removed on drop.
-struct AmqpUser(String);
-
-impl AmqpUser {
-    fn new(vhost: &str) -> AmqpUser {
-        let name = format!("u_{vhost}");
-        for args in [
-            vec!["add_user", name.as_str(), AMQP_PASSWORD],
-            vec![
-                "set_permissions",
-                "-p",
-                vhost,
-                name.as_str(),
-                ".*",
-                ".*",
-                ".*",
-            ],
-        ] {
-            let out = Command::new("rabbitmqctl").args(&args).output().unwrap();
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        AmqpUser(name)
-    }
-}
-
-impl Drop for AmqpUser {
-    fn drop(&mut self) {
-        let _ = Command::new("rabbitmqctl")
-            .args(["delete_user", &self.0])
-            .output();
-    }
+/// A user with a distinctive password on `rabbit`, a RabbitMQ node of the
+/// test's own (users are the node's, not a vhost's: the machine's node is left
+/// alone), allowed everything in `vhost`; its URL there.
+fn amqp_user(rabbit: &OwnRabbit, vhost: &str) -> String {
+    let name = format!("u_{vhost}");
+    rabbit.ctl(1, &["add_user", &name, AMQP_PASSWORD]);
+    rabbit.ctl(
+        1,
+        &["set_permissions", "-p", vhost, &name, ".*", ".*", ".*"],
+    );
+    format!(
+        "amqp://{name}:{AMQP_PASSWORD}@127.0.0.1:{}/{vhost}",
+        rabbit.port(0)
+    )
 }
 
 fn assert_clean(what: &str, text: &str) {
@@ -125,15 +105,16 @@ async fn secrets_never_reach_logs_errors_or_json_output() {
         "",
     );
     let (config, file) = config(&text);
-    let env = TestEnv::new(&config).await;
-    let user = AmqpUser::new(&env.name);
+    let rabbit = OwnRabbit::start(1);
+    let servers = Servers {
+        rabbit: Some(Nodes::clone(&rabbit)),
+        ..Servers::machine()
+    };
+    let env = TestEnv::on(&config, servers).await;
+    let amqp_url = amqp_user(&rabbit, &env.name);
     let database_url = env
         .database_url
         .replace("postgres@", &format!("postgres:{PG_PASSWORD}@"));
-    let amqp_url = format!(
-        "amqp://{}:{AMQP_PASSWORD}@127.0.0.1:5672/{}",
-        user.0, env.name
-    );
 
     // The CLI, at debug level, with the key in its environment: every command's
     // output, --json or not, and its logs.
@@ -225,16 +206,18 @@ fn unreachable_services_are_masked(cli: &Cli<'_>, database_url: &str, amqp_url: 
     );
     assert_eq!(down.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&down.stderr).contains("***"));
-    let down = cli.run(
-        &["dlq", "list"],
-        database_url,
-        &amqp_url.replace(":5672", ":1"),
-    );
+    // The broker's port, in the URL.
+    let port = amqp_url
+        .split("@127.0.0.1:")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .expect("a port in the AMQP URL");
+    let node = |other: &str| amqp_url.replace(&format!(":{port}/"), &format!(":{other}/"));
+    let down = cli.run(&["dlq", "list"], database_url, &node("1"));
     assert_eq!(down.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&down.stderr).contains("***"));
     // A list of a cluster's nodes: the CLI takes the first that answers, and
     // every URL of the list is masked wherever it is shown.
-    let node = |port: &str| amqp_url.replace(":5672", &format!(":{port}"));
     let listed = cli.run(
         &["dlq", "list", "--json"],
         database_url,

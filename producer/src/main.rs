@@ -276,8 +276,10 @@ async fn serve(
     let signals = shutdown.clone();
     tokio::spawn(async move {
         onejob::shutdown::wait_for_signal().await;
-        tracing::info!("signal received: finishing the requests in flight");
+        // Stop first, then say so: a log sink that fails must not keep a
+        // program from stopping.
         signals.trigger();
+        tracing::info!("signal received: finishing the requests in flight");
     });
     tracing::info!(%listen, "serving the HTTP gateway");
     let result = gateway.clone().serve(listener, probes, shutdown).await;

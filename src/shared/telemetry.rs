@@ -24,6 +24,11 @@ fn init_with(default: &str) {
     let json = std::env::var("ONEJOB_LOG_FORMAT").is_ok_and(|f| f == "json");
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        // A line that cannot be written (stderr a pipe whose reader has gone)
+        // is dropped. By default the subscriber reports it with `eprintln!`,
+        // which panics on that same broken stderr: a panic in whatever task
+        // logged, such as the one that stops the program on SIGTERM.
+        .log_internal_errors(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let _ = if json {

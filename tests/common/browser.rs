@@ -1,7 +1,8 @@
 //! A real browser for the console's tests: Debian's headless Chromium, driven
 //! over the W3C WebDriver protocol by its ChromeDriver (packages `chromium` and
-//! `chromium-driver`; `scripts/browsers` installs them, and `scripts/test` runs
-//! it). The protocol is plain JSON over HTTP, so this speaks it with the
+//! `chromium-driver`; `scripts/browsers` installs them, and `.ci/run` runs it;
+//! `scripts/test` leaves these tests out, and says so, where they are missing).
+//! The protocol is plain JSON over HTTP, so this speaks it with the
 //! `reqwest` the tests already have: a session, navigation, finding elements,
 //! typing, clicking, running a script, reading text and taking screenshots.
 

@@ -20,6 +20,7 @@ pub mod jobs;
 pub mod queues;
 pub mod tempfile_path;
 pub mod test_env;
+pub mod throwaway;
 pub mod waiting;
 
 // Not every test binary uses every topic.

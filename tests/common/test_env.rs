@@ -14,6 +14,7 @@ use onejob::shutdown::Shutdown;
 use onejob::store::Store;
 use sqlx::{Connection, Executor, PgConnection};
 
+use super::throwaway::{Nodes, OwnPostgres, OwnRabbit};
 use super::{config, config_text, intent};
 
 /// The Postgres server, without a database name.
@@ -38,19 +39,75 @@ fn rabbitmqctl(args: &[&str]) {
     );
 }
 
+/// Where a test's database and vhost are made: on the machine's services (most
+/// tests), or on servers of the test's own (the tests that restart them).
+#[derive(Clone, Debug)]
+pub struct Servers {
+    /// A Postgres server's URL, without a database name.
+    pub postgres: String,
+    /// RabbitMQ nodes of the test's own; `None` for the machine's RabbitMQ.
+    pub rabbit: Option<Nodes>,
+}
+
+impl Servers {
+    /// The services this machine runs.
+    pub fn machine() -> Servers {
+        Servers {
+            postgres: pg_base(),
+            rabbit: None,
+        }
+    }
+
+    /// A test's own Postgres and RabbitMQ.
+    pub fn own(postgres: &OwnPostgres, rabbit: &OwnRabbit) -> Servers {
+        Servers {
+            postgres: postgres.base_url(),
+            rabbit: Some(Nodes::clone(rabbit)),
+        }
+    }
+
+    fn add_vhost(&self, name: &str) -> String {
+        match &self.rabbit {
+            None => {
+                rabbitmqctl(&["add_vhost", name]);
+                rabbitmqctl(&["set_permissions", "-p", name, "guest", ".*", ".*", ".*"]);
+                format!("{}/{name}", amqp_base())
+            }
+            Some(nodes) => {
+                nodes.script(&["add-vhost", name]);
+                nodes.url(0, name)
+            }
+        }
+    }
+
+    fn delete_vhost(&self, name: &str) {
+        let mut command = match &self.rabbit {
+            None => Command::new("rabbitmqctl"),
+            Some(nodes) => nodes.command_for(&["ctl", "1"]),
+        };
+        let _ = command.args(["delete_vhost", name]).output();
+    }
+}
+
 /// One test's private database and vhost.
 pub struct TestEnv {
     pub name: String,
     pub database_url: String,
     pub amqp_url: String,
     pub store: Store,
+    pub servers: Servers,
 }
 
 impl TestEnv {
-    /// Creates the database (migrated) and the vhost.
+    /// Creates the database (migrated) and the vhost on the machine's services.
     pub async fn new(config: &Config) -> TestEnv {
+        TestEnv::on(config, Servers::machine()).await
+    }
+
+    /// Creates the database (migrated) and the vhost on `servers`.
+    pub async fn on(config: &Config, servers: Servers) -> TestEnv {
         let name = format!("onejob_t_{}", uuid::Uuid::now_v7().simple());
-        let mut admin = PgConnection::connect(&format!("{}/postgres", pg_base()))
+        let mut admin = PgConnection::connect(&format!("{}/postgres", servers.postgres))
             .await
             .expect("Postgres must be reachable for tests");
         admin
@@ -58,10 +115,8 @@ impl TestEnv {
             .await
             .expect("create test database");
         admin.close().await.ok();
-        rabbitmqctl(&["add_vhost", &name]);
-        rabbitmqctl(&["set_permissions", "-p", &name, "guest", ".*", ".*", ".*"]);
-        let database_url = format!("{}/{name}", pg_base());
-        let amqp_url = format!("{}/{name}", amqp_base());
+        let amqp_url = servers.add_vhost(&name);
+        let database_url = format!("{}/{name}", servers.postgres);
         let store = Store::connect(
             &database_url,
             16,
@@ -76,6 +131,7 @@ impl TestEnv {
             database_url,
             amqp_url,
             store,
+            servers,
         }
     }
 
@@ -192,15 +248,13 @@ impl Drop for TestEnv {
     fn drop(&mut self) {
         let _ = Command::new("psql")
             .args([
-                &format!("{}/postgres", pg_base()),
+                &format!("{}/postgres", self.servers.postgres),
                 "-q",
                 "-c",
                 &format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name),
             ])
             .output();
-        let _ = Command::new("rabbitmqctl")
-            .args(["delete_vhost", &self.name])
-            .output();
+        self.servers.delete_vhost(&self.name);
     }
 }
 

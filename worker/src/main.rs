@@ -123,8 +123,10 @@ async fn main() -> ExitCode {
     let signals = shutdown.clone();
     tokio::spawn(async move {
         onejob::shutdown::wait_for_signal().await;
-        tracing::info!("signal received: stopping intake of new work, finishing what is in flight");
+        // Stop first, then say so: a log sink that fails must not keep a
+        // program from stopping.
         signals.trigger();
+        tracing::info!("signal received: stopping intake of new work, finishing what is in flight");
     });
     let result = fleet::run(ctx.clone(), roles, shutdown.clone()).await;
     shutdown.trigger();
