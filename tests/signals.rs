@@ -54,7 +54,7 @@ fn listening(port: u16, child: &mut Child) {
         }
         assert!(
             began.elapsed() < Duration::from_secs(60),
-            "nothing listens on {port} after 60 s"
+            "/readyz on {port} is not ready after 60 s"
         );
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -152,4 +152,127 @@ async fn the_worker_stops_on_sigterm_with_its_log_reader_gone() {
     tokio::task::spawn_blocking(move || stops_with_its_reader_gone("the worker", worker, probes))
         .await
         .unwrap();
+}
+
+/// `scripts/fleet` in a process group of its own, as a terminal runs it, with
+/// this test's database, vhost and configuration and its own ports; its output
+/// in `log`.
+fn fleet(
+    env: &TestEnv,
+    config_path: &std::path::Path,
+    mock: u16,
+    log: &std::path::Path,
+) -> (Child, u16) {
+    use std::os::unix::process::CommandExt;
+    let probes = free_port();
+    let out = std::fs::File::create(log).expect("fleet log");
+    let child = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/fleet"))
+        .env("DATABASE_URL", &env.database_url)
+        .env("AMQP_URL", &env.amqp_url)
+        .env("ONEJOB_CONFIG", config_path)
+        // scripts/test built them; a build here would wait for any other.
+        .env("ONEJOB_FLEET_BUILD", "0")
+        .env("MOCK_LISTEN", format!("127.0.0.1:{mock}"))
+        .env("ONEJOB_FLEET_MOCK_DELAY", "4s")
+        .env("ONEJOB_FLEET_HTTP", format!("127.0.0.1:{probes}"))
+        .env("ONEJOB_FLEET_GATEWAY", format!("127.0.0.1:{}", free_port()))
+        .env(
+            "ONEJOB_FLEET_GATEWAY_HTTP",
+            format!("127.0.0.1:{}", free_port()),
+        )
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .process_group(0)
+        .spawn()
+        .expect("run scripts/fleet");
+    (child, probes)
+}
+
+/// Ctrl-C in the terminal that runs `scripts/fleet` (SIGINT to its whole
+/// process group) while ten calls of 4 s are in flight: the worker finishes
+/// them before the mock provider stops, so no attempt ends `unknown`, and
+/// every program is gone afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_in_the_fleet_during_a_burst_leaves_no_attempt_unknown() {
+    let mock = free_port();
+    let text = common::config_for(
+        &[common::P(
+            "primary",
+            &format!("http://127.0.0.1:{mock}/v1"),
+            "timeout = \"15s\"",
+        )],
+        "",
+    )
+    .replace("shutdown_grace = \"5s\"", "shutdown_grace = \"30s\"")
+    .replace("concurrency = 8", "concurrency = 16");
+    let (config, file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let log = std::env::temp_dir().join(format!("onejob-fleet-{}.log", env.name));
+    let (mut fleet, probes) = fleet(&env, &file.path, mock, &log);
+    let mut waiting = tokio::task::spawn_blocking(move || {
+        listening(probes, &mut fleet);
+        fleet
+    });
+    let mut fleet = (&mut waiting).await.unwrap();
+
+    let producer = onejob_producer::Producer::connect(&env.amqp_url)
+        .await
+        .unwrap();
+    for i in 0..10 {
+        let intent = common::intent("acct_c", &format!("burst-{i}"), "in flight at Ctrl-C");
+        producer.publish_only(&intent).await.unwrap();
+    }
+    producer.close().await;
+    common::wait_for("ten calls in flight", Duration::from_secs(30), || async {
+        let started: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM attempts WHERE status = 'started'")
+                .fetch_one(env.store.pool())
+                .await
+                .unwrap();
+        (started == 10).then_some(())
+    })
+    .await;
+
+    // What a terminal does on Ctrl-C: SIGINT to the foreground process group.
+    let group = format!("-{}", fleet.id());
+    let sent = Command::new("kill")
+        .args(["-INT", "--", &group])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = tokio::task::spawn_blocking(move || {
+        let began = Instant::now();
+        loop {
+            if let Some(status) = fleet.try_wait().unwrap() {
+                return status;
+            }
+            if began.elapsed() > Duration::from_secs(60) {
+                let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+                panic!("scripts/fleet did not stop within 60 s of Ctrl-C");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    })
+    .await
+    .unwrap();
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(status.success(), "scripts/fleet exited {status}:\n{said}");
+
+    let counts: Vec<(String, i64)> =
+        sqlx::query_as("SELECT status::text, count(*) FROM attempts GROUP BY 1 ORDER BY 1")
+            .fetch_all(env.store.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        counts,
+        vec![("succeeded".to_owned(), 10)],
+        "every call in flight at Ctrl-C finished before the mock stopped:\n{said}"
+    );
+    // Nothing of the fleet is left: the mock's port is free again.
+    assert!(
+        TcpStream::connect(("127.0.0.1", mock)).is_err(),
+        "the mock provider still listens after scripts/fleet exited"
+    );
+    let _ = std::fs::remove_file(&log);
 }
