@@ -4,7 +4,7 @@ and wait for its receipt through RabbitMQ's direct reply-to.
     pip install pika
     python3 examples/publish.py acct_42 order-1234 "Text to summarize"
 
-It follows the README's advice to publishers: every intent carries a
+It follows the book's advice to publishers (docs/src/reference/intent.md): every intent carries a
 `message_id` (so `onejob dlq replay --id` can pick it out of a dead-letter queue)
 and a `timestamp`, and the exit status says what happened, as the CLI's does:
 0 for created or duplicate, 1 for conflict or rejected, 2 when no receipt came.

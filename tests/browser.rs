@@ -4,7 +4,7 @@
 //! an unknown and sees the next attempt, replays a dead letter, qualifies a
 //! provider and watches a hedge; a tenant's token does not sign in; a form
 //! without its CSRF token, or posted from another site, does nothing. The last
-//! test takes the README's screenshots.
+//! test takes the book's screenshots (docs/src/images/console/).
 
 mod common;
 
@@ -295,7 +295,7 @@ fn urlencode(text: &str) -> String {
 /// A provider is qualified from its page, a job is then hedged onto it, and
 /// the job's page draws the hedge on its own lane with the job's events. The
 /// main pages are saved as PNGs along the way (`target/console-screenshots/`,
-/// or `$ONEJOB_SCREENSHOTS`): the README shows them.
+/// or `$ONEJOB_SCREENSHOTS`): the book shows them, from docs/src/images/console/.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn qualify_now_then_a_hedge_on_its_own_lane_and_the_main_pages() {
     let slow = mock(MockOptions {

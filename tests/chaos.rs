@@ -13,7 +13,7 @@
 //! timing-sensitive, so it runs alone: nextest's default filter leaves it out,
 //! and `scripts/test` runs it before the rest. `ONEJOB_CHAOS_INTENTS` and `ONEJOB_CHAOS_SECONDS` size it (CI: 1500 over
 //! 30 s), and `ONEJOB_CHAOS_PG_OUTAGE` is the long outage in seconds (CI: 70); the
-//! README gives a full run's figures.
+//! book (docs/src/operations/chaos.md) gives a full run's figures.
 
 mod common;
 

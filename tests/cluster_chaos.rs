@@ -12,7 +12,8 @@
 //! and stops it again at the end. It loads the machine's two cores, so it runs alone, like the
 //! chaos test: nextest's default filter leaves it out and `scripts/test` runs it
 //! after the chaos test. `ONEJOB_CLUSTER_CHAOS_INTENTS` and `ONEJOB_CLUSTER_CHAOS_SECONDS` size
-//! it (CI: 1,000 over 30 s); the README gives a full run's figures.
+//! it (CI: 1,000 over 30 s); the book
+//! (docs/src/operations/cluster.md) gives a full run's figures.
 
 mod common;
 
@@ -259,7 +260,7 @@ async fn print_stalls_and_storage(store: &onejob::store::Store, faults: &[(Strin
             stalled.as_secs_f64()
         );
     }
-    // What a job costs to keep, for the README's note on one Postgres primary.
+    // What a job costs to keep, for the book's note on one Postgres primary.
     let (jobs, job_bytes, attempt_bytes, outbox_bytes): (i64, i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM jobs), pg_total_relation_size('jobs'), \
                 pg_total_relation_size('attempts'), pg_total_relation_size('outbox')",

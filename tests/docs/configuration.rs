@@ -1,0 +1,257 @@
+//! The configuration reference (`docs/src/reference/configuration.md`)
+//! against the parser: every setting it names is accepted, every setting the
+//! parser accepts is named in it, and every default it gives as a value is
+//! the one the parser applies.
+//!
+//! The page names a table by a heading (`## [worker]`, `## [providers.NAME]`,
+//! `### [[operations.NAME.cases]]`) and its settings in the first column of
+//! the table under it, the default in the second. Its first `toml` block is
+//! the whole file, every setting given.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use onejob::config::{Config, EMBEDDED_DEFAULT};
+use toml::{Table, Value};
+
+use super::markdown::{blocks, code_spans, heading, prose, row};
+
+/// One setting the page names: its table (`providers.NAME`), its key, its
+/// default cell, and its line.
+#[derive(Debug)]
+struct Setting {
+    table: String,
+    key: String,
+    default: String,
+    line: usize,
+}
+
+fn page() -> String {
+    super::read(&super::book().join("reference/configuration.md"))
+}
+
+/// Every setting the page's tables name.
+fn documented() -> Vec<Setting> {
+    let page = page();
+    let mut out = Vec::new();
+    let mut table: Option<String> = None;
+    for (n, line) in prose(&page) {
+        if let Some((_, text)) = heading(line) {
+            table = code_spans(text)
+                .first()
+                .filter(|t| t.starts_with('['))
+                .map(|t| t.trim_matches(['[', ']']).to_owned());
+            continue;
+        }
+        let (Some(table), Some(cells)) = (&table, row(line)) else {
+            continue;
+        };
+        if let Some(key) = code_spans(cells[0]).first() {
+            out.push(Setting {
+                table: table.clone(),
+                key: (*key).to_owned(),
+                default: cells.get(1).copied().unwrap_or_default().to_owned(),
+                line: n,
+            });
+        }
+    }
+    assert!(out.len() > 40, "too few settings read: {out:?}");
+    out
+}
+
+/// The tables of a configuration, by the page's names, in `config`: `NAME`
+/// is the first provider and operation.
+fn table_path(table: &str) -> Vec<String> {
+    table
+        .replace("providers.NAME", "providers.primary")
+        .replace("operations.NAME", "operations.summarize")
+        .split('.')
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The table at `path` in `config` (`cases` is its first element), made if
+/// it is missing.
+fn table_at<'a>(config: &'a mut Table, path: &[String]) -> &'a mut Table {
+    let mut at = config;
+    for part in path {
+        let value = at
+            .entry(part.clone())
+            .or_insert_with(|| Value::Table(Table::new()));
+        at = match value {
+            Value::Table(t) => t,
+            Value::Array(items) => match items.first_mut() {
+                Some(Value::Table(t)) => t,
+                _ => panic!("{part}: not an array of tables"),
+            },
+            _ => panic!("{part}: not a table"),
+        };
+    }
+    at
+}
+
+fn embedded() -> Table {
+    toml::from_str(EMBEDDED_DEFAULT).expect("the embedded defaults parse as TOML")
+}
+
+fn parse(config: &Table) -> Result<Config, String> {
+    let text = toml::to_string(config).expect("TOML out");
+    Config::parse(&text, "test").map_err(|e| e.to_string())
+}
+
+#[test]
+fn every_setting_the_reference_names_is_accepted() {
+    let page = page();
+    let example = blocks(&page)
+        .into_iter()
+        .find(|b| b.language() == "toml")
+        .expect("a toml block with the whole file");
+    let mut example: Table = toml::from_str(&example.text).expect("the whole file parses");
+    Config::parse(&toml::to_string(&example).unwrap(), "example")
+        .unwrap_or_else(|e| panic!("the page's whole file: {e}"));
+    let mut wrong = Vec::new();
+    for s in documented() {
+        let path = table_path(&s.table);
+        let Some(value) = table_at(&mut example, &path).get(&s.key).cloned() else {
+            wrong.push(format!(
+                "configuration.md:{}: the whole file does not give {}.{}",
+                s.line, s.table, s.key
+            ));
+            continue;
+        };
+        let mut config = embedded();
+        table_at(&mut config, &path).insert(s.key.clone(), value);
+        if let Err(e) = parse(&config) {
+            wrong.push(format!(
+                "configuration.md:{}: {}.{} is refused: {e}",
+                s.line, s.table, s.key
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// The settings the parser accepts in one table, as its refusal of an unknown
+/// one lists them.
+fn accepted(path: &[String]) -> BTreeSet<String> {
+    let mut config = embedded();
+    if path
+        == [
+            "operations".to_owned(),
+            "summarize".into(),
+            "retention".into(),
+        ]
+    {
+        table_at(&mut config, &path[..2]).insert("retention".into(), Value::Table(Table::new()));
+    }
+    table_at(&mut config, path).insert("no_such_setting".into(), Value::Integer(1));
+    let error = parse(&config).expect_err("an unknown setting is refused");
+    let (_, expected) = error
+        .split_once("expected")
+        .unwrap_or_else(|| panic!("{path:?}: {error}"));
+    code_spans(expected)
+        .into_iter()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn every_setting_the_parser_accepts_is_in_the_reference() {
+    let mut named: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for s in documented() {
+        named.entry(s.table).or_default().insert(s.key);
+    }
+    // The top level's tables are the page's sections; an operation's own
+    // `retention` table takes what `[retention]` does.
+    let sections: BTreeSet<String> = named
+        .keys()
+        .map(|t| t.split('.').next().unwrap_or_default().to_owned())
+        .collect();
+    let retention = named["retention"].clone();
+    let mut wrong = Vec::new();
+    for (table, names) in [
+        ("", sections),
+        ("worker", named["worker"].clone()),
+        ("retention", retention.clone()),
+        ("providers.NAME", named["providers.NAME"].clone()),
+        ("operations.NAME", named["operations.NAME"].clone()),
+        ("operations.NAME.retention", retention),
+        (
+            "operations.NAME.cases",
+            named["operations.NAME.cases"].clone(),
+        ),
+    ] {
+        let path: Vec<String> = if table.is_empty() {
+            Vec::new()
+        } else {
+            table_path(table)
+        };
+        let accepted = accepted(&path);
+        for key in accepted.symmetric_difference(&names) {
+            let how = match accepted.contains(key) {
+                true => "accepted by the parser but not in configuration.md",
+                false => "in configuration.md but not accepted by the parser",
+            };
+            wrong.push(format!("[{table}] {key}: {how}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// What the parser made of one table, as text to compare.
+fn parsed(config: &Config, table: &str) -> String {
+    let op = &config.operations["summarize"];
+    match table {
+        "worker" => format!("{:?}", config.worker),
+        "retention" => format!("{:?}", config.retention),
+        "providers.NAME" => format!("{:?}", config.providers["primary"]),
+        "operations.NAME" => format!(
+            "{:?} {} {} {:?} {:?} {:?} {}",
+            op.route,
+            op.max_attempts,
+            op.temperature,
+            op.hedge_after,
+            op.retention,
+            op.cases,
+            op.output_schema
+        ),
+        "operations.NAME.cases" => format!("{:?}", op.cases),
+        other => panic!("no comparison for [{other}]"),
+    }
+}
+
+#[test]
+fn the_defaults_the_reference_gives_are_the_parsers() {
+    let mut wrong = Vec::new();
+    let mut compared = 0;
+    for s in documented() {
+        // Only a default given as one value (`5`, `"1s"`, `[504, 524]`).
+        let spans = code_spans(&s.default);
+        let whole = spans.len() == 1 && s.default == format!("`{}`", spans[0]);
+        let Ok(value) = toml::from_str::<Table>(&format!("v = {}", spans.first().unwrap_or(&"")))
+        else {
+            continue;
+        };
+        if !whole {
+            continue;
+        }
+        let path = table_path(&s.table);
+        let mut without = embedded();
+        table_at(&mut without, &path).remove(&s.key);
+        let mut with = without.clone();
+        table_at(&mut with, &path).insert(s.key.clone(), value["v"].clone());
+        let (a, b) = (parse(&without), parse(&with));
+        let (Ok(a), Ok(b)) = (&a, &b) else {
+            wrong.push(format!("configuration.md:{}: {a:?} / {b:?}", s.line));
+            continue;
+        };
+        compared += 1;
+        if parsed(a, &s.table) != parsed(b, &s.table) {
+            wrong.push(format!(
+                "configuration.md:{}: {}.{} defaults to something else than {}",
+                s.line, s.table, s.key, s.default
+            ));
+        }
+    }
+    assert!(compared > 25, "only {compared} defaults compared");
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
