@@ -17,7 +17,7 @@ Schemas say a file is well formed; this says it is right for onejob:
   shutdown grace (as `onejob config check --json` computes it from the
   configuration the deployment mounts), a gateway's --body-timeout +
   --receipt-timeout (from its flags, or the defaults its --help prints), plus
-  any preStop sleep, plus MARGIN;
+  any pre_stop sleep, plus MARGIN;
 - the configuration is valid (`onejob config check`), mounted where
   ONEJOB_CONFIG says, and its provider's host is a service of the deployment;
 - Kubernetes references resolve: Secret keys, ConfigMap, Service selectors and
@@ -45,7 +45,6 @@ LISTEN_FLAGS = {
     "onejob-producer serve": {"--listen": "public", "--http": "probes"},
     "onejob-mock-provider": {"--listen": "mock"},
 }
-ROLES = ("intake", "attempts", "reconciler")
 
 problems = []
 
@@ -113,7 +112,6 @@ def queue_names(root):
 class Binaries:
     def __init__(self, bin_dir):
         self.bin_dir = bin_dir
-        self.helps = {}
 
     def run(self, argv, env=None):
         path = os.path.join(self.bin_dir, argv[0])
@@ -130,7 +128,6 @@ class Binaries:
             first = (out.stderr.strip().splitlines() or ["?"])[0]
             problem(where, f"`{' '.join(argv)}` is refused: {first}")
             return False
-        self.helps[tuple(argv[:2])] = out.stdout
         return True
 
     def default(self, argv, flag):
@@ -150,7 +147,11 @@ class Binaries:
         if out.returncode != 0:
             problem(where, f"onejob config check refuses the configuration: {out.stderr.strip()}")
             return None
-        return json.loads(out.stdout)
+        config = json.loads(out.stdout)
+        if "shutdown_grace_seconds" not in config:
+            raise SystemExit(f"consistency: {self.bin_dir}/onejob config check --json prints no "
+                             "shutdown_grace_seconds: the binaries are older than this check")
+        return config
 
 
 # ---- one process, wherever it is declared ---------------------------------
@@ -209,22 +210,22 @@ def check_all_roles_run(where, seen, providers):
             problem(where, f"no process runs the attempts of provider {p}")
 
 
-def worker_grace_needed(argv, config, preStop, binaries):
+def worker_grace_needed(argv, config, pre_stop, binaries):
     """What a stopping process of argv may still do, in seconds."""
     name = program(argv)
     if name == "onejob-worker":
-        return preStop + config["shutdown_grace_seconds"], (
-            f"{preStop:g}s preStop + shutdown grace {config['shutdown_grace_seconds']:g}s")
+        return pre_stop + config["shutdown_grace_seconds"], (
+            f"{pre_stop:g}s preStop + shutdown grace {config['shutdown_grace_seconds']:g}s")
     if name == "onejob-producer serve":
         body = seconds((flag_values(argv, "--body-timeout") or [binaries.default(argv, "--body-timeout")])[-1])
         receipt = seconds((flag_values(argv, "--receipt-timeout") or [binaries.default(argv, "--receipt-timeout")])[-1])
-        return preStop + body + receipt, (
-            f"{preStop:g}s preStop + --body-timeout {body:g}s + --receipt-timeout {receipt:g}s")
+        return pre_stop + body + receipt, (
+            f"{pre_stop:g}s preStop + --body-timeout {body:g}s + --receipt-timeout {receipt:g}s")
     return None, None
 
 
-def check_grace(where, argv, grace, config, preStop, binaries):
-    needed, why = worker_grace_needed(argv, config, preStop, binaries)
+def check_grace(where, argv, grace, config, pre_stop, binaries):
+    needed, why = worker_grace_needed(argv, config, pre_stop, binaries)
     if needed is None:
         return
     if grace is None:
@@ -371,7 +372,7 @@ def check_deployment(where, dep, binaries, served, config, seen, refs):
         for kind in ("requests", "limits"):
             if "memory" not in (c.get("resources") or {}).get(kind, {}):
                 problem(here, f"no memory {kind}")
-        pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command") or []
+        pre_stop = c.get("lifecycle", {}).get("pre_stop", {}).get("exec", {}).get("command") or []
         sleep = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0
         grace = spec.get("terminationGracePeriodSeconds", 30)
         check_grace(here + ": terminationGracePeriodSeconds", argv, grace, config, sleep, binaries)
