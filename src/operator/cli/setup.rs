@@ -114,6 +114,7 @@ pub(super) async fn config_check(c: &Connections, json: bool, out: &mut impl Wri
                 "providers": config.provider_names(),
                 "operations": config.operations.keys().collect::<Vec<_>>(),
                 "warnings": config.warnings,
+                "shutdown_grace_seconds": config.worker.shutdown_grace.as_secs_f64(),
             })
         )?;
     } else {
@@ -128,6 +129,11 @@ pub(super) async fn config_check(c: &Connections, json: bool, out: &mut impl Wri
                 o.max_attempts
             )?;
         }
+        writeln!(
+            out,
+            "shutdown grace: {} (how long a stopping worker lets its work in flight finish)",
+            humantime::format_duration(config.worker.shutdown_grace)
+        )?;
         for w in &config.warnings {
             writeln!(out, "warning: {w}")?;
         }
