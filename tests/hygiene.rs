@@ -354,3 +354,38 @@ async fn shutdown_finishes_in_flight_work() {
     );
     producer.close().await;
 }
+
+/// Files over this size are junk in a repository (a crash dump, a build output)
+/// unless they are a test's fixtures.
+const LARGEST_TRACKED_FILE: u64 = 256 * 1024;
+
+/// No tracked file is over 256 KiB, except under a `fixtures/` directory: an
+/// `erl_crash.dump` of 715 KB was once committed by mistake.
+#[test]
+fn no_tracked_file_is_over_256_kib_unless_a_fixture() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let listed = Command::new("git")
+        .args(["-C", root, "ls-files", "-z"])
+        .output()
+        .expect("git must be on PATH: this test reads what the repository tracks");
+    assert!(
+        listed.status.success(),
+        "git ls-files: {} (run the tests from a git checkout)",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let too_big: Vec<String> = listed
+        .stdout
+        .split(|b| *b == 0)
+        .filter(|p| !p.is_empty())
+        .map(|p| String::from_utf8_lossy(p).into_owned())
+        .filter(|p| !p.split('/').any(|part| part == "fixtures"))
+        .filter_map(|p| {
+            let size = std::fs::metadata(Path::new(root).join(&p)).ok()?.len();
+            (size > LARGEST_TRACKED_FILE).then(|| format!("{p} ({size} bytes)"))
+        })
+        .collect();
+    assert!(
+        too_big.is_empty(),
+        "tracked files over {LARGEST_TRACKED_FILE} bytes (remove them, or put a test's fixtures under a fixtures/ directory): {too_big:?}"
+    );
+}
