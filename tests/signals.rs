@@ -189,6 +189,28 @@ fn fleet(
     (child, probes)
 }
 
+/// What a terminal does on Ctrl-C: SIGINT to the foreground process group,
+/// here `fleet`'s; then waits (60 s at most) for it to exit.
+fn ctrl_c(mut fleet: Child) -> std::process::ExitStatus {
+    let group = format!("-{}", fleet.id());
+    let sent = Command::new("kill")
+        .args(["-INT", "--", &group])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let began = Instant::now();
+    loop {
+        if let Some(status) = fleet.try_wait().unwrap() {
+            return status;
+        }
+        if began.elapsed() > Duration::from_secs(60) {
+            let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+            panic!("scripts/fleet did not stop within 60 s of Ctrl-C");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// Ctrl-C in the terminal that runs `scripts/fleet` (SIGINT to its whole
 /// process group) while ten calls of 4 s are in flight: the worker finishes
 /// them before the mock provider stops, so no attempt ends `unknown`, and
@@ -214,7 +236,7 @@ async fn ctrl_c_in_the_fleet_during_a_burst_leaves_no_attempt_unknown() {
         listening(probes, &mut fleet);
         fleet
     });
-    let mut fleet = (&mut waiting).await.unwrap();
+    let fleet = (&mut waiting).await.unwrap();
 
     let producer = onejob_producer::Producer::connect(&env.amqp_url)
         .await
@@ -234,28 +256,9 @@ async fn ctrl_c_in_the_fleet_during_a_burst_leaves_no_attempt_unknown() {
     })
     .await;
 
-    // What a terminal does on Ctrl-C: SIGINT to the foreground process group.
-    let group = format!("-{}", fleet.id());
-    let sent = Command::new("kill")
-        .args(["-INT", "--", &group])
-        .status()
+    let status = tokio::task::spawn_blocking(move || ctrl_c(fleet))
+        .await
         .unwrap();
-    assert!(sent.success());
-    let status = tokio::task::spawn_blocking(move || {
-        let began = Instant::now();
-        loop {
-            if let Some(status) = fleet.try_wait().unwrap() {
-                return status;
-            }
-            if began.elapsed() > Duration::from_secs(60) {
-                let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
-                panic!("scripts/fleet did not stop within 60 s of Ctrl-C");
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    })
-    .await
-    .unwrap();
     let said = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(status.success(), "scripts/fleet exited {status}:\n{said}");
 
