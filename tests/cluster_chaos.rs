@@ -93,11 +93,7 @@ async fn a_cluster_node_lost_loses_nothing_and_duplicates_nothing() {
     })
     .await;
     let (config, file) = config(&chaos_config(&primary.base_url()));
-    let servers = Servers {
-        rabbit: Some(Nodes::clone(&cluster)),
-        ..Servers::machine()
-    };
-    let mut env = TestEnv::on(&config, servers).await;
+    let mut env = TestEnv::on(&config, Servers::with_rabbit(&cluster)).await;
     env.amqp_url = cluster.urls_from(0, &env.name);
 
     // Worker i connects first to node i; the producers to nodes 2 and 3.
@@ -330,11 +326,7 @@ async fn a_postgres_outage_past_the_consumer_timeout_loses_nothing() {
         "[worker]\ndelivery_limit = 2\ndead_letter_scan = \"1s\"\n",
     );
     let (config, _file) = config(&text);
-    let servers = Servers {
-        rabbit: Some(Nodes::clone(&cluster)),
-        ..Servers::machine()
-    };
-    let mut env = TestEnv::on(&config, servers).await;
+    let mut env = TestEnv::on(&config, Servers::with_rabbit(&cluster)).await;
     env.amqp_url = cluster.urls_from(0, &env.name);
     let path = common::lossy::LossyPostgres::to(&common::database::pg_server(), 1, 0).await;
     let database_url = path.url(&env.name);

@@ -6,20 +6,6 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-/// A binary of another package of the workspace, built beside this one.
-fn sibling(name: &str) -> std::path::PathBuf {
-    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_onejob"))
-        .parent()
-        .unwrap()
-        .join(name);
-    assert!(
-        bin.exists(),
-        "{} is missing: build it first (`cargo build --workspace --bins`, as scripts/test does)",
-        bin.display()
-    );
-    bin
-}
-
 fn stderr_lines(out: &std::process::Output) -> Vec<String> {
     String::from_utf8_lossy(&out.stderr)
         .lines()
@@ -37,7 +23,7 @@ fn says_login_refused(line: &str) -> bool {
 /// Runs the producer CLI's publish and the operator CLI's `dlq list` against
 /// `url`.
 fn broker_commands(url: &str) -> [std::process::Output; 2] {
-    let producer = Command::new(sibling("onejob-producer"))
+    let producer = Command::new(common::binaries::binary("onejob-producer"))
         .args([
             "publish",
             "--owner",
@@ -129,7 +115,7 @@ fn postgres_failures_say_which() {
 /// While it waits for Postgres, the worker says which one it waits for.
 #[test]
 fn the_worker_names_the_database_it_waits_for() {
-    let mut worker = Command::new(sibling("onejob-worker"))
+    let mut worker = Command::new(common::binaries::binary("onejob-worker"))
         .env(
             "DATABASE_URL",
             "postgres://postgres:secret@127.0.0.1:1/onejob",

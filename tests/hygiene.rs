@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::throwaway::{Nodes, OwnRabbit};
+use common::throwaway::OwnRabbit;
 use common::{P, Servers, TestEnv, config, config_for, mock, submit, wait_for_status};
 use onejob::config::Config;
 use onejob::domain::JobStatus;
@@ -106,11 +106,7 @@ async fn secrets_never_reach_logs_errors_or_json_output() {
     );
     let (config, file) = config(&text);
     let rabbit = OwnRabbit::start(1);
-    let servers = Servers {
-        rabbit: Some(Nodes::clone(&rabbit)),
-        ..Servers::machine()
-    };
-    let env = TestEnv::on(&config, servers).await;
+    let env = TestEnv::on(&config, Servers::with_rabbit(&rabbit)).await;
     let amqp_url = amqp_user(&rabbit, &env.name);
     let database_url = env
         .database_url

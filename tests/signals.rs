@@ -6,26 +6,12 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::binaries::{Program, binary};
 use common::throwaway::free_port;
 use common::{TestEnv, config, config_text};
-
-/// A binary of the workspace, built beside this test.
-fn binary(name: &str) -> PathBuf {
-    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_onejob"))
-        .parent()
-        .unwrap()
-        .join(name);
-    assert!(
-        bin.exists(),
-        "{} is missing: build it first (`cargo build --workspace --bins`, as scripts/test does)",
-        bin.display()
-    );
-    bin
-}
 
 /// Whether `/readyz` on `port` answers 200.
 fn ready(port: u16) -> bool {
@@ -66,15 +52,18 @@ fn listening(port: u16, child: &mut Child) {
 /// cleanly (status 0: not by a panic, nor by the signal's default action).
 fn stops_with_its_reader_gone(what: &str, mut command: Command, port: u16) {
     let (mut reader, writer) = std::io::pipe().expect("a pipe");
-    let mut child = command
-        .stdin(Stdio::null())
-        .stdout(writer.try_clone().expect("clone the pipe"))
-        .stderr(writer)
-        .spawn()
-        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut program = Program(
+        command
+            .stdin(Stdio::null())
+            .stdout(writer.try_clone().expect("clone the pipe"))
+            .stderr(writer)
+            .spawn()
+            .unwrap_or_else(|e| panic!("{what}: {e}")),
+    );
+    let child = &mut program.0;
     // The parent's copies of the writing end are gone with `command`.
     drop(command);
-    listening(port, &mut child);
+    listening(port, child);
     // Read what is there without blocking for more, then hang up.
     let said = std::thread::spawn(move || {
         let mut buf = vec![0u8; 1 << 16];
@@ -103,8 +92,6 @@ fn stops_with_its_reader_gone(what: &str, mut command: Command, port: u16) {
             return;
         }
         if began.elapsed() > Duration::from_secs(20) {
-            let _ = child.kill();
-            let _ = child.wait();
             panic!(
                 "{what} did not stop within 20 s of SIGTERM with its log reader gone; it had said:\n{said}"
             );
@@ -162,7 +149,7 @@ fn fleet(
     config_path: &std::path::Path,
     mock: u16,
     log: &std::path::Path,
-) -> (Child, u16) {
+) -> (Program, u16) {
     use std::os::unix::process::CommandExt;
     let probes = free_port();
     let out = std::fs::File::create(log).expect("fleet log");
@@ -186,13 +173,13 @@ fn fleet(
         .process_group(0)
         .spawn()
         .expect("run scripts/fleet");
-    (child, probes)
+    (Program(child), probes)
 }
 
 /// What a terminal does on Ctrl-C: SIGINT to the foreground process group,
 /// here `fleet`'s; then waits (60 s at most) for it to exit.
-fn ctrl_c(mut fleet: Child) -> std::process::ExitStatus {
-    let group = format!("-{}", fleet.id());
+fn ctrl_c(mut fleet: Program) -> std::process::ExitStatus {
+    let group = format!("-{}", fleet.0.id());
     let sent = Command::new("kill")
         .args(["-INT", "--", &group])
         .status()
@@ -200,11 +187,11 @@ fn ctrl_c(mut fleet: Child) -> std::process::ExitStatus {
     assert!(sent.success());
     let began = Instant::now();
     loop {
-        if let Some(status) = fleet.try_wait().unwrap() {
+        if let Some(status) = fleet.0.try_wait().unwrap() {
             return status;
         }
         if began.elapsed() > Duration::from_secs(60) {
-            let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+            // Dropping `fleet` kills it and the programs it started.
             panic!("scripts/fleet did not stop within 60 s of Ctrl-C");
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -232,11 +219,13 @@ async fn ctrl_c_in_the_fleet_during_a_burst_leaves_no_attempt_unknown() {
     let env = TestEnv::new(&config).await;
     let log = std::env::temp_dir().join(format!("onejob-fleet-{}.log", env.name));
     let (mut fleet, probes) = fleet(&env, &file.path, mock, &log);
-    let mut waiting = tokio::task::spawn_blocking(move || {
-        listening(probes, &mut fleet);
+    // A panic from here on drops `fleet`, which kills what it started.
+    let fleet = tokio::task::spawn_blocking(move || {
+        listening(probes, &mut fleet.0);
         fleet
-    });
-    let fleet = (&mut waiting).await.unwrap();
+    })
+    .await
+    .unwrap();
 
     let producer = onejob_producer::Producer::connect(&env.amqp_url)
         .await

@@ -27,17 +27,7 @@ pub fn env_or(name: &str, default: usize) -> usize {
 }
 
 pub fn worker_bin() -> std::path::PathBuf {
-    let dir = std::path::Path::new(env!("CARGO_BIN_EXE_onejob"))
-        .parent()
-        .unwrap()
-        .to_owned();
-    let bin = dir.join("onejob-worker");
-    assert!(
-        bin.exists(),
-        "{} is missing: build it first (`cargo build --workspace --bins`, as scripts/test does)",
-        bin.display()
-    );
-    bin
+    super::binaries::binary("onejob-worker")
 }
 
 /// Three worker processes (or as many as asked), each with its own log; worker

@@ -5,6 +5,7 @@
 
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod binaries;
 pub mod browser;
 pub mod chaos;
 pub mod console;

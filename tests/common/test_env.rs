@@ -58,6 +58,14 @@ impl Servers {
         }
     }
 
+    /// The machine's Postgres and RabbitMQ nodes of the test's own.
+    pub fn with_rabbit(rabbit: &OwnRabbit) -> Servers {
+        Servers {
+            rabbit: Some(Nodes::clone(rabbit)),
+            ..Servers::machine()
+        }
+    }
+
     /// A test's own Postgres and RabbitMQ.
     pub fn own(postgres: &OwnPostgres, rabbit: &OwnRabbit) -> Servers {
         Servers {

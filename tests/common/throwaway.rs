@@ -18,28 +18,49 @@ pub fn free_port() -> u16 {
         .expect("a free port on 127.0.0.1")
 }
 
-/// `count` consecutive ports in 30000-44999 that are free, each with port +
-/// 20000 free too (`scripts/cluster` puts a node's Erlang distribution there).
+/// `count` consecutive ports in 10000-12499 that are free, each with port +
+/// 20000 free too (`scripts/cluster` puts a node's Erlang distribution there):
+/// below the kernel's ephemeral range (32768 up), so that no outgoing
+/// connection takes one meanwhile.
 pub fn free_cluster_ports(count: u16) -> u16 {
     let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
     for _ in 0..200 {
-        let first = 30000 + (rand::random::<u16>() % 15000);
+        let first = 10000 + (rand::random::<u16>() % 2500);
         if (first..first + count).all(|p| free(p) && free(p + 20000)) {
             return first;
         }
     }
-    panic!("no {count} free ports (and their +20000) in 30000-44999");
+    panic!("no {count} free ports (and their +20000) in 10000-12499");
+}
+
+/// What a command printed, or why it failed.
+fn run(what: &str, out: std::io::Result<Output>) -> Result<String, String> {
+    let out = out.map_err(|e| format!("{what}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{what}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
 fn checked(what: &str, out: std::io::Result<Output>) -> String {
-    let out = out.unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    run(what, out).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A server's start, tried three times: the port it was given may have been
+/// taken since it was found free.
+fn with_retries<T>(what: &str, mut start: impl FnMut() -> Result<T, String>) -> T {
+    let mut errors = Vec::new();
+    for _ in 0..3 {
+        match start() {
+            Ok(started) => return started,
+            Err(e) => errors.push(e),
+        }
+    }
+    panic!("{what} failed three times: {errors:#?}");
 }
 
 /// A PostgreSQL server of this test's own: trust authentication for the user
@@ -56,7 +77,7 @@ impl OwnPostgres {
         let dir =
             std::env::temp_dir().join(format!("onejob-test-pg-{}", uuid::Uuid::now_v7().simple()));
         std::fs::create_dir_all(&dir).expect("create the test Postgres directory");
-        let pg = OwnPostgres {
+        let mut pg = OwnPostgres {
             dir,
             port: free_port(),
             bin: postgres_bin_dir(),
@@ -79,7 +100,10 @@ impl OwnPostgres {
                 .arg(pg.data())
                 .output(),
         );
-        pg.begin();
+        with_retries("starting a test Postgres", || {
+            pg.port = free_port();
+            pg.try_begin()
+        });
         pg
     }
 
@@ -111,19 +135,25 @@ impl OwnPostgres {
 
     /// Starts the stopped server and waits until it takes connections.
     pub fn begin(&self) {
+        self.try_begin().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    fn try_begin(&self) -> Result<(), String> {
         let options = format!(
             "-p {} -c listen_addresses=127.0.0.1 -k {} -c max_connections=300",
             self.port,
             self.dir.display()
         );
         let log = self.dir.join("server.log");
-        checked(
+        run(
             "pg_ctl start",
             self.pg_ctl(&["-w", "-t", "60", "-o", &options, "-l"])
                 .arg(&log)
                 .arg("start")
                 .output(),
-        );
+        )
+        .map(drop)
+        .map_err(|e| format!("{e} (see {})", log.display()))
     }
 
     /// Stops the server (fast: sessions are ended, as a restart would end them).
@@ -194,16 +224,22 @@ pub struct OwnRabbit(pub Nodes);
 impl OwnRabbit {
     /// Starts `nodes` nodes (and joins them); ten seconds or so a node.
     pub fn start(nodes: u16) -> OwnRabbit {
-        let id = uuid::Uuid::now_v7().simple().to_string();
-        let rabbit = OwnRabbit(Nodes {
-            dir: std::env::temp_dir().join(format!("onejob-test-rabbit-{id}")),
-            // Unique among the nodes on this machine: epmd knows them by name.
-            name: format!("onejobt{}", &id[id.len() - 10..]),
-            nodes,
-            first_port: free_cluster_ports(nodes),
-        });
-        rabbit.script(&["start"]);
-        rabbit
+        with_retries("starting test RabbitMQ nodes", || {
+            let id = uuid::Uuid::now_v7().simple().to_string();
+            let rabbit = OwnRabbit(Nodes {
+                dir: std::env::temp_dir().join(format!("onejob-test-rabbit-{id}")),
+                // Unique among the nodes on this machine: epmd knows them by name.
+                name: format!("onejobt{}", &id[id.len() - 10..]),
+                nodes,
+                first_port: free_cluster_ports(nodes),
+            });
+            // A failed start is stopped and removed by the drop.
+            run(
+                "scripts/cluster start",
+                rabbit.command_for(&["start"]).output(),
+            )?;
+            Ok(rabbit)
+        })
     }
 }
 

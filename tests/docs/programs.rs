@@ -2,7 +2,6 @@
 //! commands and flags, read from the real binaries.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
 use std::process::Command;
 
 /// The programs a page may run.
@@ -13,25 +12,7 @@ pub(crate) const PROGRAMS: [&str; 4] = [
     "onejob-mock-provider",
 ];
 
-/// A program's binary, built beside this test's (`cargo build --workspace
-/// --bins`, as `scripts/test` does, builds those of the other packages).
-pub(crate) fn binary(name: &str) -> PathBuf {
-    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_onejob"))
-        .parent()
-        .expect("the binaries' folder")
-        .join(name);
-    assert!(
-        bin.exists(),
-        "{} is missing: build it first (`cargo build --workspace --bins`, as scripts/test does)",
-        bin.display()
-    );
-    bin
-}
-
-/// The folder the binaries are in.
-pub(crate) fn bin_dir() -> PathBuf {
-    binary("onejob").parent().expect("a folder").to_owned()
-}
+pub(crate) use crate::common::binaries::{bin_dir, binary};
 
 /// Runs a program with `args` and `--help`: whether clap took every word
 /// before it, and what it printed.
