@@ -17,15 +17,6 @@ use onejob::mock::{Misbehaviour, MockHandle, MockOptions};
 use onejob::store::{JobView, NewJob};
 use onejob_producer::Producer;
 
-fn closed_port_url() -> String {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    format!("http://127.0.0.1:{port}/v1")
-}
-
 fn stdout_json(out: &std::process::Output) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
@@ -189,6 +180,20 @@ fn the_misbehaving_do_not_qualify(env: &TestEnv, config: &Path) {
     );
 }
 
+/// The refusing provider of the tests below stays refusing: no other test can
+/// listen on its port while it is held, and a connection to it is refused.
+/// (A port bound and dropped at once was taken by another listener once in CI,
+/// and the "refused" attempt then failed some other way.)
+#[test]
+fn a_refusing_port_stays_refusing() {
+    let refusing = common::refusing::RefusingPort::new();
+    let taken = std::net::TcpListener::bind(("127.0.0.1", refusing.port));
+    assert!(taken.is_err(), "another listener took the refusing port");
+    let refused = std::net::TcpStream::connect(("127.0.0.1", refusing.port))
+        .expect_err("a connection to the refusing port was accepted");
+    assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
+}
+
 /// The primary refuses connections: a definite failure that fails over at once,
 /// past an unqualified provider, to the qualified one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -203,8 +208,9 @@ async fn failover_reaches_a_qualified_provider_and_never_an_unqualified_one() {
         ..MockOptions::default()
     })
     .await;
+    let refusing = common::refusing::RefusingPort::new();
     let (refused, u, q) = (
-        closed_port_url(),
+        refusing.provider_url(),
         unqualified.base_url(),
         qualified.base_url(),
     );
@@ -239,7 +245,9 @@ async fn failover_reaches_a_qualified_provider_and_never_an_unqualified_one() {
             .error
             .as_deref()
             .unwrap_or("")
-            .starts_with("provider_unreachable")
+            .starts_with("provider_unreachable"),
+        "the refused attempt failed with {:?}",
+        first.error
     );
     assert_eq!(
         (second.provider.as_str(), second.status),

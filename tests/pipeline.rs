@@ -277,17 +277,8 @@ async fn contract_violations_fail_attempts_and_then_the_job() {
 /// A provider that refuses connections never saw the request: a definite failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn connection_refused_is_a_definite_failure() {
-    // Bind and drop a listener: nothing listens on that port any more.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let (config, _file) = config(&config_text(
-        &format!("http://127.0.0.1:{port}/v1"),
-        None,
-        "",
-    ));
+    let refusing = common::refusing::RefusingPort::new();
+    let (config, _file) = config(&config_text(&refusing.provider_url(), None, ""));
     let env = TestEnv::new(&config).await;
     let fleet = env.fleet(config.clone(), vec![]).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();

@@ -12,6 +12,7 @@ pub mod console;
 pub mod database;
 pub mod lossy;
 pub mod raw_http;
+pub mod refusing;
 
 // The harness every test binary uses, one file a topic; re-exported so that
 // `common::TestEnv`, `common::wait_for` and the rest keep their short paths.
