@@ -37,9 +37,9 @@
 //! | composition | [`fleet`] (the one module that names the roles: start, supervise, stop) · [`console`] (the operator console: HTML over the store) |
 //! | roles | [`intake`] · `attempts` · `reconciler` (one maintenance pass per function, each a bounded batch) |
 //! | shared by the roles | [`runtime`] (context, consume, ack, retries, health) · `policy` (what follows a failure: planned once) · `qualify` · `evidence` (one look at an unknown's evidence) · [`dlq`] |
-//! | edges | [`store`] (all SQL, one file per aggregate) · `provider` (HTTP to providers) · [`metrics`] · `gauges` (the table gauges, read by a timer) |
-//! | core | [`broker`] (AMQP topology, confirms, dead letters) · [`config`] · [`token`] · [`intent`] (parsing, fingerprint, receipts) · [`domain`] (ids, states, transitions, the route rule: pure) |
-//! | apart | [`mock`] (the bundled provider) · [`shutdown`] · [`telemetry`] · [`http`] (serving untrusted clients) · `terminal` (plain output, escaped) · `throttle` (a per-client allowance) |
+//! | edges | [`store`] (all SQL, one file per aggregate) · `provider` (HTTP to providers) · [`metrics`] · `gauges` (the table gauges, read by a timer) · [`telemetry`] (logs, and spans over OTLP) |
+//! | core | [`broker`] (AMQP topology, confirms, dead letters) · [`config`] · [`token`] · [`intent`] (parsing, fingerprint, receipts) · [`trace`] (W3C trace context) · [`domain`] (ids, states, transitions, the route rule: pure) |
+//! | apart | [`mock`] (the bundled provider) · [`shutdown`] · [`http`] (serving untrusted clients) · `terminal` (plain output, escaped) · `throttle` (a per-client allowance) |
 //!
 //! # Public surface
 //!
@@ -51,7 +51,7 @@
 //! that tests drive admission without a broker; [`dlq::describe`] reads a dead
 //! letter as the CLI lists it.
 
-pub use onejob_core::{broker, domain, intent};
+pub use onejob_core::{broker, domain, intent, trace};
 
 pub mod fleet;
 pub mod mock;

@@ -471,6 +471,7 @@ async fn the_reconciler_turns_a_vanished_workers_attempt_unknown() {
         fingerprint: intent.fingerprint(),
         intent,
         provider: "primary".into(),
+        trace: None,
     };
     let job_id = new.job_id;
     env.store.admit(&[new]).await.unwrap();

@@ -84,10 +84,14 @@ const LAYERS: &[(&str, &[&str], bool)] = &[
         &["runtime", "policy", "qualify", "evidence", "dlq"],
         true,
     ),
-    ("edges", &["store", "provider", "metrics", "gauges"], true),
+    (
+        "edges",
+        &["store", "provider", "metrics", "gauges", "telemetry"],
+        true,
+    ),
     (
         "core",
-        &["broker", "config", "token", "intent", "domain"],
+        &["broker", "config", "token", "intent", "trace", "domain"],
         true,
     ),
     (
@@ -95,7 +99,6 @@ const LAYERS: &[(&str, &[&str], bool)] = &[
         &[
             "mock",
             "shutdown",
-            "telemetry",
             "http",
             "terminal",
             "throttle",

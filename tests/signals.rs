@@ -4,47 +4,14 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::binaries::{Program, binary};
+use common::binaries::{Program, binary, listening};
 use common::throwaway::free_port;
 use common::{TestEnv, config, config_text};
-
-/// Whether `/readyz` on `port` answers 200.
-fn ready(port: u16) -> bool {
-    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-    if stream
-        .write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .is_err()
-    {
-        return false;
-    }
-    let mut answer = String::new();
-    let _ = stream.read_to_string(&mut answer);
-    answer.starts_with("HTTP/1.1 200")
-}
-
-/// Waits until the program's `/readyz` on `port` answers 200 (it is up, its
-/// signal handler too), or panics after 60 s.
-fn listening(port: u16, child: &mut Child) {
-    let began = Instant::now();
-    while !ready(port) {
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!("the program exited before it listened: {status}");
-        }
-        assert!(
-            began.elapsed() < Duration::from_secs(60),
-            "/readyz on {port} is not ready after 60 s"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 /// Starts `command` with stdout and stderr one pipe, waits until it is ready
 /// (`/readyz` on `port`), closes the pipe's reading end (after reading what was

@@ -37,6 +37,7 @@ use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use onejob_core::broker::{self, BrokerError, Publisher};
 pub use onejob_core::intent::{Intent, Outcome, Receipt};
+pub use onejob_core::trace::TraceContext;
 use tokio::sync::oneshot;
 
 /// The pseudo-queue of RabbitMQ's direct reply-to.
@@ -136,9 +137,27 @@ impl Producer {
         self.submit_raw(&body).await
     }
 
+    /// Publishes an intent in the caller's trace and waits for its receipt: the
+    /// message carries `trace` as its `traceparent` and `tracestate` headers,
+    /// and onejob's spans for the job continue that trace. (Without one, the
+    /// worker starts a trace for the job.)
+    pub async fn submit_in_trace(&self, intent: &Intent, trace: &TraceContext) -> Result<Receipt> {
+        let body = serde_json::to_vec(intent).unwrap_or_default();
+        self.submit_raw_in_trace(&body, Some(trace)).await
+    }
+
     /// Publishes any body as an intent and waits for its receipt: for tools and
     /// tests that need to send what [`Intent`] cannot express.
     pub async fn submit_raw(&self, body: &[u8]) -> Result<Receipt> {
+        self.submit_raw_in_trace(body, None).await
+    }
+
+    /// [`Producer::submit_raw`], in the caller's trace when there is one.
+    pub async fn submit_raw_in_trace(
+        &self,
+        body: &[u8],
+        trace: Option<&TraceContext>,
+    ) -> Result<Receipt> {
         let correlation_id = uuid::Uuid::now_v7().to_string();
         let (tx, rx) = oneshot::channel();
         if let Ok(mut p) = self.pending.lock() {
@@ -150,9 +169,14 @@ impl Producer {
             pending: &self.pending,
             correlation_id: &correlation_id,
         };
-        let props = identified()
+        let mut props = identified()
             .with_reply_to(DIRECT_REPLY_TO.into())
             .with_correlation_id(correlation_id.as_str().into());
+        if let Some(trace) = trace {
+            let mut headers = FieldTable::default();
+            trace.insert_into(&mut headers);
+            props = props.with_headers(headers);
+        }
         self.publisher
             .publish(broker::EXCHANGE, broker::INTENTS_KEY, body, props, true)
             .await?;

@@ -102,10 +102,14 @@ enum Command {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    match args.command {
-        Command::Serve { .. } => onejob::telemetry::init(),
-        _ => onejob::telemetry::init_quiet(),
-    }
+    // Spans are exported (when configured) until the end of main.
+    let _telemetry = match args.command {
+        Command::Serve { .. } => Some(onejob::telemetry::init()),
+        _ => {
+            onejob::telemetry::init_quiet();
+            None
+        }
+    };
     // The fleet's configuration: the producer's queue declarations must carry the
     // same delivery limit, and the gateway checks operations and sizes with it.
     let config = match onejob::config::Config::load(args.config.as_deref()) {

@@ -66,7 +66,7 @@ pub struct MockOptions {
     /// Whether `mock:` directives in a request's text are obeyed. Off by
     /// default: the text is a tenant's prompt.
     pub directives: bool,
-    /// How many idempotency keys and authorizations are kept (the latest),
+    /// How many idempotency keys, authorizations and trace contexts are kept (the latest),
     /// and how many stored completions and replayable keys.
     pub record_limit: usize,
     /// Keep every completion asked with `"store": true` (with its
@@ -123,6 +123,18 @@ pub struct Stats {
     idempotency_keys: Mutex<VecDeque<String>>,
     #[serde(skip)]
     authorizations: Mutex<VecDeque<String>>,
+    traces: Mutex<VecDeque<TraceSeen>>,
+}
+
+/// The W3C trace context of a request, with its idempotency key.
+#[derive(Clone, Debug, Default, serde::Serialize, PartialEq, Eq)]
+pub struct TraceSeen {
+    /// The request's `Idempotency-Key` (the attempt id), if it had one.
+    pub idempotency_key: Option<String>,
+    /// Its `traceparent` header, if it had one.
+    pub traceparent: Option<String>,
+    /// Its `tracestate` header, if it had one.
+    pub tracestate: Option<String>,
 }
 
 impl Stats {
@@ -148,6 +160,14 @@ impl Stats {
     /// The `Idempotency-Key` of each request, in arrival order.
     pub fn idempotency_keys(&self) -> Vec<String> {
         self.idempotency_keys
+            .lock()
+            .map(|k| k.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// The trace context of each request, in arrival order.
+    pub fn traces(&self) -> Vec<TraceSeen> {
+        self.traces
             .lock()
             .map(|k| k.iter().cloned().collect())
             .unwrap_or_default()
@@ -230,6 +250,7 @@ async fn stats_handler(State(state): State<AppState>) -> Json<Value> {
         "requests": state.stats.requests(),
         "work": state.stats.work(),
         "idempotency_keys": state.stats.idempotency_keys(),
+        "traces": state.stats.traces(),
     }))
 }
 
@@ -328,6 +349,22 @@ impl Stats {
         };
         keep(&self.idempotency_keys, "idempotency-key");
         keep(&self.authorizations, "authorization");
+        let text = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        if let Ok(mut traces) = self.traces.lock() {
+            traces.push_back(TraceSeen {
+                idempotency_key: text("idempotency-key"),
+                traceparent: text("traceparent"),
+                tracestate: text("tracestate"),
+            });
+            while traces.len() > limit {
+                traces.pop_front();
+            }
+        }
         n
     }
 }

@@ -21,6 +21,7 @@ use crate::intent::{Outcome, Receipt, RejectReason};
 use crate::runtime::{self, Context, Result, WorkerError, with_retries};
 use crate::shutdown::Shutdown;
 use crate::store::{Admission, NewJob};
+use crate::trace::TraceContext;
 
 /// Batches settled at once; more deliveries wait and make the next batch larger.
 const BATCHES_IN_FLIGHT: usize = 4;
@@ -62,11 +63,18 @@ async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
     crate::metrics::intake_batch(batch.len());
     let mut valid = Vec::with_capacity(batch.len());
     let mut rejected = Vec::new();
+    // Each intent's span lasts until its batch is answered.
+    let mut spans = Vec::new();
     for delivery in batch {
         match validate(ctx, &delivery.data)
             .and_then(|new_job| refused_reply_to(ctx, &delivery).map_or(Ok(new_job), Err))
         {
-            Ok(new_job) => valid.push((delivery, new_job)),
+            Ok(mut new_job) => {
+                let (span, trace) = intake_span(&delivery, &new_job);
+                new_job.trace = Some(trace);
+                spans.push(span);
+                valid.push((delivery, new_job));
+            }
             Err(reason) => rejected.push((delivery, reason)),
         }
     }
@@ -96,6 +104,27 @@ async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
         }
     }));
     crate::metrics::timed("intake_answer", answers).await;
+    drop(spans);
+}
+
+/// The intake's span for a valid intent, and the trace context its job keeps:
+/// the publisher's `traceparent` continues, and without one a trace starts
+/// here. The span is kept only when spans are exported.
+fn intake_span(delivery: &Delivery, new_job: &NewJob) -> (tracing::Span, TraceContext) {
+    let span = if crate::telemetry::exporting() {
+        tracing::info_span!(
+            "intake",
+            otel.kind = "consumer",
+            job_id = %new_job.job_id,
+            owner_id = %new_job.intent.owner_id,
+            operation = %new_job.intent.operation,
+        )
+    } else {
+        tracing::Span::none()
+    };
+    let parent = TraceContext::from_headers(delivery.properties.headers().as_ref());
+    let trace = crate::telemetry::hop(&span, parent.as_ref());
+    (span, trace)
 }
 
 /// How many fresh copies of one valid intent are made at most. A valid intent

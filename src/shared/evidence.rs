@@ -144,7 +144,7 @@ impl Looker<'_> {
             Ok(rendered) => {
                 let job = Some(unknown.job_id);
                 client
-                    .complete(unknown.attempt_id, job, operation, &rendered)
+                    .complete(unknown.attempt_id, job, None, operation, &rendered)
                     .await
             }
             Err(e) => Err(CallError::Refused(e.to_string())),

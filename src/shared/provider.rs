@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use crate::config::{EvidenceKind, Operation, Provider, Rendered};
 use crate::domain::{AttemptId, JobId};
 use crate::store::{Finished, Verdict};
+use crate::trace::TraceContext;
 
 /// An answer from the provider.
 #[derive(Clone, Debug, PartialEq)]
@@ -105,10 +106,13 @@ impl Client {
     /// honours it never does the same attempt twice. A provider whose evidence
     /// is `stored` is asked to store the call, with the attempt (and its job,
     /// when it has one) as metadata, so that an unknown call can be found.
+    /// A call made for a job carries the job's trace context (`traceparent`,
+    /// `tracestate`), naming the attempt's span as the parent.
     pub(crate) async fn complete(
         &self,
         attempt: AttemptId,
         job: Option<JobId>,
+        trace: Option<&TraceContext>,
         operation: &Operation,
         rendered: &Rendered,
     ) -> Result<Answer, CallError> {
@@ -129,7 +133,7 @@ impl Client {
             body["store"] = json!(true);
             body["metadata"] = evidence_metadata(attempt, job);
         }
-        let request = self
+        let mut request = self
             .http
             .post(url)
             .header(
@@ -137,6 +141,12 @@ impl Client {
                 attempt.to_string(),
             )
             .json(&body);
+        if let Some(trace) = trace {
+            request = request.header(crate::trace::TRACEPARENT, trace.traceparent());
+            if let Some(state) = &trace.state {
+                request = request.header(crate::trace::TRACESTATE, state);
+            }
+        }
         let mut response = self.authorized(request)?.send().await.map_err(classify)?;
         let status = response.status();
         let retry_after = response

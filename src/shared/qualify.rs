@@ -190,7 +190,7 @@ async fn run_case(
     }
     let started = Instant::now();
     let answer = client
-        .complete(AttemptId::new(), None, operation, &rendered)
+        .complete(AttemptId::new(), None, None, operation, &rendered)
         .await;
     let elapsed = started.elapsed();
     result.latency_ms = Some(u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX));
@@ -350,7 +350,10 @@ async fn check_claim(
         Err(e) => return Some((false, e.to_string())),
     };
     let attempt = AttemptId::new();
-    let first = match client.complete(attempt, None, operation, &rendered).await {
+    let first = match client
+        .complete(attempt, None, None, operation, &rendered)
+        .await
+    {
         Ok(a) => a,
         Err(e) => return Some((false, format!("the test call failed: {e}"))),
     };
@@ -381,7 +384,10 @@ async fn check_claim(
             }
         }
         EvidenceKind::IdempotencyKey => {
-            match client.complete(attempt, None, operation, &rendered).await {
+            match client
+                .complete(attempt, None, None, operation, &rendered)
+                .await
+            {
                 Ok(again)
                     if again.request_id == first.request_id && again.content == first.content =>
                 {

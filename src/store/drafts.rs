@@ -16,6 +16,8 @@ pub struct OutboxDraft {
     pub body: Value,
     /// Not published before this time; `None` publishes at once, by the writer.
     pub not_before: Option<DateTime<Utc>>,
+    /// The job it is about: the row takes the job's trace context.
+    pub job_id: JobId,
 }
 
 /// An outbox row this process holds the lease on and should publish now.
@@ -31,6 +33,17 @@ pub struct OutboxMessage {
     pub message_id: String,
     /// The JSON body.
     pub body: Value,
+    /// The job's W3C `traceparent`, for the message's headers.
+    pub traceparent: Option<String>,
+    /// The job's W3C `tracestate`.
+    pub tracestate: Option<String>,
+}
+
+impl OutboxMessage {
+    /// The trace context the message carries in its headers: the job's.
+    pub fn trace(&self) -> Option<crate::trace::TraceContext> {
+        crate::trace::TraceContext::parse(self.traceparent.as_deref()?, self.tracestate.as_deref())
+    }
 }
 
 /// The event published when a job reaches a terminal state.
@@ -80,6 +93,7 @@ impl Routes {
             message_id: attempt.to_string(),
             body: serde_json::json!({ "attempt_id": attempt, "job_id": job }),
             not_before,
+            job_id: job,
         }
     }
 
@@ -90,6 +104,7 @@ impl Routes {
             message_id: event.event_id.clone(),
             body: serde_json::to_value(event).unwrap_or(Value::Null),
             not_before: None,
+            job_id: event.job_id,
         }
     }
 }

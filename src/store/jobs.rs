@@ -72,8 +72,8 @@ impl Store {
         if !unseen.is_empty() {
             let by_attempt: HashMap<String, OutboxMessage> = sqlx::query_as!(
                 OutboxMessage,
-                "SELECT id, exchange, routing_key, message_id, body FROM outbox
-                 WHERE message_id = ANY($1)",
+                "SELECT id, exchange, routing_key, message_id, body, traceparent, tracestate
+                 FROM outbox WHERE message_id = ANY($1)",
                 &unseen,
             )
             .fetch_all(&self.pool)
@@ -301,17 +301,30 @@ async fn insert_new(tx: &mut PgConnection, sorted: &[&NewJob]) -> Result<Vec<Cre
     let pinned: Vec<Option<String>> = sorted.iter().map(|n| n.intent.provider.clone()).collect();
     let attempt_ids: Vec<Uuid> = sorted.iter().map(|n| n.attempt_id.0).collect();
     let providers: Vec<String> = sorted.iter().map(|n| n.provider.clone()).collect();
+    let traces: Vec<Option<&crate::trace::TraceContext>> =
+        sorted.iter().map(|n| n.trace.as_ref()).collect();
+    let traceparents: Vec<Option<String>> = traces
+        .iter()
+        .map(|t| t.map(crate::trace::TraceContext::traceparent))
+        .collect();
+    let tracestates: Vec<Option<String>> = traces
+        .iter()
+        .map(|t| t.and_then(|t| t.state.clone()))
+        .collect();
     Ok(sqlx::query_as!(
         CreatedAttempt,
         r#"WITH input AS (
              SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
-                                  $6::jsonb[], $7::text[], $8::uuid[], $9::text[])
+                                  $6::jsonb[], $7::text[], $8::uuid[], $9::text[],
+                                  $10::text[], $11::text[])
                  WITH ORDINALITY
                  AS t(job_id, owner_id, idempotency_key, fingerprint, operation, input, pinned,
-                      attempt_id, provider, position)
+                      attempt_id, provider, traceparent, tracestate, position)
          ), new_jobs AS (
-             INSERT INTO jobs (id, owner_id, idempotency_key, request_fingerprint, operation, input, provider)
-             SELECT job_id, owner_id, idempotency_key, fingerprint, operation, input, pinned
+             INSERT INTO jobs (id, owner_id, idempotency_key, request_fingerprint, operation, input,
+                               provider, traceparent, tracestate)
+             SELECT job_id, owner_id, idempotency_key, fingerprint, operation, input, pinned,
+                    traceparent, tracestate
              FROM input ORDER BY position
              ON CONFLICT (owner_id, idempotency_key) DO NOTHING
              RETURNING id
@@ -328,6 +341,8 @@ async fn insert_new(tx: &mut PgConnection, sorted: &[&NewJob]) -> Result<Vec<Cre
         &pinned as &[Option<String>],
         &attempt_ids,
         &providers,
+        &traceparents as &[Option<String>],
+        &tracestates as &[Option<String>],
     )
     .fetch_all(&mut *tx)
     .await?)
@@ -426,12 +441,15 @@ mod tests {
             fingerprint: intent.fingerprint(),
             intent,
             provider: "primary".into(),
+            trace: None,
         }
     }
 
     fn message(id: i64) -> OutboxMessage {
         OutboxMessage {
             id,
+            traceparent: None,
+            tracestate: None,
             exchange: "onejob".into(),
             routing_key: "attempts.primary".into(),
             message_id: id.to_string(),

@@ -82,6 +82,8 @@ pub struct NewJob {
     pub fingerprint: Fingerprint,
     /// The first attempt's provider.
     pub provider: String,
+    /// The intake's span for it: the trace the job's messages carry.
+    pub trace: Option<crate::trace::TraceContext>,
 }
 
 /// What became of one intent.

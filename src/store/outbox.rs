@@ -16,12 +16,15 @@ impl Store {
         let c = OutboxColumns::of(drafts);
         let rows = sqlx::query_as!(
             InsertedRow,
-            r#"INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, lease_until)
+            r#"INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, lease_until,
+                                   traceparent, tracestate)
                SELECT d.exchange, d.routing_key, d.message_id, d.body, COALESCE(d.not_before, now()),
-                      CASE WHEN d.not_before IS NULL THEN now() + make_interval(secs => $6) END
-               FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[])
-                    AS d(exchange, routing_key, message_id, body, not_before)
-               RETURNING id, exchange, routing_key, message_id, body,
+                      CASE WHEN d.not_before IS NULL THEN now() + make_interval(secs => $6) END,
+                      j.traceparent, j.tracestate
+               FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[], $7::uuid[])
+                    AS d(exchange, routing_key, message_id, body, not_before, job_id)
+               LEFT JOIN jobs j ON j.id = d.job_id
+               RETURNING id, exchange, routing_key, message_id, body, traceparent, tracestate,
                          lease_until IS NOT NULL AS "leased!""#,
             &c.exchanges,
             &c.routing_keys,
@@ -29,6 +32,7 @@ impl Store {
             &c.bodies,
             &c.not_before as &[Option<DateTime<Utc>>],
             self.routes.lease.as_secs_f64(),
+            &c.job_ids,
         )
         .fetch_all(&mut *conn)
         .await?;
@@ -70,12 +74,15 @@ impl Store {
                    WHERE a.job_id = w.job_id AND (a.status IN ('unknown', 'queued')) IS TRUE
                    RETURNING a.id
                )
-               INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, lease_until)
+               INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, lease_until,
+                                   traceparent, tracestate)
                SELECT d.exchange, d.routing_key, d.message_id, d.body, COALESCE(d.not_before, now()),
-                      CASE WHEN d.not_before IS NULL THEN now() + make_interval(secs => $6) END
-               FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[])
-                    AS d(exchange, routing_key, message_id, body, not_before)
-               RETURNING id, exchange, routing_key, message_id, body,
+                      CASE WHEN d.not_before IS NULL THEN now() + make_interval(secs => $6) END,
+                      j.traceparent, j.tracestate
+               FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[], $9::uuid[])
+                    AS d(exchange, routing_key, message_id, body, not_before, job_id)
+               LEFT JOIN jobs j ON j.id = d.job_id
+               RETURNING id, exchange, routing_key, message_id, body, traceparent, tracestate,
                          lease_until IS NOT NULL AS "leased!""#,
             &c.exchanges,
             &c.routing_keys,
@@ -85,6 +92,7 @@ impl Store {
             self.routes.lease.as_secs_f64(),
             &won_jobs,
             &winners,
+            &c.job_ids,
         )
         .fetch_all(&mut *conn)
         .await?;
@@ -104,7 +112,7 @@ impl Store {
                  ORDER BY id
                  LIMIT $1
                  FOR UPDATE SKIP LOCKED)
-             RETURNING id, exchange, routing_key, message_id, body",
+             RETURNING id, exchange, routing_key, message_id, body, traceparent, tracestate",
             limit,
             self.routes.lease.as_secs_f64(),
         )
@@ -155,6 +163,7 @@ struct OutboxColumns {
     message_ids: Vec<String>,
     bodies: Vec<Value>,
     not_before: Vec<Option<DateTime<Utc>>>,
+    job_ids: Vec<Uuid>,
 }
 
 impl OutboxColumns {
@@ -165,6 +174,7 @@ impl OutboxColumns {
             message_ids: drafts.iter().map(|d| d.message_id.clone()).collect(),
             bodies: drafts.iter().map(|d| d.body.clone()).collect(),
             not_before: drafts.iter().map(|d| d.not_before).collect(),
+            job_ids: drafts.iter().map(|d| d.job_id.0).collect(),
         }
     }
 }
@@ -176,6 +186,8 @@ struct InsertedRow {
     routing_key: String,
     message_id: String,
     body: Value,
+    traceparent: Option<String>,
+    tracestate: Option<String>,
     leased: bool,
 }
 
@@ -190,6 +202,8 @@ fn leased(rows: Vec<InsertedRow>) -> Vec<OutboxMessage> {
             routing_key: r.routing_key,
             message_id: r.message_id,
             body: r.body,
+            traceparent: r.traceparent,
+            tracestate: r.tracestate,
         })
         .collect()
 }

@@ -31,6 +31,7 @@ pub fn new_job(owner: &str, key: &str, text: &str) -> onejob::store::NewJob {
         fingerprint: intent.fingerprint(),
         intent,
         provider: "primary".into(),
+        trace: None,
     }
 }
 

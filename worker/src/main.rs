@@ -67,7 +67,7 @@ fn roles(args: &Args) -> Result<Vec<Role>, String> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    onejob::telemetry::init();
+    let _telemetry = onejob::telemetry::init();
     let args = Args::parse();
     let roles = match roles(&args) {
         Ok(r) => r,

@@ -9,6 +9,8 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::Response;
 use onejob::intent::{Intent, RejectReason};
+use onejob::trace::TraceContext;
+use tracing::Instrument;
 
 use super::Gateway;
 use super::answers::{answer, overloaded, problem, refused, rejected, unavailable};
@@ -118,7 +120,12 @@ pub(super) async fn create_job(State(gateway): State<Arc<Gateway>>, request: Req
             limit,
         });
     }
-    match gateway.producer.submit_raw(&message).await {
+    let (span, trace) = gateway_span(&parts.headers, &intent);
+    let submitted = gateway
+        .producer
+        .submit_raw_in_trace(&message, Some(&trace))
+        .instrument(span);
+    match submitted.await {
         Ok(receipt) => {
             tracing::debug!(owner = %intent.owner_id, outcome = ?receipt.outcome, "intent answered");
             answer(receipt, &intent.idempotency_key)
@@ -137,4 +144,25 @@ pub(super) async fn create_job(State(gateway): State<Arc<Gateway>>, request: Req
             )
         }
     }
+}
+
+/// The gateway's span for a request, and the trace context its intent carries:
+/// the caller's `traceparent` continues, and without a valid one a trace
+/// starts here. The span is kept only when spans are exported.
+fn gateway_span(headers: &HeaderMap, intent: &Intent) -> (tracing::Span, TraceContext) {
+    let span = if onejob::telemetry::exporting() {
+        tracing::info_span!(
+            "create job",
+            otel.kind = "server",
+            owner_id = %intent.owner_id,
+            operation = %intent.operation,
+        )
+    } else {
+        tracing::Span::none()
+    };
+    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let parent = text(onejob::trace::TRACEPARENT)
+        .and_then(|p| TraceContext::parse(p, text(onejob::trace::TRACESTATE)));
+    let trace = onejob::telemetry::hop(&span, parent.as_ref());
+    (span, trace)
 }

@@ -4,9 +4,16 @@
 use crate::config::Config;
 use crate::provider::{CallError, Client, verdict};
 use crate::store::{Finished, Started, Verdict};
+use crate::trace::TraceContext;
 
-/// Calls the provider for a started attempt and judges the answer.
-pub(crate) async fn call(config: &Config, client: &Client, started: &Started) -> Finished {
+/// Calls the provider for a started attempt, in the attempt's trace, and
+/// judges the answer.
+pub(crate) async fn call(
+    config: &Config,
+    client: &Client,
+    started: &Started,
+    trace: &TraceContext,
+) -> Finished {
     let mut finished = Finished {
         attempt_id: started.attempt_id,
         job_id: started.job_id,
@@ -45,6 +52,7 @@ pub(crate) async fn call(config: &Config, client: &Client, started: &Started) ->
         .complete(
             started.attempt_id,
             Some(started.job_id),
+            Some(trace),
             operation,
             &rendered,
         )

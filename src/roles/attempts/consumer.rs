@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use lapin::message::Delivery;
 use tokio::sync::Semaphore;
+use tracing::Instrument;
 
 use super::call::call;
 use super::claim::{ClaimAnswer, Claimed};
@@ -15,6 +16,7 @@ use crate::provider::Client;
 use crate::runtime::{self, Context, GroupCommit, Result, WorkerError, with_retries};
 use crate::shutdown::Shutdown;
 use crate::store::{Finished, Started};
+use crate::trace::TraceContext;
 
 /// The longest pause between two tries of a claim or settlement whose rows
 /// are held: the wait grows from [`HELD_PAUSE_MIN`] to this.
@@ -71,9 +73,24 @@ impl Consumer {
             drop(slot);
             return self.not_started(delivery, &message).await;
         };
+        // The attempt's span (kept only when spans are exported): a child of
+        // the job's, as its message names it.
+        let span = if crate::telemetry::exporting() {
+            tracing::info_span!(
+                "attempt",
+                otel.kind = "client",
+                attempt_id = %started.attempt_id,
+                job_id = %started.job_id,
+                provider = %self.client.provider().name,
+            )
+        } else {
+            tracing::Span::none()
+        };
+        let parent = TraceContext::from_headers(delivery.properties.headers().as_ref());
+        let trace = crate::telemetry::hop(&span, parent.as_ref());
         let finished = crate::metrics::timed(
             "attempt_call",
-            call(&self.ctx.config, &self.client, &started),
+            call(&self.ctx.config, &self.client, &started, &trace).instrument(span),
         )
         .await;
         drop(slot);

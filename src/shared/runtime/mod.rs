@@ -229,6 +229,7 @@ pub fn new_job(config: &Config, body: &[u8]) -> std::result::Result<NewJob, Reje
         fingerprint: intent.fingerprint(),
         intent,
         provider,
+        trace: None,
     })
 }
 

@@ -59,7 +59,13 @@ pub(super) async fn publish_rows(
 ) -> (Vec<i64>, Option<BrokerError>) {
     let results = join_all(messages.iter().map(|m| async move {
         let body = serde_json::to_vec(&m.body).unwrap_or_default();
-        let props = broker::json_properties().with_message_id(broker::short(&m.message_id)?);
+        let mut props = broker::json_properties().with_message_id(broker::short(&m.message_id)?);
+        // The job's trace context, so its consumers continue the job's trace.
+        if let Some(trace) = m.trace() {
+            let mut headers = FieldTable::default();
+            trace.insert_into(&mut headers);
+            props = props.with_headers(headers);
+        }
         // Attempt messages must reach a queue; events may have no subscriber yet.
         let mandatory = m.exchange == broker::EXCHANGE;
         publisher
