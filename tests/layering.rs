@@ -96,13 +96,7 @@ const LAYERS: &[(&str, &[&str], bool)] = &[
     ),
     (
         "apart",
-        &[
-            "mock",
-            "shutdown",
-            "http",
-            "terminal",
-            "throttle",
-        ],
+        &["mock", "shutdown", "http", "terminal", "throttle"],
         false,
     ),
 ];
