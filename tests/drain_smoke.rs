@@ -41,10 +41,23 @@ async fn the_drain_benchmark_runs_and_reports_every_measure() {
         ("commit p99", report.commit.p99_ms),
         ("call p99", report.call.p99_ms),
         ("latency p99", report.latency.p99_ms),
+        ("light latency p99", report.latency_light.p99_ms),
+        ("peer drain", report.peer.drain_jobs_per_s),
+        ("peer cpu per job", report.peer.cpu_ms_per_job),
+        ("peer peak rss", report.peer.peak_rss_mib),
+        ("peer commits per job", report.peer.commits_per_job),
     ] {
         assert!(v.is_finite() && v > 0.0, "{what}: {v}");
     }
     assert!(report.commits > 0);
+    // The peer was measured at the same two loads, every job of each.
+    let loads: Vec<f64> = report.peer.latency.iter().map(|(rate, _)| *rate).collect();
+    assert_eq!(loads, [report.light_rate_per_s, report.latency_rate_per_s]);
+    for (rate, latency) in &report.peer.latency {
+        let expected = ((rate * options.latency_seconds as f64) as usize).max(1);
+        assert_eq!(latency.samples, expected, "peer latency at {rate}");
+        assert!(latency.p99_ms.is_finite() && latency.p99_ms > 0.0);
+    }
     let md = std::fs::read_to_string(out.join("drain.md")).expect("drain.md");
     for row in [
         "drain / B_pg1",
@@ -52,6 +65,8 @@ async fn the_drain_benchmark_runs_and_reports_every_measure() {
         "p99 at 50% load",
         "peak RSS",
         "duplicates",
+        "graphile-worker's drain",
+        "graphile-worker's due → result",
     ] {
         assert!(md.contains(row), "drain.md lacks {row:?}:\n{md}");
     }

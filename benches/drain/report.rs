@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::WorkerStage;
+use super::peer::PeerFigures;
 use crate::common::TestEnv;
 
 /// Latency percentiles, in milliseconds.
@@ -74,11 +75,16 @@ pub struct Report {
     pub latency_load: f64,
     pub latency_rate_per_s: f64,
     pub latency: Percentiles,
+    /// The latency at a light load, as the peer's is measured too.
+    pub light_rate_per_s: f64,
+    pub latency_light: Percentiles,
     /// The latency by stage, from the database's timestamps.
     pub stages: Vec<(String, Percentiles)>,
     /// The latency phase's stages as the worker timed them.
     pub worker_stages: Vec<WorkerStage>,
     pub p99_over_parts: f64,
+    /// graphile-worker, in the same run.
+    pub peer: PeerFigures,
 }
 
 /// A target and whether this run met it.
@@ -116,6 +122,14 @@ impl Report {
                 met: self.p99_over_parts <= 4.0 && self.latency_load >= 0.5,
             },
             Target {
+                measure: "drain / graphile-worker's drain, same run".into(),
+                value: format!("{:.2}", self.over_peer()),
+                target: "≥ 1.5",
+                met: self.over_peer() >= 1.5,
+            },
+            self.against_peer(0, &self.latency_light),
+            self.against_peer(1, &self.latency),
+            Target {
                 measure: "worker peak RSS while draining".into(),
                 value: format!("{:.1} MiB (N = {})", self.worker_peak_rss_mib, self.n),
                 target: "≤ 100 MiB at N = 100000",
@@ -131,6 +145,47 @@ impl Report {
                 met: self.provider_calls == self.n as u64 && self.attempt_rows == self.n as i64,
             },
         ]
+    }
+
+    fn over_peer(&self) -> f64 {
+        self.drain_jobs_per_s / self.peer.drain_jobs_per_s
+    }
+
+    /// onejob's p50 and p99 (due → event) over the peer's (due → result) at
+    /// the `i`th load both were measured at.
+    fn against_peer(&self, i: usize, onejob: &Percentiles) -> Target {
+        let (rate, peer) = self.peer.latency[i].clone();
+        let (p50, p99) = (onejob.p50_ms / peer.p50_ms, onejob.p99_ms / peer.p99_ms);
+        Target {
+            measure: format!(
+                "at {rate:.0} jobs/s, p50 and p99 due → event / graphile-worker's due → result"
+            ),
+            value: format!("{p50:.2} and {p99:.2}"),
+            target: "≤ 1.0 both",
+            met: p50 <= 1.0 && p99 <= 1.0,
+        }
+    }
+
+    /// The peer's figures, as rows of the figures table.
+    fn peer_rows(&self) -> String {
+        let ms = |p: &Percentiles| format!("{:.2} / {:.2} / {:.2}", p.p50_ms, p.p99_ms, p.p999_ms);
+        let p = &self.peer;
+        let mut rows = format!(
+            "| graphile-worker drain: worker start → every result | {:.0} jobs/s ({:.1} s) |\n\
+             | graphile-worker CPU (node) / peak RSS / commits | {:.3} ms per job / {:.1} MiB / {:.3} per job |\n",
+            p.drain_jobs_per_s,
+            p.drain_seconds,
+            p.cpu_ms_per_job,
+            p.peak_rss_mib,
+            p.commits_per_job
+        );
+        for (rate, latency) in &p.latency {
+            rows.push_str(&format!(
+                "| graphile-worker latency at {rate:.0} jobs/s, due → result, p50 / p99 / p99.9 | {} ms |\n",
+                ms(latency)
+            ));
+        }
+        rows
     }
 
     /// The report as a markdown table, targets first.
@@ -159,7 +214,8 @@ impl Report {
              | worker CPU | {:.3} ms per job |\n\
              | worker peak RSS | {:.1} MiB |\n\
              | mean batch: intake / claim / settle | {:.1} / {:.1} / {:.1} |\n\
-             | latency at {:.0} intents/s, publish due → succeeded, p50 / p99 / p99.9 | {} ms ({} jobs) |\n\
+             | latency at {:.0} intents/s, publish due → event, p50 / p99 / p99.9 | {} ms ({} jobs) |\n\
+             | latency at {:.0} intents/s, publish due → event, p50 / p99 / p99.9 | {} ms ({} jobs) |\n\
              | broker hop (publish, confirm, delivery) p50 / p99 / p99.9 | {} ms |\n\
              | commit (one-row INSERT) p50 / p99 / p99.9 | {} ms |\n\
              | provider call (mock, HTTP) p50 / p99 / p99.9 | {} ms |\n\
@@ -174,6 +230,9 @@ impl Report {
             self.intake_batch_mean,
             self.claim_batch_mean,
             self.settle_batch_mean,
+            self.light_rate_per_s,
+            ms(&self.latency_light),
+            self.latency_light.samples,
             self.latency_rate_per_s,
             ms(&self.latency),
             self.latency.samples,
@@ -182,6 +241,7 @@ impl Report {
             ms(&self.call),
             self.parts_p99_sum_ms,
         ));
+        md.push_str(&self.peer_rows());
         for (stage, p) in &self.stages {
             md.push_str(&format!(
                 "| latency stage: {stage}, p50 / p99 / p99.9 | {} ms |\n",

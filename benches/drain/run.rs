@@ -16,19 +16,24 @@
 //!    arrived. Commits come from `pg_stat_database` (every transaction of the
 //!    run's database, the worker's reads included), CPU and peak RSS from the
 //!    worker's `/proc` entry, provider calls from the mock.
-//! 4. **Latency**: a fresh worker; an open-loop generator publishes at half the
-//!    drain rate on a fixed schedule, and each job's latency runs from the time
-//!    its intent was *due* to be published to the arrival of its event, so that a
-//!    generator held up by a stall still counts the wait (no coordinated
-//!    omission).
+//! 4. **Latency**: a fresh worker; an open-loop generator publishes at 100
+//!    intents/s, then at half the drain rate, on a fixed schedule, and each
+//!    job's latency runs from the time its intent was *due* to be published to
+//!    the arrival of its event, so that a generator held up by a stall still
+//!    counts the wait (no coordinated omission).
+//! 5. **The peer**: graphile-worker, tuned as its authors advise, drains the
+//!    same number of jobs making the same instant call, then takes the same two
+//!    open-loop loads; its latency runs from due time to its result's commit.
 //!
 //! The steps live beside this file: `parts`, `pgbench`, `load` (the backlog,
 //! the generator and the events), `worker` (the process and its metrics),
-//! `database` (what the run's database counted) and `report`.
+//! `database` (what the run's database counted), `peer` (graphile-worker, with
+//! its script in `peer/`) and `report`.
 
 mod database;
 mod load;
 mod parts;
+mod peer;
 mod pgbench;
 mod progress;
 mod report;
@@ -113,11 +118,7 @@ pub async fn drain(options: &Options) -> Report {
     let machine = machine(&env).await;
     say(&format!("on {machine}"));
 
-    say("measuring the parts: broker hop, commit, provider call");
-    let hop = hop_latency(&env, options.part_samples).await;
-    let commit = commit_latency(&env, options.part_samples).await;
-    let call = call_latency(&provider.base_url(), options.part_samples).await;
-
+    let (hop, commit, call) = parts(&env, &provider, options).await;
     say(&format!(
         "B_pg1: pgbench, onejob's per-job SQL, {} s",
         options.pgbench_seconds
@@ -136,11 +137,15 @@ pub async fn drain(options: &Options) -> Report {
     let drain_jobs_per_s = options.n as f64 / drained.seconds;
 
     let rate = (drain_jobs_per_s * options.latency_load).max(1.0);
-    let (latency, worker_stages, stages) =
-        latency_phase(&env, &file.path, &producer, &mut events, rate, options).await;
+    let loads = [LIGHT_LOAD.min(rate), rate];
+    let (latency_at, worker_stages, stages) =
+        latency_phase(&env, &file.path, &producer, &mut events, &loads, options).await;
     if let Ok(producer) = Arc::try_unwrap(producer) {
         producer.close().await;
     }
+    say("the peer: graphile-worker, the same calls, in this run");
+    let peer = peer::graphile(&env, &provider.base_url(), options, &loads).await;
+    let [light, latency] = latency_at;
 
     let parts_p99_sum_ms = 2.0 * hop.p99_ms + 2.0 * commit.p99_ms + call.p99_ms;
     Report {
@@ -173,9 +178,29 @@ pub async fn drain(options: &Options) -> Report {
         latency_load: options.latency_load,
         latency_rate_per_s: rate,
         latency,
+        light_rate_per_s: loads[0],
+        latency_light: light,
         stages,
         worker_stages,
+        peer,
     }
+}
+
+/// The light load both latencies are measured at besides half the drain
+/// rate, in jobs per second.
+const LIGHT_LOAD: f64 = 100.0;
+
+/// The parts' latencies, each alone: a broker hop, a commit, a provider call.
+async fn parts(
+    env: &TestEnv,
+    provider: &MockHandle,
+    options: &Options,
+) -> (Percentiles, Percentiles, Percentiles) {
+    say("measuring the parts: broker hop, commit, provider call");
+    let hop = hop_latency(env, options.part_samples).await;
+    let commit = commit_latency(env, options.part_samples).await;
+    let call = call_latency(&provider.base_url(), options.part_samples).await;
+    (hop, commit, call)
 }
 
 /// What the drain measured.
@@ -270,34 +295,46 @@ async fn drain_backlog(
     }
 }
 
-/// The latency phase: a fresh worker, and intents published at `rate` on a
-/// fixed schedule. Each job's latency, the stages as the worker timed them,
-/// and the stages from the database's timestamps.
+/// The latency phase: a fresh worker, and intents published on a fixed
+/// schedule at each of `loads` in turn. Each load's latencies, the stages as
+/// the worker timed them, and the stages from the database's timestamps (of
+/// the last load, which the target is set at).
 async fn latency_phase(
     env: &TestEnv,
     config: &Path,
     producer: &Arc<Producer>,
     events: &mut Events,
-    rate: f64,
+    loads: &[f64; 2],
     options: &Options,
-) -> (Percentiles, Vec<WorkerStage>, Vec<(String, Percentiles)>) {
-    say(&format!(
-        "latency: {rate:.0} intents/s for {} s, open loop",
-        options.latency_seconds
-    ));
+) -> (
+    [Percentiles; 2],
+    Vec<WorkerStage>,
+    Vec<(String, Percentiles)>,
+) {
     let log = options.out.join("worker-latency.log");
     let mut worker = Worker::start(env, config, &log, Some(free_port()));
     worker.wait_ready().await;
-    let (latency, timings) = open_loop(
-        producer.clone(),
-        events,
-        rate,
-        options.latency_seconds,
-        "l-",
-    )
-    .await;
+    let mut measured = Vec::new();
+    let mut timings = Vec::new();
+    for (rate, prefix) in loads.iter().zip(["c-", "l-"]) {
+        say(&format!(
+            "latency: {rate:.0} intents/s for {} s, open loop",
+            options.latency_seconds
+        ));
+        let (latency, t) = open_loop(
+            producer.clone(),
+            events,
+            *rate,
+            options.latency_seconds,
+            prefix,
+        )
+        .await;
+        measured.push(latency);
+        timings = t;
+    }
     let worker_stages = worker.metrics().await.stages();
     worker.stop().await;
     let stages = stages(env, &timings).await;
-    (latency, worker_stages, stages)
+    let [light, half]: [Percentiles; 2] = measured.try_into().expect("two loads");
+    ([light, half], worker_stages, stages)
 }

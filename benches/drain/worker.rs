@@ -124,6 +124,35 @@ pub(super) struct Usage {
     pub(super) peak_rss_kib: u64,
 }
 
+impl Usage {
+    /// What process `pid` has used so far: its CPU time and peak RSS.
+    pub(super) fn of(pid: u32) -> Usage {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("process stat");
+        // The fields after the command name's closing parenthesis: state is the
+        // first, utime and stime the 12th and 13th.
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .map_or("", |(_, rest)| rest)
+            .split_whitespace()
+            .collect();
+        let ticks: f64 = fields
+            .get(11..13)
+            .map(|f| f.iter().filter_map(|v| v.parse::<f64>().ok()).sum())
+            .unwrap_or(0.0);
+        let status =
+            std::fs::read_to_string(format!("/proc/{pid}/status")).expect("process status");
+        let peak_rss_kib = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches(" kB").parse().ok())
+            .unwrap_or(0);
+        Usage {
+            cpu_seconds: ticks / clock_ticks(),
+            peak_rss_kib,
+        }
+    }
+}
+
 /// A worker process with every role.
 pub struct Worker {
     child: Child,
@@ -186,29 +215,7 @@ impl Worker {
     }
 
     pub(super) fn usage(&self) -> Usage {
-        let pid = self.child.id();
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("worker stat");
-        // The fields after the command name's closing parenthesis: state is the
-        // first, utime and stime the 12th and 13th.
-        let fields: Vec<&str> = stat
-            .rsplit_once(')')
-            .map_or("", |(_, rest)| rest)
-            .split_whitespace()
-            .collect();
-        let ticks: f64 = fields
-            .get(11..13)
-            .map(|f| f.iter().filter_map(|v| v.parse::<f64>().ok()).sum())
-            .unwrap_or(0.0);
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("worker status");
-        let peak_rss_kib = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmHWM:"))
-            .and_then(|v| v.trim().trim_end_matches(" kB").parse().ok())
-            .unwrap_or(0);
-        Usage {
-            cpu_seconds: ticks / clock_ticks(),
-            peak_rss_kib,
-        }
+        Usage::of(self.child.id())
     }
 
     /// SIGTERM, and waits for the exit (SIGKILL after a minute).
