@@ -46,10 +46,18 @@ async fn the_drain_benchmark_runs_and_reports_every_measure() {
         ("peer cpu per job", report.peer.cpu_ms_per_job),
         ("peer peak rss", report.peer.peak_rss_mib),
         ("peer commits per job", report.peer.commits_per_job),
+        ("row writes per job", report.row_writes_per_job),
+        ("broker ceiling", report.broker_ceiling_jobs_per_s),
     ] {
         assert!(v.is_finite() && v > 0.0, "{what}: {v}");
     }
     assert!(report.commits > 0);
+    // Three loads, the worker's CPU measured at each.
+    assert_eq!(report.phases.len(), 3);
+    for phase in &report.phases {
+        assert!(phase.worker_cpu_ms_per_job > 0.0, "{phase:?}");
+        assert!(phase.latency.samples > 0, "{phase:?}");
+    }
     // The peer was measured at the same two loads, every job of each.
     let loads: Vec<f64> = report.peer.latency.iter().map(|(rate, _)| *rate).collect();
     assert_eq!(loads, [report.light_rate_per_s, report.latency_rate_per_s]);
@@ -66,6 +74,9 @@ async fn the_drain_benchmark_runs_and_reports_every_measure() {
         "peak RSS",
         "duplicates",
         "graphile-worker's drain",
+        "the broker's ceiling",
+        "at 25% load",
+        "row writes",
         "graphile-worker's due → result",
     ] {
         assert!(md.contains(row), "drain.md lacks {row:?}:\n{md}");

@@ -7,10 +7,28 @@ use sqlx::{Connection, PgConnection};
 
 use crate::common::{TestEnv, pg_base};
 
-/// The database's committed transactions, once every backend that had it open
-/// has gone (a backend reports its counts when it exits, or up to ten seconds
-/// after it goes idle).
-pub(super) async fn settled_commits(database: &str) -> i64 {
+/// What a database counted: committed transactions, and rows written
+/// (inserted, updated or deleted).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Counted {
+    pub(super) commits: i64,
+    pub(super) row_writes: i64,
+}
+
+impl std::ops::Sub for Counted {
+    type Output = Counted;
+    fn sub(self, before: Counted) -> Counted {
+        Counted {
+            commits: self.commits - before.commits,
+            row_writes: self.row_writes - before.row_writes,
+        }
+    }
+}
+
+/// What the database counted, once every backend that had it open has gone
+/// (a backend reports its counts when it exits, or up to ten seconds after it
+/// goes idle).
+pub(super) async fn settled_counts(database: &str) -> Counted {
     let mut admin = PgConnection::connect(&format!("{}/postgres", pg_base()))
         .await
         .expect("connect to read pg_stat_database");
@@ -33,10 +51,10 @@ pub(super) async fn settled_commits(database: &str) -> i64 {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // A backend leaves pg_stat_activity just before it reports its counts.
-    let mut last = xact_commit(&mut admin, database).await;
+    let mut last = counted(&mut admin, database).await;
     loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let now = xact_commit(&mut admin, database).await;
+        let now = counted(&mut admin, database).await;
         if now == last {
             admin.close().await.ok();
             return now;
@@ -45,12 +63,19 @@ pub(super) async fn settled_commits(database: &str) -> i64 {
     }
 }
 
-async fn xact_commit(admin: &mut PgConnection, database: &str) -> i64 {
-    sqlx::query_scalar("SELECT xact_commit FROM pg_stat_database WHERE datname = $1")
-        .bind(database)
-        .fetch_one(admin)
-        .await
-        .expect("read pg_stat_database")
+async fn counted(admin: &mut PgConnection, database: &str) -> Counted {
+    let (commits, row_writes): (i64, i64) = sqlx::query_as(
+        "SELECT xact_commit, tup_inserted + tup_updated + tup_deleted \
+         FROM pg_stat_database WHERE datname = $1",
+    )
+    .bind(database)
+    .fetch_one(admin)
+    .await
+    .expect("read pg_stat_database");
+    Counted {
+        commits,
+        row_writes,
+    }
 }
 
 /// Jobs, succeeded jobs and attempt rows in the run's database.

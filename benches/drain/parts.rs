@@ -1,5 +1,5 @@
 //! The parts of a job's latency, each measured alone: one broker hop, one
-//! commit, one call to the mock provider.
+//! commit, one call to the mock provider; and the broker's own ceiling.
 
 use std::time::Instant;
 
@@ -19,11 +19,6 @@ pub(super) async fn hop_latency(env: &TestEnv, samples: usize) -> Percentiles {
         .await
         .expect("publisher");
     let ch = conn.create_channel().await.expect("channel");
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("quorum".into()),
-    );
     let queue = "onejob.bench.hop";
     ch.queue_declare(
         queue.into(),
@@ -31,7 +26,7 @@ pub(super) async fn hop_latency(env: &TestEnv, samples: usize) -> Percentiles {
             durable: true,
             ..QueueDeclareOptions::default()
         },
-        args,
+        quorum(),
     )
     .await
     .expect("declare the hop queue");
@@ -126,4 +121,77 @@ pub(super) async fn call_latency(base_url: &str, samples: usize) -> Percentiles 
         times.push(began.elapsed());
     }
     Percentiles::of(times)
+}
+
+/// The broker's own ceiling on this machine, in messages per second: `count`
+/// persistent messages published to a quorum queue with confirms (256 awaited
+/// at a time) while a consumer with a prefetch of 256 takes and acks each,
+/// from the first publish to the last delivery. The drain's messages take the
+/// same path, three hops a job.
+pub(super) async fn broker_ceiling(env: &TestEnv, count: usize) -> f64 {
+    use lapin::options::{BasicAckOptions, BasicQosOptions};
+    let conn = env.amqp().await;
+    let publisher = onejob::broker::Publisher::open(&conn)
+        .await
+        .expect("publisher");
+    let ch = conn.create_channel().await.expect("channel");
+    let queue = "onejob.bench.ceiling";
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        },
+        quorum(),
+    )
+    .await
+    .expect("declare the ceiling queue");
+    ch.basic_qos(256, BasicQosOptions::default())
+        .await
+        .expect("prefetch");
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("consume the ceiling queue");
+    let began = Instant::now();
+    let body = br#"{"attempt_id":"0193a0a0-0000-7000-8000-000000000000","job_id":"0193a0a0-0000-7000-8000-000000000001"}"#;
+    let publishing = futures_util::stream::iter(0..count)
+        .map(|_| publisher.publish("", queue, body, onejob::broker::json_properties(), true))
+        .buffer_unordered(256)
+        .for_each(|published| async move { published.expect("ceiling publish confirmed") });
+    let consuming = async {
+        for _ in 0..count {
+            let delivery = consumer
+                .next()
+                .await
+                .expect("ceiling delivery")
+                .expect("ceiling delivery");
+            delivery
+                .ack(BasicAckOptions::default())
+                .await
+                .expect("ceiling ack");
+        }
+    };
+    tokio::join!(publishing, consuming);
+    let seconds = began.elapsed().as_secs_f64();
+    let _ = ch
+        .queue_delete(queue.into(), QueueDeleteOptions::default())
+        .await;
+    let _ = conn.close(200, "ceiling measured".into()).await;
+    count as f64 / seconds
+}
+
+/// The arguments of a quorum queue.
+fn quorum() -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    args
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use sqlx::{Connection, Executor, PgConnection, PgPool};
 
-use super::database::settled_commits;
+use super::database::{Counted, settled_counts};
 use super::worker::Usage;
 use super::{Options, Percentiles, bar, say};
 use crate::common::{TestEnv, pg_base};
@@ -26,6 +26,7 @@ pub struct PeerFigures {
     pub cpu_ms_per_job: f64,
     pub peak_rss_mib: f64,
     pub commits_per_job: f64,
+    pub row_writes_per_job: f64,
     /// Due time → result committed, at each offered load (jobs per second).
     pub latency: Vec<(f64, Percentiles)>,
 }
@@ -173,7 +174,7 @@ pub(super) async fn graphile(
     .await
     .expect("preload the peer's backlog");
     conn.close().await.ok();
-    let (seconds, usage, commits) = drain(&db, provider, options).await;
+    let (seconds, usage, counted) = drain(&db, provider, options).await;
     let n = options.n as f64;
     say(&format!(
         "graphile-worker drained {} jobs in {seconds:.1} s: {:.0} jobs/s",
@@ -205,15 +206,16 @@ pub(super) async fn graphile(
         drain_seconds: seconds,
         cpu_ms_per_job: usage.cpu_seconds * 1000.0 / n,
         peak_rss_mib: usage.peak_rss_kib as f64 / 1024.0,
-        commits_per_job: commits as f64 / n,
+        commits_per_job: counted.commits as f64 / n,
+        row_writes_per_job: counted.row_writes as f64 / n,
         latency,
     }
 }
 
 /// The peer's drain: the clock from the worker's start to its last result;
 /// what the node process used, and the database's commits meanwhile.
-async fn drain(db: &PeerDatabase, provider: &str, options: &Options) -> (f64, Usage, i64) {
-    let commits_before = settled_commits(&db.name).await;
+async fn drain(db: &PeerDatabase, provider: &str, options: &Options) -> (f64, Usage, Counted) {
+    let before = settled_counts(&db.name).await;
     let started = Instant::now();
     let worker = node("work", db, provider, &options.out.join("peer-drain.log"));
     let progress = bar(options.n as u64, "graphile-worker draining");
@@ -239,8 +241,8 @@ async fn drain(db: &PeerDatabase, provider: &str, options: &Options) -> (f64, Us
     stop(worker).await;
     // The count above read the table: one commit of the benchmark's own each
     // 50 ms, left in, as onejob's drain has its watcher's reads of nothing.
-    let commits = settled_commits(&db.name).await - commits_before;
-    (seconds, usage, commits)
+    let counted = settled_counts(&db.name).await - before;
+    (seconds, usage, counted)
 }
 
 /// Waits until graphile-worker says it is looking for jobs.

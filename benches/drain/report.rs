@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::WorkerStage;
 use super::peer::PeerFigures;
+use super::{LoadPhase, WorkerStage};
 use crate::common::TestEnv;
 
 /// Latency percentiles, in milliseconds.
@@ -50,6 +50,13 @@ pub struct Report {
     pub drain_over_pgbench: f64,
     pub commits: i64,
     pub commits_per_job: f64,
+    /// Rows inserted, updated and deleted in the run's database (pg_stat_database).
+    pub row_writes_per_job: f64,
+    /// The broker's own ceiling: a publish-confirm-consume loop through a quorum
+    /// queue, in jobs per second at `messages_per_job`.
+    pub broker_ceiling_jobs_per_s: f64,
+    pub messages_per_job: usize,
+    pub drain_over_broker: f64,
     pub worker_cpu_ms_per_job: f64,
     pub worker_peak_rss_mib: f64,
     /// Mean intents per intake statement, attempts per claim and per settling
@@ -78,6 +85,8 @@ pub struct Report {
     /// The latency at a light load, as the peer's is measured too.
     pub light_rate_per_s: f64,
     pub latency_light: Percentiles,
+    /// Every load of the latency phase.
+    pub phases: Vec<LoadPhase>,
     /// The latency by stage, from the database's timestamps.
     pub stages: Vec<(String, Percentiles)>,
     /// The latency phase's stages as the worker timed them.
@@ -122,6 +131,19 @@ impl Report {
                 met: self.p99_over_parts <= 4.0 && self.latency_load >= 0.5,
             },
             Target {
+                measure: format!(
+                    "drain / the broker's ceiling ({} messages a job), same run",
+                    self.messages_per_job
+                ),
+                value: format!(
+                    "{:.2} ({:.0} / {:.0} jobs/s)",
+                    self.drain_over_broker, self.drain_jobs_per_s, self.broker_ceiling_jobs_per_s
+                ),
+                target: "≥ 0.7",
+                met: self.drain_over_broker >= 0.7,
+            },
+            self.cpu_at_quarter_load(),
+            Target {
                 measure: "drain / graphile-worker's drain, same run".into(),
                 value: format!("{:.2}", self.over_peer()),
                 target: "≥ 1.5",
@@ -145,6 +167,25 @@ impl Report {
                 met: self.provider_calls == self.n as u64 && self.attempt_rows == self.n as i64,
             },
         ]
+    }
+
+    /// The worker's CPU per job at a quarter of the drain rate, against at
+    /// saturation (the drain).
+    fn cpu_at_quarter_load(&self) -> Target {
+        let quarter = self
+            .phases
+            .get(1)
+            .map_or(f64::NAN, |p| p.worker_cpu_ms_per_job);
+        let ratio = quarter / self.worker_cpu_ms_per_job;
+        Target {
+            measure: "worker CPU per job at 25% load / at 100%".into(),
+            value: format!(
+                "{ratio:.2} ({quarter:.3} / {:.3} ms)",
+                self.worker_cpu_ms_per_job
+            ),
+            target: "≤ 2",
+            met: ratio <= 2.0,
+        }
     }
 
     fn over_peer(&self) -> f64 {
@@ -211,11 +252,10 @@ impl Report {
              | B_pg1: pgbench, onejob's per-job SQL, unbatched, 4 clients | {:.0} jobs/s |\n\
              | drain: worker start → every job succeeded | {:.0} jobs/s ({:.1} s) |\n\
              | commits (pg_stat_database) | {} ({:.3} per job) |\n\
+             | row writes (inserted, updated, deleted) | {:.2} per job |\n\
              | worker CPU | {:.3} ms per job |\n\
              | worker peak RSS | {:.1} MiB |\n\
              | mean batch: intake / claim / settle | {:.1} / {:.1} / {:.1} |\n\
-             | latency at {:.0} intents/s, publish due → event, p50 / p99 / p99.9 | {} ms ({} jobs) |\n\
-             | latency at {:.0} intents/s, publish due → event, p50 / p99 / p99.9 | {} ms ({} jobs) |\n\
              | broker hop (publish, confirm, delivery) p50 / p99 / p99.9 | {} ms |\n\
              | commit (one-row INSERT) p50 / p99 / p99.9 | {} ms |\n\
              | provider call (mock, HTTP) p50 / p99 / p99.9 | {} ms |\n\
@@ -225,22 +265,25 @@ impl Report {
             self.drain_seconds,
             self.commits,
             self.commits_per_job,
+            self.row_writes_per_job,
             self.worker_cpu_ms_per_job,
             self.worker_peak_rss_mib,
             self.intake_batch_mean,
             self.claim_batch_mean,
             self.settle_batch_mean,
-            self.light_rate_per_s,
-            ms(&self.latency_light),
-            self.latency_light.samples,
-            self.latency_rate_per_s,
-            ms(&self.latency),
-            self.latency.samples,
             ms(&self.hop),
             ms(&self.commit),
             ms(&self.call),
             self.parts_p99_sum_ms,
         ));
+        for phase in &self.phases {
+            md.push_str(&format!(
+                "| at {:.0} intents/s: due → event p50 / p99 / p99.9; worker CPU | {} ms; {:.3} ms per job |\n",
+                phase.rate_per_s,
+                ms(&phase.latency),
+                phase.worker_cpu_ms_per_job
+            ));
+        }
         md.push_str(&self.peer_rows());
         for (stage, p) in &self.stages {
             md.push_str(&format!(

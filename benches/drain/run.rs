@@ -47,9 +47,9 @@ use onejob::mock::{MockHandle, MockOptions};
 use onejob_producer::Producer;
 
 use crate::common::{TestEnv, config, mock};
-use database::{backlog_jobs, counts, settled_commits};
+use database::{backlog_jobs, counts, settled_counts};
 use load::{preload, stages};
-use parts::{call_latency, commit_latency, hop_latency};
+use parts::{broker_ceiling, call_latency, commit_latency, hop_latency};
 use pgbench::pgbench;
 use worker::Usage;
 
@@ -137,15 +137,20 @@ pub async fn drain(options: &Options) -> Report {
     let drain_jobs_per_s = options.n as f64 / drained.seconds;
 
     let rate = (drain_jobs_per_s * options.latency_load).max(1.0);
-    let loads = [LIGHT_LOAD.min(rate), rate];
-    let (latency_at, worker_stages, stages) =
+    let loads = [
+        (LIGHT_LOAD.min(rate), "c-"),
+        (drain_jobs_per_s * options.latency_load / 2.0, "q-"),
+        (rate, "l-"),
+    ];
+    let (phases, worker_stages, stages) =
         latency_phase(&env, &file.path, &producer, &mut events, &loads, options).await;
     if let Ok(producer) = Arc::try_unwrap(producer) {
         producer.close().await;
     }
     say("the peer: graphile-worker, the same calls, in this run");
-    let peer = peer::graphile(&env, &provider.base_url(), options, &loads).await;
-    let [light, latency] = latency_at;
+    let peer = peer::graphile(&env, &provider.base_url(), options, &[loads[0].0, rate]).await;
+    let (light, latency) = (phases[0].latency.clone(), phases[2].latency.clone());
+    let ceiling = broker_ceiling(&env, options.n.min(10_000) * MESSAGES_PER_JOB).await;
 
     let parts_p99_sum_ms = 2.0 * hop.p99_ms + 2.0 * commit.p99_ms + call.p99_ms;
     Report {
@@ -158,6 +163,10 @@ pub async fn drain(options: &Options) -> Report {
         drain_over_pgbench: drain_jobs_per_s / pgbench_jobs_per_s,
         commits: drained.commits,
         commits_per_job: drained.commits as f64 / options.n as f64,
+        row_writes_per_job: drained.row_writes as f64 / options.n as f64,
+        broker_ceiling_jobs_per_s: ceiling / MESSAGES_PER_JOB as f64,
+        messages_per_job: MESSAGES_PER_JOB,
+        drain_over_broker: drain_jobs_per_s * MESSAGES_PER_JOB as f64 / ceiling,
         worker_cpu_ms_per_job: drained.usage.cpu_seconds * 1000.0 / options.n as f64,
         worker_peak_rss_mib: drained.usage.peak_rss_kib as f64 / 1024.0,
         intake_batch_mean: drained.batches[0],
@@ -178,8 +187,9 @@ pub async fn drain(options: &Options) -> Report {
         latency_load: options.latency_load,
         latency_rate_per_s: rate,
         latency,
-        light_rate_per_s: loads[0],
+        light_rate_per_s: loads[0].0,
         latency_light: light,
+        phases,
         stages,
         worker_stages,
         peer,
@@ -189,6 +199,10 @@ pub async fn drain(options: &Options) -> Report {
 /// The light load both latencies are measured at besides half the drain
 /// rate, in jobs per second.
 const LIGHT_LOAD: f64 = 100.0;
+
+/// The broker messages a job of the drain costs: its intent, its attempt
+/// message and its event (the drain publishes without receipts).
+const MESSAGES_PER_JOB: usize = 3;
 
 /// The parts' latencies, each alone: a broker hop, a commit, a provider call.
 async fn parts(
@@ -213,6 +227,7 @@ struct Drained {
     intents_duplicate: u64,
     provider_calls: u64,
     commits: i64,
+    row_writes: i64,
     jobs: i64,
     jobs_succeeded: i64,
     attempt_rows: i64,
@@ -231,7 +246,7 @@ async fn drain_backlog(
 ) -> Drained {
     // Only the worker touches the run's database from here on.
     env.store.pool().close().await;
-    let commits_before = settled_commits(&env.name).await;
+    let before = settled_counts(&env.name).await;
     let calls_before = provider.stats.requests();
     let log = options.out.join("worker-drain.log");
     let started = Instant::now();
@@ -272,7 +287,7 @@ async fn drain_backlog(
     let (intents_created, intents_duplicate) = (answered("created"), answered("duplicate"));
     let provider_calls = provider.stats.requests() - calls_before;
     worker.stop().await;
-    let commits = settled_commits(&env.name).await - commits_before;
+    let counted = settled_counts(&env.name).await - before;
     let (jobs, jobs_succeeded, attempt_rows) = counts(env).await;
     let jobs_of_backlog_keys = backlog_jobs(env, options.n).await;
     say(&format!(
@@ -287,7 +302,8 @@ async fn drain_backlog(
         intents_created,
         intents_duplicate,
         provider_calls,
-        commits,
+        commits: counted.commits,
+        row_writes: counted.row_writes,
         jobs,
         jobs_succeeded,
         attempt_rows,
@@ -295,46 +311,59 @@ async fn drain_backlog(
     }
 }
 
+/// One load of the latency phase.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LoadPhase {
+    pub rate_per_s: f64,
+    pub latency: Percentiles,
+    /// The worker's CPU time over the phase, per job.
+    pub worker_cpu_ms_per_job: f64,
+}
+
 /// The latency phase: a fresh worker, and intents published on a fixed
-/// schedule at each of `loads` in turn. Each load's latencies, the stages as
-/// the worker timed them, and the stages from the database's timestamps (of
-/// the last load, which the target is set at).
+/// schedule at each of `loads` (a rate and the keys' prefix) in turn. Each
+/// load's latencies and the worker's CPU per job, the stages as the worker
+/// timed them, and the stages from the database's timestamps (of the keys
+/// `l-`, the load the target is set at).
 async fn latency_phase(
     env: &TestEnv,
     config: &Path,
     producer: &Arc<Producer>,
     events: &mut Events,
-    loads: &[f64; 2],
+    loads: &[(f64, &str)],
     options: &Options,
-) -> (
-    [Percentiles; 2],
-    Vec<WorkerStage>,
-    Vec<(String, Percentiles)>,
-) {
+) -> (Vec<LoadPhase>, Vec<WorkerStage>, Vec<(String, Percentiles)>) {
     let log = options.out.join("worker-latency.log");
     let mut worker = Worker::start(env, config, &log, Some(free_port()));
     worker.wait_ready().await;
-    let mut measured = Vec::new();
+    let mut phases = Vec::new();
     let mut timings = Vec::new();
-    for (rate, prefix) in loads.iter().zip(["c-", "l-"]) {
+    for &(rate, prefix) in loads {
         say(&format!(
             "latency: {rate:.0} intents/s for {} s, open loop",
             options.latency_seconds
         ));
+        let before = worker.usage().cpu_seconds;
         let (latency, t) = open_loop(
             producer.clone(),
             events,
-            *rate,
+            rate,
             options.latency_seconds,
             prefix,
         )
         .await;
-        measured.push(latency);
-        timings = t;
+        let cpu = worker.usage().cpu_seconds - before;
+        phases.push(LoadPhase {
+            rate_per_s: rate,
+            worker_cpu_ms_per_job: cpu * 1000.0 / latency.samples.max(1) as f64,
+            latency,
+        });
+        if prefix == "l-" {
+            timings = t;
+        }
     }
     let worker_stages = worker.metrics().await.stages();
     worker.stop().await;
     let stages = stages(env, &timings).await;
-    let [light, half]: [Percentiles; 2] = measured.try_into().expect("two loads");
-    ([light, half], worker_stages, stages)
+    (phases, worker_stages, stages)
 }
