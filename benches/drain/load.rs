@@ -94,15 +94,23 @@ impl Events {
     }
 }
 
-/// Publishes at `rate` per second for `seconds` on a fixed schedule and returns
-/// each job's latency from its intent's due time to its event.
+/// What an open loop measured: each job's latency from its intent's due time
+/// to its event, and how late the generator's publishes were confirmed (the
+/// part of the latency the generator itself may add).
+pub struct OpenLoop {
+    pub latency: Percentiles,
+    pub publish_lag: Percentiles,
+    pub timings: Vec<Timing>,
+}
+
+/// Publishes at `rate` per second for `seconds` on a fixed schedule.
 pub async fn open_loop(
     producer: Arc<Producer>,
     events: &mut Events,
     rate: f64,
     seconds: u64,
     prefix: &str,
-) -> (Percentiles, Vec<Timing>) {
+) -> OpenLoop {
     let count = ((rate * seconds as f64) as usize).max(1);
     let lead = Duration::from_millis(100);
     let start = tokio::time::Instant::now() + lead;
@@ -121,9 +129,14 @@ pub async fn open_loop(
                     .publish_only(&intent("bench", &key, "x"))
                     .await
                     .expect("latency publish confirmed");
+                tokio::time::Instant::now().saturating_duration_since(due(i))
             });
         }
-        while publishes.join_next().await.is_some() {}
+        let mut lags = Vec::with_capacity(count);
+        while let Some(lag) = publishes.join_next().await {
+            lags.push(lag.expect("a publish"));
+        }
+        lags
     });
     let mut seen = HashSet::with_capacity(count);
     let mut times = Vec::with_capacity(count);
@@ -158,8 +171,12 @@ pub async fn open_loop(
         }
     }
     progress.finish_and_clear();
-    generator.await.expect("generator");
-    (Percentiles::of(times), timings)
+    let lags = generator.await.expect("generator");
+    OpenLoop {
+        latency: Percentiles::of(times),
+        publish_lag: Percentiles::of(lags),
+        timings,
+    }
 }
 
 /// When a latency job's intent was due and when its event arrived, in seconds

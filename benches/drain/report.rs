@@ -278,9 +278,10 @@ impl Report {
         ));
         for phase in &self.phases {
             md.push_str(&format!(
-                "| at {:.0} intents/s: due → event p50 / p99 / p99.9; worker CPU | {} ms; {:.3} ms per job |\n",
+                "| at {:.0} intents/s: due → event p50 / p99 / p99.9; due → publish confirmed; worker CPU | {} ms; {} ms; {:.3} ms per job |\n",
                 phase.rate_per_s,
                 ms(&phase.latency),
+                ms(&phase.publish_lag),
                 phase.worker_cpu_ms_per_job
             ));
         }

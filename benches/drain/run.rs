@@ -316,6 +316,8 @@ async fn drain_backlog(
 pub struct LoadPhase {
     pub rate_per_s: f64,
     pub latency: Percentiles,
+    /// How late after its due time each publish was confirmed.
+    pub publish_lag: Percentiles,
     /// The worker's CPU time over the phase, per job.
     pub worker_cpu_ms_per_job: f64,
 }
@@ -344,7 +346,7 @@ async fn latency_phase(
             options.latency_seconds
         ));
         let before = worker.usage().cpu_seconds;
-        let (latency, t) = open_loop(
+        let measured = open_loop(
             producer.clone(),
             events,
             rate,
@@ -355,11 +357,12 @@ async fn latency_phase(
         let cpu = worker.usage().cpu_seconds - before;
         phases.push(LoadPhase {
             rate_per_s: rate,
-            worker_cpu_ms_per_job: cpu * 1000.0 / latency.samples.max(1) as f64,
-            latency,
+            worker_cpu_ms_per_job: cpu * 1000.0 / measured.latency.samples.max(1) as f64,
+            latency: measured.latency,
+            publish_lag: measured.publish_lag,
         });
         if prefix == "l-" {
-            timings = t;
+            timings = measured.timings;
         }
     }
     let worker_stages = worker.metrics().await.stages();

@@ -172,15 +172,15 @@ impl<'a> Run<'a> {
             "baseline: {:.0} intents/s for {} s, nothing pruned",
             self.options.rate, self.options.baseline_seconds
         ));
-        let (baseline, _) = open_loop(
+        open_loop(
             self.producer.clone(),
             &mut self.events,
             self.options.rate,
             self.options.baseline_seconds,
             "a-",
         )
-        .await;
-        baseline
+        .await
+        .latency
     }
 
     /// The pruning: intake in windows while `worker` prunes, until it has
@@ -199,7 +199,7 @@ impl<'a> Run<'a> {
             );
             assert!(worker.running(), "the pruning worker exited");
             let prefix = format!("b{}-", windows.len());
-            let (latency, timings) = open_loop(
+            let window = open_loop(
                 self.producer.clone(),
                 &mut self.events,
                 self.options.rate,
@@ -207,6 +207,7 @@ impl<'a> Run<'a> {
                 &prefix,
             )
             .await;
+            let (latency, timings) = (window.latency, window.timings);
             intake_published += timings.len();
             latencies.extend(
                 timings
