@@ -52,20 +52,7 @@ async fn the_drain_benchmark_runs_and_reports_every_measure() {
         assert!(v.is_finite() && v > 0.0, "{what}: {v}");
     }
     assert!(report.commits > 0);
-    // Three loads, the worker's CPU measured at each.
-    assert_eq!(report.phases.len(), 3);
-    for phase in &report.phases {
-        assert!(phase.worker_cpu_ms_per_job > 0.0, "{phase:?}");
-        assert!(phase.latency.samples > 0, "{phase:?}");
-    }
-    // The peer was measured at the same two loads, every job of each.
-    let loads: Vec<f64> = report.peer.latency.iter().map(|(rate, _)| *rate).collect();
-    assert_eq!(loads, [report.light_rate_per_s, report.latency_rate_per_s]);
-    for (rate, latency) in &report.peer.latency {
-        let expected = ((rate * options.latency_seconds as f64) as usize).max(1);
-        assert_eq!(latency.samples, expected, "peer latency at {rate}");
-        assert!(latency.p99_ms.is_finite() && latency.p99_ms > 0.0);
-    }
+    every_load_was_measured(&report, &options);
     let md = std::fs::read_to_string(out.join("drain.md")).expect("drain.md");
     for row in [
         "drain / B_pg1",
@@ -89,4 +76,22 @@ async fn the_drain_benchmark_runs_and_reports_every_measure() {
     assert_eq!(json["jobs_succeeded"], report.jobs_succeeded);
     assert_eq!(json["intents_duplicate"], report.intents_duplicate);
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// The latency phase's three loads, the worker's CPU at each, and the peer at
+/// the same two loads as onejob's targets, every job of each.
+fn every_load_was_measured(report: &run::Report, options: &run::Options) {
+    assert_eq!(report.phases.len(), 3);
+    for phase in &report.phases {
+        assert!(phase.worker_cpu_ms_per_job > 0.0, "{phase:?}");
+        assert!(phase.latency.samples > 0, "{phase:?}");
+    }
+    // The peer was measured at the same two loads, every job of each.
+    let loads: Vec<f64> = report.peer.latency.iter().map(|(rate, _)| *rate).collect();
+    assert_eq!(loads, [report.light_rate_per_s, report.latency_rate_per_s]);
+    for (rate, latency) in &report.peer.latency {
+        let expected = ((rate * options.latency_seconds as f64) as usize).max(1);
+        assert_eq!(latency.samples, expected, "peer latency at {rate}");
+        assert!(latency.p99_ms.is_finite() && latency.p99_ms > 0.0);
+    }
 }

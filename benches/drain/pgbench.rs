@@ -43,6 +43,10 @@ pub(super) async fn pgbench(
     config: &onejob::config::Config,
     options: &Options,
 ) -> f64 {
+    super::say(&format!(
+        "B_pg1: pgbench, onejob's per-job SQL, {} s",
+        options.pgbench_seconds
+    ));
     let name = format!("{}_pgbench", env.name);
     let mut admin = PgConnection::connect(&format!("{}/postgres", pg_base()))
         .await

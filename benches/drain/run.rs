@@ -119,10 +119,6 @@ pub async fn drain(options: &Options) -> Report {
     say(&format!("on {machine}"));
 
     let (hop, commit, call) = parts(&env, &provider, options).await;
-    say(&format!(
-        "B_pg1: pgbench, onejob's per-job SQL, {} s",
-        options.pgbench_seconds
-    ));
     let pgbench_jobs_per_s = pgbench(&env, &config, options).await;
 
     let duplicates = options.n / 4;
@@ -136,12 +132,8 @@ pub async fn drain(options: &Options) -> Report {
     let drained = drain_backlog(&env, &file.path, &provider, &events, options).await;
     let drain_jobs_per_s = options.n as f64 / drained.seconds;
 
-    let rate = (drain_jobs_per_s * options.latency_load).max(1.0);
-    let loads = [
-        (LIGHT_LOAD.min(rate), "c-"),
-        (drain_jobs_per_s * options.latency_load / 2.0, "q-"),
-        (rate, "l-"),
-    ];
+    let loads = loads(drain_jobs_per_s, options);
+    let rate = loads[2].0;
     let (phases, worker_stages, stages) =
         latency_phase(&env, &file.path, &producer, &mut events, &loads, options).await;
     if let Ok(producer) = Arc::try_unwrap(producer) {
@@ -199,6 +191,17 @@ pub async fn drain(options: &Options) -> Report {
 /// The light load both latencies are measured at besides half the drain
 /// rate, in jobs per second.
 const LIGHT_LOAD: f64 = 100.0;
+
+/// The latency phase's loads, with their keys' prefixes: the light load, a
+/// quarter of the drain rate, and `latency_load` of it (half, the target's).
+fn loads(drain_jobs_per_s: f64, options: &Options) -> [(f64, &'static str); 3] {
+    let rate = (drain_jobs_per_s * options.latency_load).max(1.0);
+    [
+        (LIGHT_LOAD.min(rate), "c-"),
+        ((drain_jobs_per_s / 4.0).max(1.0), "q-"),
+        (rate, "l-"),
+    ]
+}
 
 /// The broker messages a job of the drain costs: its intent, its attempt
 /// message and its event (the drain publishes without receipts).
