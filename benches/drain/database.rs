@@ -113,3 +113,17 @@ pub(super) async fn backlog_jobs(env: &TestEnv, n: usize) -> i64 {
     conn.close().await.ok();
     found
 }
+
+/// Vacuums and analyses the run's database and takes a checkpoint, so that
+/// the latency phase that follows the drain does not share the machine with
+/// the autovacuum and the checkpoint the drain's dead rows would set off.
+pub(super) async fn settle_after_the_drain(env: &TestEnv) {
+    let mut conn = PgConnection::connect(&env.database_url)
+        .await
+        .expect("connect to vacuum");
+    sqlx::raw_sql("VACUUM (ANALYZE); CHECKPOINT")
+        .execute(&mut conn)
+        .await
+        .expect("vacuum and checkpoint after the drain");
+    conn.close().await.ok();
+}

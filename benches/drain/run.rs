@@ -47,7 +47,7 @@ use onejob::mock::{MockHandle, MockOptions};
 use onejob_producer::Producer;
 
 use crate::common::{TestEnv, config, mock};
-use database::{backlog_jobs, counts, settled_counts};
+use database::{backlog_jobs, counts, settle_after_the_drain, settled_counts};
 use load::{preload, stages};
 use parts::{broker_ceiling, call_latency, commit_latency, hop_latency};
 use pgbench::pgbench;
@@ -326,7 +326,8 @@ pub struct LoadPhase {
 }
 
 /// The latency phase: a fresh worker, and intents published on a fixed
-/// schedule at each of `loads` (a rate and the keys' prefix) in turn. Each
+/// schedule at each of `loads` (a rate and the keys' prefix) in turn, on a
+/// database vacuumed after the drain. Each
 /// load's latencies and the worker's CPU per job, the stages as the worker
 /// timed them, and the stages from the database's timestamps (of the keys
 /// `l-`, the load the target is set at).
@@ -338,6 +339,7 @@ async fn latency_phase(
     loads: &[(f64, &str)],
     options: &Options,
 ) -> (Vec<LoadPhase>, Vec<WorkerStage>, Vec<(String, Percentiles)>) {
+    settle_after_the_drain(env).await;
     let log = options.out.join("worker-latency.log");
     let mut worker = Worker::start(env, config, &log, Some(free_port()));
     worker.wait_ready().await;
