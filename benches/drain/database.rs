@@ -130,3 +130,12 @@ pub(super) async fn settle_after_the_drain(env: &TestEnv) {
     }
     conn.close().await.ok();
 }
+
+/// `url` with TLS off. On loopback TLS protects nothing, and this way every
+/// program the benchmark compares talks to Postgres alike: libpq (pgbench)
+/// and sqlx (onejob) use TLS whenever the server offers it, node-postgres
+/// (graphile-worker) only when told to.
+pub fn plaintext(url: &str) -> String {
+    let join = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{join}sslmode=disable")
+}

@@ -120,7 +120,7 @@ fn node(mode: &str, db: &PeerDatabase, provider: &str, log: &Path) -> Child {
     Command::new("node")
         .arg(folder().join("graphile.mjs"))
         .arg(mode)
-        .env("DATABASE_URL", &db.url)
+        .env("DATABASE_URL", super::database::plaintext(&db.url))
         .env("PROVIDER_URL", provider)
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("log handle"))

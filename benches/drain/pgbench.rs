@@ -73,7 +73,7 @@ pub(super) async fn pgbench(
         .arg(options.pgbench_seconds.to_string())
         .arg("-f")
         .arg(&script)
-        .arg(&url)
+        .arg(super::database::plaintext(&url))
         .output()
         .expect("pgbench must be on PATH (the postgresql-contrib or postgresql client package)");
     admin
