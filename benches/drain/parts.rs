@@ -14,22 +14,8 @@ use crate::common::TestEnv;
 /// One broker hop: a persistent publish to a quorum queue, from the publish until
 /// both its confirm and its delivery to a consumer have arrived.
 pub(super) async fn hop_latency(env: &TestEnv, samples: usize) -> Percentiles {
-    let conn = env.amqp().await;
-    let publisher = onejob::broker::Publisher::open(&conn)
-        .await
-        .expect("publisher");
-    let ch = conn.create_channel().await.expect("channel");
     let queue = "onejob.bench.hop";
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        },
-        quorum(),
-    )
-    .await
-    .expect("declare the hop queue");
+    let (conn, publisher, ch) = quorum_queue(env, queue).await;
     let mut consumer = no_ack_consumer(&ch, queue).await;
     let mut times = Vec::with_capacity(samples);
     for i in 0..samples {
@@ -130,22 +116,8 @@ pub(super) async fn call_latency(base_url: &str, samples: usize) -> Percentiles 
 /// same path, three hops a job.
 pub(super) async fn broker_ceiling(env: &TestEnv, count: usize) -> f64 {
     use lapin::options::{BasicAckOptions, BasicQosOptions};
-    let conn = env.amqp().await;
-    let publisher = onejob::broker::Publisher::open(&conn)
-        .await
-        .expect("publisher");
-    let ch = conn.create_channel().await.expect("channel");
     let queue = "onejob.bench.ceiling";
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        },
-        quorum(),
-    )
-    .await
-    .expect("declare the ceiling queue");
+    let (conn, publisher, ch) = quorum_queue(env, queue).await;
     ch.basic_qos(256, BasicQosOptions::default())
         .await
         .expect("prefetch");
@@ -186,12 +158,31 @@ pub(super) async fn broker_ceiling(env: &TestEnv, count: usize) -> f64 {
     count as f64 / seconds
 }
 
-/// The arguments of a quorum queue.
-fn quorum() -> FieldTable {
+/// A connection, a confirming publisher and a channel, with `queue` declared
+/// on it: a durable quorum queue, as onejob's work queues are.
+async fn quorum_queue(
+    env: &TestEnv,
+    queue: &str,
+) -> (lapin::Connection, onejob::broker::Publisher, lapin::Channel) {
+    let conn = env.amqp().await;
+    let publisher = onejob::broker::Publisher::open(&conn)
+        .await
+        .expect("publisher");
+    let ch = conn.create_channel().await.expect("channel");
     let mut args = FieldTable::default();
     args.insert(
         "x-queue-type".into(),
         AMQPValue::LongString("quorum".into()),
     );
-    args
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        },
+        args,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("declare {queue}: {e}"));
+    (conn, publisher, ch)
 }

@@ -24,6 +24,23 @@ fn upstream() -> TraceContext {
     TraceContext::parse(UPSTREAM, Some("vendor=abc")).unwrap()
 }
 
+/// The mock, a fleet of every role on it with the test's database and vhost,
+/// a broker connection of the test's own, and the configuration's file.
+async fn traced() -> (
+    MockHandle,
+    TestEnv,
+    common::Fleet,
+    lapin::Connection,
+    common::tempfile_path::TempConfig,
+) {
+    let provider = mock(MockOptions::default()).await;
+    let (config, file) = config(&config_text(&provider.base_url(), None, ""));
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let amqp = env.amqp().await;
+    (provider, env, fleet, amqp, file)
+}
+
 /// What the provider saw of the call made for `job`'s only attempt.
 async fn call_seen(env: &TestEnv, provider: &MockHandle, job: JobId) -> TraceSeen {
     let job = env.store.job(job).await.unwrap().unwrap();
@@ -52,11 +69,7 @@ async fn event_context(env: &TestEnv, events: &lapin::Channel, queue: &str) -> T
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_publishers_trace_reaches_the_provider_and_the_event() {
-    let provider = mock(MockOptions::default()).await;
-    let (config, _file) = config(&config_text(&provider.base_url(), None, ""));
-    let env = TestEnv::new(&config).await;
-    let fleet = env.fleet(config.clone(), vec![]).await;
-    let amqp = env.amqp().await;
+    let (provider, env, fleet, amqp, _config) = traced().await;
     let (events, queue) = env.watch_events(&amqp).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 
@@ -99,11 +112,7 @@ async fn a_publishers_trace_reaches_the_provider_and_the_event() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn without_a_trace_onejob_starts_one_per_job() {
-    let provider = mock(MockOptions::default()).await;
-    let (config, _file) = config(&config_text(&provider.base_url(), None, ""));
-    let env = TestEnv::new(&config).await;
-    let fleet = env.fleet(config.clone(), vec![]).await;
-    let amqp = env.amqp().await;
+    let (provider, env, fleet, amqp, _config) = traced().await;
     let (events, queue) = env.watch_events(&amqp).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 
@@ -168,11 +177,7 @@ async fn job_by_key(env: &TestEnv, key: &str) -> JobId {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_malformed_trace_is_replaced_and_a_bad_tracestate_dropped() {
-    let provider = mock(MockOptions::default()).await;
-    let (config, _file) = config(&config_text(&provider.base_url(), None, ""));
-    let env = TestEnv::new(&config).await;
-    let fleet = env.fleet(config.clone(), vec![]).await;
-    let amqp = env.amqp().await;
+    let (provider, env, fleet, amqp, _config) = traced().await;
 
     let forged = "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01\r\nx-evil: 1";
     publish_with_headers(
