@@ -169,14 +169,9 @@ impl Producer {
             pending: &self.pending,
             correlation_id: &correlation_id,
         };
-        let mut props = identified()
+        let props = in_trace(identified(), trace)
             .with_reply_to(DIRECT_REPLY_TO.into())
             .with_correlation_id(correlation_id.as_str().into());
-        if let Some(trace) = trace {
-            let mut headers = FieldTable::default();
-            trace.insert_into(&mut headers);
-            props = props.with_headers(headers);
-        }
         self.publisher
             .publish(broker::EXCHANGE, broker::INTENTS_KEY, body, props, true)
             .await?;
@@ -194,13 +189,27 @@ impl Producer {
 
     /// Publishes an intent and returns once the broker confirmed it; no receipt.
     pub async fn publish_only(&self, intent: &Intent) -> Result<()> {
+        self.publish_only_traced(intent, None).await
+    }
+
+    /// [`Producer::publish_only`], in the caller's trace (as
+    /// [`Producer::submit_in_trace`] carries it).
+    pub async fn publish_only_in_trace(&self, intent: &Intent, trace: &TraceContext) -> Result<()> {
+        self.publish_only_traced(intent, Some(trace)).await
+    }
+
+    async fn publish_only_traced(
+        &self,
+        intent: &Intent,
+        trace: Option<&TraceContext>,
+    ) -> Result<()> {
         let body = serde_json::to_vec(intent).unwrap_or_default();
         self.publisher
             .publish(
                 broker::EXCHANGE,
                 broker::INTENTS_KEY,
                 &body,
-                identified(),
+                in_trace(identified(), trace),
                 true,
             )
             .await?;
@@ -230,6 +239,22 @@ fn identified() -> lapin::BasicProperties {
     broker::json_properties()
         .with_message_id(uuid::Uuid::now_v7().to_string().as_str().into())
         .with_timestamp(now)
+}
+
+/// The properties with the trace's `traceparent` and `tracestate` headers,
+/// when there is a trace.
+fn in_trace(
+    properties: lapin::BasicProperties,
+    trace: Option<&TraceContext>,
+) -> lapin::BasicProperties {
+    match trace {
+        Some(trace) => {
+            let mut headers = FieldTable::default();
+            trace.insert_into(&mut headers);
+            properties.with_headers(headers)
+        }
+        None => properties,
+    }
 }
 
 /// Removes a submit's entry from the waiters when the submit ends.

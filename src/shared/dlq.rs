@@ -9,6 +9,7 @@
 //! transitions drop), never a loss.
 
 use chrono::{DateTime, Utc};
+use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicGetOptions, QueuePurgeOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
@@ -274,7 +275,7 @@ pub async fn visit(
     conn: &Connection,
     queue: &str,
     limit: usize,
-    mut each: impl FnMut(DeadLetter, &[u8]),
+    mut each: impl FnMut(DeadLetter, &Delivery),
 ) -> Result<()> {
     let before = broker::depth(conn, queue).await?;
     let ch = conn.create_channel().await?;
@@ -286,7 +287,7 @@ pub async fn visit(
             break;
         };
         let d = got.delivery;
-        each(describe(queue, position, &d.properties, &d.data), &d.data);
+        each(describe(queue, position, &d.properties, &d.data), &d);
     }
     // Closing the channel returns every unacked message to the queue.
     ch.close(200, "browsed".into()).await?;

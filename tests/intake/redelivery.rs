@@ -136,10 +136,19 @@ async fn publish_with_limit_one(env: &TestEnv, owner: &str, key: &str) {
     .await
     .unwrap();
     producer
-        .publish_only(&intent(owner, key, "text"))
+        .publish_only_in_trace(&intent(owner, key, "text"), &publishers_trace())
         .await
         .unwrap();
     producer.close().await;
+}
+
+/// The trace the intents of these tests are published in.
+fn publishers_trace() -> onejob::trace::TraceContext {
+    onejob::trace::TraceContext::parse(
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        None,
+    )
+    .unwrap()
 }
 
 /// Takes the next intent as a worker would, and dies holding it.
@@ -250,5 +259,13 @@ async fn a_valid_intent_the_broker_dead_lettered_still_ends_as_a_job() {
         1,
         "the letter stays for an operator"
     );
+    // The publisher's trace continues through the dead-letter queue.
+    let stored: Option<String> = sqlx::query_scalar("SELECT traceparent FROM jobs WHERE id = $1")
+        .bind(job.id.0)
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    let stored = onejob::trace::TraceContext::parse(&stored.expect("a trace"), None).unwrap();
+    assert_eq!(stored.trace_id, publishers_trace().trace_id);
     fleet.stop().await;
 }

@@ -44,6 +44,7 @@ use crate::policy::Planner;
 use crate::runtime::{Context, Result};
 use crate::shutdown::Shutdown;
 use crate::store::{FailedJob, Settled};
+use crate::trace::TraceContext;
 
 /// Outbox rows one relay pass takes at most.
 const RELAY_BATCH: i64 = 256;
@@ -303,8 +304,10 @@ pub(crate) async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
     let mut dead = Vec::new();
     for provider in ctx.config.providers.keys() {
         let queue = crate::broker::dead_letter_queue(&crate::broker::attempts_queue(provider));
-        crate::dlq::visit(&ctx.connection, &queue, 256, |letter, body| {
-            if let Ok(message) = serde_json::from_slice::<crate::domain::AttemptMessage>(body) {
+        crate::dlq::visit(&ctx.connection, &queue, 256, |letter, delivery| {
+            if let Ok(message) =
+                serde_json::from_slice::<crate::domain::AttemptMessage>(&delivery.data)
+            {
                 dead.push((
                     message.attempt_id,
                     format!("dead_lettered: {} (see {queue})", letter.reason),
@@ -337,10 +340,13 @@ pub(crate) async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
 pub(crate) async fn reflect_dead_intents(ctx: &Context) -> Result<()> {
     let queue = crate::broker::dead_letter_queue(crate::broker::INTENTS_QUEUE);
     let mut valid: Vec<crate::store::NewJob> = Vec::new();
-    crate::dlq::visit(&ctx.connection, &queue, 256, |letter, body| {
+    crate::dlq::visit(&ctx.connection, &queue, 256, |letter, delivery| {
         if letter.reason == "delivery_limit"
-            && let Ok(new) = crate::runtime::new_job(&ctx.config, body)
+            && let Ok(mut new) = crate::runtime::new_job(&ctx.config, &delivery.data)
         {
+            // The publisher's trace continues here as it would have at intake.
+            let parent = TraceContext::from_headers(delivery.properties.headers().as_ref());
+            new.trace = Some(TraceContext::child_or_root(parent.as_ref()));
             valid.push(new);
         }
     })
