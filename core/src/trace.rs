@@ -13,6 +13,8 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 pub const TRACEPARENT: &str = "traceparent";
 /// The header with vendors' trace state, passed on unchanged.
 pub const TRACESTATE: &str = "tracestate";
+/// The one trace flag onejob knows and passes on: the trace is sampled.
+const SAMPLED: u8 = 0x01;
 /// The longest `tracestate` passed on; the recommendation asks for at least 512.
 const MAX_TRACESTATE: usize = 512;
 
@@ -55,7 +57,9 @@ impl TraceContext {
         Some(TraceContext {
             trace_id,
             span_id,
-            flags: if version == 0 { flags } else { flags & 1 },
+            // Only the flag defined here (sampled) passes on: the others are
+            // set to zero, as the recommendation asks of a flag one does not know.
+            flags: flags & SAMPLED,
             state: tracestate.and_then(valid_state).map(str::to_owned),
         })
     }
@@ -74,7 +78,7 @@ impl TraceContext {
         TraceContext {
             trace_id,
             span_id: new_span_id(),
-            flags: 1,
+            flags: SAMPLED,
             state: None,
         }
     }
@@ -200,6 +204,16 @@ mod tests {
         ] {
             assert_eq!(TraceContext::parse(bad, None), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn flags_other_than_sampled_are_not_passed_on() {
+        let odd = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-ff";
+        let ctx = TraceContext::parse(odd, None).unwrap();
+        assert_eq!(ctx.flags, 1);
+        assert!(ctx.child().traceparent().ends_with("-01"));
+        let unsampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-fe";
+        assert_eq!(TraceContext::parse(unsampled, None).unwrap().flags, 0);
     }
 
     #[test]

@@ -115,7 +115,9 @@ fn intake_span(delivery: &Delivery, new_job: &NewJob) -> (tracing::Span, TraceCo
         tracing::info_span!(
             "intake",
             otel.kind = "consumer",
-            job_id = %new_job.job_id,
+            // The id the job gets if this intent creates it (a duplicate's
+            // job keeps the id its first intent gave it).
+            new_job_id = %new_job.job_id,
             owner_id = %new_job.intent.owner_id,
             operation = %new_job.intent.operation,
         )

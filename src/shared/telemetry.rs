@@ -69,26 +69,28 @@ fn init_with(default: &str, export: bool) -> Telemetry {
         .log_internal_errors(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
+    // `RUST_LOG` filters the logs only: it never turns the span export off.
     let logs = if json {
-        logs.json().boxed()
+        logs.json().with_filter(filter).boxed()
     } else {
-        logs.boxed()
+        logs.with_filter(filter).boxed()
     };
     let (provider, problem) = match export.then(exporter).flatten() {
         Some(Ok(provider)) => (Some(provider), None),
         Some(Err(e)) => (None, Some(e)),
         None => (None, None),
     };
-    // Only onejob's own spans are exported, never a library's.
+    // Only onejob's own spans (and the log lines inside them) are exported,
+    // never a library's.
     let spans = provider.as_ref().map(|p| {
         tracing_opentelemetry::layer()
             .with_tracer(p.tracer("onejob"))
-            .with_filter(tracing_subscriber::filter::filter_fn(|m| {
-                m.target().starts_with("onejob")
-            }))
+            .with_filter(
+                tracing_subscriber::filter::Targets::new()
+                    .with_target("onejob", tracing::Level::INFO),
+            )
     });
     let installed = tracing_subscriber::registry()
-        .with(filter)
         .with(logs)
         .with(spans)
         .try_init()
@@ -107,19 +109,33 @@ fn init_with(default: &str, export: bool) -> Telemetry {
 /// The tracer provider, when the standard variables configure an OTLP
 /// endpoint and do not switch the SDK or the trace exporter off.
 fn exporter() -> Option<Result<SdkTracerProvider, String>> {
-    let set = |name: &str| std::env::var(name).is_ok_and(|v| !v.trim().is_empty());
-    let off = |name: &str, value: &str| {
-        std::env::var(name).is_ok_and(|v| v.trim().eq_ignore_ascii_case(value))
+    let value = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .map(|v| v.trim().to_ascii_lowercase())
+            .filter(|v| !v.is_empty())
     };
-    let configured =
-        set("OTEL_EXPORTER_OTLP_ENDPOINT") || set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
-    if !configured || off("OTEL_SDK_DISABLED", "true") || off("OTEL_TRACES_EXPORTER", "none") {
+    let configured = value("OTEL_EXPORTER_OTLP_ENDPOINT").is_some()
+        || value("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_some();
+    if !configured || value("OTEL_SDK_DISABLED").as_deref() == Some("true") {
         return None;
     }
-    if off("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc") {
-        return Some(Err(
-            "OTEL_EXPORTER_OTLP_PROTOCOL=grpc: onejob exports over OTLP/HTTP only (http/protobuf or http/json, port 4318)".into(),
-        ));
+    match value("OTEL_TRACES_EXPORTER").as_deref() {
+        None | Some("otlp") => {}
+        Some("none") => return None,
+        Some(other) => {
+            return Some(Err(format!(
+                "OTEL_TRACES_EXPORTER={other}: onejob exports spans over OTLP only (otlp, or none)"
+            )));
+        }
+    }
+    // The signal's own variable first, as the exporter reads them.
+    let protocol = value("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        .or_else(|| value("OTEL_EXPORTER_OTLP_PROTOCOL"));
+    if let Some(protocol) = protocol.filter(|p| p != "http/protobuf" && p != "http/json") {
+        return Some(Err(format!(
+            "OTLP protocol {protocol:?}: onejob exports over OTLP/HTTP only (http/protobuf or http/json, port 4318)"
+        )));
     }
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_http()
@@ -127,7 +143,9 @@ fn exporter() -> Option<Result<SdkTracerProvider, String>> {
         .map_err(|e| e.to_string());
     Some(exporter.map(|exporter| {
         let mut resource = opentelemetry_sdk::Resource::builder();
-        if !set("OTEL_SERVICE_NAME") {
+        let named = value("OTEL_SERVICE_NAME").is_some()
+            || value("OTEL_RESOURCE_ATTRIBUTES").is_some_and(|a| a.contains("service.name="));
+        if !named {
             resource = resource.with_service_name(program_name());
         }
         SdkTracerProvider::builder()

@@ -160,9 +160,17 @@ fn gateway_span(headers: &HeaderMap, intent: &Intent) -> (tracing::Span, TraceCo
     } else {
         tracing::Span::none()
     };
-    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    let parent = text(onejob::trace::TRACEPARENT)
-        .and_then(|p| TraceContext::parse(p, text(onejob::trace::TRACESTATE)));
+    // Several `tracestate` lines are one list, joined as HTTP joins them.
+    let state: Option<Vec<&str>> = headers
+        .get_all(onejob::trace::TRACESTATE)
+        .iter()
+        .map(|v| v.to_str().ok())
+        .collect();
+    let state = state.map(|lines| lines.join(","));
+    let parent = headers
+        .get(onejob::trace::TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|p| TraceContext::parse(p, state.as_deref()));
     let trace = onejob::telemetry::hop(&span, parent.as_ref());
     (span, trace)
 }
