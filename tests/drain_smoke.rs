@@ -46,6 +46,7 @@ async fn the_drain_benchmark_runs_and_reports_every_measure() {
         ("peer cpu per job", report.peer.cpu_ms_per_job),
         ("peer peak rss", report.peer.peak_rss_mib),
         ("peer commits per job", report.peer.commits_per_job),
+        ("peer row writes per job", report.peer.row_writes_per_job),
         ("row writes per job", report.row_writes_per_job),
         ("broker ceiling", report.broker_ceiling_jobs_per_s),
     ] {
@@ -89,6 +90,7 @@ fn every_load_was_measured(report: &run::Report, options: &run::Options) {
     // The peer was measured at the same two loads, every job of each.
     let loads: Vec<f64> = report.peer.latency.iter().map(|(rate, _)| *rate).collect();
     assert_eq!(loads, [report.light_rate_per_s, report.latency_rate_per_s]);
+    assert_eq!(report.peer.add_lag.len(), report.peer.latency.len());
     for (rate, latency) in &report.peer.latency {
         let expected = ((rate * options.latency_seconds as f64) as usize).max(1);
         assert_eq!(latency.samples, expected, "peer latency at {rate}");

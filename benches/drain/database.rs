@@ -117,8 +117,8 @@ pub(super) async fn backlog_jobs(env: &TestEnv, n: usize) -> i64 {
 /// Vacuums and analyses the run's database and takes a checkpoint, so that
 /// the latency phase that follows the drain does not share the machine with
 /// the autovacuum and the checkpoint the drain's dead rows would set off.
-pub(super) async fn settle_after_the_drain(env: &TestEnv) {
-    let mut conn = PgConnection::connect(&env.database_url)
+pub(super) async fn settle_after_the_drain(database_url: &str) {
+    let mut conn = PgConnection::connect(database_url)
         .await
         .expect("connect to vacuum");
     // Apart: VACUUM cannot run in the transaction a multi-statement query is.

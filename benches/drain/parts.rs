@@ -60,7 +60,7 @@ pub(super) async fn no_ack_consumer(ch: &lapin::Channel, queue: &str) -> lapin::
 
 /// One commit: a one-row INSERT, autocommitted, on the run's database.
 pub(super) async fn commit_latency(env: &TestEnv, samples: usize) -> Percentiles {
-    let mut conn = PgConnection::connect(&env.database_url)
+    let mut conn = PgConnection::connect(&super::database::plaintext(&env.database_url))
         .await
         .expect("connect for the commit probe");
     conn.execute("CREATE TABLE bench_commit_probe (id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT now())")

@@ -3,17 +3,16 @@
 //! a table (`peer/graphile.mjs`, tuned as its performance page advises). Its
 //! drain runs as onejob's does (a preloaded backlog, the clock from the
 //! worker's start to the last result), and its latency from each job's due
-//! time to its result's commit, at the same offered loads as onejob's.
+//! time to its result's insert, at the same offered loads as onejob's.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use sqlx::{Connection, Executor, PgConnection, PgPool};
 
-use super::database::{Counted, settled_counts};
+use super::database::{Counted, plaintext, settle_after_the_drain, settled_counts};
 use super::worker::Usage;
 use super::{Options, Percentiles, bar, say};
 use crate::common::{TestEnv, pg_base};
@@ -27,8 +26,10 @@ pub struct PeerFigures {
     pub peak_rss_mib: f64,
     pub commits_per_job: f64,
     pub row_writes_per_job: f64,
-    /// Due time → result committed, at each offered load (jobs per second).
+    /// Due time → result, at each offered load (jobs per second).
     pub latency: Vec<(f64, Percentiles)>,
+    /// Due time → `add_job` returned, at each load: the generator's own share.
+    pub add_lag: Vec<Percentiles>,
 }
 
 /// The peer's folder, with its package and lock file.
@@ -71,9 +72,11 @@ impl PeerDatabase {
             name,
         };
         let mut conn = db.connect().await;
+        // `n` counts the results as they come (a sequence moves outside
+        // transactions), so the drain's watcher reads one value, not the table.
         conn.execute(
             "CREATE TABLE peer_results (key text PRIMARY KEY, result jsonb NOT NULL, \
-             finished_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+             finished_at timestamptz NOT NULL DEFAULT clock_timestamp(), n bigserial)",
         )
         .await
         .expect("create peer_results");
@@ -82,9 +85,21 @@ impl PeerDatabase {
     }
 
     async fn connect(&self) -> PgConnection {
-        PgConnection::connect(&self.url)
+        PgConnection::connect(&plaintext(&self.url))
             .await
             .expect("connect to the peer's database")
+    }
+
+    /// How many results have come so far: the sequence's last value, which
+    /// costs the database nothing to read (at most the count of results, as a
+    /// result retried after a conflict would take a second number).
+    async fn results_so_far(&self, conn: &mut PgConnection) -> i64 {
+        sqlx::query_scalar(
+            "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM peer_results_n_seq",
+        )
+        .fetch_one(conn)
+        .await
+        .expect("read the peer's result count")
     }
 
     async fn results(&self, conn: &mut PgConnection, prefix: &str) -> i64 {
@@ -120,7 +135,7 @@ fn node(mode: &str, db: &PeerDatabase, provider: &str, log: &Path) -> Child {
     Command::new("node")
         .arg(folder().join("graphile.mjs"))
         .arg(mode)
-        .env("DATABASE_URL", super::database::plaintext(&db.url))
+        .env("DATABASE_URL", plaintext(&db.url))
         .env("PROVIDER_URL", provider)
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("log handle"))
@@ -181,10 +196,12 @@ pub(super) async fn graphile(
         options.n,
         n / seconds
     ));
-    let mut latency = Vec::new();
+    let (mut latency, mut add_lag) = (Vec::new(), Vec::new());
+    // As for onejob: no autovacuum of the drain's dead rows during the phase.
+    settle_after_the_drain(&db.url).await;
     let worker = node("work", &db, provider, &options.out.join("peer-latency.log"));
     wait_ready(&options.out.join("peer-latency.log")).await;
-    let pool = PgPool::connect(&db.url)
+    let pool = PgPool::connect(&plaintext(&db.url))
         .await
         .expect("the generator's pool");
     for (i, &rate) in loads.iter().enumerate() {
@@ -193,10 +210,9 @@ pub(super) async fn graphile(
             options.latency_seconds
         ));
         let prefix = format!("l{i}-");
-        latency.push((
-            rate,
-            open_loop(&pool, rate, options.latency_seconds, &prefix).await,
-        ));
+        let (measured, lag) = open_loop(&pool, rate, options.latency_seconds, &prefix).await;
+        latency.push((rate, measured));
+        add_lag.push(lag);
     }
     pool.close().await;
     stop(worker).await;
@@ -207,6 +223,7 @@ pub(super) async fn graphile(
         cpu_ms_per_job: usage.cpu_seconds * 1000.0 / n,
         peak_rss_mib: usage.peak_rss_kib as f64 / 1024.0,
         commits_per_job: counted.commits as f64 / n,
+        add_lag,
         row_writes_per_job: counted.row_writes as f64 / n,
         latency,
     }
@@ -222,9 +239,9 @@ async fn drain(db: &PeerDatabase, provider: &str, options: &Options) -> (f64, Us
     let mut conn = db.connect().await;
     let limit = Duration::from_secs(120 + options.n as u64 / 20);
     loop {
-        let done = db.results(&mut conn, "d-").await;
+        let done = db.results_so_far(&mut conn).await;
         progress.set_position(done as u64);
-        if done >= options.n as i64 {
+        if done >= options.n as i64 && db.results(&mut conn, "d-").await >= options.n as i64 {
             break;
         }
         assert!(
@@ -239,8 +256,8 @@ async fn drain(db: &PeerDatabase, provider: &str, options: &Options) -> (f64, Us
     let usage = Usage::of(worker.id());
     conn.close().await.ok();
     stop(worker).await;
-    // The count above read the table: one commit of the benchmark's own each
-    // 50 ms, left in, as onejob's drain has its watcher's reads of nothing.
+    // The watcher's reads of the sequence are in the count: one short
+    // transaction each 50 ms.
     let counted = settled_counts(&db.name).await - before;
     (seconds, usage, counted)
 }
@@ -261,19 +278,37 @@ async fn wait_ready(log: &Path) {
     }
 }
 
+/// The sequence's count of results (see [`PeerDatabase::results_so_far`]).
+async fn results_so_far(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM peer_results_n_seq",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("read the peer's result count")
+}
+
 /// Adds jobs at `rate` per second on a fixed schedule, each with its own
-/// `add_job` call from a pool, and returns each job's latency from its due
-/// time to its result's commit (`clock_timestamp()` on the machine's one
-/// clock).
-async fn open_loop(pool: &PgPool, rate: f64, seconds: u64, prefix: &str) -> Percentiles {
+/// `add_job` call from a pool. Returns each job's latency from its due time
+/// to its result's insert (`clock_timestamp()` on the machine's one clock;
+/// the insert commits on its own, at once), and how late after its due time
+/// each `add_job` returned (the generator's own share).
+async fn open_loop(
+    pool: &PgPool,
+    rate: f64,
+    seconds: u64,
+    prefix: &str,
+) -> (Percentiles, Percentiles) {
     let count = ((rate * seconds as f64) as usize).max(1);
+    let before = results_so_far(pool).await;
     let lead = Duration::from_millis(100);
     let start = tokio::time::Instant::now() + lead;
     let wall = std::time::SystemTime::now() + lead;
     let offset = move |i: usize| Duration::from_secs_f64(i as f64 / rate);
     let mut adds = tokio::task::JoinSet::new();
     for i in 0..count {
-        tokio::time::sleep_until(start + offset(i)).await;
+        let due = start + offset(i);
+        tokio::time::sleep_until(due).await;
         let pool = pool.clone();
         let key = format!("{prefix}{i}");
         adds.spawn(async move {
@@ -282,27 +317,34 @@ async fn open_loop(pool: &PgPool, rate: f64, seconds: u64, prefix: &str) -> Perc
                 .execute(&pool)
                 .await
                 .expect("add a peer job");
+            tokio::time::Instant::now().saturating_duration_since(due)
         });
     }
-    while adds.join_next().await.is_some() {}
+    let mut lags = Vec::with_capacity(count);
+    while let Some(lag) = adds.join_next().await {
+        lags.push(lag.expect("an add_job"));
+    }
+    // Watch the sequence, not the table, until every result is in.
+    let expected = before + count as i64;
+    crate::common::wait_for(
+        "every peer result",
+        Duration::from_secs(seconds * 3 + 60),
+        || async { (results_so_far(pool).await >= expected).then_some(()) },
+    )
+    .await;
+    let rows: Vec<(String, f64)> = sqlx::query_as(
+        "SELECT key, extract(epoch FROM finished_at)::float8 FROM peer_results WHERE key LIKE $1 || '%'",
+    )
+    .bind(prefix)
+    .fetch_all(pool)
+    .await
+    .expect("read the peer's results");
+    assert_eq!(rows.len(), count, "a result for every job added");
     let epoch = |t: std::time::SystemTime| {
         t.duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64())
     };
-    let finished: Arc<Vec<(String, f64)>> = Arc::new(
-        crate::common::wait_for("every peer result", Duration::from_secs(seconds * 3 + 60), || async {
-            let rows: Vec<(String, f64)> = sqlx::query_as(
-                "SELECT key, extract(epoch FROM finished_at)::float8 FROM peer_results WHERE key LIKE $1 || '%'",
-            )
-            .bind(prefix)
-            .fetch_all(pool)
-            .await
-            .expect("read the peer's results");
-            (rows.len() >= count).then_some(rows)
-        })
-        .await,
-    );
-    let times = finished
+    let times = rows
         .iter()
         .filter_map(|(key, at)| {
             let i: usize = key.strip_prefix(prefix)?.parse().ok()?;
@@ -310,5 +352,5 @@ async fn open_loop(pool: &PgPool, rate: f64, seconds: u64, prefix: &str) -> Perc
             Some(Duration::from_secs_f64((at - due).max(0.0)))
         })
         .collect();
-    Percentiles::of(times)
+    (Percentiles::of(times), Percentiles::of(lags))
 }

@@ -213,17 +213,19 @@ impl Report {
         let p = &self.peer;
         let mut rows = format!(
             "| graphile-worker drain: worker start → every result | {:.0} jobs/s ({:.1} s) |\n\
-             | graphile-worker CPU (node) / peak RSS / commits | {:.3} ms per job / {:.1} MiB / {:.3} per job |\n",
+             | graphile-worker CPU (node) / peak RSS / commits / row writes | {:.3} ms per job / {:.1} MiB / {:.3} / {:.2} per job |\n",
             p.drain_jobs_per_s,
             p.drain_seconds,
             p.cpu_ms_per_job,
             p.peak_rss_mib,
-            p.commits_per_job
+            p.commits_per_job,
+            p.row_writes_per_job
         );
-        for (rate, latency) in &p.latency {
+        for ((rate, latency), lag) in p.latency.iter().zip(&p.add_lag) {
             rows.push_str(&format!(
-                "| graphile-worker latency at {rate:.0} jobs/s, due → result, p50 / p99 / p99.9 | {} ms |\n",
-                ms(latency)
+                "| graphile-worker at {rate:.0} jobs/s: due → result p50 / p99 / p99.9; due → add_job returned | {} ms; {} ms |\n",
+                ms(latency),
+                ms(lag)
             ));
         }
         rows

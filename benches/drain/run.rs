@@ -339,7 +339,7 @@ async fn latency_phase(
     loads: &[(f64, &str)],
     options: &Options,
 ) -> (Vec<LoadPhase>, Vec<WorkerStage>, Vec<(String, Percentiles)>) {
-    settle_after_the_drain(env).await;
+    settle_after_the_drain(&env.database_url).await;
     let log = options.out.join("worker-latency.log");
     let mut worker = Worker::start(env, config, &log, Some(free_port()));
     worker.wait_ready().await;

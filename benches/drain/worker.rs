@@ -163,12 +163,15 @@ impl Worker {
     pub fn start(env: &TestEnv, config: &Path, log: &Path, http: Option<u16>) -> Worker {
         let log = std::fs::File::create(log).expect("create the worker log");
         let mut cmd = Command::new(worker_bin());
-        cmd.env("DATABASE_URL", &env.database_url)
-            .env("AMQP_URL", &env.amqp_url)
-            .env("ONEJOB_CONFIG", config)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log handle"))
-            .stderr(log);
+        cmd.env(
+            "DATABASE_URL",
+            super::database::plaintext(&env.database_url),
+        )
+        .env("AMQP_URL", &env.amqp_url)
+        .env("ONEJOB_CONFIG", config)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("log handle"))
+        .stderr(log);
         if let Some(port) = http {
             cmd.arg("--http").arg(format!("127.0.0.1:{port}"));
         }
