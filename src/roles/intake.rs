@@ -111,7 +111,8 @@ async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
 /// the publisher's `traceparent` continues, and without one a trace starts
 /// here. The span is kept only when spans are exported.
 fn intake_span(delivery: &Delivery, new_job: &NewJob) -> (tracing::Span, TraceContext) {
-    let span = if crate::telemetry::exporting() {
+    let parent = TraceContext::from_headers(delivery.properties.headers().as_ref());
+    crate::telemetry::hop(parent.as_ref(), || {
         tracing::info_span!(
             "intake",
             otel.kind = "consumer",
@@ -121,12 +122,7 @@ fn intake_span(delivery: &Delivery, new_job: &NewJob) -> (tracing::Span, TraceCo
             owner_id = %new_job.intent.owner_id,
             operation = %new_job.intent.operation,
         )
-    } else {
-        tracing::Span::none()
-    };
-    let parent = TraceContext::from_headers(delivery.properties.headers().as_ref());
-    let trace = crate::telemetry::hop(&span, parent.as_ref());
-    (span, trace)
+    })
 }
 
 /// How many fresh copies of one valid intent are made at most. A valid intent

@@ -169,31 +169,39 @@ fn program_name() -> String {
 
 /// Whether this process exports spans: a hop makes its span only then, so
 /// that without an OTLP endpoint a span costs nothing.
-pub fn exporting() -> bool {
+fn exporting() -> bool {
     EXPORTING.get().is_some()
 }
 
-/// The trace context a hop passes on. When spans are exported, `span` becomes
-/// the hop's span: a child of `parent` (or the root of a new trace), and the
-/// context names it. Otherwise the context names a fresh span id in
-/// `parent`'s trace, or starts a trace. Either way the state of `parent`
+/// A hop's span and the trace context it passes on. When spans are
+/// exported, `span` makes the hop's span: a child of `parent` (or the root of
+/// a new trace), and the context names it. Otherwise no span is made
+/// (`Span::none()`, which costs nothing) and the context names a fresh span id
+/// in `parent`'s trace, or starts a trace. Either way the state of `parent`
 /// travels on unchanged.
-pub fn hop(span: &tracing::Span, parent: Option<&TraceContext>) -> TraceContext {
-    if exporting() {
-        if let Some(parent) = parent {
-            let _ = span.set_parent(remote(parent));
-        }
-        let own = span.context().span().span_context().clone();
-        if own.is_valid() {
-            return TraceContext {
-                trace_id: own.trace_id().to_bytes(),
-                span_id: own.span_id().to_bytes(),
-                flags: own.trace_flags().to_u8(),
-                state: parent.and_then(|p| p.state.clone()),
-            };
-        }
+pub fn hop(
+    parent: Option<&TraceContext>,
+    span: impl FnOnce() -> tracing::Span,
+) -> (tracing::Span, TraceContext) {
+    if !exporting() {
+        return (tracing::Span::none(), TraceContext::child_or_root(parent));
     }
-    TraceContext::child_or_root(parent)
+    let span = span();
+    if let Some(parent) = parent {
+        let _ = span.set_parent(remote(parent));
+    }
+    let own = span.context().span().span_context().clone();
+    let trace = if own.is_valid() {
+        TraceContext {
+            trace_id: own.trace_id().to_bytes(),
+            span_id: own.span_id().to_bytes(),
+            flags: own.trace_flags().to_u8(),
+            state: parent.and_then(|p| p.state.clone()),
+        }
+    } else {
+        TraceContext::child_or_root(parent)
+    };
+    (span, trace)
 }
 
 /// A context from another process, as OpenTelemetry's parent.

@@ -150,16 +150,6 @@ pub(super) async fn create_job(State(gateway): State<Arc<Gateway>>, request: Req
 /// the caller's `traceparent` continues, and without a valid one a trace
 /// starts here. The span is kept only when spans are exported.
 fn gateway_span(headers: &HeaderMap, intent: &Intent) -> (tracing::Span, TraceContext) {
-    let span = if onejob::telemetry::exporting() {
-        tracing::info_span!(
-            "create job",
-            otel.kind = "server",
-            owner_id = %intent.owner_id,
-            operation = %intent.operation,
-        )
-    } else {
-        tracing::Span::none()
-    };
     // Several `tracestate` lines are one list, joined as HTTP joins them.
     let state: Option<Vec<&str>> = headers
         .get_all(onejob::trace::TRACESTATE)
@@ -171,6 +161,12 @@ fn gateway_span(headers: &HeaderMap, intent: &Intent) -> (tracing::Span, TraceCo
         .get(onejob::trace::TRACEPARENT)
         .and_then(|v| v.to_str().ok())
         .and_then(|p| TraceContext::parse(p, state.as_deref()));
-    let trace = onejob::telemetry::hop(&span, parent.as_ref());
-    (span, trace)
+    onejob::telemetry::hop(parent.as_ref(), || {
+        tracing::info_span!(
+            "create job",
+            otel.kind = "server",
+            owner_id = %intent.owner_id,
+            operation = %intent.operation,
+        )
+    })
 }

@@ -73,9 +73,9 @@ impl Consumer {
             drop(slot);
             return self.not_started(delivery, &message).await;
         };
-        // The attempt's span (kept only when spans are exported): a child of
-        // the job's, as its message names it.
-        let span = if crate::telemetry::exporting() {
+        // The attempt's span: a child of the job's, as its message names it.
+        let parent = TraceContext::from_headers(delivery.properties.headers().as_ref());
+        let (span, trace) = crate::telemetry::hop(parent.as_ref(), || {
             tracing::info_span!(
                 "attempt",
                 otel.kind = "client",
@@ -83,11 +83,7 @@ impl Consumer {
                 job_id = %started.job_id,
                 provider = %self.client.provider().name,
             )
-        } else {
-            tracing::Span::none()
-        };
-        let parent = TraceContext::from_headers(delivery.properties.headers().as_ref());
-        let trace = crate::telemetry::hop(&span, parent.as_ref());
+        });
         let finished = crate::metrics::timed(
             "attempt_call",
             call(&self.ctx.config, &self.client, &started, &trace).instrument(span),
