@@ -90,18 +90,6 @@ impl PeerDatabase {
             .expect("connect to the peer's database")
     }
 
-    /// How many results have come so far: the sequence's last value, which
-    /// costs the database nothing to read (at most the count of results, as a
-    /// result retried after a conflict would take a second number).
-    async fn results_so_far(&self, conn: &mut PgConnection) -> i64 {
-        sqlx::query_scalar(
-            "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM peer_results_n_seq",
-        )
-        .fetch_one(conn)
-        .await
-        .expect("read the peer's result count")
-    }
-
     async fn results(&self, conn: &mut PgConnection, prefix: &str) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM peer_results WHERE key LIKE $1 || '%'")
             .bind(prefix)
@@ -239,7 +227,7 @@ async fn drain(db: &PeerDatabase, provider: &str, options: &Options) -> (f64, Us
     let mut conn = db.connect().await;
     let limit = Duration::from_secs(120 + options.n as u64 / 20);
     loop {
-        let done = db.results_so_far(&mut conn).await;
+        let done = results_so_far(&mut conn).await;
         progress.set_position(done as u64);
         if done >= options.n as i64 && db.results(&mut conn, "d-").await >= options.n as i64 {
             break;
@@ -278,12 +266,14 @@ async fn wait_ready(log: &Path) {
     }
 }
 
-/// The sequence's count of results (see [`PeerDatabase::results_so_far`]).
-async fn results_so_far(pool: &PgPool) -> i64 {
+/// How many results have come so far: the sequence's last value, which costs
+/// the database nothing to read (at most the count of results, as a result
+/// retried after a conflict would take a second number).
+async fn results_so_far<'e>(db: impl sqlx::PgExecutor<'e>) -> i64 {
     sqlx::query_scalar(
         "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM peer_results_n_seq",
     )
-    .fetch_one(pool)
+    .fetch_one(db)
     .await
     .expect("read the peer's result count")
 }
