@@ -1,4 +1,4 @@
-//! All SQL lives here, one file per aggregate: `jobs` (admission, views,
+//! All SQL lives here, one file per aggregate: `admission`, `jobs` (views,
 //! cancellation), `settle` (starting and settling attempts), `outbox`, `sweeps`
 //! (what the reconciler asks), `tokens`, `qualifications` and `gauges`. What
 //! they share has files of its own: `error` (failures and refusals), `drafts`
@@ -37,6 +37,7 @@ use crate::token::Token;
 /// The migrations, embedded in every binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
+mod admission;
 mod audit;
 mod connect;
 mod console;

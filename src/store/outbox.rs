@@ -157,17 +157,17 @@ impl Store {
 }
 
 /// The drafts as the column arrays the insert statements unnest.
-struct OutboxColumns {
-    exchanges: Vec<String>,
-    routing_keys: Vec<String>,
-    message_ids: Vec<String>,
-    bodies: Vec<Value>,
+pub(super) struct OutboxColumns {
+    pub(super) exchanges: Vec<String>,
+    pub(super) routing_keys: Vec<String>,
+    pub(super) message_ids: Vec<String>,
+    pub(super) bodies: Vec<Value>,
     not_before: Vec<Option<DateTime<Utc>>>,
     job_ids: Vec<Uuid>,
 }
 
 impl OutboxColumns {
-    fn of(drafts: &[OutboxDraft]) -> Self {
+    pub(super) fn of(drafts: &[OutboxDraft]) -> Self {
         OutboxColumns {
             exchanges: drafts.iter().map(|d| d.exchange.clone()).collect(),
             routing_keys: drafts.iter().map(|d| d.routing_key.clone()).collect(),
@@ -180,20 +180,20 @@ impl OutboxColumns {
 }
 
 /// A row the insert statements return.
-struct InsertedRow {
-    id: i64,
-    exchange: String,
-    routing_key: String,
-    message_id: String,
-    body: Value,
-    traceparent: Option<String>,
-    tracestate: Option<String>,
-    leased: bool,
+pub(super) struct InsertedRow {
+    pub(super) id: i64,
+    pub(super) exchange: String,
+    pub(super) routing_key: String,
+    pub(super) message_id: String,
+    pub(super) body: Value,
+    pub(super) traceparent: Option<String>,
+    pub(super) tracestate: Option<String>,
+    pub(super) leased: bool,
 }
 
 /// Rows without a not-before time are leased to their writer and handed back for
 /// immediate publishing; the relay publishes the others when due.
-fn leased(rows: Vec<InsertedRow>) -> Vec<OutboxMessage> {
+pub(super) fn leased(rows: Vec<InsertedRow>) -> Vec<OutboxMessage> {
     rows.into_iter()
         .filter(|r| r.leased)
         .map(|r| OutboxMessage {

@@ -1,0 +1,341 @@
+//! Admission: validated intents become jobs, each with its first attempt and
+//! that attempt's outbox row; identity is decided by the UNIQUE constraint.
+
+use super::outbox::{InsertedRow, OutboxColumns, leased};
+use super::*;
+
+impl Store {
+    /// Turns validated intents into jobs. Identity is decided by the UNIQUE
+    /// constraint through `INSERT … ON CONFLICT DO NOTHING`, never by a check first;
+    /// the job, its first attempt and the attempt's outbox row commit together.
+    pub async fn admit(&self, batch: &[NewJob]) -> Result<Vec<Admission>> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.retrying(|| self.admit_once(batch)).await
+    }
+
+    async fn admit_once(&self, batch: &[NewJob]) -> Result<Vec<Admission>> {
+        // Rows are inserted in identity order, so that batches which overlap take
+        // their locks in one order and do not deadlock; within a batch, the first
+        // intent of an identity stays first (the sort is stable).
+        let mut sorted: Vec<&NewJob> = batch.iter().collect();
+        sorted.sort_by(|a, b| {
+            (&a.intent.owner_id, &a.intent.idempotency_key)
+                .cmp(&(&b.intent.owner_id, &b.intent.idempotency_key))
+        });
+        // One statement, so one round trip and its own transaction: a lone
+        // intent pays one commit, with no BEGIN and COMMIT of their own.
+        let drafts: Vec<OutboxDraft> = sorted
+            .iter()
+            .map(|n| {
+                self.routes
+                    .attempt_draft(n.attempt_id, n.job_id, &n.provider, None)
+            })
+            .collect();
+        let job_by_message: HashMap<&str, Uuid> = drafts
+            .iter()
+            .map(|d| (d.message_id.as_str(), d.job_id.0))
+            .collect();
+        let mut publish_by_job: HashMap<Uuid, OutboxMessage> = HashMap::new();
+        for message in self.insert_new(&sorted, &drafts).await? {
+            let job = *job_by_message
+                .get(message.message_id.as_str())
+                .ok_or_else(|| {
+                    corrupt(format!(
+                        "an outbox row for no new job: {}",
+                        message.message_id
+                    ))
+                })?;
+            publish_by_job.insert(job, message);
+        }
+        // After the insert has committed: its snapshot sees every identity,
+        // those a concurrent admission committed while the insert waited on
+        // the conflict included.
+        let existing = existing_identities(&self.pool, batch).await?;
+        self.recover_unseen(batch, &existing, &mut publish_by_job)
+            .await?;
+        receipts(batch, publish_by_job, &existing)
+    }
+
+    /// A job that bears this batch's own id was created by an earlier run of
+    /// [`Store::admit_once`] whose commit went through unseen (the connection
+    /// dropped before the insert's reply, and `retrying` ran it again): it is still `created`,
+    /// with the outbox row that run wrote.
+    async fn recover_unseen(
+        &self,
+        batch: &[NewJob],
+        existing: &HashMap<(String, String), (Uuid, String)>,
+        publish_by_job: &mut HashMap<Uuid, OutboxMessage>,
+    ) -> Result<()> {
+        let unseen: Vec<String> = batch
+            .iter()
+            .filter(|n| {
+                !publish_by_job.contains_key(&n.job_id.0)
+                    && existing
+                        .get(&(n.intent.owner_id.clone(), n.intent.idempotency_key.clone()))
+                        .is_some_and(|(id, _)| *id == n.job_id.0)
+            })
+            .map(|n| n.attempt_id.to_string())
+            .collect();
+        if !unseen.is_empty() {
+            let by_attempt: HashMap<String, OutboxMessage> = sqlx::query_as!(
+                OutboxMessage,
+                "SELECT id, exchange, routing_key, message_id, body, traceparent, tracestate
+                 FROM outbox WHERE message_id = ANY($1)",
+                &unseen,
+            )
+            .fetch_all(&self.pool)
+            .await?
+            .into_iter()
+            .map(|m| (m.message_id.clone(), m))
+            .collect();
+            for n in batch {
+                if let Some(m) = by_attempt.get(&n.attempt_id.to_string()) {
+                    publish_by_job.insert(n.job_id.0, m.clone());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Store {
+    /// Inserts the jobs that are new, each with its first attempt and that
+    /// attempt's outbox row (`drafts`, one per intent, in `sorted`'s order), in
+    /// one statement; returns the outbox rows written, leased for publishing.
+    /// The trace context comes from the input, not from `jobs`: a statement does
+    /// not see the rows its own parts insert.
+    async fn insert_new(
+        &self,
+        sorted: &[&NewJob],
+        drafts: &[OutboxDraft],
+    ) -> Result<Vec<OutboxMessage>> {
+        let job_ids: Vec<Uuid> = sorted.iter().map(|n| n.job_id.0).collect();
+        let owners: Vec<String> = sorted.iter().map(|n| n.intent.owner_id.clone()).collect();
+        let keys: Vec<String> = sorted
+            .iter()
+            .map(|n| n.intent.idempotency_key.clone())
+            .collect();
+        let fingerprints: Vec<String> = sorted.iter().map(|n| n.fingerprint.0.clone()).collect();
+        let operations: Vec<String> = sorted.iter().map(|n| n.intent.operation.clone()).collect();
+        let inputs: Vec<Value> = sorted
+            .iter()
+            .map(|n| Value::Object(n.intent.input.clone()))
+            .collect();
+        let pinned: Vec<Option<String>> =
+            sorted.iter().map(|n| n.intent.provider.clone()).collect();
+        let attempt_ids: Vec<Uuid> = sorted.iter().map(|n| n.attempt_id.0).collect();
+        let providers: Vec<String> = sorted.iter().map(|n| n.provider.clone()).collect();
+        let traces: Vec<Option<&crate::trace::TraceContext>> =
+            sorted.iter().map(|n| n.trace.as_ref()).collect();
+        let traceparents: Vec<Option<String>> = traces
+            .iter()
+            .map(|t| t.map(crate::trace::TraceContext::traceparent))
+            .collect();
+        let tracestates: Vec<Option<String>> = traces
+            .iter()
+            .map(|t| t.and_then(|t| t.state.clone()))
+            .collect();
+        let outbox = OutboxColumns::of(drafts);
+        let rows = sqlx::query_as!(
+                    InsertedRow,
+                    r#"WITH input AS (
+                         SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
+                                              $6::jsonb[], $7::text[], $8::uuid[], $9::text[],
+                                              $10::text[], $11::text[], $12::text[], $13::text[],
+                                              $14::text[], $15::jsonb[])
+                             WITH ORDINALITY
+                             AS t(job_id, owner_id, idempotency_key, fingerprint, operation, input,
+                                  pinned, attempt_id, provider, traceparent, tracestate,
+                                  exchange, routing_key, message_id, body, position)
+                     ), new_jobs AS (
+                         INSERT INTO jobs (id, owner_id, idempotency_key, request_fingerprint,
+                                           operation, input, provider, traceparent, tracestate)
+                         SELECT job_id, owner_id, idempotency_key, fingerprint, operation, input,
+                                pinned, traceparent, tracestate
+                         FROM input ORDER BY position
+                         ON CONFLICT (owner_id, idempotency_key) DO NOTHING
+                         RETURNING id
+                     ), new_attempts AS (
+                         INSERT INTO attempts (id, job_id, number, provider)
+                         SELECT i.attempt_id, i.job_id, 1, i.provider
+                         FROM input i JOIN new_jobs n ON n.id = i.job_id
+                         RETURNING job_id
+                     )
+                     INSERT INTO outbox (exchange, routing_key, message_id, body, not_before,
+                                         lease_until, traceparent, tracestate)
+                     SELECT i.exchange, i.routing_key, i.message_id, i.body, now(),
+                            now() + make_interval(secs => $16), i.traceparent, i.tracestate
+                     FROM input i JOIN new_attempts a ON a.job_id = i.job_id
+                     ORDER BY i.position
+                     RETURNING id, exchange, routing_key, message_id, body, traceparent,
+                               tracestate, lease_until IS NOT NULL AS "leased!""#,
+                    &job_ids,
+                    &owners,
+                    &keys,
+                    &fingerprints,
+                    &operations,
+                    &inputs,
+                    &pinned as &[Option<String>],
+                    &attempt_ids,
+                    &providers,
+                    &traceparents as &[Option<String>],
+                    &tracestates as &[Option<String>],
+                    &outbox.exchanges,
+                    &outbox.routing_keys,
+                    &outbox.message_ids,
+                    &outbox.bodies,
+                    self.routes.lease.as_secs_f64(),
+                )
+                .fetch_all(&self.pool)
+                .await?;
+        Ok(leased(rows))
+    }
+}
+
+/// The jobs that hold the batch's identities now: `(owner, key) → (job,
+/// fingerprint)`, read after the insert: a fresh snapshot, so it sees rows
+/// that a concurrent admission committed while the insert waited on the
+/// conflict.
+async fn existing_identities(
+    pool: &PgPool,
+    batch: &[NewJob],
+) -> Result<HashMap<(String, String), (Uuid, String)>> {
+    let owners: Vec<String> = batch.iter().map(|n| n.intent.owner_id.clone()).collect();
+    let keys: Vec<String> = batch
+        .iter()
+        .map(|n| n.intent.idempotency_key.clone())
+        .collect();
+    Ok(sqlx::query!(
+        "SELECT j.owner_id, j.idempotency_key, j.id, j.request_fingerprint
+         FROM jobs j
+         JOIN unnest($1::text[], $2::text[]) AS i(owner_id, idempotency_key)
+           ON j.owner_id = i.owner_id AND j.idempotency_key = i.idempotency_key",
+        &owners,
+        &keys,
+    )
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .map(|r| {
+        (
+            (r.owner_id, r.idempotency_key),
+            (r.id, r.request_fingerprint),
+        )
+    })
+    .collect())
+}
+
+/// Each intent's admission, in batch order: created (with its outbox row),
+/// a duplicate of the job that holds its identity with the same fingerprint,
+/// or a conflict with one that holds it with another.
+fn receipts(
+    batch: &[NewJob],
+    mut publish_by_job: HashMap<Uuid, OutboxMessage>,
+    existing: &HashMap<(String, String), (Uuid, String)>,
+) -> Result<Vec<Admission>> {
+    batch
+        .iter()
+        .map(|n| {
+            if let Some(publish) = publish_by_job.remove(&n.job_id.0) {
+                return Ok(Admission::Created {
+                    job_id: n.job_id,
+                    publish,
+                });
+            }
+            let key = (n.intent.owner_id.clone(), n.intent.idempotency_key.clone());
+            match existing.get(&key) {
+                Some((id, fp)) if *fp == n.fingerprint.0 => {
+                    Ok(Admission::Duplicate { job_id: JobId(*id) })
+                }
+                Some(_) => Ok(Admission::Conflict),
+                None => Err(corrupt(format!(
+                    "job for owner {:?} key {:?} neither inserted nor found",
+                    n.intent.owner_id, n.intent.idempotency_key
+                ))),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn new_job(owner: &str, key: &str, text: &str) -> NewJob {
+        let intent = Intent {
+            owner_id: owner.into(),
+            idempotency_key: key.into(),
+            operation: "summarize".into(),
+            input: serde_json::json!({ "text": text })
+                .as_object()
+                .cloned()
+                .unwrap(),
+            provider: None,
+        };
+        NewJob {
+            job_id: JobId::new(),
+            attempt_id: AttemptId::new(),
+            fingerprint: intent.fingerprint(),
+            intent,
+            provider: "primary".into(),
+            trace: None,
+        }
+    }
+
+    fn message(id: i64) -> OutboxMessage {
+        OutboxMessage {
+            id,
+            traceparent: None,
+            tracestate: None,
+            exchange: "onejob".into(),
+            routing_key: "attempts.primary".into(),
+            message_id: id.to_string(),
+            body: Value::Null,
+        }
+    }
+
+    #[test]
+    fn receipts_follow_the_batch_order_and_the_identity_holder() {
+        let created = new_job("a", "k1", "x");
+        let same = new_job("a", "k2", "x");
+        let changed = new_job("a", "k3", "y");
+        let holder = (JobId::new().0, same.fingerprint.0.clone());
+        let other = (JobId::new().0, "another fingerprint".to_owned());
+        let existing = HashMap::from([
+            (
+                ("a".to_owned(), "k1".to_owned()),
+                (created.job_id.0, created.fingerprint.0.clone()),
+            ),
+            (("a".to_owned(), "k2".to_owned()), holder.clone()),
+            (("a".to_owned(), "k3".to_owned()), other),
+        ]);
+        let published = HashMap::from([(created.job_id.0, message(1))]);
+        let batch = [changed, created.clone(), same];
+        let out = receipts(&batch, published, &existing).unwrap();
+        assert_eq!(out[0], Admission::Conflict);
+        assert_eq!(
+            out[1],
+            Admission::Created {
+                job_id: created.job_id,
+                publish: message(1)
+            }
+        );
+        assert_eq!(
+            out[2],
+            Admission::Duplicate {
+                job_id: JobId(holder.0)
+            }
+        );
+    }
+
+    #[test]
+    fn an_identity_neither_inserted_nor_found_is_an_error_not_a_receipt() {
+        let lost = new_job("a", "k", "x");
+        assert!(matches!(
+            receipts(&[lost], HashMap::new(), &HashMap::new()),
+            Err(StoreError::Corrupt(_))
+        ));
+    }
+}
