@@ -14,7 +14,7 @@ use sqlx::{Connection, Executor, PgConnection, PgPool};
 
 use super::database::{Counted, plaintext, settle_after_the_drain, settled_counts};
 use super::worker::Usage;
-use super::{Options, Percentiles, bar, say};
+use super::{CpuClock, CpuPerJob, Options, Percentiles, bar, say};
 use crate::common::{TestEnv, pg_base};
 
 /// What the peer did, in the same units as onejob's figures.
@@ -23,6 +23,8 @@ pub struct PeerFigures {
     pub drain_jobs_per_s: f64,
     pub drain_seconds: f64,
     pub cpu_ms_per_job: f64,
+    /// The machine's CPU per job while it drained, by program.
+    pub cpu: CpuPerJob,
     pub peak_rss_mib: f64,
     pub commits_per_job: f64,
     pub row_writes_per_job: f64,
@@ -177,7 +179,7 @@ pub(super) async fn graphile(
     .await
     .expect("preload the peer's backlog");
     conn.close().await.ok();
-    let (seconds, usage, counted) = drain(&db, provider, options).await;
+    let (seconds, usage, counted, cpu) = drain(&db, provider, options).await;
     let n = options.n as f64;
     say(&format!(
         "graphile-worker drained {} jobs in {seconds:.1} s: {:.0} jobs/s",
@@ -209,6 +211,7 @@ pub(super) async fn graphile(
         drain_jobs_per_s: n / seconds,
         drain_seconds: seconds,
         cpu_ms_per_job: usage.cpu_seconds * 1000.0 / n,
+        cpu,
         peak_rss_mib: usage.peak_rss_kib as f64 / 1024.0,
         commits_per_job: counted.commits as f64 / n,
         add_lag,
@@ -218,9 +221,15 @@ pub(super) async fn graphile(
 }
 
 /// The peer's drain: the clock from the worker's start to its last result;
-/// what the node process used, and the database's commits meanwhile.
-async fn drain(db: &PeerDatabase, provider: &str, options: &Options) -> (f64, Usage, Counted) {
+/// what the node process used, the database's commits meanwhile, and the
+/// machine's CPU by program.
+async fn drain(
+    db: &PeerDatabase,
+    provider: &str,
+    options: &Options,
+) -> (f64, Usage, Counted, CpuPerJob) {
     let before = settled_counts(&db.name).await;
+    let cpu_before = CpuClock::now();
     let started = Instant::now();
     let worker = node("work", db, provider, &options.out.join("peer-drain.log"));
     let progress = bar(options.n as u64, "graphile-worker draining");
@@ -240,6 +249,7 @@ async fn drain(db: &PeerDatabase, provider: &str, options: &Options) -> (f64, Us
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let seconds = started.elapsed().as_secs_f64();
+    let cpu = CpuClock::now().since(&cpu_before, options.n);
     progress.finish_and_clear();
     let usage = Usage::of(worker.id());
     conn.close().await.ok();
@@ -247,7 +257,7 @@ async fn drain(db: &PeerDatabase, provider: &str, options: &Options) -> (f64, Us
     // The watcher's reads of the sequence are in the count: one short
     // transaction each 50 ms.
     let counted = settled_counts(&db.name).await - before;
-    (seconds, usage, counted)
+    (seconds, usage, counted, cpu)
 }
 
 /// Waits until graphile-worker says it is looking for jobs.

@@ -58,6 +58,8 @@ pub struct Report {
     pub messages_per_job: usize,
     pub drain_over_broker: f64,
     pub worker_cpu_ms_per_job: f64,
+    /// The machine's CPU per job during the drain, by program.
+    pub drain_cpu: super::CpuPerJob,
     pub worker_peak_rss_mib: f64,
     /// Mean intents per intake statement, attempts per claim and per settling
     /// transaction, from the worker's `/metrics`.
@@ -213,13 +215,15 @@ impl Report {
         let p = &self.peer;
         let mut rows = format!(
             "| graphile-worker drain: worker start → every result | {:.0} jobs/s ({:.1} s) |\n\
-             | graphile-worker CPU (node) / peak RSS / commits / row writes | {:.3} ms per job / {:.1} MiB / {:.3} / {:.2} per job |\n",
+             | graphile-worker CPU (node) / peak RSS / commits / row writes | {:.3} ms per job / {:.1} MiB / {:.3} / {:.2} per job |\n\
+             | the machine's CPU per job while graphile-worker drained, by program | {} |\n",
             p.drain_jobs_per_s,
             p.drain_seconds,
             p.cpu_ms_per_job,
             p.peak_rss_mib,
             p.commits_per_job,
-            p.row_writes_per_job
+            p.row_writes_per_job,
+            p.cpu.line()
         );
         for ((rate, latency), lag) in p.latency.iter().zip(&p.add_lag) {
             rows.push_str(&format!(
@@ -256,6 +260,7 @@ impl Report {
              | commits (pg_stat_database) | {} ({:.3} per job) |\n\
              | row writes (inserted, updated, deleted) | {:.2} per job |\n\
              | worker CPU | {:.3} ms per job |\n\
+             | the machine's CPU per job while draining, by program | {} |\n\
              | worker peak RSS | {:.1} MiB |\n\
              | mean batch: intake / claim / settle | {:.1} / {:.1} / {:.1} |\n\
              | broker hop (publish, confirm, delivery) p50 / p99 / p99.9 | {} ms |\n\
@@ -269,6 +274,7 @@ impl Report {
             self.commits_per_job,
             self.row_writes_per_job,
             self.worker_cpu_ms_per_job,
+            self.drain_cpu.line(),
             self.worker_peak_rss_mib,
             self.intake_batch_mean,
             self.claim_batch_mean,
@@ -285,6 +291,11 @@ impl Report {
                 ms(&phase.latency),
                 ms(&phase.publish_lag),
                 phase.worker_cpu_ms_per_job
+            ));
+            md.push_str(&format!(
+                "| at {:.0} intents/s: the machine's CPU per job, by program | {} |\n",
+                phase.rate_per_s,
+                phase.cpu.line()
             ));
         }
         md.push_str(&self.peer_rows());

@@ -27,9 +27,11 @@
 //!
 //! The steps live beside this file: `parts`, `pgbench`, `load` (the backlog,
 //! the generator and the events), `worker` (the process and its metrics),
-//! `database` (what the run's database counted), `peer` (graphile-worker, with
+//! `database` (what the run's database counted), `cores` (the machine's CPU
+//! by program), `peer` (graphile-worker, with
 //! its script in `peer/`) and `report`.
 
+mod cores;
 mod database;
 mod load;
 mod parts;
@@ -47,6 +49,7 @@ use onejob::mock::{MockHandle, MockOptions};
 use onejob_producer::Producer;
 
 use crate::common::{TestEnv, config, mock};
+pub use cores::{CpuClock, CpuPerJob};
 use database::{backlog_jobs, counts, settle_after_the_drain, settled_counts};
 use load::{preload, stages};
 use parts::{broker_ceiling, call_latency, commit_latency, hop_latency};
@@ -160,6 +163,7 @@ pub async fn drain(options: &Options) -> Report {
         messages_per_job: MESSAGES_PER_JOB,
         drain_over_broker: drain_jobs_per_s * MESSAGES_PER_JOB as f64 / ceiling,
         worker_cpu_ms_per_job: drained.usage.cpu_seconds * 1000.0 / options.n as f64,
+        drain_cpu: drained.cpu,
         worker_peak_rss_mib: drained.usage.peak_rss_kib as f64 / 1024.0,
         intake_batch_mean: drained.batches[0],
         claim_batch_mean: drained.batches[1],
@@ -224,6 +228,8 @@ async fn parts(
 struct Drained {
     seconds: f64,
     usage: Usage,
+    /// The machine's CPU per job, by program.
+    cpu: CpuPerJob,
     /// Mean intake, claim and settle batch sizes.
     batches: [f64; 3],
     intents_created: u64,
@@ -252,6 +258,7 @@ async fn drain_backlog(
     let before = settled_counts(&env.name).await;
     let calls_before = provider.stats.requests();
     let log = options.out.join("worker-drain.log");
+    let cpu_before = CpuClock::now();
     let started = Instant::now();
     let mut worker = Worker::start(env, config, &log, Some(free_port()));
     let progress = bar(options.n as u64, "draining");
@@ -279,6 +286,7 @@ async fn drain_backlog(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let seconds = started.elapsed().as_secs_f64();
+    let cpu = CpuClock::now().since(&cpu_before, options.n);
     progress.finish_and_clear();
     let usage = worker.usage();
     let metrics = worker.metrics().await;
@@ -301,6 +309,7 @@ async fn drain_backlog(
     Drained {
         seconds,
         usage,
+        cpu,
         batches,
         intents_created,
         intents_duplicate,
@@ -323,6 +332,8 @@ pub struct LoadPhase {
     pub publish_lag: Percentiles,
     /// The worker's CPU time over the phase, per job.
     pub worker_cpu_ms_per_job: f64,
+    /// The machine's CPU over the phase, per job, by program.
+    pub cpu: CpuPerJob,
 }
 
 /// The latency phase: a fresh worker, and intents published on a fixed
@@ -351,6 +362,7 @@ async fn latency_phase(
             options.latency_seconds
         ));
         let before = worker.usage().cpu_seconds;
+        let cpu_before = CpuClock::now();
         let measured = open_loop(
             producer.clone(),
             events,
@@ -361,6 +373,7 @@ async fn latency_phase(
         .await;
         let cpu = worker.usage().cpu_seconds - before;
         phases.push(LoadPhase {
+            cpu: CpuClock::now().since(&cpu_before, measured.latency.samples),
             rate_per_s: rate,
             worker_cpu_ms_per_job: cpu * 1000.0 / measured.latency.samples.max(1) as f64,
             latency: measured.latency,

@@ -10,12 +10,18 @@ use serde::Serialize;
 use crate::common::TestEnv;
 
 /// The worker binary next to the `onejob` binary cargo built for this target
-/// (debug for the smoke test, release for the benchmark).
+/// (debug for the smoke test, release for the benchmark), or the one
+/// `ONEJOB_BENCH_WORKER` names (to compare two builds on one machine).
 fn worker_bin() -> PathBuf {
-    let bin = Path::new(env!("CARGO_BIN_EXE_onejob"))
-        .parent()
-        .expect("binary folder")
-        .join("onejob-worker");
+    let bin = std::env::var_os("ONEJOB_BENCH_WORKER").map_or_else(
+        || {
+            Path::new(env!("CARGO_BIN_EXE_onejob"))
+                .parent()
+                .expect("binary folder")
+                .join("onejob-worker")
+        },
+        PathBuf::from,
+    );
     assert!(
         bin.exists(),
         "{} is missing: build it first (scripts/bench-drain does; \
@@ -247,7 +253,7 @@ impl Drop for Worker {
     }
 }
 
-fn clock_ticks() -> f64 {
+pub(super) fn clock_ticks() -> f64 {
     Command::new("getconf")
         .arg("CLK_TCK")
         .output()
