@@ -85,7 +85,7 @@ async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
             "postgres: ok\nrabbitmq: down\n"
         )
     );
-    ctx.store.pool().close().await;
+    ctx.store.close().await;
     let (status, text) = get("/readyz").await;
     assert_eq!(
         (status, text.as_str()),

@@ -223,7 +223,7 @@ async fn a_worker_starts_through_replies_lost_at_its_start() {
         .await
         .unwrap();
     assert_eq!(applied, onejob::store::MIGRATOR.iter().count() as i64);
-    ctx.store.pool().close().await;
+    ctx.store.close().await;
 }
 
 /// An operator's resolve or cancel whose commit reply was lost is reported

@@ -492,7 +492,7 @@ async fn a_pruning_batch_reads_no_table_whole() {
     let env = TestEnv::new(&config).await;
     // Every connection that wrote is closed before the counters are read: a
     // backend reports its counts when it exits (else up to ten seconds late).
-    env.store.pool().close().await;
+    env.store.close().await;
     let mut db = sqlx::PgConnection::connect(&env.database_url)
         .await
         .unwrap();
@@ -538,7 +538,7 @@ async fn a_pruning_batch_reads_no_table_whole() {
         .await
         .unwrap();
     assert_eq!(pass.pruned.jobs, 1000);
-    store.pool().close().await;
+    store.close().await;
     let after = scans(&env.database_url, jobs, attempts, 1000).await;
     assert_eq!(
         after, before,

@@ -7,8 +7,11 @@
 
 use serde::Serialize;
 
+/// Whether a process name is one program's.
+type Named = fn(&str) -> bool;
+
 /// The programs told apart, by their process names.
-const PROGRAMS: [(&str, fn(&str) -> bool); 5] = [
+const PROGRAMS: [(&str, Named); 5] = [
     ("postgres", |comm| comm == "postgres"),
     ("rabbitmq", |comm| {
         comm.starts_with("beam") || comm == "erl_child_setup" || comm == "inet_gethost"

@@ -65,7 +65,7 @@ pub(super) async fn pgbench(
     .await
     .expect("connect the pgbench database");
     store.migrate().await.expect("migrate the pgbench database");
-    store.pool().close().await;
+    store.close().await;
     let script = options.out.join("pgbench-job.sql");
     std::fs::write(&script, PGBENCH_JOB).expect("write the pgbench script");
     let out = Command::new("pgbench")

@@ -254,7 +254,7 @@ async fn drain_backlog(
     options: &Options,
 ) -> Drained {
     // Only the worker touches the run's database from here on.
-    env.store.pool().close().await;
+    env.store.close().await;
     let before = settled_counts(&env.name).await;
     let calls_before = provider.stats.requests();
     let log = options.out.join("worker-drain.log");

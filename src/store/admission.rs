@@ -52,7 +52,7 @@ impl Store {
         // After the insert has committed: its snapshot sees every identity,
         // those a concurrent admission committed while the insert waited on
         // the conflict included.
-        let existing = existing_identities(&self.pool, batch).await?;
+        let existing = existing_identities(&self.per_job, batch).await?;
         self.recover_unseen(batch, &existing, &mut publish_by_job)
             .await?;
         receipts(batch, publish_by_job, &existing)
@@ -188,7 +188,7 @@ impl Store {
                     &outbox.bodies,
                     self.routes.lease.as_secs_f64(),
                 )
-                .fetch_all(&self.pool)
+                .fetch_all(&self.per_job)
                 .await?;
         Ok(leased(rows))
     }

@@ -123,6 +123,10 @@ pub struct HedgeCandidate {
 #[derive(Clone, Debug)]
 pub struct Store {
     pool: PgPool,
+    /// The statements every job runs: admission, claims, settlements and
+    /// outbox marks, on sessions that plan each statement once (see
+    /// `connect.rs`).
+    per_job: PgPool,
     routes: Routes,
 }
 

@@ -150,7 +150,7 @@ impl Store {
             "UPDATE outbox SET published_at = COALESCE(published_at, now()) WHERE id = ANY($1)",
             ids
         )
-        .execute(&self.pool)
+        .execute(&self.per_job)
         .await?;
         Ok(())
     }

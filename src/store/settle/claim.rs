@@ -114,7 +114,7 @@ impl Store {
                     timeout.as_secs_f64(),
                     token,
                 )
-                .fetch_all(&self.pool)
+                .fetch_all(&self.per_job)
                 .map_err(StoreError::from)
             })
             .await?;

@@ -73,7 +73,7 @@ impl Store {
         all: &[Finished],
         plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
     ) -> Result<(Vec<Settled>, Vec<OutboxMessage>)> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.per_job.begin().await?;
         let mut settled: HashMap<AttemptId, Settled> = HashMap::new();
         let rows: Vec<(AttemptId, JobId)> = all.iter().map(|f| (f.attempt_id, f.job_id)).collect();
         let busy = take_rows(&mut tx, &rows).await?;
