@@ -117,9 +117,7 @@ pub async fn drain(options: &Options) -> Report {
         onejob::config::EMBEDDED_DEFAULT.replace("http://127.0.0.1:8081/v1", &provider.base_url());
     let (config, file) = config(&text);
     let env = TestEnv::new(&config).await;
-    std::fs::create_dir_all(&options.out).expect("create the report folder");
-    let machine = machine(&env).await;
-    say(&format!("on {machine}"));
+    let machine = announce(&env, options).await;
 
     let (hop, commit, call) = parts(&env, &provider, options).await;
     let pgbench_jobs_per_s = pgbench(&env, &config, options).await;
@@ -190,6 +188,14 @@ pub async fn drain(options: &Options) -> Report {
         worker_stages,
         peer,
     }
+}
+
+/// Makes the report's folder, and says what machine this runs on.
+async fn announce(env: &TestEnv, options: &Options) -> String {
+    std::fs::create_dir_all(&options.out).expect("create the report folder");
+    let machine = machine(env).await;
+    say(&format!("on {machine}"));
+    machine
 }
 
 /// The light load both latencies are measured at besides half the drain

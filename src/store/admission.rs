@@ -111,32 +111,7 @@ impl Store {
         sorted: &[&NewJob],
         drafts: &[OutboxDraft],
     ) -> Result<Vec<OutboxMessage>> {
-        let job_ids: Vec<Uuid> = sorted.iter().map(|n| n.job_id.0).collect();
-        let owners: Vec<String> = sorted.iter().map(|n| n.intent.owner_id.clone()).collect();
-        let keys: Vec<String> = sorted
-            .iter()
-            .map(|n| n.intent.idempotency_key.clone())
-            .collect();
-        let fingerprints: Vec<String> = sorted.iter().map(|n| n.fingerprint.0.clone()).collect();
-        let operations: Vec<String> = sorted.iter().map(|n| n.intent.operation.clone()).collect();
-        let inputs: Vec<Value> = sorted
-            .iter()
-            .map(|n| Value::Object(n.intent.input.clone()))
-            .collect();
-        let pinned: Vec<Option<String>> =
-            sorted.iter().map(|n| n.intent.provider.clone()).collect();
-        let attempt_ids: Vec<Uuid> = sorted.iter().map(|n| n.attempt_id.0).collect();
-        let providers: Vec<String> = sorted.iter().map(|n| n.provider.clone()).collect();
-        let traces: Vec<Option<&crate::trace::TraceContext>> =
-            sorted.iter().map(|n| n.trace.as_ref()).collect();
-        let traceparents: Vec<Option<String>> = traces
-            .iter()
-            .map(|t| t.map(crate::trace::TraceContext::traceparent))
-            .collect();
-        let tracestates: Vec<Option<String>> = traces
-            .iter()
-            .map(|t| t.and_then(|t| t.state.clone()))
-            .collect();
+        let c = JobColumns::of(sorted);
         let outbox = OutboxColumns::of(drafts);
         let rows = sqlx::query_as!(
                     InsertedRow,
@@ -171,17 +146,17 @@ impl Store {
                      ORDER BY i.position
                      RETURNING id, exchange, routing_key, message_id, body, traceparent,
                                tracestate, lease_until IS NOT NULL AS "leased!""#,
-                    &job_ids,
-                    &owners,
-                    &keys,
-                    &fingerprints,
-                    &operations,
-                    &inputs,
-                    &pinned as &[Option<String>],
-                    &attempt_ids,
-                    &providers,
-                    &traceparents as &[Option<String>],
-                    &tracestates as &[Option<String>],
+                    &c.job_ids,
+                    &c.owners,
+                    &c.keys,
+                    &c.fingerprints,
+                    &c.operations,
+                    &c.inputs,
+                    &c.pinned as &[Option<String>],
+                    &c.attempt_ids,
+                    &c.providers,
+                    &c.traceparents as &[Option<String>],
+                    &c.tracestates as &[Option<String>],
                     &outbox.exchanges,
                     &outbox.routing_keys,
                     &outbox.message_ids,
@@ -191,6 +166,47 @@ impl Store {
                 .fetch_all(&self.per_job)
                 .await?;
         Ok(leased(rows))
+    }
+}
+
+/// The new jobs, as the columns the admission statement unnests.
+#[derive(Default)]
+struct JobColumns {
+    job_ids: Vec<Uuid>,
+    owners: Vec<String>,
+    keys: Vec<String>,
+    fingerprints: Vec<String>,
+    operations: Vec<String>,
+    inputs: Vec<Value>,
+    pinned: Vec<Option<String>>,
+    attempt_ids: Vec<Uuid>,
+    providers: Vec<String>,
+    traceparents: Vec<Option<String>>,
+    tracestates: Vec<Option<String>>,
+}
+
+impl JobColumns {
+    fn of(sorted: &[&NewJob]) -> Self {
+        let mut c = JobColumns::default();
+        for n in sorted {
+            c.job_ids.push(n.job_id.0);
+            c.owners.push(n.intent.owner_id.clone());
+            c.keys.push(n.intent.idempotency_key.clone());
+            c.fingerprints.push(n.fingerprint.0.clone());
+            c.operations.push(n.intent.operation.clone());
+            c.inputs.push(Value::Object(n.intent.input.clone()));
+            c.pinned.push(n.intent.provider.clone());
+            c.attempt_ids.push(n.attempt_id.0);
+            c.providers.push(n.provider.clone());
+            c.traceparents.push(
+                n.trace
+                    .as_ref()
+                    .map(crate::trace::TraceContext::traceparent),
+            );
+            c.tracestates
+                .push(n.trace.as_ref().and_then(|t| t.state.clone()));
+        }
+        c
     }
 }
 
