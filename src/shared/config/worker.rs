@@ -48,7 +48,8 @@ pub struct WorkerSettings {
     pub batch_size: usize,
     /// How long a finished attempt waits for others to share its commit.
     pub flush_interval: Duration,
-    /// Postgres connections per worker process.
+    /// Postgres connections in each of a worker process's two pools (the
+    /// per-job statements', and the rest's).
     pub pool_size: u32,
     /// Backoff before the attempt that follows a definite failure; it doubles per
     /// attempt, with jitter, up to `retry_backoff_max`.
