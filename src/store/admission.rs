@@ -60,8 +60,8 @@ impl Store {
 
     /// A job that bears this batch's own id was created by an earlier run of
     /// [`Store::admit_once`] whose commit went through unseen (the connection
-    /// dropped before the insert's reply, and `retrying` ran it again): it is still `created`,
-    /// with the outbox row that run wrote.
+    /// dropped before the insert's reply, and `retrying` ran it again): it is
+    /// still `created`, with the outbox row that run wrote.
     async fn recover_unseen(
         &self,
         batch: &[NewJob],
@@ -98,9 +98,7 @@ impl Store {
         }
         Ok(())
     }
-}
 
-impl Store {
     /// Inserts the jobs that are new, each with its first attempt and that
     /// attempt's outbox row (`drafts`, one per intent, in `sorted`'s order), in
     /// one statement; returns the outbox rows written, leased for publishing.
@@ -114,57 +112,57 @@ impl Store {
         let c = JobColumns::of(sorted);
         let outbox = OutboxColumns::of(drafts);
         let rows = sqlx::query_as!(
-                    InsertedRow,
-                    r#"WITH input AS (
-                         SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
-                                              $6::jsonb[], $7::text[], $8::uuid[], $9::text[],
-                                              $10::text[], $11::text[], $12::text[], $13::text[],
-                                              $14::text[], $15::jsonb[])
-                             WITH ORDINALITY
-                             AS t(job_id, owner_id, idempotency_key, fingerprint, operation, input,
-                                  pinned, attempt_id, provider, traceparent, tracestate,
-                                  exchange, routing_key, message_id, body, position)
-                     ), new_jobs AS (
-                         INSERT INTO jobs (id, owner_id, idempotency_key, request_fingerprint,
-                                           operation, input, provider, traceparent, tracestate)
-                         SELECT job_id, owner_id, idempotency_key, fingerprint, operation, input,
-                                pinned, traceparent, tracestate
-                         FROM input ORDER BY position
-                         ON CONFLICT (owner_id, idempotency_key) DO NOTHING
-                         RETURNING id
-                     ), new_attempts AS (
-                         INSERT INTO attempts (id, job_id, number, provider)
-                         SELECT i.attempt_id, i.job_id, 1, i.provider
-                         FROM input i JOIN new_jobs n ON n.id = i.job_id
-                         RETURNING job_id
-                     )
-                     INSERT INTO outbox (exchange, routing_key, message_id, body, not_before,
-                                         lease_until, traceparent, tracestate)
-                     SELECT i.exchange, i.routing_key, i.message_id, i.body, now(),
-                            now() + make_interval(secs => $16), i.traceparent, i.tracestate
-                     FROM input i JOIN new_attempts a ON a.job_id = i.job_id
-                     ORDER BY i.position
-                     RETURNING id, exchange, routing_key, message_id, body, traceparent,
-                               tracestate, lease_until IS NOT NULL AS "leased!""#,
-                    &c.job_ids,
-                    &c.owners,
-                    &c.keys,
-                    &c.fingerprints,
-                    &c.operations,
-                    &c.inputs,
-                    &c.pinned as &[Option<String>],
-                    &c.attempt_ids,
-                    &c.providers,
-                    &c.traceparents as &[Option<String>],
-                    &c.tracestates as &[Option<String>],
-                    &outbox.exchanges,
-                    &outbox.routing_keys,
-                    &outbox.message_ids,
-                    &outbox.bodies,
-                    self.routes.lease.as_secs_f64(),
-                )
-                .fetch_all(&self.per_job)
-                .await?;
+            InsertedRow,
+            r#"WITH input AS (
+                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
+                                      $6::jsonb[], $7::text[], $8::uuid[], $9::text[],
+                                      $10::text[], $11::text[], $12::text[], $13::text[],
+                                      $14::text[], $15::jsonb[])
+                     WITH ORDINALITY
+                     AS t(job_id, owner_id, idempotency_key, fingerprint, operation, input,
+                          pinned, attempt_id, provider, traceparent, tracestate,
+                          exchange, routing_key, message_id, body, position)
+             ), new_jobs AS (
+                 INSERT INTO jobs (id, owner_id, idempotency_key, request_fingerprint,
+                                   operation, input, provider, traceparent, tracestate)
+                 SELECT job_id, owner_id, idempotency_key, fingerprint, operation, input,
+                        pinned, traceparent, tracestate
+                 FROM input ORDER BY position
+                 ON CONFLICT (owner_id, idempotency_key) DO NOTHING
+                 RETURNING id
+             ), new_attempts AS (
+                 INSERT INTO attempts (id, job_id, number, provider)
+                 SELECT i.attempt_id, i.job_id, 1, i.provider
+                 FROM input i JOIN new_jobs n ON n.id = i.job_id
+                 RETURNING job_id
+             )
+             INSERT INTO outbox (exchange, routing_key, message_id, body, not_before,
+                                 lease_until, traceparent, tracestate)
+             SELECT i.exchange, i.routing_key, i.message_id, i.body, now(),
+                    now() + make_interval(secs => $16), i.traceparent, i.tracestate
+             FROM input i JOIN new_attempts a ON a.job_id = i.job_id
+             ORDER BY i.position
+             RETURNING id, exchange, routing_key, message_id, body, traceparent,
+                       tracestate, lease_until IS NOT NULL AS "leased!""#,
+            &c.job_ids,
+            &c.owners,
+            &c.keys,
+            &c.fingerprints,
+            &c.operations,
+            &c.inputs,
+            &c.pinned as &[Option<String>],
+            &c.attempt_ids,
+            &c.providers,
+            &c.traceparents as &[Option<String>],
+            &c.tracestates as &[Option<String>],
+            &outbox.exchanges,
+            &outbox.routing_keys,
+            &outbox.message_ids,
+            &outbox.bodies,
+            self.routes.lease.as_secs_f64(),
+        )
+        .fetch_all(&self.per_job)
+        .await?;
         Ok(leased(rows))
     }
 }
