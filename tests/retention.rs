@@ -26,7 +26,10 @@ async fn job(store: &Store, key: &str, operation: &str) -> JobId {
     new.intent.operation = operation.into();
     let job_id = new.job_id;
     match store.admit(&[new]).await.unwrap().remove(0) {
-        Admission::Created { publish, .. } => store.mark_published(&[publish.id]).await.unwrap(),
+        Admission::Created {
+            publish: Some(publish),
+            ..
+        } => store.mark_published(&[publish.id]).await.unwrap(),
         other => panic!("expected created, got {other:?}"),
     }
     job_id

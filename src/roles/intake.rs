@@ -233,6 +233,9 @@ async fn admit(
     let mut kept = Vec::with_capacity(batch.len());
     for ((delivery, new_job), row) in deliveries.into_iter().zip(batch).zip(rows) {
         match row {
+            Some(Ok(Admission::Refused(reason))) => {
+                answered.push(reject(ctx, shutdown, delivery, reason).await);
+            }
             Some(Ok(admission)) => {
                 admissions.push(admission);
                 kept.push((delivery, new_job));
@@ -247,14 +250,16 @@ async fn admit(
     for (new_job, admission) in batch.iter().zip(admissions) {
         receipts.push(Some(match admission {
             Admission::Created { job_id, publish: message } => {
-                tracing::info!(%job_id, owner_id = %new_job.intent.owner_id, operation = %new_job.intent.operation, "job created");
-                publish.push(message);
+                tracing::info!(%job_id, owner_id = %new_job.intent.owner_id, operation = %new_job.intent.operation, paced = message.is_none(), "job created");
+                publish.extend(message);
                 Receipt::for_job(Outcome::Created, job_id)
             }
             Admission::Duplicate { job_id } => {
                 tracing::info!(%job_id, "duplicate intent: same identity, same fingerprint");
                 Receipt::for_job(Outcome::Duplicate, job_id)
             }
+            // Taken out above, with the intents Postgres refused.
+            Admission::Refused(reason) => Receipt::rejected(&reason),
             Admission::Conflict => {
                 tracing::warn!(
                     owner_id = %new_job.intent.owner_id,

@@ -1,8 +1,10 @@
 //! Admission: validated intents become jobs, each with its first attempt and
 //! that attempt's outbox row; identity is decided by the UNIQUE constraint.
 
-use super::outbox::{InsertedRow, OutboxColumns, leased};
+use super::outbox::{InsertedRow, OutboxColumns};
+use super::owners::OverBudget;
 use super::*;
+use crate::intent::RejectReason;
 
 impl Store {
     /// Turns validated intents into jobs. Identity is decided by the UNIQUE
@@ -37,8 +39,11 @@ impl Store {
             .iter()
             .map(|d| (d.message_id.as_str(), d.job_id.0))
             .collect();
-        let mut publish_by_job: HashMap<Uuid, OutboxMessage> = HashMap::new();
-        for message in self.insert_new(&sorted, &drafts).await? {
+        let limits = self.admission_limits(batch).await?;
+        let mut publish_by_job: HashMap<Uuid, Option<OutboxMessage>> = HashMap::new();
+        for row in self.insert_new(&sorted, &drafts, &limits).await? {
+            let leased = row.leased;
+            let message = row.message();
             let job = *job_by_message
                 .get(message.message_id.as_str())
                 .ok_or_else(|| {
@@ -47,7 +52,7 @@ impl Store {
                         message.message_id
                     ))
                 })?;
-            publish_by_job.insert(job, message);
+            publish_by_job.insert(job, leased.then_some(message));
         }
         // After the insert has committed: its snapshot sees every identity,
         // those a concurrent admission committed while the insert waited on
@@ -55,7 +60,39 @@ impl Store {
         let existing = existing_identities(&self.per_job, batch).await?;
         self.recover_unseen(batch, &existing, &mut publish_by_job)
             .await?;
-        receipts(batch, publish_by_job, &existing)
+        receipts(batch, publish_by_job, &existing, &limits.over_budget)
+    }
+
+    /// What admission must know of the batch's owners: who is over its daily
+    /// budget (its new identities are refused), and who has a rate (its new
+    /// jobs' first attempts are paced).
+    async fn admission_limits(&self, batch: &[NewJob]) -> Result<AdmissionLimits> {
+        let owners: Vec<String> = batch
+            .iter()
+            .map(|n| n.intent.owner_id.clone())
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let limits = self.owner_limits(&owners).await?;
+        let budgets: Vec<(String, i64)> = limits
+            .iter()
+            .filter(|(_, l)| l.daily_tokens > 0)
+            .map(|(o, l)| (o.clone(), l.daily_tokens))
+            .collect();
+        let over_budget = self.over_budget(&budgets).await?;
+        let mut out = AdmissionLimits {
+            refused: over_budget.keys().cloned().collect(),
+            over_budget,
+            ..Default::default()
+        };
+        for (owner, l) in &limits {
+            if let Some((rate, burst)) = l.bucket() {
+                out.paced.push(owner.clone());
+                out.rates.push(rate);
+                out.bursts.push(burst);
+            }
+        }
+        Ok(out)
     }
 
     /// A job that bears this batch's own id was created by an earlier run of
@@ -66,7 +103,7 @@ impl Store {
         &self,
         batch: &[NewJob],
         existing: &HashMap<(String, String), (Uuid, String)>,
-        publish_by_job: &mut HashMap<Uuid, OutboxMessage>,
+        publish_by_job: &mut HashMap<Uuid, Option<OutboxMessage>>,
     ) -> Result<()> {
         let unseen: Vec<String> = batch
             .iter()
@@ -79,10 +116,11 @@ impl Store {
             .map(|n| n.attempt_id.to_string())
             .collect();
         if !unseen.is_empty() {
-            let by_attempt: HashMap<String, OutboxMessage> = sqlx::query_as!(
-                OutboxMessage,
-                "SELECT id, exchange, routing_key, message_id, body, traceparent, tracestate
-                 FROM outbox WHERE message_id = ANY($1)",
+            let by_attempt: HashMap<String, InsertedRow> = sqlx::query_as!(
+                InsertedRow,
+                r#"SELECT id, exchange, routing_key, message_id, body, traceparent, tracestate,
+                          not_before <= now() AS "leased!"
+                   FROM outbox WHERE message_id = ANY($1)"#,
                 &unseen,
             )
             .fetch_all(&self.pool)
@@ -92,7 +130,9 @@ impl Store {
             .collect();
             for n in batch {
                 if let Some(m) = by_attempt.get(&n.attempt_id.to_string()) {
-                    publish_by_job.insert(n.job_id.0, m.clone());
+                    // A row its rate holds back is the relay's to publish.
+                    let m = m.clone();
+                    publish_by_job.insert(n.job_id.0, m.leased.then(|| m.message()));
                 }
             }
         }
@@ -101,14 +141,23 @@ impl Store {
 
     /// Inserts the jobs that are new, each with its first attempt and that
     /// attempt's outbox row (`drafts`, one per intent, in `sorted`'s order), in
-    /// one statement; returns the outbox rows written, leased for publishing.
+    /// one statement; returns the outbox rows written: those due now are
+    /// leased for publishing, and those the owner's rate holds back are the
+    /// relay's to publish when due.
     /// The trace context comes from the input, not from `jobs`: a statement does
     /// not see the rows its own parts insert.
+    ///
+    /// Intents of owners over their budget (`refused`) are not inserted. The
+    /// new jobs of owners with a rate take their places in the owner's bucket
+    /// (`owner_pace_take`, in the migration), and each first attempt gets its
+    /// due time: those due now are leased to this worker, the rest are left
+    /// to the relay.
     async fn insert_new(
         &self,
         sorted: &[&NewJob],
         drafts: &[OutboxDraft],
-    ) -> Result<Vec<OutboxMessage>> {
+        limits: &AdmissionLimits,
+    ) -> Result<Vec<InsertedRow>> {
         let c = JobColumns::of(sorted);
         let outbox = OutboxColumns::of(drafts);
         let rows = sqlx::query_as!(
@@ -127,19 +176,33 @@ impl Store {
                                    operation, input, provider, traceparent, tracestate)
                  SELECT job_id, owner_id, idempotency_key, fingerprint, operation, input,
                         pinned, traceparent, tracestate
-                 FROM input ORDER BY position
+                 FROM input WHERE owner_id <> ALL($17) ORDER BY position
                  ON CONFLICT (owner_id, idempotency_key) DO NOTHING
-                 RETURNING id
+                 RETURNING id, owner_id
+             ), paced AS (
+                 SELECT n.owner_id, r.rate, r.burst,
+                        owner_pace_take(n.owner_id, count(*), r.rate) AS base
+                 FROM new_jobs n JOIN unnest($18::text[], $19::float8[], $20::int8[])
+                                      AS r(owner_id, rate, burst) USING (owner_id)
+                 GROUP BY n.owner_id, r.rate, r.burst
+             ), due AS (
+                 SELECT n.id AS job_id, GREATEST(now(), q.base + make_interval(secs =>
+                            (row_number() OVER (PARTITION BY n.owner_id ORDER BY i.position)
+                             - q.burst) / q.rate)) AS at
+                 FROM new_jobs n JOIN input i ON i.job_id = n.id
+                 JOIN paced q ON q.owner_id = n.owner_id
              ), new_attempts AS (
-                 INSERT INTO attempts (id, job_id, number, provider)
-                 SELECT i.attempt_id, i.job_id, 1, i.provider
+                 INSERT INTO attempts (id, job_id, number, provider, not_before)
+                 SELECT i.attempt_id, i.job_id, 1, i.provider, COALESCE(d.at, now())
                  FROM input i JOIN new_jobs n ON n.id = i.job_id
-                 RETURNING job_id
+                 LEFT JOIN due d ON d.job_id = i.job_id
+                 RETURNING job_id, not_before
              )
              INSERT INTO outbox (exchange, routing_key, message_id, body, not_before,
                                  lease_until, traceparent, tracestate)
-             SELECT i.exchange, i.routing_key, i.message_id, i.body, now(),
-                    now() + make_interval(secs => $16), i.traceparent, i.tracestate
+             SELECT i.exchange, i.routing_key, i.message_id, i.body, a.not_before,
+                    CASE WHEN a.not_before <= now() THEN now() + make_interval(secs => $16) END,
+                    i.traceparent, i.tracestate
              FROM input i JOIN new_attempts a ON a.job_id = i.job_id
              ORDER BY i.position
              RETURNING id, exchange, routing_key, message_id, body, traceparent,
@@ -160,11 +223,28 @@ impl Store {
             &outbox.message_ids,
             &outbox.bodies,
             self.routes.lease.as_secs_f64(),
+            &limits.refused,
+            &limits.paced,
+            &limits.rates,
+            &limits.bursts,
         )
         .fetch_all(&self.per_job)
         .await?;
-        Ok(leased(rows))
+        Ok(rows)
     }
+}
+
+/// What admission applies of the batch's owners' limits.
+#[derive(Default)]
+struct AdmissionLimits {
+    /// The owners over their daily budget.
+    over_budget: HashMap<String, OverBudget>,
+    /// Their names.
+    refused: Vec<String>,
+    /// The owners with a rate, each with its rate and its burst.
+    paced: Vec<String>,
+    rates: Vec<f64>,
+    bursts: Vec<i64>,
 }
 
 /// The new jobs, as the columns the admission statement unnests.
@@ -246,8 +326,9 @@ async fn existing_identities(
 /// or a conflict with one that holds it with another.
 fn receipts(
     batch: &[NewJob],
-    mut publish_by_job: HashMap<Uuid, OutboxMessage>,
+    mut publish_by_job: HashMap<Uuid, Option<OutboxMessage>>,
     existing: &HashMap<(String, String), (Uuid, String)>,
+    over_budget: &HashMap<String, OverBudget>,
 ) -> Result<Vec<Admission>> {
     batch
         .iter()
@@ -264,6 +345,15 @@ fn receipts(
                     Ok(Admission::Duplicate { job_id: JobId(*id) })
                 }
                 Some(_) => Ok(Admission::Conflict),
+                None if over_budget.contains_key(&n.intent.owner_id) => {
+                    let over = &over_budget[&n.intent.owner_id];
+                    Ok(Admission::Refused(RejectReason::BudgetExceeded {
+                        owner: n.intent.owner_id.clone(),
+                        spent: over.spent,
+                        budget: over.budget,
+                        retry_after: over.retry_after,
+                    }))
+                }
                 None => Err(corrupt(format!(
                     "job for owner {:?} key {:?} neither inserted nor found",
                     n.intent.owner_id, n.intent.idempotency_key
@@ -325,15 +415,15 @@ mod tests {
             (("a".to_owned(), "k2".to_owned()), holder.clone()),
             (("a".to_owned(), "k3".to_owned()), other),
         ]);
-        let published = HashMap::from([(created.job_id.0, message(1))]);
+        let published = HashMap::from([(created.job_id.0, Some(message(1)))]);
         let batch = [changed, created.clone(), same];
-        let out = receipts(&batch, published, &existing).unwrap();
+        let out = receipts(&batch, published, &existing, &HashMap::new()).unwrap();
         assert_eq!(out[0], Admission::Conflict);
         assert_eq!(
             out[1],
             Admission::Created {
                 job_id: created.job_id,
-                publish: message(1)
+                publish: Some(message(1))
             }
         );
         assert_eq!(
@@ -348,7 +438,7 @@ mod tests {
     fn an_identity_neither_inserted_nor_found_is_an_error_not_a_receipt() {
         let lost = new_job("a", "k", "x");
         assert!(matches!(
-            receipts(&[lost], HashMap::new(), &HashMap::new()),
+            receipts(&[lost], HashMap::new(), &HashMap::new(), &HashMap::new()),
             Err(StoreError::Corrupt(_))
         ));
     }

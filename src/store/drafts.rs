@@ -77,6 +77,9 @@ pub struct Routes {
     pub events_exchange: String,
     /// How long a publisher owns a row it just wrote.
     pub lease: Duration,
+    /// `[owners]`: the limits admission applies where an owner has none of
+    /// its own.
+    pub owners: crate::config::OwnerLimits,
 }
 
 impl Routes {
@@ -158,6 +161,7 @@ pub(super) fn test_routes() -> Routes {
         work_exchange: "onejob".into(),
         events_exchange: "onejob.events".into(),
         lease: Duration::from_secs(30),
+        owners: Default::default(),
     }
 }
 

@@ -1,6 +1,7 @@
 //! All SQL lives here, one file per aggregate: `admission`, `jobs` (views,
 //! cancellation), `settle` (starting and settling attempts), `outbox`, `sweeps`
-//! (what the reconciler asks), `tokens`, `qualifications` and `gauges`. What
+//! (what the reconciler asks), `owners` (limits and spend), `tokens`,
+//! `qualifications` and `gauges`. What
 //! they share has files of its own: `error` (failures and refusals), `drafts`
 //! (the outbox rows a commit writes), `views` (rows as operators see them),
 //! `connect` (the connection and migrations) and `retry` (transient errors run
@@ -48,6 +49,7 @@ mod gauges;
 mod jobs;
 mod kept;
 mod outbox;
+mod owners;
 mod qualifications;
 mod retention;
 mod retry;
@@ -63,6 +65,7 @@ pub use drafts::{OutboxDraft, OutboxMessage, Routes};
 use error::corrupt;
 pub use error::{Refusal, Result, StoreError};
 pub use evidence::{EvidenceClaim, EvidenceDue};
+pub use owners::{OwnerChange, OwnerView};
 pub use qualifications::QualificationRun;
 pub use retention::{Pass, Policy, Pruned};
 pub use settle::{Claim, FailedJob, Finished, NextStep, Resolution, Settled, Started, Verdict};
@@ -94,8 +97,9 @@ pub enum Admission {
     Created {
         /// The job.
         job_id: JobId,
-        /// The attempt message to publish.
-        publish: OutboxMessage,
+        /// The attempt message to publish now; `None` when the owner's rate
+        /// holds it back (the relay publishes it when it is due).
+        publish: Option<OutboxMessage>,
     },
     /// The identity exists with the same fingerprint.
     Duplicate {
@@ -104,6 +108,9 @@ pub enum Admission {
     },
     /// The identity exists with another fingerprint.
     Conflict,
+    /// A new identity refused at admission: its owner is over its daily budget
+    /// (`budget_exceeded`).
+    Refused(crate::intent::RejectReason),
 }
 
 /// A job the reconciler may hedge: its only attempt has run past `hedge_after`.

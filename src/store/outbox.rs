@@ -180,6 +180,7 @@ impl OutboxColumns {
 }
 
 /// A row the insert statements return.
+#[derive(Clone)]
 pub(super) struct InsertedRow {
     pub(super) id: i64,
     pub(super) exchange: String,
@@ -196,14 +197,21 @@ pub(super) struct InsertedRow {
 pub(super) fn leased(rows: Vec<InsertedRow>) -> Vec<OutboxMessage> {
     rows.into_iter()
         .filter(|r| r.leased)
-        .map(|r| OutboxMessage {
-            id: r.id,
-            exchange: r.exchange,
-            routing_key: r.routing_key,
-            message_id: r.message_id,
-            body: r.body,
-            traceparent: r.traceparent,
-            tracestate: r.tracestate,
-        })
+        .map(InsertedRow::message)
         .collect()
+}
+
+impl InsertedRow {
+    /// The row as a message to publish.
+    pub(super) fn message(self) -> OutboxMessage {
+        OutboxMessage {
+            id: self.id,
+            exchange: self.exchange,
+            routing_key: self.routing_key,
+            message_id: self.message_id,
+            body: self.body,
+            traceparent: self.traceparent,
+            tracestate: self.tracestate,
+        }
+    }
 }

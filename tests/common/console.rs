@@ -204,7 +204,10 @@ pub async fn unknown_job(store: &Store, key: &str) -> (JobId, Started) {
     let new = super::new_job("acct_c", key, key);
     let (job_id, first) = (new.job_id, new.attempt_id);
     match store.admit(&[new]).await.unwrap().remove(0) {
-        Admission::Created { publish, .. } => store.mark_published(&[publish.id]).await.unwrap(),
+        Admission::Created {
+            publish: Some(publish),
+            ..
+        } => store.mark_published(&[publish.id]).await.unwrap(),
         other => panic!("expected created, got {other:?}"),
     }
     let s = store

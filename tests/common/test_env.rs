@@ -198,7 +198,10 @@ impl TestEnv {
         let new = onejob::intake::validate(ctx, &body).expect("valid intent");
         let job_id = new.job_id;
         match self.store.admit(&[new]).await.expect("admit").remove(0) {
-            onejob::store::Admission::Created { publish, .. } => (job_id, publish),
+            onejob::store::Admission::Created {
+                publish: Some(publish),
+                ..
+            } => (job_id, publish),
             other => panic!("expected created, got {other:?}"),
         }
     }

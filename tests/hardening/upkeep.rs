@@ -131,7 +131,10 @@ async fn admitted_to_the_fallback(
     let new = onejob::intake::validate(ctx, &body).expect("valid intent");
     let control = new.job_id;
     match env.store.admit(&[new]).await.unwrap().remove(0) {
-        onejob::store::Admission::Created { publish, .. } => (control, publish),
+        onejob::store::Admission::Created {
+            publish: Some(publish),
+            ..
+        } => (control, publish),
         other => panic!("expected created, got {other:?}"),
     }
 }

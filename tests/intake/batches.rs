@@ -19,6 +19,7 @@ fn said(a: &Admission) -> (&'static str, Option<onejob::domain::JobId>) {
         Admission::Created { job_id, .. } => ("created", Some(*job_id)),
         Admission::Duplicate { job_id } => ("duplicate", Some(*job_id)),
         Admission::Conflict => ("conflict", None),
+        Admission::Refused(_) => ("refused", None),
     }
 }
 
@@ -82,11 +83,11 @@ async fn within_one_batch(store: &Store) {
         [
             Admission::Created {
                 job_id: jb,
-                publish: pb,
+                publish: Some(pb),
             },
             Admission::Created {
                 job_id: ja,
-                publish: pa,
+                publish: Some(pa),
             },
         ] => {
             assert_eq!((*jb, *ja), (b, a));

@@ -99,6 +99,31 @@ pub enum RejectReason {
         "reply_to_refused: {0:?} is neither direct reply-to (amq.rabbitmq.reply-to) nor a queue in worker.reply_queues"
     )]
     ReplyToRefused(String),
+    /// The owner's provider spend over the last 24 hours has reached its
+    /// `daily_tokens` budget: no new job until enough of it is older.
+    #[error(
+        "budget_exceeded: owner {owner:?} spent {spent} tokens over the last 24 hours, its budget is {budget}; retry after {retry_after} s"
+    )]
+    BudgetExceeded {
+        /// The owner.
+        owner: String,
+        /// What it spent over the window.
+        spent: i64,
+        /// Its `daily_tokens`.
+        budget: i64,
+        /// Seconds until it is under its budget again, if it spends no more.
+        retry_after: u64,
+    },
+}
+
+impl RejectReason {
+    /// The seconds a `budget_exceeded` error (as a receipt carries it) says to
+    /// wait; `None` for any other error.
+    pub fn budget_retry_after(error: &str) -> Option<u64> {
+        let rest = error.strip_prefix("budget_exceeded:")?;
+        let (_, tail) = rest.rsplit_once("retry after ")?;
+        tail.strip_suffix(" s")?.parse().ok()
+    }
 }
 
 /// Where the gateway takes a field from instead of the body.

@@ -73,7 +73,8 @@ pub(super) fn refused(owner: &str, refusal: Refusal, options: &GatewayOptions) -
 }
 
 /// The HTTP answer for a receipt: 201 created, 200 for a duplicate (marked
-/// replayed), 422 for a conflict, 413 or 400 for a rejection.
+/// replayed), 422 for a conflict, 413 or 400 for a rejection, and 429 with
+/// `Retry-After` for an owner over its daily budget.
 pub(super) fn answer(receipt: Receipt, idempotency_key: &str) -> Response {
     match receipt.outcome {
         Outcome::Created => receipt_response(StatusCode::CREATED, &receipt),
@@ -103,6 +104,21 @@ pub(super) fn answer(receipt: Receipt, idempotency_key: &str) -> Response {
         {
             receipt_response(StatusCode::PAYLOAD_TOO_LARGE, &receipt)
         }
-        Outcome::Rejected => receipt_response(StatusCode::BAD_REQUEST, &receipt),
+        // The owner is over its daily token budget: not the request's fault,
+        // and it can be sent again once enough of the spend is older.
+        Outcome::Rejected => match receipt
+            .error
+            .as_deref()
+            .and_then(RejectReason::budget_retry_after)
+        {
+            Some(seconds) => {
+                let mut response = receipt_response(StatusCode::TOO_MANY_REQUESTS, &receipt);
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+                response
+            }
+            None => receipt_response(StatusCode::BAD_REQUEST, &receipt),
+        },
     }
 }

@@ -6,7 +6,7 @@
 //!
 //! One file per command group, each holding its arguments beside its body
 //! (as mini-redis keeps a command's parsing with the command): `jobs`,
-//! `attempts`, `providers`, `dlq`, `tokens`, `setup` (migrate,
+//! `attempts`, `providers`, `dlq`, `owners`, `tokens`, `setup` (migrate,
 //! queues, config) and `console`. This file holds what they share: the
 //! connection settings, the dispatcher, and how a failure is reported.
 
@@ -14,6 +14,7 @@ mod attempts;
 mod console;
 mod dlq;
 mod jobs;
+mod owners;
 mod providers;
 mod setup;
 mod tokens;
@@ -82,6 +83,9 @@ enum Command {
     /// Inspect and act on dead-letter queues.
     #[command(subcommand)]
     Dlq(dlq::DlqCommand),
+    /// Each owner's limits (in flight, rate, daily token budget) and spend.
+    #[command(subcommand)]
+    Owners(owners::OwnersCommand),
     /// Manage the HTTP gateway's bearer tokens.
     #[command(subcommand)]
     Tokens(tokens::TokensCommand),
@@ -159,6 +163,7 @@ async fn run(cli: Cli, out: &mut impl Write) -> Outcome {
         Command::Attempts(command) => attempts::run(c, command, json, out).await,
         Command::Providers(command) => providers::run(c, command, json, out).await,
         Command::Dlq(command) => dlq::run(c, command, json, out).await,
+        Command::Owners(command) => owners::run(c, command, json, out).await,
         Command::Tokens(command) => tokens::run(c, command, json, out).await,
         Command::Queues(setup::QueuesCommand::Upgrade) => setup::queues_upgrade(c, json, out).await,
         Command::Config(setup::ConfigCommand::Check) => setup::config_check(c, json, out).await,

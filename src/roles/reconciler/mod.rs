@@ -84,6 +84,11 @@ async fn prune_loop(ctx: Context, shutdown: Shutdown) {
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "pruning ended jobs failed; will retry"),
         }
+        match ctx.store.prune_spend(10_000).await {
+            Ok(n) if n > 0 => tracing::debug!(rows = n, "pruned owners' spend older than a day"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "pruning owners' spend failed; will retry"),
+        }
         match ctx.store.vacuum_if_due().await {
             Ok(tables) => {
                 for table in tables {
@@ -363,7 +368,7 @@ pub(crate) async fn reflect_dead_intents(ctx: &Context) -> Result<()> {
         } = admission
         {
             tracing::warn!(%job_id, owner_id = %new.intent.owner_id, "a valid intent the broker dead-lettered for its delivery limit was admitted from {queue}");
-            publish.push(message);
+            publish.extend(message);
         }
     }
     ctx.publish_outbox(&publish).await?;

@@ -8,11 +8,12 @@
 //!
 //! Each table has its own room, its raw shape, its settings type and its
 //! checks side by side: `worker`, `providers`, `operations`,
-//! `retention`; `checks` holds the checks they share (durations, counts,
+//! `retention`, `owners`; `checks` holds the checks they share (durations, counts,
 //! names). This file reads the whole text and checks what spans tables.
 
 mod checks;
 mod operations;
+mod owners;
 mod providers;
 mod retention;
 #[cfg(test)]
@@ -25,6 +26,7 @@ use std::sync::Arc;
 
 use checks::{invalid, line_of};
 use operations::RawOperation;
+use owners::{RawOwners, parse_owners};
 use providers::RawProvider;
 use retention::{RawRetention, parse_retention};
 use serde::Deserialize;
@@ -35,6 +37,7 @@ use crate::intent::{Intent, RejectReason};
 
 pub use checks::MAX_DURATION;
 pub use operations::{ContractViolation, Operation, Rendered, TemplateError};
+pub use owners::{MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, OwnerLimits, OwnerOverrides};
 pub use providers::{
     DEFAULT_EVIDENCE_DEADLINE, DEFAULT_EVIDENCE_DELAY, DEFAULT_IDEMPOTENCY_HEADER,
     DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_RETRY_AFTER, DEFAULT_UNKNOWN_STATUSES, Evidence,
@@ -100,6 +103,8 @@ struct RawConfig {
     operations: BTreeMap<String, RawOperation>,
     #[serde(default)]
     retention: RawRetention,
+    #[serde(default)]
+    owners: RawOwners,
 }
 
 /// How much longer than the longest provider timeout the default shutdown grace
@@ -120,6 +125,8 @@ pub struct Config {
     /// `[retention]`: how long jobs of operations no longer configured are kept
     /// (each operation's own is in [`Operation::retention`]).
     pub retention: Retention,
+    /// `[owners]`: every owner's limits unless `onejob owners set` gave it its own.
+    pub owners: OwnerLimits,
     /// Settings that work but are probably not what was meant, one line each;
     /// the worker logs them at start.
     pub warnings: Vec<String>,
@@ -174,6 +181,7 @@ impl Config {
             Retention::default(),
             worker.outbox_retention,
         )?;
+        let owners = parse_owners(origin, &raw.owners)?;
         if raw.providers.is_empty() {
             return Err(invalid(
                 origin,
@@ -215,6 +223,7 @@ impl Config {
             providers,
             operations,
             retention,
+            owners,
             warnings,
             templates: Arc::new(env),
         })

@@ -90,6 +90,7 @@ pub fn routes(config: &Config) -> Routes {
         work_exchange: broker::EXCHANGE.to_owned(),
         events_exchange: broker::EVENTS.to_owned(),
         lease: config.worker.outbox_lease,
+        owners: config.owners,
     }
 }
 

@@ -1,0 +1,212 @@
+//! `onejob owners …`: each owner's limits (its own over `[owners]`) and what
+//! it spent. Every change is audited.
+
+use std::io::Write;
+
+use clap::Subcommand;
+
+use super::{Connections, Failure, Outcome, shown, store};
+use crate::config::{MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, OwnerLimits, OwnerOverrides};
+use crate::store::{Actor, OwnerChange, OwnerView, StoreError};
+
+#[derive(Subcommand, Debug)]
+pub(super) enum OwnersCommand {
+    /// List the owners with settings of their own or spend over the last 24
+    /// hours: their limits (`*` marks an owner's own setting; 0 is no limit),
+    /// their spend and their jobs waiting for their rate.
+    List,
+    /// Show one owner's limits, spend and waiting jobs. An owner onejob has not
+    /// seen has `[owners]`'s limits.
+    Show {
+        /// The owner.
+        owner: String,
+    },
+    /// Give an owner limits of its own, over `[owners]`'s. Each takes a number
+    /// (0: no limit for this owner) or `default` (`[owners]`'s again). The change
+    /// and its audit row commit together; the fleet applies it from its next
+    /// admission (rate, budget) or dispatch (in flight).
+    Set {
+        /// The owner.
+        owner: String,
+        /// Attempts `started` at once for this owner, across the fleet.
+        #[arg(long, value_name = "N", value_parser = count, allow_negative_numbers = true)]
+        max_in_flight: Option<Setting<i64>>,
+        /// Intents admitted per second (a token bucket); more wait their turn.
+        #[arg(long, value_name = "R", value_parser = rate, allow_negative_numbers = true)]
+        rate: Option<Setting<f64>>,
+        /// What the bucket holds at most (0: one second's worth).
+        #[arg(long, value_name = "B", value_parser = count, allow_negative_numbers = true)]
+        burst: Option<Setting<i64>>,
+        /// Provider-reported tokens over a rolling 24 hours, discarded attempts'
+        /// included; past it new intents are rejected (`budget_exceeded`).
+        #[arg(long, value_name = "T", value_parser = daily_tokens, allow_negative_numbers = true)]
+        daily_tokens: Option<Setting<i64>>,
+        /// Why, for the audit table (required).
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+/// A setting's new value: a number, or `None` for `[owners]`'s.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Setting<T>(Option<T>);
+
+fn parsed<T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy>(
+    text: &str,
+    max: T,
+    zero: T,
+) -> Result<Setting<T>, String> {
+    if text == "default" {
+        return Ok(Setting(None));
+    }
+    match text.parse::<T>() {
+        Ok(n) if n >= zero && n <= max => Ok(Setting(Some(n))),
+        _ => Err(format!(
+            "must be a number from 0 (no limit) to {max}, or `default`"
+        )),
+    }
+}
+
+fn count(text: &str) -> Result<Setting<i64>, String> {
+    parsed(text, MAX_COUNT, 0)
+}
+
+fn daily_tokens(text: &str) -> Result<Setting<i64>, String> {
+    parsed(text, MAX_DAILY_TOKENS, 0)
+}
+
+fn rate(text: &str) -> Result<Setting<f64>, String> {
+    // `parse` takes "NaN" and "inf", which no comparison lets through.
+    parsed(text, MAX_RATE, 0.0)
+}
+
+/// `onejob owners …`.
+pub(super) async fn run(
+    c: &Connections,
+    command: OwnersCommand,
+    json: bool,
+    out: &mut impl Write,
+) -> Outcome {
+    let config = c.load_config()?;
+    let store = store(c, &config).await?;
+    let migrate_first = |e: StoreError| {
+        if e.is_undefined_table() {
+            Failure("the database has no owners table yet: run `onejob migrate` (or start a worker) first".into())
+        } else {
+            Failure(e.to_string())
+        }
+    };
+    match command {
+        OwnersCommand::List => {
+            let owners = store.owners().await.map_err(migrate_first)?;
+            if json {
+                writeln!(out, "{}", serde_json::to_value(&owners)?)?;
+            } else if owners.is_empty() {
+                writeln!(
+                    out,
+                    "no owner has settings of its own or spend over the last 24 hours; [owners]: {}",
+                    settings_line(&config.owners, &OwnerOverrides::default())
+                )?;
+            } else {
+                for o in &owners {
+                    writeln!(out, "{}  {}", shown(&o.owner_id), limits_line(o))?;
+                }
+            }
+        }
+        OwnersCommand::Show { owner } => {
+            let view = store.owner(&owner).await.map_err(migrate_first)?;
+            print_one(&view, json, out)?;
+        }
+        OwnersCommand::Set {
+            owner,
+            max_in_flight,
+            rate,
+            burst,
+            daily_tokens,
+            reason,
+        } => {
+            crate::intent::Intent::check_owner_id(&owner)
+                .map_err(|e| Failure(format!("OWNER: {e}")))?;
+            let change = OwnerChange {
+                max_in_flight: max_in_flight.map(|s| s.0),
+                rate: rate.map(|s| s.0),
+                burst: burst.map(|s| s.0),
+                daily_tokens: daily_tokens.map(|s| s.0),
+            };
+            if change == OwnerChange::default() {
+                return Err(Failure(
+                    "nothing to set: give --max-in-flight, --rate, --burst or --daily-tokens"
+                        .into(),
+                ));
+            }
+            if reason.trim().is_empty() {
+                return Err(Failure("--reason must say why, for the audit table".into()));
+            }
+            let view = store
+                .set_owner(&owner, &change, &Actor::cli(Some(&reason)))
+                .await
+                .map_err(migrate_first)?;
+            print_one(&view, json, out)?;
+        }
+    }
+    Ok(())
+}
+
+fn print_one(view: &OwnerView, json: bool, out: &mut impl Write) -> std::io::Result<()> {
+    if json {
+        return writeln!(out, "{}", serde_json::to_value(view).unwrap_or_default());
+    }
+    writeln!(out, "owner {}", shown(&view.owner_id))?;
+    writeln!(out, "  {}", limits_line(view))?;
+    if view.limits.daily_tokens > 0 && view.spent_24h >= view.limits.daily_tokens {
+        writeln!(
+            out,
+            "  over its daily budget: new intents are rejected (budget_exceeded)"
+        )?;
+    }
+    match view.updated_at {
+        Some(at) => writeln!(
+            out,
+            "  own settings last changed {} (`*`); the rest are [owners]'s",
+            at.format("%Y-%m-%d %H:%M:%S UTC")
+        ),
+        None => writeln!(out, "  no settings of its own: [owners]'s limits"),
+    }
+}
+
+/// An owner's limits, spend and waiting jobs on one line; `*` marks its own
+/// settings, and 0 is "no limit".
+fn limits_line(v: &OwnerView) -> String {
+    format!(
+        "{}  spent_24h {}  waiting {}",
+        settings_line(&v.limits, &v.own),
+        v.spent_24h,
+        v.waiting
+    )
+}
+
+/// Limits on one line; `*` marks the settings in `own`.
+fn settings_line(limits: &OwnerLimits, own: &OwnerOverrides) -> String {
+    let mark = |own: bool| if own { "*" } else { "" };
+    let limit = |n: i64| {
+        if n == 0 {
+            "none".to_owned()
+        } else {
+            n.to_string()
+        }
+    };
+    let rate = match limits.bucket() {
+        Some((r, b)) => format!("{r}/s burst {b}"),
+        None => "none".into(),
+    };
+    format!(
+        "max_in_flight {}{}  rate {}{}{}  daily_tokens {}{}",
+        limit(limits.max_in_flight),
+        mark(own.max_in_flight.is_some()),
+        rate,
+        mark(own.rate.is_some()),
+        mark(own.burst.is_some()),
+        limit(limits.daily_tokens),
+        mark(own.daily_tokens.is_some()),
+    )
+}

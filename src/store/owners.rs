@@ -1,0 +1,297 @@
+//! Owners: the limits `onejob owners set` gives one owner (over `[owners]`),
+//! what each owner spent over the last 24 hours, and which owners are over
+//! their budget.
+
+use super::audit::record;
+use super::*;
+use crate::config::{OwnerLimits, OwnerOverrides};
+
+/// The window a daily budget counts, and how long a minute's spend counts:
+/// the minute is counted while any part of it is within the last 24 hours.
+const WINDOW_SECS: f64 = 24.0 * 3600.0 + 60.0;
+
+/// One owner as operators see it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct OwnerView {
+    /// The owner.
+    pub owner_id: String,
+    /// Its own settings (unset ones take `[owners]`'s).
+    pub own: OwnerOverrides,
+    /// The limits that apply to it: its own over `[owners]`'s.
+    pub limits: OwnerLimits,
+    /// Tokens its attempts spent over the last 24 hours, discarded ones included.
+    pub spent_24h: i64,
+    /// Its jobs whose first attempt waits for its turn under `rate`.
+    pub waiting: i64,
+    /// When its own settings last changed, if it has any.
+    pub updated_at: Option<DateTime<Utc>>,
+}
+
+/// A change to one owner's settings: for each, `None` leaves it as it is,
+/// `Some(None)` gives it back `[owners]`'s, `Some(Some(n))` sets its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OwnerChange {
+    /// `max_in_flight`.
+    pub max_in_flight: Option<Option<i64>>,
+    /// `rate`.
+    pub rate: Option<Option<f64>>,
+    /// `burst`.
+    pub burst: Option<Option<i64>>,
+    /// `daily_tokens`.
+    pub daily_tokens: Option<Option<i64>>,
+}
+
+impl OwnerChange {
+    /// These settings after the change.
+    pub fn applied_to(&self, own: &OwnerOverrides) -> OwnerOverrides {
+        OwnerOverrides {
+            max_in_flight: self.max_in_flight.unwrap_or(own.max_in_flight),
+            rate: self.rate.unwrap_or(own.rate),
+            burst: self.burst.unwrap_or(own.burst),
+            daily_tokens: self.daily_tokens.unwrap_or(own.daily_tokens),
+        }
+    }
+}
+
+/// An owner over its daily budget: what it spent, and in how many seconds
+/// enough of that leaves the window for it to be under the budget again.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct OverBudget {
+    pub(super) spent: i64,
+    pub(super) budget: i64,
+    pub(super) retry_after: u64,
+}
+
+impl Store {
+    /// The limits that apply to each of these owners: its own settings over
+    /// `[owners]`'s.
+    pub async fn owner_limits(&self, owners: &[String]) -> Result<HashMap<String, OwnerLimits>> {
+        let own = self.own_settings(owners).await?;
+        Ok(owners
+            .iter()
+            .map(|o| {
+                let mine = own.get(o).map(|(s, _)| *s).unwrap_or_default();
+                (o.clone(), self.routes.owners.with(&mine))
+            })
+            .collect())
+    }
+
+    async fn own_settings(
+        &self,
+        owners: &[String],
+    ) -> Result<HashMap<String, (OwnerOverrides, DateTime<Utc>)>> {
+        Ok(sqlx::query!(
+            "SELECT owner_id, max_in_flight, rate, burst, daily_tokens, updated_at
+             FROM owners WHERE owner_id = ANY($1)",
+            owners,
+        )
+        .fetch_all(&self.per_job)
+        .await?
+        .into_iter()
+        .map(|r| {
+            let own = OwnerOverrides {
+                max_in_flight: r.max_in_flight,
+                rate: r.rate,
+                burst: r.burst,
+                daily_tokens: r.daily_tokens,
+            };
+            (r.owner_id, (own, r.updated_at))
+        })
+        .collect())
+    }
+
+    /// The owners among `budgets` (`(owner, daily_tokens)`, each budget above
+    /// 0) whose spend over the last 24 hours has reached their budget.
+    pub(super) async fn over_budget(
+        &self,
+        budgets: &[(String, i64)],
+    ) -> Result<HashMap<String, OverBudget>> {
+        if budgets.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let (owners, limits): (Vec<String>, Vec<i64>) = budgets.iter().cloned().unzip();
+        let rows = sqlx::query!(
+            r#"WITH minutes AS (
+                   SELECT s.owner_id, s.minute, sum(s.tokens)::int8 AS tokens
+                   FROM owner_spend s
+                   WHERE s.owner_id = ANY($1) AND s.minute > now() - make_interval(secs => $3)
+                   GROUP BY s.owner_id, s.minute
+               ), running AS (
+                   SELECT owner_id, minute,
+                          sum(tokens) OVER (PARTITION BY owner_id) AS spent,
+                          sum(tokens) OVER (PARTITION BY owner_id ORDER BY minute) AS through
+                   FROM minutes
+               )
+               SELECT r.owner_id AS "owner_id!", max(r.spent)::int8 AS "spent!",
+                      GREATEST(1, ceil(extract(epoch FROM
+                          min(r.minute) FILTER (WHERE r.spent - r.through < b.budget)
+                          + make_interval(secs => $3) - now())))::int8 AS "retry_after!"
+               FROM running r
+               JOIN unnest($1::text[], $2::int8[]) AS b(owner_id, budget) USING (owner_id)
+               GROUP BY r.owner_id, b.budget
+               HAVING max(r.spent) >= b.budget"#,
+            &owners,
+            &limits,
+            WINDOW_SECS,
+        )
+        .fetch_all(&self.per_job)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| {
+                let over = OverBudget {
+                    spent: r.spent,
+                    budget: budgets
+                        .iter()
+                        .find(|(o, _)| *o == r.owner_id)
+                        .map_or(0, |(_, b)| *b),
+                    retry_after: u64::try_from(r.retry_after).unwrap_or(1),
+                };
+                (r.owner_id, over)
+            })
+            .collect())
+    }
+
+    /// One owner: its settings, its limits and its spend. An owner onejob has
+    /// never heard of has `[owners]`'s limits and has spent nothing.
+    pub async fn owner(&self, owner_id: &str) -> Result<OwnerView> {
+        let mut views = self.owner_views(&[owner_id.to_owned()]).await?;
+        Ok(views.pop().unwrap_or_else(|| OwnerView {
+            owner_id: owner_id.to_owned(),
+            own: OwnerOverrides::default(),
+            limits: self.routes.owners,
+            spent_24h: 0,
+            waiting: 0,
+            updated_at: None,
+        }))
+    }
+
+    /// The owners with settings of their own or spend over the last 24 hours,
+    /// by name.
+    pub async fn owners(&self) -> Result<Vec<OwnerView>> {
+        let names: Vec<String> = sqlx::query_scalar!(
+            r#"SELECT owner_id AS "owner_id!" FROM owners
+               UNION
+               SELECT DISTINCT owner_id FROM owner_spend
+               WHERE minute > now() - make_interval(secs => $1)
+               ORDER BY 1
+               LIMIT 10000"#,
+            WINDOW_SECS,
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        self.owner_views(&names).await
+    }
+
+    async fn owner_views(&self, owners: &[String]) -> Result<Vec<OwnerView>> {
+        let own = self.own_settings(owners).await?;
+        let figures: HashMap<String, (i64, i64)> = sqlx::query!(
+            r#"SELECT o.owner_id AS "owner_id!",
+                      (SELECT COALESCE(sum(s.tokens), 0)::int8 FROM owner_spend s
+                       WHERE s.owner_id = o.owner_id
+                         AND s.minute > now() - make_interval(secs => $2)) AS "spent!",
+                      (SELECT count(*) FROM outbox x
+                       JOIN attempts a ON a.id::text = x.message_id AND a.number = 1
+                       JOIN jobs j ON j.id = a.job_id
+                       WHERE x.published_at IS NULL AND x.not_before > now()
+                         AND j.owner_id = o.owner_id) AS "waiting!"
+               FROM unnest($1::text[]) AS o(owner_id)"#,
+            owners,
+            WINDOW_SECS,
+        )
+        .fetch_all(&self.pool)
+        .await?
+        .into_iter()
+        .map(|r| (r.owner_id, (r.spent, r.waiting)))
+        .collect();
+        Ok(owners
+            .iter()
+            .map(|o| {
+                let (mine, updated_at) = own
+                    .get(o)
+                    .map_or((OwnerOverrides::default(), None), |(s, at)| (*s, Some(*at)));
+                let (spent_24h, waiting) = figures.get(o).copied().unwrap_or_default();
+                OwnerView {
+                    owner_id: o.clone(),
+                    own: mine,
+                    limits: self.routes.owners.with(&mine),
+                    spent_24h,
+                    waiting,
+                    updated_at,
+                }
+            })
+            .collect())
+    }
+
+    /// Changes one owner's settings; the change and its audit row (what the
+    /// settings were and became) commit together. Returns the owner as it is
+    /// now.
+    pub async fn set_owner(
+        &self,
+        owner_id: &str,
+        change: &OwnerChange,
+        actor: &Actor,
+    ) -> Result<OwnerView> {
+        let mut tx = self.pool.begin().await?;
+        let before = sqlx::query!(
+            "SELECT max_in_flight, rate, burst, daily_tokens FROM owners
+             WHERE owner_id = $1 FOR UPDATE",
+            owner_id,
+        )
+        .fetch_optional(&mut *tx)
+        .await?
+        .map(|r| OwnerOverrides {
+            max_in_flight: r.max_in_flight,
+            rate: r.rate,
+            burst: r.burst,
+            daily_tokens: r.daily_tokens,
+        })
+        .unwrap_or_default();
+        let after = change.applied_to(&before);
+        let detail = serde_json::json!({ "before": before, "after": after });
+        record(
+            &mut tx,
+            actor,
+            &Action {
+                action: "owner.set",
+                target: Some(owner_id.to_owned()),
+                detail,
+                ..Default::default()
+            },
+        )
+        .await?;
+        sqlx::query!(
+            "INSERT INTO owners (owner_id, max_in_flight, rate, burst, daily_tokens)
+             VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (owner_id) DO UPDATE
+             SET max_in_flight = EXCLUDED.max_in_flight, rate = EXCLUDED.rate,
+                 burst = EXCLUDED.burst, daily_tokens = EXCLUDED.daily_tokens,
+                 updated_at = now()",
+            owner_id,
+            after.max_in_flight,
+            after.rate,
+            after.burst,
+            after.daily_tokens,
+        )
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        self.owner(owner_id).await
+    }
+
+    /// Deletes up to `limit` spend rows that left every budget's window;
+    /// returns how many.
+    pub async fn prune_spend(&self, limit: i64) -> Result<u64> {
+        let done = sqlx::query!(
+            "DELETE FROM owner_spend WHERE ctid IN (
+                 SELECT ctid FROM owner_spend
+                 WHERE minute < now() - make_interval(secs => $1)
+                 LIMIT $2)",
+            WINDOW_SECS,
+            limit,
+        )
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
+    }
+}
