@@ -172,6 +172,7 @@ fn every_setting_the_parser_accepts_is_in_the_reference() {
         ("", sections),
         ("worker", named["worker"].clone()),
         ("retention", retention.clone()),
+        ("owners", named["owners"].clone()),
         ("providers.NAME", named["providers.NAME"].clone()),
         ("operations.NAME", named["operations.NAME"].clone()),
         ("operations.NAME.retention", retention),
@@ -203,6 +204,7 @@ fn parsed(config: &Config, table: &str) -> String {
     match table {
         "worker" => format!("{:?}", config.worker),
         "retention" => format!("{:?}", config.retention),
+        "owners" => format!("{:?}", config.owners),
         "providers.NAME" => format!("{:?}", config.providers["primary"]),
         "operations.NAME" => format!(
             "{:?} {} {} {:?} {:?} {:?} {}",
