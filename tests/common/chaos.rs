@@ -46,7 +46,25 @@ impl Workers {
         config: &std::path::Path,
         amqp_url: impl Fn(usize) -> String + Send + 'static,
     ) -> Workers {
+        Self::start_logging(
+            count,
+            env,
+            config,
+            amqp_url,
+            "warn,onejob_core::broker=info,onejob::intake=info",
+        )
+    }
+
+    /// As [`Workers::start`], with the workers' `RUST_LOG`.
+    pub fn start_logging(
+        count: usize,
+        env: &TestEnv,
+        config: &std::path::Path,
+        amqp_url: impl Fn(usize) -> String + Send + 'static,
+        log_filter: &str,
+    ) -> Workers {
         let bin = worker_bin();
+        let log_filter = log_filter.to_owned();
         let (db, cfg) = (env.database_url.clone(), config.to_owned());
         let log_dir = std::env::temp_dir().join(format!("onejob-chaos-{}", env.name));
         std::fs::create_dir_all(&log_dir).unwrap();
@@ -61,10 +79,7 @@ impl Workers {
                 .env("DATABASE_URL", &db)
                 .env("AMQP_URL", amqp_url(i))
                 .env("ONEJOB_CONFIG", &cfg)
-                .env(
-                    "RUST_LOG",
-                    "warn,onejob_core::broker=info,onejob::intake=info",
-                )
+                .env("RUST_LOG", &log_filter)
                 .stdout(Stdio::null())
                 .stderr(log)
                 .spawn()

@@ -2,13 +2,14 @@
 //! Postgres and RabbitMQ: the daily token budget refuses new identities once
 //! an owner's spend, discarded attempts' included, reaches it (`budget`); the
 //! rate paces first attempts past the burst, across admissions that race
-//! (`rate`); and `onejob owners` sets, shows and audits each owner's own
-//! settings (`settings`).
+//! (`rate`); both hold across two worker processes (`fleet`); and `onejob
+//! owners` sets, shows and audits each owner's own settings (`settings`).
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod budget;
+mod fleet;
 mod rate;
 mod settings;
 
