@@ -74,21 +74,7 @@ async fn the_rate_and_the_budget_hold_across_two_worker_processes() {
     for job in &jobs {
         wait_for_status(&env, *job, JobStatus::Succeeded).await;
     }
-    let rows: Vec<(chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
-        "SELECT a.not_before, a.started_at FROM attempts a JOIN jobs j ON j.id = a.job_id
-             WHERE j.owner_id = 'acct_r' AND a.number = 1 ORDER BY a.not_before",
-    )
-    .fetch_all(env.store.pool())
-    .await
-    .unwrap();
-    assert_eq!(rows.len(), 40);
-    for pair in rows.windows(2) {
-        let apart = (pair[1].0 - pair[0].0).num_microseconds().unwrap();
-        assert!(apart >= 49_999, "two first attempts due {apart} µs apart");
-    }
-    for (due, started) in &rows {
-        assert!(started >= due, "started {started} before its turn {due}");
-    }
+    paced_across_both(&env).await;
 
     // A budget of one token: the owner's first job spends more, and from then
     // on both workers refuse its new intents.
@@ -125,4 +111,24 @@ async fn the_rate_and_the_budget_hold_across_two_worker_processes() {
         );
     }
     common::chaos::remove_logs(&logs);
+}
+
+/// The owner's forty first attempts were due at least 1/rate apart, whichever
+/// worker admitted them, and none started before it was due.
+async fn paced_across_both(env: &TestEnv) {
+    let rows: Vec<(chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        "SELECT a.not_before, a.started_at FROM attempts a JOIN jobs j ON j.id = a.job_id
+             WHERE j.owner_id = 'acct_r' AND a.number = 1 ORDER BY a.not_before",
+    )
+    .fetch_all(env.store.pool())
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 40);
+    for pair in rows.windows(2) {
+        let apart = (pair[1].0 - pair[0].0).num_microseconds().unwrap();
+        assert!(apart >= 49_999, "two first attempts due {apart} µs apart");
+    }
+    for (due, started) in &rows {
+        assert!(started >= due, "started {started} before its turn {due}");
+    }
 }
