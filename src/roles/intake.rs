@@ -234,6 +234,7 @@ async fn admit(
     for ((delivery, new_job), row) in deliveries.into_iter().zip(batch).zip(rows) {
         match row {
             Some(Ok(Admission::Refused(reason))) => {
+                crate::metrics::owner_refused(&new_job.intent.owner_id, "budget_exceeded");
                 answered.push(reject(ctx, shutdown, delivery, reason).await);
             }
             Some(Ok(admission)) => {

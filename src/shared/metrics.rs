@@ -121,6 +121,17 @@ pub fn attempt_batch(provider: &str, stage: &'static str, size: usize) {
         .record(size as f64);
 }
 
+/// Intake refused an owner's new intent for a limit: `reason` is
+/// `budget_exceeded`.
+pub fn owner_refused(owner: &str, reason: &'static str) {
+    counter!(
+        "onejob_owner_refusals_total",
+        "owner" => owner.to_owned(),
+        "reason" => reason
+    )
+    .increment(1);
+}
+
 /// A valid intent at its delivery limit was handed on as a fresh copy.
 pub fn intent_handed_on() {
     counter!("onejob_intents_handed_on_total").increment(1);

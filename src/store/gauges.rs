@@ -2,6 +2,9 @@
 
 use super::*;
 
+/// How many owners the per-owner gauges name at most, by each figure.
+const OWNER_GAUGES: i64 = 50;
+
 impl Store {
     /// Prometheus gauges read from the tables: jobs and attempts by status, the
     /// oldest `unknown` attempt's age (alert on it: only a person or late evidence
@@ -80,6 +83,50 @@ impl Store {
         }
         out.push_str("# TYPE onejob_outbox_unpublished gauge\n");
         out.push_str(&format!("onejob_outbox_unpublished {backlog}\n"));
+        out.push_str(&self.owner_gauges().await?);
+        Ok(out)
+    }
+
+    /// Per owner, for the [`OWNER_GAUGES`] owners that spent most over the
+    /// last 24 hours and those with most jobs waiting for their rate: the
+    /// spend and the waiting jobs. (An owner id holds no character a label
+    /// value must escape.)
+    async fn owner_gauges(&self) -> Result<String> {
+        let rows = sqlx::query!(
+            r#"WITH spent AS (
+                   SELECT owner_id, sum(tokens)::int8 AS tokens FROM owner_spend
+                   WHERE minute > now() - interval '24 hours 1 minute'
+                   GROUP BY owner_id ORDER BY 2 DESC LIMIT $1
+               ), waiting AS (
+                   SELECT j.owner_id, count(*) AS jobs
+                   FROM outbox x
+                   JOIN attempts a ON a.id::text = x.message_id AND a.number = 1
+                   JOIN jobs j ON j.id = a.job_id
+                   WHERE x.published_at IS NULL AND x.not_before > now()
+                   GROUP BY j.owner_id ORDER BY 2 DESC LIMIT $1
+               )
+               SELECT COALESCE(s.owner_id, w.owner_id) AS "owner_id!",
+                      COALESCE(s.tokens, 0) AS "tokens!", COALESCE(w.jobs, 0) AS "waiting!"
+               FROM spent s FULL JOIN waiting w ON w.owner_id = s.owner_id
+               ORDER BY 1"#,
+            OWNER_GAUGES,
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        let mut out = String::from("# TYPE onejob_owner_spent_tokens_24h gauge\n");
+        for r in &rows {
+            out.push_str(&format!(
+                "onejob_owner_spent_tokens_24h{{owner=\"{}\"}} {}\n",
+                r.owner_id, r.tokens
+            ));
+        }
+        out.push_str("# TYPE onejob_owner_waiting_jobs gauge\n");
+        for r in &rows {
+            out.push_str(&format!(
+                "onejob_owner_waiting_jobs{{owner=\"{}\"}} {}\n",
+                r.owner_id, r.waiting
+            ));
+        }
         Ok(out)
     }
 }

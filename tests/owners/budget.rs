@@ -69,6 +69,11 @@ async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers
         after[2]
     );
     assert_eq!(after[3], Admission::Conflict);
+    let gauges = store.gauges().await.unwrap();
+    assert!(
+        gauges.contains("onejob_owner_spent_tokens_24h{owner=\"acct_a\"} 100\n"),
+        "{gauges}"
+    );
     let (jobs,): (i64,) = sqlx::query_as("SELECT count(*) FROM jobs WHERE idempotency_key = 'a-4'")
         .fetch_one(store.pool())
         .await

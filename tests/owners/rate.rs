@@ -66,6 +66,11 @@ async fn past_its_burst_an_owners_first_attempts_are_due_one_interval_apart() {
     assert!(matches!(again[0], Admission::Duplicate { .. }));
     created(store, &[common::new_job("acct_r", "r-5", "x")]).await;
 
+    let gauges = store.gauges().await.unwrap();
+    assert!(
+        gauges.contains("onejob_owner_waiting_jobs{owner=\"acct_r\"} 3\n"),
+        "{gauges}"
+    );
     let due = due_times(store, "acct_r").await;
     assert_eq!(due.len(), 6);
     assert_eq!(
