@@ -32,9 +32,9 @@ fn millis(a: DateTime<Utc>, b: DateTime<Utc>) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn past_its_burst_an_owners_first_attempts_are_due_one_interval_apart() {
-    let (config, _file) = config(&config_with_owners(
+    let (config, file) = config(&config_with_owners(
         "http://127.0.0.1:9/v1",
-        "rate = 4\nburst = 3",
+        "rate = 0.1\nburst = 3",
     ));
     let env = TestEnv::new(&config).await;
     let store = &env.store;
@@ -66,6 +66,17 @@ async fn past_its_burst_an_owners_first_attempts_are_due_one_interval_apart() {
     assert!(matches!(again[0], Admission::Duplicate { .. }));
     created(store, &[common::new_job("acct_r", "r-5", "x")]).await;
 
+    // `jobs show` says why the job waits, and the owner's limits.
+    let shown = env.cli_ok(&file.path, &["jobs", "show", &batch[4].job_id.to_string()]);
+    let text = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        text.contains("waits    until") && text.contains("its turn under the owner's rate"),
+        "{text}"
+    );
+    assert!(
+        text.contains("its limits   max_in_flight none  rate 0.1/s burst 3"),
+        "{text}"
+    );
     let gauges = store.gauges().await.unwrap();
     assert!(
         gauges.contains("onejob_owner_waiting_jobs{owner=\"acct_r\"} 3\n"),
@@ -80,9 +91,9 @@ async fn past_its_burst_an_owners_first_attempts_are_due_one_interval_apart() {
     );
     // Within one admission the spacing is exact; across two, the second is
     // due a whole interval after the first one's last job.
-    assert_eq!(millis(due[2], due[3]), 250, "{due:?}");
-    assert_eq!(millis(due[3], due[4]), 250, "{due:?}");
-    assert!(millis(due[4], due[5]) >= 250, "{due:?}");
+    assert_eq!(millis(due[2], due[3]), 10_000, "{due:?}");
+    assert_eq!(millis(due[3], due[4]), 10_000, "{due:?}");
+    assert!(millis(due[4], due[5]) >= 10_000, "{due:?}");
 
     // Another owner has a bucket of its own.
     let other = created(store, &[common::new_job("acct_s", "s-0", "x")]).await;

@@ -9,7 +9,7 @@ use uuid::Uuid;
 use super::{Connections, Failure, Outcome, publish_now, shown, store};
 use crate::config::Config;
 use crate::domain::{AttemptStatus, JobId};
-use crate::store::{Actor, AuditEntry, JobView, Store};
+use crate::store::{Actor, AuditEntry, JobView, OwnerView, Store};
 
 #[derive(Subcommand, Debug)]
 pub(super) enum JobsCommand {
@@ -66,7 +66,8 @@ pub(super) async fn run(
             let job = store.job(JobId(job_id)).await?;
             let job = job.ok_or_else(|| Failure(format!("job {job_id} not found")))?;
             let audit = store.audit_of_job(job.id).await?;
-            print_job(out, &job, &audit, json)?;
+            let owner = store.owner(&job.owner_id).await?;
+            print_job(out, &job, &owner, &audit, json)?;
         }
         JobsCommand::Cancel { job_id, reason } => {
             let store = store(c, &config).await?;
@@ -78,7 +79,8 @@ pub(super) async fn run(
             let job =
                 job.ok_or_else(|| Failure(format!("no job for owner {owner:?} and key {key:?}")))?;
             let audit = store.audit_of_job(job.id).await?;
-            print_job(out, &job, &audit, json)?;
+            let owner = store.owner(&job.owner_id).await?;
+            print_job(out, &job, &owner, &audit, json)?;
         }
         JobsCommand::Prune {
             older_than,
@@ -184,9 +186,11 @@ async fn prune(
     Ok(())
 }
 
+/// A job, its attempts, its owner's limits and its audit rows.
 fn print_job(
     out: &mut impl Write,
     job: &JobView,
+    owner: &OwnerView,
     audit: &[AuditEntry],
     as_json: bool,
 ) -> std::io::Result<()> {
@@ -197,6 +201,10 @@ fn print_job(
                 "audit".into(),
                 serde_json::to_value(audit).unwrap_or_default(),
             );
+            fields.insert(
+                "owner_limits".into(),
+                serde_json::to_value(owner).unwrap_or_default(),
+            );
         }
         return writeln!(out, "{value}");
     }
@@ -206,6 +214,7 @@ fn print_job(
         job.id, job.status, job.version
     )?;
     writeln!(out, "  owner        {}", shown(&job.owner_id))?;
+    writeln!(out, "  its limits   {}", super::owners::limits_line(owner))?;
     writeln!(out, "  key          {}", shown(&job.idempotency_key))?;
     writeln!(out, "  operation    {}", shown(&job.operation))?;
     writeln!(out, "  fingerprint  {}", job.request_fingerprint)?;
@@ -238,6 +247,17 @@ fn write_attempts(out: &mut impl Write, job: &JobView) -> std::io::Result<()> {
         )?;
         if let Some(e) = &a.error {
             writeln!(out, "       error    {}", shown(e))?;
+        }
+        if a.status == AttemptStatus::Queued && a.not_before > chrono::Utc::now() {
+            let why = match a.number {
+                1 => "its turn under the owner's rate",
+                _ => "the backoff after the attempt before it",
+            };
+            writeln!(
+                out,
+                "       waits    until {} for {why}",
+                a.not_before.format("%Y-%m-%d %H:%M:%S%.3f UTC")
+            )?;
         }
         if let Some(u) = &a.usage {
             writeln!(out, "       usage    {u}")?;

@@ -179,7 +179,7 @@ fn print_one(view: &OwnerView, json: bool, out: &mut impl Write) -> std::io::Res
 
 /// An owner's limits, spend and waiting jobs on one line; `*` marks its own
 /// settings, and 0 is "no limit".
-fn limits_line(v: &OwnerView) -> String {
+pub(super) fn limits_line(v: &OwnerView) -> String {
     format!(
         "{}  spent_24h {}  waiting {}",
         settings_line(&v.limits, &v.own),
