@@ -225,13 +225,13 @@ impl Store {
 
     /// Changes one owner's settings; the change and its audit row (what the
     /// settings were and became) commit together. Returns the owner as it is
-    /// now.
+    /// now, and the audit row's id.
     pub async fn set_owner(
         &self,
         owner_id: &str,
         change: &OwnerChange,
         actor: &Actor,
-    ) -> Result<OwnerView> {
+    ) -> Result<(OwnerView, Uuid)> {
         let mut tx = self.pool.begin().await?;
         let before = sqlx::query!(
             "SELECT max_in_flight, rate, burst, daily_tokens FROM owners
@@ -249,7 +249,7 @@ impl Store {
         .unwrap_or_default();
         let after = change.applied_to(&before);
         let detail = serde_json::json!({ "before": before, "after": after });
-        record(
+        let audit = record(
             &mut tx,
             actor,
             &Action {
@@ -276,7 +276,7 @@ impl Store {
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
-        self.owner(owner_id).await
+        Ok((self.owner(owner_id).await?, audit))
     }
 
     /// Deletes up to `limit` spend rows that left every budget's window;

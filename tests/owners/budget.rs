@@ -86,7 +86,7 @@ async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers
         daily_tokens: Some(Some(0)),
         ..Default::default()
     };
-    let view = store.set_owner("acct_a", &change, &actor).await.unwrap();
+    let (view, _) = store.set_owner("acct_a", &change, &actor).await.unwrap();
     assert_eq!((view.limits.daily_tokens, view.spent_24h), (0, 100));
     created(store, &[common::new_job("acct_a", "a-4", "x")]).await;
     // And one above its spend admits again, while one at it refuses.

@@ -6,7 +6,9 @@ use std::io::Write;
 use clap::Subcommand;
 
 use super::{Connections, Failure, Outcome, shown, store};
-use crate::config::{MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, OwnerLimits, OwnerOverrides};
+use crate::config::{
+    MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, OwnerLimits, OwnerOverrides, parse_limit,
+};
 use crate::store::{Actor, OwnerChange, OwnerView, StoreError};
 
 #[derive(Subcommand, Debug)]
@@ -51,33 +53,16 @@ pub(super) enum OwnersCommand {
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Setting<T>(Option<T>);
 
-fn parsed<T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy>(
-    text: &str,
-    max: T,
-    zero: T,
-) -> Result<Setting<T>, String> {
-    if text == "default" {
-        return Ok(Setting(None));
-    }
-    match text.parse::<T>() {
-        Ok(n) if n >= zero && n <= max => Ok(Setting(Some(n))),
-        _ => Err(format!(
-            "must be a number from 0 (no limit) to {max}, or `default`"
-        )),
-    }
-}
-
 fn count(text: &str) -> Result<Setting<i64>, String> {
-    parsed(text, MAX_COUNT, 0)
+    parse_limit(text, MAX_COUNT).map(Setting)
 }
 
 fn daily_tokens(text: &str) -> Result<Setting<i64>, String> {
-    parsed(text, MAX_DAILY_TOKENS, 0)
+    parse_limit(text, MAX_DAILY_TOKENS).map(Setting)
 }
 
 fn rate(text: &str) -> Result<Setting<f64>, String> {
-    // `parse` takes "NaN" and "inf", which no comparison lets through.
-    parsed(text, MAX_RATE, 0.0)
+    parse_limit(text, MAX_RATE).map(Setting)
 }
 
 /// `onejob owners …`.
@@ -142,7 +127,7 @@ pub(super) async fn run(
             if reason.trim().is_empty() {
                 return Err(Failure("--reason must say why, for the audit table".into()));
             }
-            let view = store
+            let (view, _) = store
                 .set_owner(&owner, &change, &Actor::cli(Some(&reason)))
                 .await
                 .map_err(migrate_first)?;

@@ -104,9 +104,27 @@ pub(super) async fn done_banner(app: &Console, done: Option<Uuid>) -> Option<Str
             n("replayed"),
             n("skipped")
         )),
+        ("owner.set", _) => Some(format!(
+            "{target}: limits set ({}).",
+            own_settings(&d["after"])
+        )),
         ("dlq.purge", Some("done")) => {
             Some(format!("{target}: {} dead letter(s) purged.", n("purged")))
         }
         _ => None,
+    }
+}
+
+/// An owner's own settings as an `owner.set` row's `detail` holds them, in
+/// words: those unset take `[owners]`'s.
+fn own_settings(after: &serde_json::Value) -> String {
+    let set: Vec<String> = ["max_in_flight", "rate", "burst", "daily_tokens"]
+        .into_iter()
+        .filter(|k| !after[*k].is_null())
+        .map(|k| format!("{k} {}", after[k]))
+        .collect();
+    match set.is_empty() {
+        true => "all of [owners]'s".into(),
+        false => set.join(", ") + "; the rest [owners]'s",
     }
 }

@@ -13,7 +13,7 @@
 //! The router lists the pages; each page group is a file of its own:
 //! `overview`, `jobs` (the list), `job` (one job's timeline and
 //! history), `unknowns` (resolving them), `dead_letters`, `providers`
-//! (qualifying them). `session` signs operators in and out and checks each
+//! (qualifying them), `owners` (their limits, spend, and setting them). `session` signs operators in and out and checks each
 //! form's CSRF token; `action` holds what every action shares (a reason, an
 //! audit row written first); `page` renders templates and failures.
 
@@ -23,6 +23,7 @@ mod history;
 mod job;
 mod jobs;
 mod overview;
+mod owners;
 mod page;
 mod providers;
 mod session;
@@ -128,6 +129,8 @@ impl Console {
                 "/providers/qualify",
                 get(providers::confirm_qualify).post(providers::qualify),
             )
+            .route("/owners", get(owners::page))
+            .route("/owners/set", post(owners::set))
             .route("/static/console.css", get(page::stylesheet))
             .fallback(page::not_found)
             .layer(axum::middleware::map_response(guarded))

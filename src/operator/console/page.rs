@@ -32,6 +32,7 @@ pub(super) fn templates() -> Environment<'static> {
         ),
         ("message.html", include_str!("templates/message.html")),
         ("providers.html", include_str!("templates/providers.html")),
+        ("owners.html", include_str!("templates/owners.html")),
         (
             "confirm_qualify.html",
             include_str!("templates/confirm_qualify.html"),

@@ -37,7 +37,7 @@ use crate::intent::{Intent, RejectReason};
 
 pub use checks::MAX_DURATION;
 pub use operations::{ContractViolation, Operation, Rendered, TemplateError};
-pub use owners::{MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, OwnerLimits, OwnerOverrides};
+pub use owners::{MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, OwnerLimits, OwnerOverrides, parse_limit};
 pub use providers::{
     DEFAULT_EVIDENCE_DEADLINE, DEFAULT_EVIDENCE_DELAY, DEFAULT_IDEMPOTENCY_HEADER,
     DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_RETRY_AFTER, DEFAULT_UNKNOWN_STATUSES, Evidence,

@@ -109,6 +109,25 @@ impl OwnerOverrides {
     }
 }
 
+/// A limit as an operator types it (`onejob owners set`, the console): a
+/// number from 0 (no limit) to `max`, or `default` (`None`: `[owners]`'s).
+/// `NaN` and infinities are refused: no comparison lets them through.
+pub fn parse_limit<T>(text: &str, max: T) -> Result<Option<T>, String>
+where
+    T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy + Default,
+{
+    let text = text.trim();
+    if text == "default" {
+        return Ok(None);
+    }
+    match text.parse::<T>() {
+        Ok(n) if n >= T::default() && n <= max => Ok(Some(n)),
+        _ => Err(format!(
+            "must be a number from 0 (no limit) to {max}, or `default`"
+        )),
+    }
+}
+
 /// `[owners]`, checked: every limit is off unless set.
 pub(super) fn parse_owners(origin: &str, raw: &RawOwners) -> Result<OwnerLimits> {
     let own = OwnerOverrides {
