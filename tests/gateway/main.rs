@@ -6,14 +6,16 @@
 //!
 //! One binary, its tests by topic: tokens (`tokens`), one job per request and
 //! each owner's view (`one_job`), bad requests (`bad_requests`), the gateway's
-//! own life: its description, shutdown, a lost broker (`lifecycle`), and
-//! clients that are slow or greedy (`slow_clients`).
+//! own life: its description, shutdown, a lost broker (`lifecycle`), clients
+//! that are slow or greedy (`slow_clients`), and an owner over its budget
+//! (`limits`).
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod bad_requests;
 mod lifecycle;
+mod limits;
 mod one_job;
 mod slow_clients;
 mod tokens;

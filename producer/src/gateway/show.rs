@@ -85,6 +85,9 @@ struct PublicAttempt {
     provider: String,
     status: onejob::domain::AttemptStatus,
     created_at: chrono::DateTime<chrono::Utc>,
+    /// The earliest it may be handed to its provider: its turn under the
+    /// owner's rate (a first attempt), or a retry's backoff.
+    not_before: chrono::DateTime<chrono::Utc>,
     started_at: Option<chrono::DateTime<chrono::Utc>>,
     finished_at: Option<chrono::DateTime<chrono::Utc>>,
 }
@@ -112,6 +115,7 @@ impl From<onejob::store::JobView> for PublicJob {
                     provider: a.provider,
                     status: a.status,
                     created_at: a.created_at,
+                    not_before: a.not_before,
                     started_at: a.started_at,
                     finished_at: a.finished_at,
                 })
