@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::browser::Browser;
 use common::console::{Served, dead_letter_intent, serve, two_providers, unknown_job};
-use common::{P, TestEnv, config, config_for, mock, submit, wait_for, wait_for_status};
+use common::{TestEnv, config, mock, submit, wait_for, wait_for_status};
 use onejob::config::Config;
 use onejob::domain::{AttemptStatus, JobId, JobStatus};
 use onejob::mock::MockOptions;
@@ -310,14 +310,7 @@ async fn qualify_now_then_a_hedge_on_its_own_lane_and_the_main_pages() {
     })
     .await;
     let (p, f) = (slow.base_url(), quick.base_url());
-    let text = config_for(
-        &[
-            P("primary", &p, "timeout = \"10s\""),
-            P("fallback", &f, "timeout = \"10s\""),
-        ],
-        "hedge_after = \"300ms\"",
-    );
-    let (config, _file) = config(&text);
+    let (config, _file) = config(&common::hedged_config(&p, &f));
     let env = TestEnv::new(&config).await;
     let served = serve(&env, config.clone(), false).await;
     let shots = Shots::new();

@@ -293,14 +293,7 @@ async fn a_hedge_that_answers_first_wins_and_the_late_primary_is_discarded() {
     })
     .await;
     let (p, f) = (primary.base_url(), fallback.base_url());
-    let text = config_for(
-        &[
-            P("primary", &p, "timeout = \"10s\""),
-            P("fallback", &f, "timeout = \"10s\""),
-        ],
-        "hedge_after = \"300ms\"",
-    );
-    let (config, file) = config(&text);
+    let (config, file) = config(&common::hedged_config(&p, &f));
     let env = TestEnv::new(&config).await;
     assert!(
         env.cli(&file.path, &["providers", "qualify", "fallback"])
@@ -324,18 +317,7 @@ async fn a_hedge_that_answers_first_wins_and_the_late_primary_is_discarded() {
     );
     assert_eq!(won.version, 1);
 
-    let job = wait_for(
-        "the primary's late result",
-        Duration::from_secs(20),
-        || async {
-            let j = env.store.job(job_id).await.unwrap().unwrap();
-            j.attempts
-                .iter()
-                .any(|a| a.status == AttemptStatus::Discarded)
-                .then_some(j)
-        },
-    )
-    .await;
+    let job = common::wait_for_attempt(&env, job_id, AttemptStatus::Discarded).await;
     the_hedge_won_and_the_primary_was_discarded(&job, &won);
 
     // The late primary settled; the outbox all published and the relay run

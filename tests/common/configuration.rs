@@ -68,6 +68,18 @@ input = {{ text = "The quick brown fox jumps over the lazy dog." }}
     text
 }
 
+/// A primary and a fallback, each with a 10 s timeout, and an operation that
+/// hedges on the fallback after 300 ms of silence.
+pub fn hedged_config(primary: &str, fallback: &str) -> String {
+    config_for(
+        &[
+            P("primary", primary, "timeout = \"10s\""),
+            P("fallback", fallback, "timeout = \"10s\""),
+        ],
+        "hedge_after = \"300ms\"",
+    )
+}
+
 /// The usual test configuration: a primary and, if given, a fallback.
 pub fn config_text(primary: &str, fallback: Option<&str>, extra: &str) -> String {
     match fallback {

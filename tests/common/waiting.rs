@@ -150,3 +150,20 @@ pub async fn wait_for_status(
     )
     .await
 }
+
+/// Waits until one of the job's attempts is `status`, and returns the job.
+pub async fn wait_for_attempt(
+    env: &TestEnv,
+    job_id: onejob::domain::JobId,
+    status: onejob::domain::AttemptStatus,
+) -> onejob::store::JobView {
+    wait_for(
+        &format!("an attempt of job {job_id} to be {status}"),
+        Duration::from_secs(20),
+        || async {
+            let j = env.store.job(job_id).await.expect("read job")?;
+            j.attempts.iter().any(|a| a.status == status).then_some(j)
+        },
+    )
+    .await
+}

@@ -13,9 +13,7 @@ use onejob_producer::Producer;
 
 use super::{config_with_owners, created, spend};
 use crate::common::tempfile_path::TempConfig;
-use crate::common::{
-    self, P, TestEnv, config, config_for, mock, submit, wait_for, wait_for_status,
-};
+use crate::common::{self, TestEnv, config, mock, submit, wait_for_status};
 
 fn refused(a: &Admission) -> (i64, i64, u64) {
     match a {
@@ -120,14 +118,7 @@ async fn hedged_fleet() -> (TestEnv, TempConfig, common::Fleet, [MockHandle; 2])
     .await;
     let fallback = mock(MockOptions::default()).await;
     let (p, f) = (primary.base_url(), fallback.base_url());
-    let text = config_for(
-        &[
-            P("primary", &p, "timeout = \"10s\""),
-            P("fallback", &f, "timeout = \"10s\""),
-        ],
-        "hedge_after = \"300ms\"",
-    );
-    let (config, file) = config(&text);
+    let (config, file) = config(&common::hedged_config(&p, &f));
     let env = TestEnv::new(&config).await;
     env.cli_ok(&file.path, &["providers", "qualify", "fallback"]);
     let fleet = env.fleet(config.clone(), vec![]).await;
@@ -159,18 +150,7 @@ async fn a_discarded_hedges_spend_crosses_the_budget() {
     let budget = 2 * each - 1;
     let set = format!("owners set acct_h --daily-tokens {budget} --reason a-test's-budget");
     env.cli_ok(&file.path, &set.split(' ').collect::<Vec<_>>());
-    let job = wait_for(
-        "the primary's late answer",
-        Duration::from_secs(20),
-        || async {
-            let j = env.store.job(job_id).await.unwrap().unwrap();
-            j.attempts
-                .iter()
-                .any(|a| a.status == AttemptStatus::Discarded)
-                .then_some(j)
-        },
-    )
-    .await;
+    let job = common::wait_for_attempt(&env, job_id, AttemptStatus::Discarded).await;
     let discarded = job
         .attempts
         .iter()
