@@ -21,8 +21,8 @@ async fn audit_rows(env: &TestEnv, action: &str) -> Vec<(String, String, serde_j
     .collect()
 }
 
-/// Granting access, taking it away and spending money from the CLI are
-/// operator actions like any other: each is audited, and audited first, so
+/// Granting access, taking it away, spending money and setting an owner's
+/// limits from the CLI are operator actions like any other: each is audited, and audited first, so
 /// one whose row cannot be written is not done.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_operator_action_from_the_cli_is_audited_first() {
@@ -155,4 +155,22 @@ async fn nothing_unaudited_is_done(env: &TestEnv, path: &Path, provider: &MockHa
     let out = env.cli(path, &["providers", "qualify", "primary"]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     assert_eq!(provider.stats.requests(), calls, "no paid call was made");
+    let out = env.cli(
+        path,
+        &[
+            "owners",
+            "set",
+            "acct_b",
+            "--daily-tokens",
+            "5",
+            "--reason",
+            "r",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let owners: i64 = sqlx::query_scalar("SELECT count(*) FROM owners")
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(owners, 0, "no owner's limits were set");
 }
