@@ -76,11 +76,6 @@ impl OwnerLimits {
             (self.rate, burst)
         })
     }
-
-    /// Whether no limit is set.
-    pub fn is_unlimited(&self) -> bool {
-        self.max_in_flight == 0 && self.rate == 0.0 && self.daily_tokens == 0
-    }
 }
 
 impl OwnerOverrides {
