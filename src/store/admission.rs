@@ -73,21 +73,14 @@ impl Store {
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
-        let limits = self.owner_limits(&owners).await?;
-        let budgets: Vec<(String, i64)> = limits
-            .iter()
-            .filter(|(_, l)| l.daily_tokens > 0)
-            .map(|(o, l)| (o.clone(), l.daily_tokens))
-            .collect();
-        let over_budget = self.over_budget(&budgets).await?;
-        let mut out = AdmissionLimits {
-            refused: over_budget.keys().cloned().collect(),
-            over_budget,
-            ..Default::default()
-        };
-        for (owner, l) in &limits {
-            if let Some((rate, burst)) = l.bucket() {
-                out.paced.push(owner.clone());
+        let mut out = AdmissionLimits::default();
+        for (owner, limits, over) in self.admission_owners(&owners).await? {
+            if let Some(over) = over {
+                out.refused.push(owner.clone());
+                out.over_budget.insert(owner.clone(), over);
+            }
+            if let Some((rate, burst)) = limits.bucket() {
+                out.paced.push(owner);
                 out.rates.push(rate);
                 out.bursts.push(burst);
             }

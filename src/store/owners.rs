@@ -63,19 +63,6 @@ pub(super) struct OverBudget {
 }
 
 impl Store {
-    /// The limits that apply to each of these owners: its own settings over
-    /// `[owners]`'s.
-    pub async fn owner_limits(&self, owners: &[String]) -> Result<HashMap<String, OwnerLimits>> {
-        let own = self.own_settings(owners).await?;
-        Ok(owners
-            .iter()
-            .map(|o| {
-                let mine = own.get(o).map(|(s, _)| *s).unwrap_or_default();
-                (o.clone(), self.routes.owners.with(&mine))
-            })
-            .collect())
-    }
-
     async fn own_settings(
         &self,
         owners: &[String],
@@ -100,38 +87,44 @@ impl Store {
         .collect())
     }
 
-    /// The owners among `budgets` (`(owner, daily_tokens)`, each budget above
-    /// 0) whose spend over the last 24 hours has reached their budget.
-    pub(super) async fn over_budget(
+    /// What admission must know of these owners, in one statement: the limits
+    /// that apply to each (its own settings over `[owners]`'s) and, for those
+    /// whose spend over the last 24 hours has reached their budget, that spend
+    /// and how long until enough of it is older.
+    pub(super) async fn admission_owners(
         &self,
-        budgets: &[(String, i64)],
-    ) -> Result<HashMap<String, OverBudget>> {
-        if budgets.is_empty() {
-            return Ok(HashMap::new());
-        }
-        let (owners, limits): (Vec<String>, Vec<i64>) = budgets.iter().cloned().unzip();
+        owners: &[String],
+    ) -> Result<Vec<(String, OwnerLimits, Option<OverBudget>)>> {
+        let defaults = self.routes.owners;
         let rows = sqlx::query!(
-            r#"WITH minutes AS (
+            r#"WITH own AS (
+                   SELECT i.owner_id, o.max_in_flight, o.rate, o.burst, o.daily_tokens,
+                          COALESCE(o.daily_tokens, $2) AS budget
+                   FROM unnest($1::text[]) AS i(owner_id) LEFT JOIN owners o USING (owner_id)
+               ), minutes AS (
                    SELECT s.owner_id, s.minute, sum(s.tokens)::int8 AS tokens
-                   FROM owner_spend s
-                   WHERE s.owner_id = ANY($1) AND s.minute > now() - make_interval(secs => $3)
+                   FROM owner_spend s JOIN own USING (owner_id)
+                   WHERE own.budget > 0 AND s.minute > now() - make_interval(secs => $3)
                    GROUP BY s.owner_id, s.minute
                ), running AS (
                    SELECT owner_id, minute,
                           sum(tokens) OVER (PARTITION BY owner_id) AS spent,
                           sum(tokens) OVER (PARTITION BY owner_id ORDER BY minute) AS through
                    FROM minutes
+               ), over AS (
+                   SELECT r.owner_id, max(r.spent)::int8 AS spent,
+                          GREATEST(1, ceil(extract(epoch FROM
+                              min(r.minute) FILTER (WHERE r.spent - r.through < own.budget)
+                              + make_interval(secs => $3) - now())))::int8 AS retry_after
+                   FROM running r JOIN own USING (owner_id)
+                   GROUP BY r.owner_id, own.budget
+                   HAVING max(r.spent) >= own.budget
                )
-               SELECT r.owner_id AS "owner_id!", max(r.spent)::int8 AS "spent!",
-                      GREATEST(1, ceil(extract(epoch FROM
-                          min(r.minute) FILTER (WHERE r.spent - r.through < b.budget)
-                          + make_interval(secs => $3) - now())))::int8 AS "retry_after!"
-               FROM running r
-               JOIN unnest($1::text[], $2::int8[]) AS b(owner_id, budget) USING (owner_id)
-               GROUP BY r.owner_id, b.budget
-               HAVING max(r.spent) >= b.budget"#,
-            &owners,
-            &limits,
+               SELECT own.owner_id AS "owner_id!", own.max_in_flight, own.rate, own.burst,
+                      own.daily_tokens, over.spent, over.retry_after
+               FROM own LEFT JOIN over USING (owner_id)"#,
+            owners,
+            defaults.daily_tokens,
             WINDOW_SECS,
         )
         .fetch_all(&self.per_job)
@@ -139,15 +132,19 @@ impl Store {
         Ok(rows
             .into_iter()
             .map(|r| {
-                let over = OverBudget {
-                    spent: r.spent,
-                    budget: budgets
-                        .iter()
-                        .find(|(o, _)| *o == r.owner_id)
-                        .map_or(0, |(_, b)| *b),
-                    retry_after: u64::try_from(r.retry_after).unwrap_or(1),
+                let own = OwnerOverrides {
+                    max_in_flight: r.max_in_flight,
+                    rate: r.rate,
+                    burst: r.burst,
+                    daily_tokens: r.daily_tokens,
                 };
-                (r.owner_id, over)
+                let limits = defaults.with(&own);
+                let over = r.spent.zip(r.retry_after).map(|(spent, wait)| OverBudget {
+                    spent,
+                    budget: limits.daily_tokens,
+                    retry_after: u64::try_from(wait).unwrap_or(1),
+                });
+                (r.owner_id, limits, over)
             })
             .collect())
     }
