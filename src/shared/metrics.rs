@@ -132,6 +132,12 @@ pub fn owner_refused(owner: &str, reason: &'static str) {
     .increment(1);
 }
 
+/// Held turns handed out to a provider's queue.
+pub fn turns_handed_out(provider: &str, n: usize) {
+    counter!("onejob_turns_handed_out_total", "provider" => provider.to_owned())
+        .increment(n as u64);
+}
+
 /// A valid intent at its delivery limit was handed on as a fresh copy.
 pub fn intent_handed_on() {
     counter!("onejob_intents_handed_on_total").increment(1);

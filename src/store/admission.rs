@@ -79,6 +79,9 @@ impl Store {
                 out.refused.push(owner.clone());
                 out.over_budget.insert(owner.clone(), over);
             }
+            if limits.max_in_flight > 0 {
+                out.counted.push(owner.clone());
+            }
             if let Some((rate, burst)) = limits.bucket() {
                 out.paced.push(owner);
                 out.rates.push(rate);
@@ -153,53 +156,11 @@ impl Store {
     ) -> Result<Vec<InsertedRow>> {
         let c = JobColumns::of(sorted);
         let outbox = OutboxColumns::of(drafts);
-        let rows = sqlx::query_as!(
+        let (share_providers, share_sizes): (Vec<String>, Vec<i64>) =
+            self.routes.shares.iter().cloned().unzip();
+        let rows = sqlx::query_file_as!(
             InsertedRow,
-            r#"WITH input AS (
-                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
-                                      $6::jsonb[], $7::text[], $8::uuid[], $9::text[],
-                                      $10::text[], $11::text[], $12::text[], $13::text[],
-                                      $14::text[], $15::jsonb[])
-                     WITH ORDINALITY
-                     AS t(job_id, owner_id, idempotency_key, fingerprint, operation, input,
-                          pinned, attempt_id, provider, traceparent, tracestate,
-                          exchange, routing_key, message_id, body, position)
-             ), new_jobs AS (
-                 INSERT INTO jobs (id, owner_id, idempotency_key, request_fingerprint,
-                                   operation, input, provider, traceparent, tracestate)
-                 SELECT job_id, owner_id, idempotency_key, fingerprint, operation, input,
-                        pinned, traceparent, tracestate
-                 FROM input WHERE owner_id <> ALL($17) ORDER BY position
-                 ON CONFLICT (owner_id, idempotency_key) DO NOTHING
-                 RETURNING id, owner_id
-             ), paced AS (
-                 SELECT n.owner_id, r.rate, r.burst,
-                        owner_pace_take(n.owner_id, count(*), r.rate) AS base
-                 FROM new_jobs n JOIN unnest($18::text[], $19::float8[], $20::int8[])
-                                      AS r(owner_id, rate, burst) USING (owner_id)
-                 GROUP BY n.owner_id, r.rate, r.burst
-             ), due AS (
-                 SELECT n.id AS job_id, GREATEST(now(), q.base + make_interval(secs =>
-                            (row_number() OVER (PARTITION BY n.owner_id ORDER BY i.position)
-                             - q.burst) / q.rate)) AS at
-                 FROM new_jobs n JOIN input i ON i.job_id = n.id
-                 JOIN paced q ON q.owner_id = n.owner_id
-             ), new_attempts AS (
-                 INSERT INTO attempts (id, job_id, number, provider, not_before)
-                 SELECT i.attempt_id, i.job_id, 1, i.provider, COALESCE(d.at, now())
-                 FROM input i JOIN new_jobs n ON n.id = i.job_id
-                 LEFT JOIN due d ON d.job_id = i.job_id
-                 RETURNING job_id, not_before
-             )
-             INSERT INTO outbox (exchange, routing_key, message_id, body, not_before,
-                                 lease_until, traceparent, tracestate)
-             SELECT i.exchange, i.routing_key, i.message_id, i.body, a.not_before,
-                    CASE WHEN a.not_before <= now() THEN now() + make_interval(secs => $16) END,
-                    i.traceparent, i.tracestate
-             FROM input i JOIN new_attempts a ON a.job_id = i.job_id
-             ORDER BY i.position
-             RETURNING id, exchange, routing_key, message_id, body, traceparent,
-                       tracestate, lease_until IS NOT NULL AS "leased!""#,
+            "src/store/admission.sql",
             &c.job_ids,
             &c.owners,
             &c.keys,
@@ -220,6 +181,9 @@ impl Store {
             &limits.paced,
             &limits.rates,
             &limits.bursts,
+            &share_providers,
+            &share_sizes,
+            &limits.counted,
         )
         .fetch_all(&self.per_job)
         .await?;
@@ -238,6 +202,9 @@ struct AdmissionLimits {
     paced: Vec<String>,
     rates: Vec<f64>,
     bursts: Vec<i64>,
+    /// The owners with `max_in_flight`: all their turns are held, for the
+    /// dispatcher to hand out as their flight allows.
+    counted: Vec<String>,
 }
 
 /// The new jobs, as the columns the admission statement unnests.

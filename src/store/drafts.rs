@@ -80,6 +80,9 @@ pub struct Routes {
     /// `[owners]`: the limits admission applies where an owner has none of
     /// its own.
     pub owners: crate::config::OwnerLimits,
+    /// Each provider's share: how many of one owner's turns may be handed
+    /// out to its queue and not yet started ([`crate::config::Provider::share`]).
+    pub shares: Vec<(String, i64)>,
 }
 
 impl Routes {
@@ -162,6 +165,7 @@ pub(super) fn test_routes() -> Routes {
         events_exchange: "onejob.events".into(),
         lease: Duration::from_secs(30),
         owners: Default::default(),
+        shares: Vec::new(),
     }
 }
 

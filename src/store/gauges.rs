@@ -88,7 +88,8 @@ impl Store {
     }
 
     /// Per owner, for the [`OWNER_GAUGES`] owners that spent most over the
-    /// last 24 hours and those with most jobs waiting for their rate: the
+    /// last 24 hours and those with most jobs waiting their turn (held, or
+    /// held back by their rate): the
     /// spend and the waiting jobs. (An owner id holds no character a label
     /// value must escape.)
     async fn owner_gauges(&self) -> Result<String> {
@@ -98,12 +99,9 @@ impl Store {
                    WHERE minute > now() - interval '24 hours 1 minute'
                    GROUP BY owner_id ORDER BY 2 DESC LIMIT $1
                ), waiting AS (
-                   SELECT j.owner_id, count(*) AS jobs
-                   FROM outbox x
-                   JOIN attempts a ON a.id::text = x.message_id AND a.number = 1
-                   JOIN jobs j ON j.id = a.job_id
-                   WHERE x.published_at IS NULL AND x.not_before > now()
-                   GROUP BY j.owner_id ORDER BY 2 DESC LIMIT $1
+                   SELECT owner_id, count(*) AS jobs FROM turns
+                   WHERE handed_out_at IS NULL OR due_at > now()
+                   GROUP BY owner_id ORDER BY 2 DESC LIMIT $1
                )
                SELECT COALESCE(s.owner_id, w.owner_id) AS "owner_id!",
                       COALESCE(s.tokens, 0) AS "tokens!", COALESCE(w.jobs, 0) AS "waiting!"

@@ -90,9 +90,11 @@ impl Store {
             AttemptView,
             r#"SELECT id AS "id: AttemptId", job_id AS "job_id: JobId", number, provider,
                       status AS "status: AttemptStatus", error, created_at, not_before,
+                      EXISTS (SELECT 1 FROM turns t WHERE t.attempt_id = a.id
+                                                      AND t.handed_out_at IS NULL) AS "held!",
                       started_at, finished_at, provider_request_id, usage,
                       evidence_looks, evidence_last_at, evidence_note, evidence_next_at
-               FROM attempts WHERE job_id = $1 ORDER BY number"#,
+               FROM attempts a WHERE job_id = $1 ORDER BY number"#,
             job.id.0
         )
         .fetch_all(&self.pool)

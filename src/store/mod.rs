@@ -56,6 +56,7 @@ mod retry;
 mod settle;
 mod sweeps;
 mod tokens;
+mod turns;
 mod views;
 
 pub use audit::{Action, Actor, AuditEntry};

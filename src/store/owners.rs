@@ -187,11 +187,9 @@ impl Store {
                       (SELECT COALESCE(sum(s.tokens), 0)::int8 FROM owner_spend s
                        WHERE s.owner_id = o.owner_id
                          AND s.minute > now() - make_interval(secs => $2)) AS "spent!",
-                      (SELECT count(*) FROM outbox x
-                       JOIN attempts a ON a.id::text = x.message_id AND a.number = 1
-                       JOIN jobs j ON j.id = a.job_id
-                       WHERE x.published_at IS NULL AND x.not_before > now()
-                         AND j.owner_id = o.owner_id) AS "waiting!"
+                      (SELECT count(*) FROM turns t
+                       WHERE t.owner_id = o.owner_id
+                         AND (t.handed_out_at IS NULL OR t.due_at > now())) AS "waiting!"
                FROM unnest($1::text[]) AS o(owner_id)"#,
             owners,
             WINDOW_SECS,

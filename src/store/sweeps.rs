@@ -164,6 +164,33 @@ impl Store {
         if locked != Some(JobStatus::Running) {
             return Ok(None);
         }
+        // A hedge is one more attempt in flight: under `max_in_flight` it
+        // waits for room like a turn does, counted under the owner's lock
+        // (taken first, so that the count's snapshot follows it).
+        let owner = sqlx::query!(
+            r#"SELECT j.owner_id, COALESCE(o.max_in_flight, $2) AS "max_in_flight!"
+               FROM jobs j LEFT JOIN owners o ON o.owner_id = j.owner_id
+               WHERE j.id = $1"#,
+            job.0,
+            self.routes.owners.max_in_flight,
+        )
+        .fetch_one(&mut *tx)
+        .await?;
+        let room = owner.max_in_flight == 0 || {
+            sqlx::query!("SELECT owner_lock($1)", owner.owner_id)
+                .fetch_one(&mut *tx)
+                .await?;
+            sqlx::query_scalar!(
+                r#"SELECT owner_in_flight($1) < $2 AS "room!""#,
+                owner.owner_id,
+                owner.max_in_flight
+            )
+            .fetch_one(&mut *tx)
+            .await?
+        };
+        if !room {
+            return Ok(None);
+        }
         let inserted = sqlx::query!(
             "INSERT INTO attempts (id, job_id, number, provider, lane)
              SELECT $1, $2, max(number) + 1, $3, 1 FROM attempts WHERE job_id = $2

@@ -109,6 +109,9 @@ pub struct AttemptView {
     pub created_at: DateTime<Utc>,
     /// Not published before.
     pub not_before: DateTime<Utc>,
+    /// Held in the database, waiting its turn: its owner has its share of
+    /// the provider's queue out, or its `max_in_flight` in flight.
+    pub held: bool,
     /// Started.
     pub started_at: Option<DateTime<Utc>>,
     /// Finished.

@@ -202,7 +202,10 @@ impl TestEnv {
                 publish: Some(publish),
                 ..
             } => (job_id, publish),
-            other => panic!("expected created, got {other:?}"),
+            other => panic!(
+                "expected created and handed out (not held: an owner past its share \
+                 of the provider's queue has its turns held), got {other:?}"
+            ),
         }
     }
 

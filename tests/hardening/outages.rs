@@ -213,8 +213,10 @@ async fn a_stopping_worker_starts_nothing_new() {
             vec![onejob::fleet::Role::Attempts("primary".into())],
         )
         .await;
+    // Two owners: with one call slot an owner's share of the queue is one,
+    // and both messages must be in it.
     let (first, m1) = env.admit(&fleet.ctx, "acct_s", "first", "x").await;
-    let (second, m2) = env.admit(&fleet.ctx, "acct_s", "second", "x").await;
+    let (second, m2) = env.admit(&fleet.ctx, "acct_t", "second", "x").await;
     fleet.ctx.publish_outbox(&[m1, m2]).await.unwrap();
     wait_for("one call in flight", Duration::from_secs(10), || async {
         (primary.stats.requests() == 1).then_some(())

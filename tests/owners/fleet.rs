@@ -1,6 +1,7 @@
 //! The limits hold across worker processes: two `onejob-worker` processes
-//! admit one owner's intents from the same queue, and the owner's bucket and
-//! budget are the same for both, because both live in Postgres.
+//! admit one owner's intents from the same queue, and call for its jobs from
+//! the same provider queue, and the owner's bucket, budget and flight are the
+//! same for both, because all live in Postgres.
 
 use std::time::Duration;
 
@@ -131,4 +132,45 @@ async fn paced_across_both(env: &TestEnv) {
     for (due, started) in &rows {
         assert!(started >= due, "started {started} before its turn {due}");
     }
+}
+
+/// Two workers call for one owner whose `max_in_flight` is 3: its attempts
+/// started at once never pass 3 across both, and both workers call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn max_in_flight_holds_across_two_worker_processes() {
+    let primary = mock(MockOptions {
+        delay: Duration::from_millis(300),
+        ..MockOptions::default()
+    })
+    .await;
+    let (config, file) = config(&config_with_owners(
+        &primary.base_url(),
+        "max_in_flight = 3",
+    ));
+    let env = TestEnv::new(&config).await;
+    let amqp_url = env.amqp_url.clone();
+    let workers = Workers::start_logging(
+        2,
+        &env,
+        &file.path,
+        move |_| amqp_url.clone(),
+        "warn,onejob::roles::attempts=info",
+    );
+    intake_consumers(&env, 2).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let jobs = super::in_flight::flood(&producer, "acct_m", 16).await;
+    for job in &jobs {
+        wait_for_status(&env, *job, JobStatus::Succeeded).await;
+    }
+    assert_eq!(super::in_flight::most_at_once(&env, "acct_m").await, 3);
+    producer.close().await;
+    let logs = workers.stop();
+    for i in 0..2 {
+        let log = std::fs::read_to_string(logs.join(format!("worker-{i}.log"))).unwrap();
+        assert!(
+            log.contains("attempt succeeded"),
+            "worker {i} called for none of the owner's jobs"
+        );
+    }
+    common::chaos::remove_logs(&logs);
 }

@@ -2,16 +2,21 @@
 //! Postgres and RabbitMQ: the daily token budget refuses new identities once
 //! an owner's spend, discarded attempts' included, reaches it (`budget`); the
 //! rate paces first attempts past the burst, across admissions that race
-//! (`rate`); both hold across two worker processes (`fleet`); and `onejob
-//! owners` sets, shows and audits each owner's own settings (`settings`).
+//! (`rate`); `max_in_flight` bounds an owner's attempts started at once,
+//! hedges included (`in_flight`); an owner's backlog waits in the database,
+//! holding another owner's job behind its share only (`turns`); the limits
+//! hold across two worker processes (`fleet`); and `onejob owners` sets,
+//! shows and audits each owner's own settings (`settings`).
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod budget;
 mod fleet;
+mod in_flight;
 mod rate;
 mod settings;
+mod turns;
 
 use std::time::Duration;
 

@@ -248,6 +248,12 @@ fn write_attempts(out: &mut impl Write, job: &JobView) -> std::io::Result<()> {
         if let Some(e) = &a.error {
             writeln!(out, "       error    {}", shown(e))?;
         }
+        if a.status == AttemptStatus::Queued && a.held {
+            writeln!(
+                out,
+                "       waits    its turn: the owner has its share of the provider's queue, or its max_in_flight, out"
+            )?;
+        }
         if a.status == AttemptStatus::Queued && a.not_before > chrono::Utc::now() {
             let why = match a.number {
                 1 => "its turn under the owner's rate",

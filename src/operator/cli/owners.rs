@@ -132,9 +132,6 @@ pub(super) async fn run(
                 .await
                 .map_err(migrate_first)?;
             print_one(&view, json, out)?;
-            if view.limits.max_in_flight > 0 {
-                eprintln!("note: max_in_flight is stored but not yet enforced by this version");
-            }
         }
     }
     Ok(())

@@ -62,7 +62,9 @@ pub(super) fn events(
 
 /// An attempt's queueing, start and end.
 fn attempt_events(a: &crate::store::AttemptView, events: &mut Vec<Event>) {
-    let delay = if a.not_before > a.created_at {
+    let delay = if a.held {
+        ", held: waits its turn".to_owned()
+    } else if a.not_before > a.created_at {
         format!(", not before {}", a.not_before.format("%H:%M:%S%.3f"))
     } else {
         String::new()

@@ -21,7 +21,10 @@
 //! outbox rows a flush wrote are published together, their confirms awaited
 //! together, and marked published by one statement.
 //!
-//! The rooms: `consumer` (slots, pauses), `claim`, `call`, `settle`.
+//! Held first attempts are handed to the queue by `turns`, woken by the
+//! claims and settlements that free their owners' places.
+//!
+//! The rooms: `consumer` (slots, pauses), `claim`, `call`, `settle`, `turns`.
 
 mod call;
 mod claim;
@@ -29,13 +32,18 @@ mod consumer;
 mod settle;
 #[cfg(test)]
 mod tests;
+mod turns;
 
 use std::sync::Arc;
 
-use claim::claim;
+use claim::{Claimed, claim};
 use consumer::Consumer;
-use settle::settle;
-use tokio::sync::Semaphore;
+use settle::{Committed, settle};
+use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinHandle;
+
+use crate::domain::AttemptId;
+use crate::store::{Finished, Started};
 
 use crate::broker;
 use crate::provider::Client;
@@ -58,41 +66,17 @@ pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> R
         .unwrap_or(usize::MAX)
         .min(Semaphore::MAX_PERMITS);
     let worker = &ctx.config.worker;
-    let (claimer, claims) = {
-        let (ctx, shutdown, client) = (ctx.clone(), shutdown.clone(), client.clone());
-        // A claim nobody waits for any more (its handler was cut off at the end of
-        // the shutdown grace) is not made: it would start an attempt no one calls.
-        GroupCommit::start(
-            Stages {
-                wait: "claim_wait",
-                flush: "claim",
-            },
-            worker.batch_size,
-            worker.flush_interval,
-            Abandoned::Skip,
-            move |ids| {
-                let (ctx, shutdown, client) = (ctx.clone(), shutdown.clone(), client.clone());
-                async move { claim(&ctx, &shutdown, &client, ids).await }
-            },
-        )
-    };
-    let (completer, settlements) = {
-        let (ctx, shutdown, name) = (ctx.clone(), shutdown.clone(), provider.clone());
-        // A settlement is written even when its handler is gone: the call was made.
-        GroupCommit::start(
-            Stages {
-                wait: "settle_wait",
-                flush: "settle",
-            },
-            worker.batch_size,
-            worker.flush_interval,
-            Abandoned::Flush,
-            move |batch| {
-                let (ctx, shutdown, name) = (ctx.clone(), shutdown.clone(), name.clone());
-                async move { settle(&ctx, &shutdown, &name, batch).await }
-            },
-        )
-    };
+    // Claims and settlements free turns: each wakes the hand-out.
+    let freed = Arc::new(Notify::new());
+    let dispatcher = tokio::spawn(turns::hand_out(
+        ctx.clone(),
+        provider.clone(),
+        settings.share(),
+        freed.clone(),
+        shutdown.clone(),
+    ));
+    let (claimer, claims) = claims(&ctx, &shutdown, &client, &freed);
+    let (completer, settlements) = settlements(&ctx, &shutdown, &provider, &freed);
     let consumer = Consumer {
         ctx: ctx.clone(),
         shutdown: shutdown.clone(),
@@ -118,6 +102,75 @@ pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> R
     // The handlers are done or cut off: the group commits finish what they were
     // handed, then stop.
     drop(consumer);
+    // A hand-out cut off mid-way rolls back: its turns stay held.
+    dispatcher.abort();
     let _ = tokio::join!(claimer, completer);
     outcome
+}
+
+/// The claim group commit; each flush wakes the hand-out (`freed`).
+fn claims(
+    ctx: &Context,
+    shutdown: &Shutdown,
+    client: &Arc<Client>,
+    freed: &Arc<Notify>,
+) -> (JoinHandle<()>, GroupCommit<AttemptId, Claimed>) {
+    let (ctx, shutdown, client, freed) =
+        (ctx.clone(), shutdown.clone(), client.clone(), freed.clone());
+    let worker = &ctx.config.worker;
+    // A claim nobody waits for any more (its handler was cut off at the end of
+    // the shutdown grace) is not made: it would start an attempt no one calls.
+    GroupCommit::start(
+        Stages {
+            wait: "claim_wait",
+            flush: "claim",
+        },
+        worker.batch_size,
+        worker.flush_interval,
+        Abandoned::Skip,
+        move |ids| {
+            let (ctx, shutdown, client) = (ctx.clone(), shutdown.clone(), client.clone());
+            let freed = freed.clone();
+            async move {
+                let claimed = claim(&ctx, &shutdown, &client, ids).await;
+                freed.notify_one();
+                claimed
+            }
+        },
+    )
+}
+
+/// The settle group commit; each flush wakes the hand-out (`freed`).
+fn settlements(
+    ctx: &Context,
+    shutdown: &Shutdown,
+    provider: &str,
+    freed: &Arc<Notify>,
+) -> (JoinHandle<()>, GroupCommit<(Started, Finished), Committed>) {
+    let (ctx, shutdown, name, freed) = (
+        ctx.clone(),
+        shutdown.clone(),
+        provider.to_owned(),
+        freed.clone(),
+    );
+    let worker = &ctx.config.worker;
+    // A settlement is written even when its handler is gone: the call was made.
+    GroupCommit::start(
+        Stages {
+            wait: "settle_wait",
+            flush: "settle",
+        },
+        worker.batch_size,
+        worker.flush_interval,
+        Abandoned::Flush,
+        move |batch| {
+            let (ctx, shutdown, name) = (ctx.clone(), shutdown.clone(), name.clone());
+            let freed = freed.clone();
+            async move {
+                let settled = settle(&ctx, &shutdown, &name, batch).await;
+                freed.notify_one();
+                settled
+            }
+        },
+    )
 }

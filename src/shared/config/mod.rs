@@ -216,13 +216,7 @@ impl Config {
             ));
         }
         let mut worker = worker;
-        let mut warnings = fit_shutdown_grace(origin, &mut worker, w, &providers);
-        if owners.max_in_flight > 0 {
-            warnings.push(format!(
-                "config {origin}: owners.max_in_flight is stored but not yet enforced by this version: \
-                 every owner's attempts start as provider slots allow"
-            ));
-        }
+        let warnings = fit_shutdown_grace(origin, &mut worker, w, &providers);
         Ok(Config {
             origin: origin.to_owned(),
             worker,

@@ -145,6 +145,16 @@ fn base_url(origin: &str, at: &str, text: &str) -> Result<reqwest::Url> {
 }
 
 impl Provider {
+    /// How many of one owner's first attempts may wait in this provider's
+    /// queue (handed out, not yet started): half a worker's call slots, at
+    /// least one. Another owner's job waits behind at most this many of a
+    /// backlogged owner's, about half a call's time on one worker, while the
+    /// owner alone still has enough queued to keep every slot busy between
+    /// two hand-outs.
+    pub fn share(&self) -> i64 {
+        i64::from(self.concurrency.div_ceil(2).max(1))
+    }
+
     /// One `[providers.NAME]` table.
     pub(super) fn parse(origin: &str, name: String, p: RawProvider) -> Result<Provider> {
         let at = |field: &str| format!("providers.{name}.{field}");

@@ -91,6 +91,11 @@ pub fn routes(config: &Config) -> Routes {
         events_exchange: broker::EVENTS.to_owned(),
         lease: config.worker.outbox_lease,
         owners: config.owners,
+        shares: config
+            .providers
+            .values()
+            .map(|p| (p.name.clone(), p.share()))
+            .collect(),
     }
 }
 

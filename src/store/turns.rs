@@ -1,0 +1,128 @@
+//! Turns: every job's first attempt takes one. Admission hands it out at once
+//! (its message goes to the provider's queue) while its owner has fewer than
+//! the provider's share handed out and not yet started, and holds it in
+//! Postgres past that; [`Store::hand_out_turns`] hands held turns out as the
+//! owner's earlier ones start. An owner with `max_in_flight` has every turn
+//! held, and handed out only while its attempts in flight stay under the
+//! limit. The table, the trigger that ends a turn when its attempt leaves
+//! `queued`, and `owner_in_flight` are in `migrations/0015_turns.sql`.
+
+use super::outbox::{InsertedRow, leased};
+use super::*;
+
+/// The most owners one hand-out looks at; the rest wait for the next.
+const OWNERS_PER_HAND_OUT: i64 = 1000;
+
+impl Store {
+    /// Hands out the turns held on `provider`: each owner with turns held gets
+    /// as many as its share (`share`) and its `max_in_flight` leave room for,
+    /// oldest first. Returns the messages to publish now; those the owner's
+    /// rate still holds back are the relay's to publish when due.
+    ///
+    /// Owners with `max_in_flight` are locked first ([`owner_lock`] in the
+    /// migration), in name order, and their flight counted after the lock,
+    /// so that hand-outs on several providers and workers, and hedges, never
+    /// both see the same room.
+    pub async fn hand_out_turns(&self, provider: &str, share: i64) -> Result<Vec<OutboxMessage>> {
+        let waiting = self.owners_waiting(provider).await?;
+        if waiting.is_empty() {
+            return Ok(Vec::new());
+        }
+        let owners: Vec<String> = waiting.iter().map(|w| w.owner_id.clone()).collect();
+        let limits: Vec<i64> = waiting.iter().map(|w| w.max_in_flight).collect();
+        // Already in name order: the skip scan walks the index by owner.
+        let counted: Vec<String> = waiting
+            .iter()
+            .filter(|w| w.max_in_flight > 0)
+            .map(|w| w.owner_id.clone())
+            .collect();
+        let mut tx = self.pool.begin().await?;
+        if !counted.is_empty() {
+            sqlx::query!(
+                "SELECT owner_lock(o) FROM unnest($1::text[]) AS o",
+                &counted
+            )
+            .fetch_all(&mut *tx)
+            .await?;
+        }
+        let rows = sqlx::query_as!(
+            InsertedRow,
+            r#"WITH room AS (
+                   SELECT o.owner_id,
+                          LEAST($3 - (SELECT count(*) FROM turns t
+                                      WHERE t.owner_id = o.owner_id AND t.provider = $4
+                                        AND t.handed_out_at IS NOT NULL),
+                                CASE WHEN o.max_in_flight > 0
+                                     THEN o.max_in_flight - owner_in_flight(o.owner_id)
+                                     ELSE $3 END) AS room
+                   FROM unnest($1::text[], $2::int8[]) AS o(owner_id, max_in_flight)
+               ), picked AS (
+                   SELECT p.attempt_id, p.outbox_id, p.due_at
+                   FROM room r CROSS JOIN LATERAL (
+                       SELECT t.attempt_id, t.outbox_id, t.due_at FROM turns t
+                       WHERE t.provider = $4 AND t.owner_id = r.owner_id
+                         AND t.handed_out_at IS NULL
+                       ORDER BY t.seq
+                       LIMIT GREATEST(r.room, 0)
+                       FOR UPDATE SKIP LOCKED) p
+               ), marked AS (
+                   UPDATE turns t SET handed_out_at = now()
+                   FROM picked p WHERE t.attempt_id = p.attempt_id
+               )
+               UPDATE outbox ob
+               SET not_before = GREATEST(p.due_at, now()),
+                   lease_until = CASE WHEN p.due_at <= now()
+                                      THEN now() + make_interval(secs => $5) END
+               FROM picked p
+               WHERE ob.id = p.outbox_id AND ob.published_at IS NULL
+               RETURNING ob.id, ob.exchange, ob.routing_key, ob.message_id, ob.body,
+                         ob.traceparent, ob.tracestate,
+                         ob.lease_until IS NOT NULL AS "leased!""#,
+            &owners,
+            &limits,
+            share,
+            provider,
+            self.routes.lease.as_secs_f64(),
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(leased(rows))
+    }
+
+    /// The owners with turns held on `provider`, each with its
+    /// `max_in_flight`: a skip scan of `turns_held`, one index probe an owner
+    /// however long its backlog.
+    async fn owners_waiting(&self, provider: &str) -> Result<Vec<Waiting>> {
+        Ok(sqlx::query_as!(
+            Waiting,
+            r#"WITH RECURSIVE waiting AS (
+                   (SELECT owner_id FROM turns
+                    WHERE provider = $1 AND handed_out_at IS NULL
+                    ORDER BY owner_id LIMIT 1)
+                   UNION ALL
+                   SELECT (SELECT t.owner_id FROM turns t
+                           WHERE t.provider = $1 AND t.handed_out_at IS NULL
+                             AND t.owner_id > w.owner_id
+                           ORDER BY t.owner_id LIMIT 1)
+                   FROM waiting w WHERE w.owner_id IS NOT NULL
+               )
+               SELECT w.owner_id AS "owner_id!",
+                      COALESCE(o.max_in_flight, $2) AS "max_in_flight!"
+               FROM waiting w LEFT JOIN owners o USING (owner_id)
+               WHERE w.owner_id IS NOT NULL
+               LIMIT $3"#,
+            provider,
+            self.routes.owners.max_in_flight,
+            OWNERS_PER_HAND_OUT,
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
+}
+
+/// An owner with turns held, and its `max_in_flight` (0: none).
+struct Waiting {
+    owner_id: String,
+    max_in_flight: i64,
+}

@@ -1,0 +1,142 @@
+//! `max_in_flight`: an owner's attempts `started` at once never pass it; its
+//! jobs are still created, and their first attempts wait their turn. A hedge
+//! is an attempt in flight too, and waits for room like a turn.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures_util::future::join_all;
+use onejob::domain::JobStatus;
+use onejob::intent::Outcome;
+use onejob::mock::MockOptions;
+use onejob_producer::Producer;
+
+use crate::common::{self, TestEnv, config, mock, submit, wait_for_status};
+
+/// The most of `owner`'s attempts that were ever `started` at once, from
+/// their start and finish times. A settlement commits before the hand-out it
+/// makes room for, so the next attempt's start is later than the finish it
+/// waited for; an end and a start at the same instant do not overlap.
+pub(super) async fn most_at_once(env: &TestEnv, owner: &str) -> usize {
+    let rows: Vec<(DateTime<Utc>, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT a.started_at, a.finished_at FROM attempts a JOIN jobs j ON j.id = a.job_id
+         WHERE j.owner_id = $1 AND a.started_at IS NOT NULL",
+    )
+    .bind(owner)
+    .fetch_all(env.store.pool())
+    .await
+    .unwrap();
+    let mut edges: Vec<(DateTime<Utc>, i32)> = Vec::new();
+    for (start, end) in rows {
+        edges.push((start, 1));
+        edges.push((end, -1));
+    }
+    edges.sort();
+    let (mut now, mut most) = (0i32, 0i32);
+    for (_, step) in edges {
+        now += step;
+        most = most.max(now);
+    }
+    usize::try_from(most).unwrap()
+}
+
+/// Submits `n` intents of `owner` at once; all are created; their jobs.
+pub(super) async fn flood(
+    producer: &Producer,
+    owner: &str,
+    n: usize,
+) -> Vec<onejob::domain::JobId> {
+    let intents: Vec<_> = (0..n)
+        .map(|i| common::intent(owner, &format!("{owner}-{i}"), "in flight"))
+        .collect();
+    let mut jobs = Vec::new();
+    for r in join_all(intents.iter().map(|i| producer.submit(i))).await {
+        let r = r.unwrap();
+        assert_eq!(r.outcome, Outcome::Created, "a limit is a wait: {r:?}");
+        jobs.push(r.job_id.unwrap());
+    }
+    jobs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_owners_started_attempts_never_pass_its_max_in_flight() {
+    let primary = mock(MockOptions {
+        delay: Duration::from_millis(400),
+        ..MockOptions::default()
+    })
+    .await;
+    let (config, file) = config(&common::config_text(&primary.base_url(), None, ""));
+    let env = TestEnv::new(&config).await;
+    env.cli_ok(
+        &file.path,
+        &[
+            "owners",
+            "set",
+            "acct_m",
+            "--max-in-flight",
+            "2",
+            "--reason",
+            "test",
+        ],
+    );
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+
+    let (limited, free) =
+        tokio::join!(flood(&producer, "acct_m", 8), flood(&producer, "acct_f", 8));
+    // The last of the limited owner's jobs waits its turn, and says so.
+    let shown = env.cli_ok(&file.path, &["jobs", "show", &limited[7].to_string()]);
+    let text = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        text.contains("waits    its turn") && text.contains("max_in_flight 2"),
+        "{text}"
+    );
+    for job in limited.iter().chain(&free) {
+        wait_for_status(&env, *job, JobStatus::Succeeded).await;
+    }
+    assert_eq!(most_at_once(&env, "acct_m").await, 2);
+    // The limit is the owner's own: the other owner ran more at once.
+    assert!(most_at_once(&env, "acct_f").await > 2);
+    producer.close().await;
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hedge_waits_for_room_under_max_in_flight() {
+    let primary = mock(MockOptions {
+        delay: Duration::from_millis(1500),
+        ..MockOptions::default()
+    })
+    .await;
+    let fallback = mock(MockOptions::default()).await;
+    let text = common::hedged_config(&primary.base_url(), &fallback.base_url())
+        + "\n[owners]\nmax_in_flight = 1\n";
+    let (config, file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    env.cli_ok(&file.path, &["providers", "qualify", "fallback"]);
+    env.cli_ok(
+        &file.path,
+        &[
+            "owners",
+            "set",
+            "acct_free",
+            "--max-in-flight",
+            "0",
+            "--reason",
+            "test",
+        ],
+    );
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+
+    // At its limit of one, the slow primary is the owner's only attempt.
+    let limited = submit(&producer, "acct_one", "k", "slow").await;
+    let job = wait_for_status(&env, limited, JobStatus::Succeeded).await;
+    assert_eq!(job.attempts.len(), 1, "{:?}", job.attempts);
+    // With no limit of its own, an owner's slow primary is hedged.
+    let hedged = submit(&producer, "acct_free", "k", "slow").await;
+    let job = wait_for_status(&env, hedged, JobStatus::Succeeded).await;
+    assert_eq!(job.attempts.len(), 2, "{:?}", job.attempts);
+    producer.close().await;
+    fleet.stop().await;
+}

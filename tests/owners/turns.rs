@@ -1,0 +1,188 @@
+//! Fair dispatch: an owner's backlog waits in Postgres, each first attempt
+//! holding a turn, and only the owner's share of the provider's queue is
+//! handed out at once; so another owner's job waits behind that share, not
+//! behind the backlog.
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use onejob::domain::JobStatus;
+use onejob::intent::Outcome;
+use onejob::mock::MockOptions;
+use onejob_producer::Producer;
+
+use crate::common::{self, TestEnv, config, mock, submit, wait_for, wait_for_status};
+
+/// How many rows `sql` (one count, of `$1`) counts.
+async fn count(env: &TestEnv, sql: &'static str, arg: &str) -> i64 {
+    sqlx::query_scalar(sql)
+        .bind(arg)
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_backlog_holds_another_owners_job_behind_its_share_only() {
+    let primary = mock(MockOptions {
+        delay: Duration::from_millis(200),
+        ..MockOptions::default()
+    })
+    .await;
+    // Two call slots: a share of one.
+    let text = common::config_text(&primary.base_url(), None, "")
+        .replace("concurrency = 8", "concurrency = 2");
+    let (config, file) = config(&text);
+    assert_eq!(config.providers["primary"].share(), 1);
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+
+    // Thirty of one owner's intents at once: all created.
+    let flood: Vec<_> = (0..30)
+        .map(|i| common::intent("acct_flood", &format!("f-{i}"), "flood"))
+        .collect();
+    let mut flood_jobs = Vec::new();
+    for r in join_all(flood.iter().map(|i| producer.submit(i))).await {
+        let r = r.unwrap();
+        assert_eq!(r.outcome, Outcome::Created, "{r:?}");
+        flood_jobs.push(r.job_id.unwrap());
+    }
+    let succeeded = "SELECT count(*) FROM jobs WHERE owner_id = $1 AND status = 'succeeded'";
+    wait_for("the flood under way", Duration::from_secs(30), || async {
+        (count(&env, succeeded, "acct_flood").await >= 3).then_some(())
+    })
+    .await;
+    the_backlog_is_held(&env, &file.path).await;
+
+    // Another owner's one intent waits behind the flood's share only.
+    let small = submit(&producer, "acct_small", "s-0", "small").await;
+    wait_for_status(&env, small, JobStatus::Succeeded).await;
+    let ahead: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM attempts a JOIN jobs j ON j.id = a.job_id
+         WHERE j.owner_id = 'acct_flood'
+           AND a.started_at > (SELECT created_at FROM jobs WHERE id = $1)
+           AND a.started_at < (SELECT started_at FROM attempts WHERE job_id = $1)",
+    )
+    .bind(small.0)
+    .fetch_one(env.store.pool())
+    .await
+    .unwrap();
+    assert!(
+        ahead <= 1,
+        "{ahead} of the flood's attempts started ahead of the other owner's job; its share is 1"
+    );
+
+    the_flood_ends(&env, &flood_jobs).await;
+    producer.close().await;
+    fleet.stop().await;
+}
+
+/// A held job that is cancelled ends its turn: its message is never sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_job_cancelled_leaves_no_turn_and_no_message() {
+    let text = common::config_text("http://127.0.0.1:9/v1", None, "")
+        .replace("concurrency = 8", "concurrency = 2");
+    let (config, file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let batch: Vec<_> = (0..3)
+        .map(|i| common::new_job("acct_c", &format!("c-{i}"), "x"))
+        .collect();
+    let admitted = super::created(&env.store, &batch).await;
+    let handed: Vec<bool> = admitted
+        .iter()
+        .map(|a| {
+            matches!(
+                a,
+                onejob::store::Admission::Created {
+                    publish: Some(_),
+                    ..
+                }
+            )
+        })
+        .collect();
+    assert_eq!(handed, [true, false, false]);
+    let held = batch[2].job_id.to_string();
+    env.cli_ok(
+        &file.path,
+        &["jobs", "cancel", &held, "--reason", "not needed"],
+    );
+    let message = batch[2].attempt_id.to_string();
+    assert_eq!(
+        count(
+            &env,
+            "SELECT count(*) FROM outbox WHERE message_id = $1",
+            &message
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(
+            &env,
+            "SELECT count(*) FROM turns WHERE attempt_id::text = $1",
+            &message
+        )
+        .await,
+        0
+    );
+    // The other held turn is still there, for the dispatcher.
+    let other = batch[1].attempt_id.to_string();
+    assert_eq!(
+        count(
+            &env,
+            "SELECT count(*) FROM turns WHERE attempt_id::text = $1 AND handed_out_at IS NULL",
+            &other
+        )
+        .await,
+        1
+    );
+}
+
+/// The flood's backlog is held in the database, a share at most handed out,
+/// and `jobs show` says why a held job waits.
+async fn the_backlog_is_held(env: &TestEnv, config: &std::path::Path) {
+    // The backlog is held in the database, a share at most handed out.
+    let held = "SELECT count(*) FROM turns WHERE owner_id = $1 AND handed_out_at IS NULL";
+    let out = "SELECT count(*) FROM turns WHERE owner_id = $1 AND handed_out_at IS NOT NULL";
+    assert!(count(env, held, "acct_flood").await >= 10);
+    assert!(count(env, out, "acct_flood").await <= 1);
+    // `jobs show` says why a held job waits.
+    let last: uuid::Uuid = sqlx::query_scalar(
+        "SELECT a.job_id FROM turns t JOIN attempts a ON a.id = t.attempt_id
+         WHERE t.owner_id = 'acct_flood' AND t.handed_out_at IS NULL ORDER BY t.seq DESC LIMIT 1",
+    )
+    .fetch_one(env.store.pool())
+    .await
+    .unwrap();
+    let shown = env.cli_ok(config, &["jobs", "show", &last.to_string()]);
+    let text = String::from_utf8_lossy(&shown.stdout);
+    assert!(text.contains("waits    its turn"), "{text}");
+}
+
+/// The whole flood ends, each job with its one attempt, and no turn or
+/// outbox row is left behind.
+async fn the_flood_ends(env: &TestEnv, flood_jobs: &[onejob::domain::JobId]) {
+    // The whole flood ends, each job with its one attempt, and no turn or
+    // outbox row is left behind.
+    for job in flood_jobs {
+        wait_for_status(env, *job, JobStatus::Succeeded).await;
+    }
+    let attempts = "SELECT count(*) FROM attempts a JOIN jobs j ON j.id = a.job_id
+                    WHERE j.owner_id = $1";
+    assert_eq!(count(env, attempts, "acct_flood").await, 30);
+    assert_eq!(
+        count(env, "SELECT count(*) FROM turns WHERE owner_id <> $1", "").await,
+        0
+    );
+    wait_for("the outbox drained", Duration::from_secs(10), || async {
+        let left = count(
+            env,
+            "SELECT count(*) FROM outbox WHERE published_at IS NULL AND exchange <> $1",
+            "",
+        )
+        .await;
+        (left == 0).then_some(())
+    })
+    .await;
+}
