@@ -5,7 +5,11 @@
 //! 1. **alone**: B's latency with nobody else on the provider;
 //! 2. **flood**: owner A publishes `ONEJOB_BENCH_FLOOD` intents at once
 //!    (10,000 by default) while B goes on; B's latency again, and A's
-//!    throughput against the provider's capacity.
+//!    throughput against the provider's capacity;
+//! 3. **budget**: owner C's daily budget is crossed by a discarded answer's
+//!    spend (a job cancelled while its call was in flight); how many of its
+//!    intents are admitted after that settlement, and how soon they are
+//!    refused (`budget.rs`).
 //!
 //! B's latency is reported twice: from publishing to the job's success (what
 //! B sees: A's flood passes through intake first, which admits it at its own
@@ -15,7 +19,8 @@
 //!
 //! `cargo bench --bench owners`. It prints; it asserts nothing.
 
-#[path = "../tests/common/mod.rs"]
+mod budget;
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::time::{Duration, Instant};
@@ -101,6 +106,7 @@ async fn main() {
         a_done.as_secs_f64(),
         a_rate / capacity
     );
+    budget::budget(&env, &producer).await;
     producer.close().await;
     fleet.stop().await;
 }
