@@ -16,17 +16,22 @@ const OWNERS_PER_HAND_OUT: i64 = 1000;
 impl Store {
     /// Hands out the turns held on `provider`: each owner with turns held gets
     /// as many as its share (`share`) and its `max_in_flight` leave room for,
-    /// oldest first. Returns the messages to publish now; those the owner's
-    /// rate still holds back are the relay's to publish when due.
+    /// oldest first. Returns the messages to publish now (those the owner's
+    /// rate still holds back are the relay's to publish when due), and
+    /// whether any owner had turns held.
     ///
     /// Owners with `max_in_flight` are locked first ([`owner_lock`] in the
     /// migration), in name order, and their flight counted after the lock,
     /// so that hand-outs on several providers and workers, and hedges, never
     /// both see the same room.
-    pub async fn hand_out_turns(&self, provider: &str, share: i64) -> Result<Vec<OutboxMessage>> {
+    pub async fn hand_out_turns(
+        &self,
+        provider: &str,
+        share: i64,
+    ) -> Result<(Vec<OutboxMessage>, bool)> {
         let waiting = self.owners_waiting(provider).await?;
         if waiting.is_empty() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), false));
         }
         let owners: Vec<String> = waiting.iter().map(|w| w.owner_id.clone()).collect();
         let limits: Vec<i64> = waiting.iter().map(|w| w.max_in_flight).collect();
@@ -87,7 +92,7 @@ impl Store {
         .fetch_all(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(leased(rows))
+        Ok((leased(rows), true))
     }
 
     /// The owners with turns held on `provider`, each with its

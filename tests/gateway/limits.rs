@@ -35,6 +35,7 @@ async fn an_owner_over_its_budget_is_answered_429_with_retry_after() {
         shown.body["attempts"][0]["not_before"].is_string(),
         "{shown:?}"
     );
+    assert_eq!(shown.body["attempts"][0]["held"], false, "{shown:?}");
 
     let refused = s.post(Some(&token), Some("b-1"), SUMMARIZE).await;
     refused.conforms("/v1/jobs", "post");

@@ -88,6 +88,8 @@ struct PublicAttempt {
     /// The earliest it may be handed to its provider: its turn under the
     /// owner's rate (a first attempt), or a retry's backoff.
     not_before: chrono::DateTime<chrono::Utc>,
+    /// Held in the database, waiting its turn (fair sharing, `max_in_flight`).
+    held: bool,
     started_at: Option<chrono::DateTime<chrono::Utc>>,
     finished_at: Option<chrono::DateTime<chrono::Utc>>,
 }
@@ -116,6 +118,7 @@ impl From<onejob::store::JobView> for PublicJob {
                     status: a.status,
                     created_at: a.created_at,
                     not_before: a.not_before,
+                    held: a.held,
                     started_at: a.started_at,
                     finished_at: a.finished_at,
                 })

@@ -68,14 +68,15 @@ pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> R
     let worker = &ctx.config.worker;
     // Claims and settlements free turns: each wakes the hand-out.
     let freed = Arc::new(Notify::new());
+    let share = Arc::new(turns::Share::new(settings.share()));
     let dispatcher = tokio::spawn(turns::hand_out(
         ctx.clone(),
         provider.clone(),
-        settings.share(),
+        share.clone(),
         freed.clone(),
         shutdown.clone(),
     ));
-    let (claimer, claims) = claims(&ctx, &shutdown, &client, &freed);
+    let (claimer, claims) = claims(&ctx, &shutdown, &client, (&freed, &share));
     let (completer, settlements) = settlements(&ctx, &shutdown, &provider, &freed);
     let consumer = Consumer {
         ctx: ctx.clone(),
@@ -108,15 +109,16 @@ pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> R
     outcome
 }
 
-/// The claim group commit; each flush wakes the hand-out (`freed`).
+/// The claim group commit; each flush counts the attempts it started into
+/// the share's pace, and wakes the hand-out (`freed`).
 fn claims(
     ctx: &Context,
     shutdown: &Shutdown,
     client: &Arc<Client>,
-    freed: &Arc<Notify>,
+    (freed, share): (&Arc<Notify>, &Arc<turns::Share>),
 ) -> (JoinHandle<()>, GroupCommit<AttemptId, Claimed>) {
-    let (ctx, shutdown, client, freed) =
-        (ctx.clone(), shutdown.clone(), client.clone(), freed.clone());
+    let (ctx, shutdown, client) = (ctx.clone(), shutdown.clone(), client.clone());
+    let (freed, share) = (freed.clone(), share.clone());
     let worker = &ctx.config.worker;
     // A claim nobody waits for any more (its handler was cut off at the end of
     // the shutdown grace) is not made: it would start an attempt no one calls.
@@ -130,9 +132,16 @@ fn claims(
         Abandoned::Skip,
         move |ids| {
             let (ctx, shutdown, client) = (ctx.clone(), shutdown.clone(), client.clone());
-            let freed = freed.clone();
+            let (freed, share) = (freed.clone(), share.clone());
             async move {
                 let claimed = claim(&ctx, &shutdown, &client, ids).await;
+                let started = claimed
+                    .iter()
+                    .filter(|c| matches!(c, Ok(claim::ClaimAnswer::Started(_))))
+                    .count();
+                share
+                    .started
+                    .fetch_add(started as u64, std::sync::atomic::Ordering::Relaxed);
                 freed.notify_one();
                 claimed
             }

@@ -8,7 +8,8 @@
 //! owner's lock.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
@@ -19,25 +20,77 @@ use crate::shutdown::Shutdown;
 /// claims and settlements freed waits at most this long.
 const TICK: Duration = Duration::from_millis(100);
 
+/// How much of the provider's recent starts an owner's share covers at
+/// least: a fast provider's share grows with its pace, so that the hand-outs'
+/// own round trips never leave its slots idle, while another owner's job
+/// still waits behind no more than this much of a backlogged owner's work.
+const SHARE_TIME: Duration = Duration::from_millis(100);
+/// The largest share, however fast the provider.
+const SHARE_MAX: i64 = 4096;
+
+/// An owner's share of the provider's queue: the configured one (half a
+/// worker's slots), or [`SHARE_TIME`] of the attempts this worker started on
+/// the provider lately, whichever is more.
+pub(super) struct Share {
+    least: i64,
+    /// Attempts started on the provider by this worker, ever.
+    pub(super) started: AtomicU64,
+    /// The count and time of the last look, and the share it set.
+    last: std::sync::Mutex<(u64, Instant, i64)>,
+}
+
+impl Share {
+    pub(super) fn new(least: i64) -> Share {
+        Share {
+            least,
+            started: AtomicU64::new(0),
+            last: std::sync::Mutex::new((0, Instant::now(), least)),
+        }
+    }
+
+    /// The share now: the start rate is measured over the last quarter
+    /// second or more.
+    fn now(&self) -> i64 {
+        let Ok(mut last) = self.last.lock() else {
+            return self.least;
+        };
+        let elapsed = last.1.elapsed();
+        if elapsed >= Duration::from_millis(250) {
+            let started = self.started.load(Ordering::Relaxed);
+            let rate = started.saturating_sub(last.0) as f64 / elapsed.as_secs_f64();
+            let paced = (rate * SHARE_TIME.as_secs_f64()).ceil() as i64;
+            *last = (started, Instant::now(), paced.clamp(self.least, SHARE_MAX));
+        }
+        last.2
+    }
+}
+
 /// Hands out `provider`'s held turns until shutdown.
 pub(super) async fn hand_out(
     ctx: Context,
     provider: String,
-    share: i64,
+    share: Arc<Share>,
     wake: Arc<Notify>,
     shutdown: Shutdown,
 ) {
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
+    // While the last look found nothing held, wakes are not worth a look
+    // each (a claim or a settlement for every job): the tick finds the first
+    // turns held, and from then on every wake looks.
+    let mut idle = false;
     loop {
         tokio::select! {
             () = shutdown.wait() => return,
-            () = wake.notified() => {}
+            () = wake.notified(), if !idle => {}
             _ = tick.tick() => {}
         }
-        let handed = match ctx.store.hand_out_turns(&provider, share).await {
-            Ok(handed) => handed,
+        let handed = match ctx.store.hand_out_turns(&provider, share.now()).await {
+            Ok((handed, waiting)) => {
+                idle = !waiting;
+                handed
+            }
             Err(e) => {
                 if !failing {
                     tracing::warn!(error = %e, %provider, "handing out turns failed; trying again");
