@@ -146,8 +146,9 @@ fn base_url(origin: &str, at: &str, text: &str) -> Result<reqwest::Url> {
 
 impl Provider {
     /// How many of one owner's first attempts may wait in this provider's
-    /// queue (handed out, not yet started): half a worker's call slots, at
-    /// least one. Another owner's job waits behind at most this many of a
+    /// queue (handed out, not yet started), at least: half a worker's call
+    /// slots, at least one. (A worker's hand-outs raise it on a fast
+    /// provider, to 100 ms of its recent starts.) Another owner's job waits behind at most this many of a
     /// backlogged owner's, about half a call's time on one worker, while the
     /// owner alone still has enough queued to keep every slot busy between
     /// two hand-outs.
