@@ -48,17 +48,19 @@ impl Share {
         }
     }
 
-    /// The share now: the start rate is measured over the last quarter
-    /// second or more.
+    /// The share now: the start rate is measured over the last half second
+    /// or more, and its [`SHARE_TIME`]'s worth rounded down, so that the
+    /// starts a short look happens to catch together do not raise a slow
+    /// provider's share.
     fn now(&self) -> i64 {
         let Ok(mut last) = self.last.lock() else {
             return self.least;
         };
         let elapsed = last.1.elapsed();
-        if elapsed >= Duration::from_millis(250) {
+        if elapsed >= Duration::from_millis(500) {
             let started = self.started.load(Ordering::Relaxed);
             let rate = started.saturating_sub(last.0) as f64 / elapsed.as_secs_f64();
-            let paced = (rate * SHARE_TIME.as_secs_f64()).ceil() as i64;
+            let paced = (rate * SHARE_TIME.as_secs_f64()).floor() as i64;
             *last = (started, Instant::now(), paced.clamp(self.least, SHARE_MAX));
         }
         last.2
