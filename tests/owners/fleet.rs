@@ -42,6 +42,25 @@ async fn intake_consumers(env: &TestEnv, count: u32) {
     .await;
 }
 
+/// Two worker processes on `env`, logging at `filter`, both taking intents;
+/// and a producer.
+async fn two_workers(env: &TestEnv, config: &std::path::Path, filter: &str) -> (Workers, Producer) {
+    let amqp_url = env.amqp_url.clone();
+    let workers = Workers::start_logging(2, env, config, move |_| amqp_url.clone(), filter);
+    intake_consumers(env, 2).await;
+    (workers, Producer::connect(&env.amqp_url).await.unwrap())
+}
+
+/// Stops the workers and asserts that each one's log says `what`.
+fn both_logged(workers: Workers, what: &str, or_else: &str) {
+    let logs = workers.stop();
+    for i in 0..2 {
+        let log = std::fs::read_to_string(logs.join(format!("worker-{i}.log"))).unwrap();
+        assert!(log.contains(what), "worker {i} {or_else}");
+    }
+    common::chaos::remove_logs(&logs);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_rate_and_the_budget_hold_across_two_worker_processes() {
     let primary = mock(MockOptions::default()).await;
@@ -50,16 +69,8 @@ async fn the_rate_and_the_budget_hold_across_two_worker_processes() {
         "rate = 20\nburst = 1",
     ));
     let env = TestEnv::new(&config).await;
-    let amqp_url = env.amqp_url.clone();
-    let workers = Workers::start_logging(
-        2,
-        &env,
-        &file.path,
-        move |_| amqp_url.clone(),
-        "warn,onejob::roles::intake=info",
-    );
-    intake_consumers(&env, 2).await;
-    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let (workers, producer) =
+        two_workers(&env, &file.path, "warn,onejob::roles::intake=info").await;
 
     // Forty intents at once, taken by both workers' intakes.
     let intents: Vec<_> = (0..40)
@@ -103,15 +114,11 @@ async fn the_rate_and_the_budget_hold_across_two_worker_processes() {
         assert!(r.error.unwrap_or_default().starts_with("budget_exceeded:"));
     }
     producer.close().await;
-    let logs = workers.stop();
-    for i in 0..2 {
-        let log = std::fs::read_to_string(logs.join(format!("worker-{i}.log"))).unwrap();
-        assert!(
-            log.contains("job created"),
-            "worker {i} admitted none of the owner's intents"
-        );
-    }
-    common::chaos::remove_logs(&logs);
+    both_logged(
+        workers,
+        "job created",
+        "admitted none of the owner's intents",
+    );
 }
 
 /// The owner's forty first attempts were due at least 1/rate apart, whichever
@@ -148,29 +155,17 @@ async fn max_in_flight_holds_across_two_worker_processes() {
         "max_in_flight = 3",
     ));
     let env = TestEnv::new(&config).await;
-    let amqp_url = env.amqp_url.clone();
-    let workers = Workers::start_logging(
-        2,
-        &env,
-        &file.path,
-        move |_| amqp_url.clone(),
-        "warn,onejob::roles::attempts=info",
-    );
-    intake_consumers(&env, 2).await;
-    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let (workers, producer) =
+        two_workers(&env, &file.path, "warn,onejob::roles::attempts=info").await;
     let jobs = super::in_flight::flood(&producer, "acct_m", 16).await;
     for job in &jobs {
         wait_for_status(&env, *job, JobStatus::Succeeded).await;
     }
     assert_eq!(super::in_flight::most_at_once(&env, "acct_m").await, 3);
     producer.close().await;
-    let logs = workers.stop();
-    for i in 0..2 {
-        let log = std::fs::read_to_string(logs.join(format!("worker-{i}.log"))).unwrap();
-        assert!(
-            log.contains("attempt succeeded"),
-            "worker {i} called for none of the owner's jobs"
-        );
-    }
-    common::chaos::remove_logs(&logs);
+    both_logged(
+        workers,
+        "attempt succeeded",
+        "called for none of the owner's jobs",
+    );
 }

@@ -5,9 +5,7 @@
 
 use std::time::Duration;
 
-use futures_util::future::join_all;
 use onejob::domain::JobStatus;
-use onejob::intent::Outcome;
 use onejob::mock::MockOptions;
 use onejob_producer::Producer;
 
@@ -39,15 +37,7 @@ async fn a_backlog_holds_another_owners_job_behind_its_share_only() {
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
 
     // Thirty of one owner's intents at once: all created.
-    let flood: Vec<_> = (0..30)
-        .map(|i| common::intent("acct_flood", &format!("f-{i}"), "flood"))
-        .collect();
-    let mut flood_jobs = Vec::new();
-    for r in join_all(flood.iter().map(|i| producer.submit(i))).await {
-        let r = r.unwrap();
-        assert_eq!(r.outcome, Outcome::Created, "{r:?}");
-        flood_jobs.push(r.job_id.unwrap());
-    }
+    let flood_jobs = super::in_flight::flood(&producer, "acct_flood", 30).await;
     let succeeded = "SELECT count(*) FROM jobs WHERE owner_id = $1 AND status = 'succeeded'";
     wait_for("the flood under way", Duration::from_secs(30), || async {
         (count(&env, succeeded, "acct_flood").await >= 3).then_some(())
