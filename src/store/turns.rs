@@ -41,16 +41,41 @@ impl Store {
             .filter(|w| w.max_in_flight > 0)
             .map(|w| w.owner_id.clone())
             .collect();
-        let mut tx = self.pool.begin().await?;
-        if !counted.is_empty() {
+        // With no owner to count, the hand-out is one statement, its own
+        // transaction; otherwise the locks come first, in a transaction that
+        // holds them until the hand-out commits.
+        let rows = if counted.is_empty() {
+            self.hand_out(&self.pool, &owners, &limits, share, provider)
+                .await?
+        } else {
+            let mut tx = self.pool.begin().await?;
             sqlx::query!(
                 "SELECT owner_lock(o) FROM unnest($1::text[]) AS o",
                 &counted
             )
             .fetch_all(&mut *tx)
             .await?;
-        }
-        let rows = sqlx::query_as!(
+            let rows = self
+                .hand_out(&mut *tx, &owners, &limits, share, provider)
+                .await?;
+            tx.commit().await?;
+            rows
+        };
+        Ok((leased(rows), true))
+    }
+
+    /// The hand-out itself: each owner's room (its share less its turns
+    /// handed out, and under `max_in_flight` its room in flight), and that
+    /// many of its held turns, oldest first, made due.
+    async fn hand_out<'e>(
+        &self,
+        on: impl sqlx::PgExecutor<'e>,
+        owners: &[String],
+        limits: &[i64],
+        share: i64,
+        provider: &str,
+    ) -> Result<Vec<InsertedRow>> {
+        Ok(sqlx::query_as!(
             InsertedRow,
             r#"WITH room AS (
                    SELECT o.owner_id,
@@ -83,16 +108,14 @@ impl Store {
                RETURNING ob.id, ob.exchange, ob.routing_key, ob.message_id, ob.body,
                          ob.traceparent, ob.tracestate,
                          ob.lease_until IS NOT NULL AS "leased!""#,
-            &owners,
-            &limits,
+            owners,
+            limits,
             share,
             provider,
             self.routes.lease.as_secs_f64(),
         )
-        .fetch_all(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok((leased(rows), true))
+        .fetch_all(on)
+        .await?)
     }
 
     /// The owners with turns held on `provider`, each with its
