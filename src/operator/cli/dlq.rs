@@ -25,8 +25,11 @@ pub(super) enum DlqCommand {
               value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=10_000))]
         limit: usize,
     },
-    /// Republish dead letters to their original exchange and routing key (with a
-    /// confirm), then remove them. Say which: --id MESSAGE-ID or --all.
+    /// Republish dead letters to the work queue their dead-letter queue belongs
+    /// to (Q.dlq → Q, through the onejob exchange, with a confirm), then remove
+    /// them. Never anywhere else: a letter whose headers name another
+    /// destination is skipped, with its reason, and left in place. Say which:
+    /// --id MESSAGE-ID or --all.
     #[command(group(clap::ArgGroup::new("which").required(true)))]
     Replay {
         /// A dead-letter queue (or its work queue). Without it, every one.
