@@ -88,13 +88,14 @@ async fn every_bad_intent_is_rejected_with_its_reason_and_dead_lettered() {
     fleet.stop().await;
 }
 
-/// Receipts go only to direct reply-to or a queue `worker.reply_queues` names:
-/// a publisher naming another queue (onejob's own attempts queue, another
-/// service's) would otherwise have the worker publish a message of its choice
-/// there with the worker's own permissions. Such an intent is dead-lettered
-/// with the reason and gets no receipt.
+/// Receipts go only to direct reply-to, a queue the broker named
+/// (`amq.gen-…`) or a queue `worker.reply_queues` names: a publisher naming
+/// another queue (onejob's own attempts queue, another service's, another
+/// `amq.` name) would otherwise have the worker publish a message of its
+/// choice there with the worker's own permissions. Each such intent is
+/// dead-lettered with the reason and gets no receipt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn receipts_go_only_to_direct_reply_to_or_an_allowed_queue() {
+async fn receipts_go_only_to_direct_reply_to_a_server_named_or_an_allowed_queue() {
     use lapin::options::QueueDeclareOptions;
     use lapin::types::FieldTable;
     let text = config_text("http://127.0.0.1:9/v1", None, "")
@@ -113,10 +114,25 @@ async fn receipts_go_only_to_direct_reply_to_or_an_allowed_queue() {
     .await
     .unwrap();
     let attempts = broker::attempts_queue("primary");
-    for (key, reply_to) in [
-        ("k-forged", attempts.as_str()),
-        ("k-allowed", "svc.replies"),
-    ] {
+    let forbidden = [
+        attempts.as_str(),
+        broker::INTENTS_QUEUE,
+        "onejob.events",
+        "amq.direct",
+        "amq.rabbitmq.trace",
+        "amq.gen-",
+        "amq.gen",
+        "amq.genx-abc",
+        "amq.gen-abc.def",
+        "amq.gen-abc\u{7f}",
+    ];
+    let mut sends: Vec<(String, &str)> = forbidden
+        .iter()
+        .enumerate()
+        .map(|(i, q)| (format!("k-forged-{i}"), *q))
+        .collect();
+    sends.push(("k-allowed".into(), "svc.replies"));
+    for (key, reply_to) in &sends {
         let body = serde_json::to_vec(&intent("acct_reply", key, "text")).unwrap();
         ch.basic_publish(
             broker::EXCHANGE.into(),
@@ -124,8 +140,8 @@ async fn receipts_go_only_to_direct_reply_to_or_an_allowed_queue() {
             BasicPublishOptions::default(),
             &body,
             broker::json_properties()
-                .with_reply_to(reply_to.into())
-                .with_correlation_id(key.into()),
+                .with_reply_to((*reply_to).into())
+                .with_correlation_id(key.as_str().into()),
         )
         .await
         .unwrap()
@@ -133,10 +149,29 @@ async fn receipts_go_only_to_direct_reply_to_or_an_allowed_queue() {
         .unwrap();
     }
     let dlq = format!("{}.dlq", broker::INTENTS_QUEUE);
-    let letter = wait_for_messages(&env, &ch, &dlq).await.remove(0);
-    let headers = letter.properties.headers().clone().unwrap_or_default();
-    let error = header_str(&headers, broker::ERROR_HEADER).unwrap_or_default();
-    assert!(error.starts_with("reply_to_refused"), "{error}");
+    let mut letters = Vec::new();
+    while letters.len() < forbidden.len() {
+        letters.extend(wait_for_messages(&env, &ch, &dlq).await);
+    }
+    assert_eq!(letters.len(), forbidden.len(), "one letter per forbidden name");
+    let mut refused: Vec<String> = letters
+        .iter()
+        .map(|letter| {
+            let headers = letter.properties.headers().clone().unwrap_or_default();
+            let error = header_str(&headers, broker::ERROR_HEADER).unwrap_or_default();
+            assert!(error.starts_with("reply_to_refused"), "{error}");
+            letter
+                .properties
+                .reply_to()
+                .as_ref()
+                .map(|r| r.to_string())
+                .unwrap_or_default()
+        })
+        .collect();
+    refused.sort();
+    let mut expected: Vec<String> = forbidden.iter().map(|q| (*q).to_owned()).collect();
+    expected.sort();
+    assert_eq!(refused, expected, "each forbidden name refused, and only those");
     let receipt = wait_for_messages(&env, &ch, "svc.replies").await.remove(0);
     assert_eq!(
         receipt
@@ -154,12 +189,94 @@ async fn receipts_go_only_to_direct_reply_to_or_an_allowed_queue() {
         &None,
         "no receipt in onejob's queue"
     );
-    assert!(
-        env.store
-            .find_job("acct_reply", "k-forged")
+    for (key, _) in &sends[..forbidden.len()] {
+        assert!(
+            env.store.find_job("acct_reply", key).await.unwrap().is_none(),
+            "{key} made no job"
+        );
+    }
+    fleet.stop().await;
+}
+
+/// A publisher written after RabbitMQ's RPC tutorial: it declares a private
+/// queue with an empty name (the broker names it `amq.gen-…`), exclusive to
+/// its connection, consumes it, and names it in `reply_to`. Its intents
+/// become jobs and its receipts arrive there: `created`, then `duplicate`
+/// with the same job for a re-send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_publisher_after_the_rpc_tutorial_gets_its_receipts() {
+    use futures_util::StreamExt;
+    use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![Role::Intake]).await;
+    let amqp = env.amqp().await;
+    let ch = amqp.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let callback = ch
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let callback = callback.name().to_string();
+    assert!(callback.starts_with("amq.gen-"), "{callback}");
+    let mut receipts = ch
+        .basic_consume(
+            callback.as_str().into(),
+            "rpc-client".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut jobs = Vec::new();
+    for (n, correlation) in ["c-1", "c-2"].into_iter().enumerate() {
+        let body = serde_json::to_vec(&intent("acct_rpc", "rpc-1", "text")).unwrap();
+        ch.basic_publish(
+            broker::EXCHANGE.into(),
+            broker::INTENTS_KEY.into(),
+            BasicPublishOptions::default(),
+            &body,
+            broker::json_properties()
+                .with_reply_to(callback.as_str().into())
+                .with_correlation_id(correlation.into()),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+        let delivery = tokio::time::timeout(std::time::Duration::from_secs(20), receipts.next())
             .await
-            .unwrap()
-            .is_none()
-    );
+            .expect("a receipt within 20 s")
+            .expect("the consumer is open")
+            .unwrap();
+        assert_eq!(
+            delivery.properties.correlation_id().as_ref().map(|c| c.as_str()),
+            Some(correlation)
+        );
+        let receipt: onejob::intent::Receipt = serde_json::from_slice(&delivery.data).unwrap();
+        let expected = if n == 0 {
+            Outcome::Created
+        } else {
+            Outcome::Duplicate
+        };
+        assert_eq!(receipt.outcome, expected, "{receipt:?}");
+        jobs.push(receipt.job_id.expect("a job id"));
+    }
+    assert_eq!(jobs[0], jobs[1], "the re-send names the same job");
+    let job = env.store.find_job("acct_rpc", "rpc-1").await.unwrap();
+    assert_eq!(job.map(|j| j.id), Some(jobs[0]));
+    let dlq = format!("{}.dlq", broker::INTENTS_QUEUE);
+    assert!(env.drain(&ch, &dlq).await.is_empty(), "nothing dead-lettered");
     fleet.stop().await;
 }

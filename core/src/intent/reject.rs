@@ -94,9 +94,10 @@ pub enum RejectReason {
         operation: String,
     },
     /// The `reply_to` property names a queue receipts may not go to: only
-    /// direct reply-to and the queues the configuration allows.
+    /// direct reply-to, a server-named queue and the queues the configuration
+    /// allows.
     #[error(
-        "reply_to_refused: {0:?} is neither direct reply-to (amq.rabbitmq.reply-to) nor a queue in worker.reply_queues"
+        "reply_to_refused: {0:?} is neither direct reply-to (amq.rabbitmq.reply-to), a server-named queue (amq.gen-…) nor a queue in worker.reply_queues"
     )]
     ReplyToRefused(String),
     /// The owner's provider spend over the last 24 hours has reached its

@@ -137,13 +137,31 @@ fn reply_queues(origin: &str, names: &[String]) -> Result<Vec<String>> {
 }
 
 impl WorkerSettings {
-    /// Whether a receipt may be published to `reply_to`: direct reply-to, or
-    /// a queue `reply_queues` names.
+    /// Whether a receipt may be published to `reply_to` (contract section
+    /// 4): direct reply-to, a queue the broker named (`amq.gen-…`, what a
+    /// publisher written after RabbitMQ's RPC tutorial declares for itself),
+    /// or a queue `reply_queues` names. Never one of onejob's queues nor any
+    /// other `amq.` name.
     pub fn reply_allowed(&self, reply_to: &str) -> bool {
         reply_to == "amq.rabbitmq.reply-to"
             || reply_to.starts_with("amq.rabbitmq.reply-to.")
+            || is_server_named(reply_to)
             || self.reply_queues.iter().any(|q| q == reply_to)
     }
+}
+
+/// Whether `queue` is a name the broker gives a queue declared with an empty
+/// name: `amq.gen-` and a non-empty tail of the characters RabbitMQ uses
+/// (URL-safe base64). No client may declare an `amq.` name itself, so such a
+/// queue belongs to a publisher, never to onejob or another service.
+fn is_server_named(queue: &str) -> bool {
+    queue.len() <= 255
+        && queue.strip_prefix("amq.gen-").is_some_and(|tail| {
+            !tail.is_empty()
+                && tail
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
 }
 
 impl WorkerSettings {
