@@ -1,12 +1,14 @@
 //! The configuration reference (`docs/src/reference/configuration.md`)
 //! against the parser: every setting it names is accepted, every setting the
-//! parser accepts is named in it, and every default it gives as a value is
-//! the one the parser applies.
+//! parser accepts is named in it, every default it gives as a value is the
+//! one the parser applies, and every bound it gives a number is the parser's.
 //!
 //! The page names a table by a heading (`## [worker]`, `## [providers.NAME]`,
 //! `### [[operations.NAME.cases]]`) and its settings in the first column of
-//! the table under it, the default in the second. Its first `toml` block is
-//! the whole file, every setting given.
+//! the table under it, the default in the second, what it does in the third
+//! (a number's bounds there, each a sentence of its own: `From 1 to 65535.`,
+//! `At least 1.`, `At most 5.`, `Each from 100 to 599.`). Its first `toml`
+//! block is the whole file, every setting given.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -16,12 +18,13 @@ use toml::{Table, Value};
 use super::markdown::{blocks, code_spans, heading, prose, row};
 
 /// One setting the page names: its table (`providers.NAME`), its key, its
-/// default cell, and its line.
+/// default cell, what it does, and its line.
 #[derive(Debug)]
 struct Setting {
     table: String,
     key: String,
     default: String,
+    what: String,
     line: usize,
 }
 
@@ -50,6 +53,7 @@ fn documented() -> Vec<Setting> {
                 table: table.clone(),
                 key: (*key).to_owned(),
                 default: cells.get(1).copied().unwrap_or_default().to_owned(),
+                what: cells.get(2).copied().unwrap_or_default().to_owned(),
                 line: n,
             });
         }
@@ -255,5 +259,178 @@ fn the_defaults_the_reference_gives_are_the_parsers() {
         }
     }
     assert!(compared > 25, "only {compared} defaults compared");
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// A number as the page writes a bound: `65535`, `2.0`, `10^15`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Number {
+    Whole(i64),
+    Fraction(f64),
+}
+
+/// The number at the start of `text`, and the text after it. A number
+/// spelled out again in parentheses after it (`10^15 (1000000000000000)`)
+/// must be the same.
+fn number(text: &str) -> Option<(Number, &str)> {
+    let end = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '^'))
+        .unwrap_or(text.len());
+    // A sentence's full stop is not the number's.
+    let written = text[..end].trim_end_matches('.');
+    let rest = &text[written.len()..];
+    let whole = |digits: &str| digits.parse::<i64>().ok();
+    let n = match written.split_once('^') {
+        Some((base, exp)) => Number::Whole(whole(base)?.checked_pow(exp.parse().ok()?)?),
+        None if written.contains('.') => Number::Fraction(written.parse().ok()?),
+        None => Number::Whole(whole(written)?),
+    };
+    if let Some((inner, _)) = rest.strip_prefix(" (").and_then(|r| r.split_once(')'))
+        && inner.bytes().all(|b| b.is_ascii_digit())
+        && whole(inner).map(Number::Whole) != Some(n)
+    {
+        return None;
+    }
+    Some((n, rest))
+}
+
+/// Which side of the accepted values a bound is on.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Side {
+    Least,
+    Most,
+}
+
+/// The bounds a row's text gives its number, each from a sentence of its
+/// own: `From A to B.` (or `From A (what A means) to B`), `At least A.`,
+/// `At most B.`, `Each from A to B.` (every item of a list). A sentence that
+/// begins with a bound's words and a number but cannot be read is an error,
+/// not a row without bounds.
+fn bounds(what: &str) -> Result<Vec<(Side, Number)>, String> {
+    let mut out = Vec::new();
+    for (at, _) in what.char_indices() {
+        if at > 0 && !what[..at].ends_with(". ") {
+            continue;
+        }
+        let sentence = &what[at..];
+        let unreadable = || format!("cannot read the bounds in {sentence:?}");
+        let list = sentence.strip_prefix("Each ").unwrap_or(sentence);
+        if let Some(rest) = list.strip_prefix("From ").or(list.strip_prefix("from ")) {
+            // `From the call's start`: not a bound.
+            let Some((least, rest)) = number(rest) else {
+                continue;
+            };
+            let rest = match rest.strip_prefix(" (") {
+                Some(r) => r.split_once(") ").ok_or_else(unreadable)?.1,
+                None => rest.trim_start(),
+            };
+            let rest = rest.strip_prefix("to ").ok_or_else(unreadable)?;
+            let (most, _) = number(rest).ok_or_else(unreadable)?;
+            out.extend([(Side::Least, least), (Side::Most, most)]);
+        } else if let Some(rest) = sentence.strip_prefix("At least ")
+            && let Some((least, _)) = number(rest)
+        {
+            out.push((Side::Least, least));
+        } else if let Some(rest) = sentence.strip_prefix("At most ")
+            && let Some((most, _)) = number(rest)
+        {
+            out.push((Side::Most, most));
+        }
+    }
+    Ok(out)
+}
+
+/// Whether `value` is a number or a list of numbers.
+fn numeric(value: &Value) -> bool {
+    match value {
+        Value::Integer(_) | Value::Float(_) => true,
+        Value::Array(items) => !items.is_empty() && items.iter().all(numeric),
+        _ => false,
+    }
+}
+
+/// The float just past `x` on the refused side of a bound.
+fn past(x: f64, side: Side) -> f64 {
+    match side {
+        Side::Least => x.next_down(),
+        Side::Most => x.next_up(),
+    }
+}
+
+#[test]
+fn every_bound_the_reference_gives_a_number_is_the_parsers() {
+    let page = page();
+    let example = blocks(&page)
+        .into_iter()
+        .find(|b| b.language() == "toml")
+        .expect("a toml block with the whole file");
+    let mut example: Table = toml::from_str(&example.text).expect("the whole file parses");
+    let mut wrong = Vec::new();
+    let mut checked = 0;
+    for s in documented() {
+        let path = table_path(&s.table);
+        let Some(given) = table_at(&mut example, &path).get(&s.key).cloned() else {
+            continue;
+        };
+        if !numeric(&given) {
+            continue;
+        }
+        let at = format!("configuration.md:{}: {}.{}", s.line, s.table, s.key);
+        let found = match bounds(&s.what) {
+            Ok(found) if found.is_empty() => {
+                wrong.push(format!("{at}: a number, and its row gives no bound"));
+                continue;
+            }
+            Ok(found) => found,
+            Err(e) => {
+                wrong.push(format!("{at}: {e}"));
+                continue;
+            }
+        };
+        let list = matches!(given, Value::Array(_));
+        let with = |v: Value| {
+            let v = if list { Value::Array(vec![v]) } else { v };
+            let mut config = embedded();
+            table_at(&mut config, &path).insert(s.key.clone(), v);
+            parse(&config)
+        };
+        // A setting that takes fractions is held to the nearest float past
+        // its bound; one that takes whole numbers, to the next whole number.
+        let fractions = with(Value::Float(0.5)).is_ok();
+        for (side, bound) in found {
+            let (value, beyond) = match (bound, fractions) {
+                (Number::Whole(n), false) => {
+                    let beyond = match side {
+                        Side::Least => n - 1,
+                        Side::Most => n + 1,
+                    };
+                    (Value::Integer(n), Value::Integer(beyond))
+                }
+                (Number::Whole(n), true) => {
+                    let x = n as f64;
+                    (Value::Float(x), Value::Float(past(x, side)))
+                }
+                (Number::Fraction(x), true) => (Value::Float(x), Value::Float(past(x, side))),
+                (Number::Fraction(x), false) => {
+                    wrong.push(format!(
+                        "{at}: the bound {x} is a fraction, and the setting takes whole numbers"
+                    ));
+                    continue;
+                }
+            };
+            checked += 1;
+            if let Err(e) = with(value.clone()) {
+                wrong.push(format!(
+                    "{at}: {value}, the bound the page gives ({side:?}), is refused: {e}"
+                ));
+            }
+            if with(beyond.clone()).is_ok() {
+                wrong.push(format!(
+                    "{at}: {beyond}, just past the bound {value} the page gives ({side:?}), is accepted"
+                ));
+            }
+        }
+    }
+    assert!(checked > 20, "only {checked} bounds checked");
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
