@@ -3,7 +3,8 @@
 //!
 //! One binary, its tests by topic: the configuration reference against the
 //! parser (`configuration`), the command-line reference against the programs
-//! (`cli`), every fenced code block a reader may paste (`blocks`), and the
+//! (`cli`), the metrics page against the series the code registers
+//! (`metrics`), every fenced code block a reader may paste (`blocks`), and the
 //! README's first job run as written on a fleet of its own (`first_job`).
 //! `markdown` reads the pages (fenced blocks, headings, table rows) and
 //! `shell` reads the command lines in them; `programs` runs the binaries.
@@ -21,6 +22,7 @@ mod cli;
 mod configuration;
 mod first_job;
 mod markdown;
+mod metrics;
 mod programs;
 mod shell;
 
