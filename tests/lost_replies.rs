@@ -27,14 +27,14 @@ async fn a_claim_run_again_after_a_lost_reply_finds_its_own_attempts() {
     let token = uuid::Uuid::now_v7();
     let first = env
         .store
-        .claim("primary", &attempts, Duration::from_secs(30), token)
+        .claim("primary", "none", &attempts, Duration::from_secs(30), token)
         .await
         .unwrap();
     assert_eq!(first.started.len(), 3);
     // The reply was lost: the same claim runs again and finds them its own.
     let again = env
         .store
-        .claim("primary", &attempts, Duration::from_secs(30), token)
+        .claim("primary", "none", &attempts, Duration::from_secs(30), token)
         .await
         .unwrap();
     let mut ids: Vec<_> = again.started.iter().map(|s| s.attempt_id).collect();
@@ -47,6 +47,7 @@ async fn a_claim_run_again_after_a_lost_reply_finds_its_own_attempts() {
         .store
         .claim(
             "primary",
+            "none",
             &attempts,
             Duration::from_secs(30),
             uuid::Uuid::now_v7(),
@@ -66,6 +67,7 @@ async fn a_claim_run_again_after_a_lost_reply_finds_its_own_attempts() {
         .store
         .claim(
             "primary",
+            "none",
             &attempts,
             Duration::from_secs(30),
             uuid::Uuid::now_v7(),
@@ -91,7 +93,7 @@ async fn a_claim_run_again_finds_its_own_attempt_while_its_job_row_is_held() {
     let token = uuid::Uuid::now_v7();
     let first = env
         .store
-        .claim("primary", &attempts, Duration::from_secs(30), token)
+        .claim("primary", "none", &attempts, Duration::from_secs(30), token)
         .await
         .unwrap();
     assert_eq!(first.started.len(), 1);
@@ -108,7 +110,7 @@ async fn a_claim_run_again_finds_its_own_attempt_while_its_job_row_is_held() {
     let again = tokio::time::timeout(
         Duration::from_secs(10),
         env.store
-            .claim("primary", &attempts, Duration::from_secs(30), token),
+            .claim("primary", "none", &attempts, Duration::from_secs(30), token),
     )
     .await
     .expect("the claim does not wait for the held row")

@@ -45,8 +45,9 @@ struct Args {
     /// stored completions, the evidence of `evidence = "stored"`).
     #[arg(long)]
     store: bool,
-    /// Answer a repeated Idempotency-Key with the first request's answer,
-    /// running no new work (the evidence of `evidence = "idempotency_key"`).
+    /// Answer a repeated Idempotency-Key with the first request's outcome,
+    /// running no new work (409 while the first is still running: the
+    /// evidence of `evidence = "idempotency_key"`).
     #[arg(long)]
     replay: bool,
 }

@@ -170,7 +170,7 @@ fn answer(n: u64, options: &MockOptions, d: Directives, text: &str, user: &str) 
     } else {
         (format!("chatcmpl-mock-{n}"), usage)
     };
-    json!({
+    let mut completion = json!({
         "id": id,
         "object": "chat.completion",
         "model": "mock-model",
@@ -180,7 +180,11 @@ fn answer(n: u64, options: &MockOptions, d: Directives, text: &str, user: &str) 
             "finish_reason": "stop",
         }],
         "usage": usage,
-    })
+    });
+    if d.no_id {
+        completion.as_object_mut().map(|c| c.remove("id"));
+    }
+    completion
 }
 
 /// The answer's text: the JSON object the operation asks for, or prose, an

@@ -15,6 +15,7 @@ pub(super) struct Directives {
     pub(super) drop: bool,
     pub(super) nul: bool,
     pub(super) pad: Option<usize>,
+    pub(super) no_id: bool,
 }
 
 pub(super) fn directives(text: &str) -> Directives {
@@ -35,6 +36,7 @@ pub(super) fn directives(text: &str) -> Directives {
             "wrong_type" => d.wrong_type = true,
             "drop" => d.drop = true,
             "nul" => d.nul = true,
+            "no_id" => d.no_id = true,
             "pad" => {
                 d.pad = value
                     .parse::<u64>()

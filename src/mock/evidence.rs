@@ -3,12 +3,14 @@
 //! - **stored completions** ([`MockOptions::store`]): a request with
 //!   `"store": true` is kept once its work completes, even if the client hung
 //!   up, with its `metadata`; `GET /v1/chat/completions?metadata[k]=v` lists
-//!   the kept ones whose metadata match, newest first, and
+//!   the kept ones whose metadata match, newest first, in pages (`limit`,
+//!   `after`, `has_more`), and
 //!   `GET /v1/chat/completions/{id}` reads one.
 //! - **idempotency keys** ([`MockOptions::replay`]): a request whose
-//!   `Idempotency-Key` was seen before runs no new work. It is answered with
-//!   the first request's answer (waiting for it, if it is still running), or
-//!   `409` if the first ended without an answer.
+//!   `Idempotency-Key` was seen before runs no new work. It is answered
+//!   `409` while the first request is still running (the IETF
+//!   Idempotency-Key draft's "still being processed"), then with the first
+//!   request's outcome: its answer, or its error.
 //!
 //! [`MockOptions::store`]: super::MockOptions::store
 //! [`MockOptions::replay`]: super::MockOptions::replay
@@ -101,34 +103,52 @@ impl Evidence {
     }
 }
 
-/// The answer to a repeated key: the first request's, once it has one; `409`
-/// if it ended without an answer.
-pub(super) async fn replayed(mut first: watch::Receiver<Option<Outcome>>) -> Response {
-    let outcome = match first.wait_for(Option::is_some).await {
-        Ok(outcome) => outcome.clone(),
-        Err(_) => None,
-    };
+/// The answer to a repeated key, as the IETF Idempotency-Key draft has it:
+/// `409` while the first request is still being processed; once it has
+/// ended, its outcome again (its answer, or its error). A first request
+/// whose answer was lost mid-body (`mock:drop`) is answered as failed.
+pub(super) fn replayed(first: &watch::Receiver<Option<Outcome>>) -> Response {
+    let outcome = first.borrow().clone();
     match outcome {
-        Some(outcome @ Outcome::Answer(_)) => outcome.respond(),
-        _ => (
+        None => (
             StatusCode::CONFLICT,
             Json(json!({"error": {
-                "message": "the first request with this Idempotency-Key did not complete",
+                "message": "a request with this Idempotency-Key is still being processed",
                 "type": "idempotency_error",
             }})),
         )
             .into_response(),
+        Some(Outcome::Dropped) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Json(json!({"error": {
+                "message": "the first request with this Idempotency-Key failed: its answer was lost",
+                "type": "server_error",
+            }})),
+        )
+            .into_response(),
+        Some(outcome) => outcome.respond(),
     }
 }
 
-/// `GET /v1/chat/completions?metadata[k]=v&limit=N`: the stored completions
-/// whose metadata match every pair given, newest first.
+/// `GET /v1/chat/completions?metadata[k]=v&limit=N&after=ID`: the stored
+/// completions whose metadata match every pair given, newest first, a page
+/// of at most `limit` (and at most [`MockOptions::list_page`]) after the
+/// completion `after`, with `has_more` and `last_id` to page on.
+///
+/// [`MockOptions::list_page`]: super::MockOptions::list_page
 pub(super) async fn list(State(state): State<AppState>, RawQuery(query): RawQuery) -> Response {
     if !state.options.read().map(|o| o.store).unwrap_or(false) {
         return not_stored();
     }
+    let page_most = state
+        .options
+        .read()
+        .map(|o| o.list_page)
+        .unwrap_or(MAX_LIST)
+        .clamp(1, MAX_LIST);
     let mut wanted = Vec::new();
     let mut limit = 20;
+    let mut after = None;
     for (k, v) in url::form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
         if let Some(key) = k
             .strip_prefix("metadata[")
@@ -137,9 +157,17 @@ pub(super) async fn list(State(state): State<AppState>, RawQuery(query): RawQuer
             wanted.push((key.to_owned(), v.into_owned()));
         } else if k == "limit" {
             limit = v.parse().unwrap_or(limit).clamp(1, MAX_LIST);
+        } else if k == "after" {
+            after = Some(v.into_owned());
         }
     }
+    let limit = limit.min(page_most);
     let mut data = state.evidence.matching(&wanted);
+    if let Some(after) = after {
+        // The page after the completion `after`: none if it is not listed.
+        let at = data.iter().position(|c| c["id"] == after.as_str());
+        data = at.map(|i| data.split_off(i + 1)).unwrap_or_default();
+    }
     let has_more = data.len() > limit;
     data.truncate(limit);
     Json(json!({

@@ -73,9 +73,12 @@ pub struct MockOptions {
     /// `metadata`), even when the client hung up before the answer, and list
     /// them by metadata: OpenAI's stored completions.
     pub store: bool,
-    /// Answer a repeated `Idempotency-Key` with the first request's answer,
-    /// running no new work (`409` if the first ended without one).
+    /// Answer a repeated `Idempotency-Key` with the first request's outcome,
+    /// running no new work (`409` while the first is still running).
     pub replay: bool,
+    /// The most stored completions one page of a listing holds (at most
+    /// 100, OpenAI's most): a client must page on with `after`.
+    pub list_page: usize,
 }
 
 /// The most a `mock:pad` pads, in bytes.
@@ -111,6 +114,7 @@ impl Default for MockOptions {
             record_limit: 100_000,
             store: false,
             replay: false,
+            list_page: 100,
         }
     }
 }
@@ -302,7 +306,7 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
     let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
     let tell = match key.filter(|_| options.replay) {
         Some(key) => match state.evidence.key(key, options.record_limit) {
-            evidence::Seen::Again(first) => return evidence::replayed(first).await,
+            evidence::Seen::Again(first) => return evidence::replayed(&first),
             evidence::Seen::First(tell) => Some(tell),
         },
         None => None,

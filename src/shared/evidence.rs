@@ -3,22 +3,37 @@
 //! (`onejob attempts evidence`). No row is locked during a look, and every
 //! resolution is audited with the actor `evidence` before it is settled.
 //!
+//! Evidence is read only from a call that asked for it: each attempt records
+//! what its call could leave (`attempts.evidence`). An unknown whose call
+//! asked for another kind (made before the provider's evidence was switched
+//! on, or changed) waits for an operator: nothing is concluded from silence
+//! it never asked to be broken, and nothing is sent again that carried no key.
+//!
+//! What a look finds is never stranded: a found answer (or the failure it
+//! concludes) is kept on its attempt first, then settled by the same
+//! settlement as a live answer, which clears it in its own transaction. A
+//! settlement that meets a held row, an error or a crash leaves the answer
+//! kept, and the kept-answer pass settles it later; the attempt is not looked
+//! at again meanwhile.
+//!
 //! An attempt discarded while still unknown (another attempt won) is looked
-//! up too, for what its call cost: what is found is kept on it, and it stays
-//! discarded. A paid answer is never thrown away.
+//! up too, for what its call cost, from stored completions only: what is
+//! found is kept on it, and it stays discarded. It is never sent again: a
+//! re-send could buy new work for a job that is over.
 //!
 //! - `stored`: a stored completion that names the attempt and its job is the
 //!   attempt's answer, judged as a live answer and settled by the same
 //!   compare-and-swap (a job that ended meanwhile discards it, its usage
-//!   kept). None by `evidence_deadline` after the call started: the attempt
-//!   fails (`no_evidence`) and the route moves on. A provider that cannot be
-//!   asked is asked again later.
+//!   kept). The listing is read to its end, every page. None by
+//!   `evidence_deadline` after the call started: the attempt fails
+//!   (`no_evidence`) and the route moves on. A provider that cannot be asked
+//!   (or whose listing cannot be read to its end) is asked again later.
 //! - `idempotency_key`: the identical request is sent again with the same
 //!   key; the provider answers with the first one's outcome, so the work runs
-//!   at most once, and that answer settles the attempt. A `409` (the first
-//!   request did not complete) is a definite failure. A re-send that is itself
-//!   unknown is tried again until `evidence_deadline`; then the attempt waits
-//!   for an operator.
+//!   at most once, and that answer settles the attempt. A `409` means the
+//!   first request is still being processed: look again later. A re-send
+//!   that is itself unknown, or a `409`, is tried again until
+//!   `evidence_deadline`; then the attempt waits for an operator.
 
 use std::time::Duration;
 
@@ -30,7 +45,8 @@ use crate::policy::Planner;
 use crate::provider::{Answer, CallError, Client, verdict};
 use crate::runtime::Result;
 use crate::store::{
-    Action, Actor, EvidenceClaim, EvidenceDue, FailedJob, Finished, OutboxMessage, Store, Verdict,
+    Action, Actor, EvidenceClaim, EvidenceDue, FailedJob, Finished, OutboxMessage, Settled, Store,
+    Verdict,
 };
 
 /// The longest pause between two looks at one unknown.
@@ -68,14 +84,27 @@ impl Looker<'_> {
     /// Looks `unknown` up once, as its provider's evidence allows, and
     /// counts what came of it.
     pub(crate) async fn look(&self, client: &Client, unknown: &EvidenceDue) -> Result<Look> {
-        let look = match client.provider().evidence.kind {
-            EvidenceKind::Stored => self.look_stored(client, unknown).await?,
-            EvidenceKind::IdempotencyKey => self.send_again(client, unknown).await?,
+        let kind = client.provider().evidence.kind;
+        let look = match kind {
             EvidenceKind::None => Look {
                 found: "the provider keeps no evidence: an operator resolves it".into(),
                 outcome: "waits_for_operator",
                 ..Look::default()
             },
+            _ if unknown.asked.as_deref() != Some(kind.as_str()) => {
+                let asked = unknown.asked.as_deref().unwrap_or("none (made before onejob recorded it)");
+                let found = format!(
+                    "its call asked for no {} evidence (it asked for {asked}): nothing can be concluded from the provider, an operator resolves it",
+                    kind.as_str()
+                );
+                self.note_final(unknown, found, "not_asked").await?
+            }
+            EvidenceKind::Stored => self.look_stored(client, unknown).await?,
+            EvidenceKind::IdempotencyKey if unknown.discarded => {
+                let found = "discarded while unknown: never sent again (a re-send could buy new work for a job that is over); its cost is not known".into();
+                self.note_final(unknown, found, "no_evidence").await?
+            }
+            EvidenceKind::IdempotencyKey => self.send_again(client, unknown).await?,
         };
         let provider = client.provider();
         crate::metrics::evidence_look(&provider.name, look.outcome);
@@ -101,10 +130,7 @@ impl Looker<'_> {
         .await
         .unwrap_or_else(|_| Err(format!("no answer within {} s", LOOK_TIMEOUT.as_secs())));
         match found {
-            Ok(Some(answer)) if unknown.discarded => {
-                self.settle(unknown, answer, ("cost found", "cost_found"))
-                    .await
-            }
+            Ok(Some(answer)) if unknown.discarded => self.record_cost(unknown, answer).await,
             Ok(Some(answer)) => self.settle(unknown, answer, ("found", "stored")).await,
             Ok(None) if past_deadline(client, unknown) && unknown.discarded => {
                 let found = "nothing stored by evidence_deadline: its cost is not known".into();
@@ -131,8 +157,9 @@ impl Looker<'_> {
     }
 
     /// Sends `unknown`'s request again with its key, and settles it by the
-    /// answer, fails it on a `409`, or notes when to send again (or, past the
-    /// deadline, that it waits for an operator).
+    /// answer, or notes when to send again (a `409`: the first request is
+    /// still being processed; or no answer), or, past the deadline, that it
+    /// waits for an operator.
     async fn send_again(&self, client: &Client, unknown: &EvidenceDue) -> Result<Look> {
         let (Some(operation), Some(input)) = (
             self.config.operations.get(&unknown.operation),
@@ -150,27 +177,17 @@ impl Looker<'_> {
             Err(e) => Err(CallError::Refused(e.to_string())),
         };
         match answer {
-            Ok(answer) if unknown.discarded => {
-                self.settle(unknown, Ok(answer), ("cost found", "cost_found"))
-                    .await
-            }
             Ok(answer) => {
                 self.settle(unknown, Ok(answer), ("replayed", "replayed"))
                     .await
             }
             Err(CallError::Rejected { message, .. })
-                if message.starts_with("HTTP 409") && unknown.discarded =>
+                if message.starts_with("HTTP 409") && !past_deadline(client, unknown) =>
             {
-                let found =
-                    format!("the first request did not complete, so it cost nothing: {message}");
-                self.note_final(unknown, found, "not_completed").await
-            }
-            Err(CallError::Rejected { message, .. }) if message.starts_with("HTTP 409") => {
-                let error = format!(
-                    "not_completed: the provider says the first request with this attempt's key did not complete: {message}"
+                let note = format!(
+                    "the provider is still processing the first request with this key; looking again later: {message}"
                 );
-                let how = ("not completed", "not_completed");
-                self.resolve(unknown, failed(unknown, error), how).await
+                self.note(client, unknown, note, "in_progress").await
             }
             Err(e) if past_deadline(client, unknown) => {
                 let found = format!(
@@ -200,6 +217,50 @@ impl Looker<'_> {
         Ok(Look {
             found,
             outcome,
+            ..Look::default()
+        })
+    }
+
+    /// Keeps what a discarded attempt's stored completion says it cost (its
+    /// usage, whatever its content: a paid answer that breaks the output
+    /// contract was paid for too), with what was found, in one statement.
+    async fn record_cost(
+        &self,
+        unknown: &EvidenceDue,
+        answer: std::result::Result<Answer, CallError>,
+    ) -> Result<Look> {
+        let (usage, request_id) = match &answer {
+            Ok(a) => (a.usage.clone(), a.request_id.clone()),
+            Err(CallError::Rejected { usage, .. }) => (usage.clone(), None),
+            Err(_) => (None, None),
+        };
+        let found = match &usage {
+            Some(usage) => format!("cost found: {usage}"),
+            None => "cost found: the stored completion reports no usage".to_owned(),
+        };
+        let action = Action {
+            action: "attempt.evidence",
+            job: Some(unknown.job_id),
+            attempt: Some(unknown.attempt_id),
+            target: Some(unknown.provider.clone()),
+            detail: json!({ "evidence": "cost found", "request_id": request_id, "usage": usage }),
+            ..Action::default()
+        };
+        let audit = self.store.audit_begin(&Actor::evidence(), &action).await?;
+        self.store
+            .record_cost(
+                unknown.attempt_id,
+                usage.as_ref(),
+                request_id.as_deref(),
+                &found,
+            )
+            .await?;
+        if let Err(e) = self.store.audit_outcome(audit, false, &json!({})).await {
+            tracing::warn!(error = %e, %audit, "evidence: the outcome was not written to its audit row");
+        }
+        Ok(Look {
+            found,
+            outcome: "cost_found",
             ..Look::default()
         })
     }
@@ -238,8 +299,9 @@ impl Looker<'_> {
     }
 
     /// Records the resolution first (actor `evidence`), keeps what was found
-    /// on the attempt, then settles it by the same settlement as a live
-    /// answer.
+    /// on the attempt (the kept answer), then settles it by the same
+    /// settlement as a live answer, which clears the kept answer; only then
+    /// are the looks ended.
     async fn resolve(
         &self,
         unknown: &EvidenceDue,
@@ -264,19 +326,37 @@ impl Looker<'_> {
         };
         let audit = self.store.audit_begin(&Actor::evidence(), &action).await?;
         let found = format!("{what}: {judged}");
-        self.store
-            .note_evidence(unknown.attempt_id, &found, NEVER)
-            .await?;
+        // Kept first: whatever happens to the settlement below (a held row,
+        // an error, a crash), the answer is on the attempt, and the
+        // kept-answer pass settles it.
+        if !self.store.keep_answer(&finished).await? {
+            tracing::info!(attempt_id = %unknown.attempt_id, "evidence: the attempt's row is held or it was settled meanwhile; looked at again after its lease");
+            return Ok(Look {
+                found: format!("{found} (not kept yet: its row was held or it was settled meanwhile)"),
+                outcome: "held",
+                ..Look::default()
+            });
+        }
         let planner = Planner::load_all(self.config, self.store).await?;
         let plan = |f: &FailedJob| planner.plan(f);
         let (settled, publish) = self
             .store
             .finalize(std::slice::from_ref(&finished), &plan)
             .await?;
-        let settled = settled
-            .first()
-            .map(|s| format!("{s:?}"))
-            .unwrap_or_default();
+        let settled = settled.first().cloned().unwrap_or(Settled::Stale);
+        if settled == Settled::Busy {
+            tracing::info!(attempt_id = %unknown.attempt_id, job_id = %unknown.job_id, evidence = what, "evidence: the job's rows are held; the answer found is kept on its attempt and settled by the kept-answer pass");
+            return Ok(Look {
+                found: format!("{found} (kept: its job's rows were held, it is settled shortly)"),
+                outcome: "kept",
+                ..Look::default()
+            });
+        }
+        // Settled, and the kept answer cleared with it: no more looks.
+        self.store
+            .note_evidence(unknown.attempt_id, &found, NEVER)
+            .await?;
+        let settled = format!("{settled:?}");
         tracing::info!(attempt_id = %unknown.attempt_id, job_id = %unknown.job_id, evidence = what, %settled, "evidence: an unknown attempt was settled");
         let written = json!({ "settled": settled });
         if let Err(e) = self.store.audit_outcome(audit, false, &written).await {

@@ -199,23 +199,69 @@ impl Client {
     }
 
     /// What the provider stored of `attempt`'s call (`evidence = "stored"`):
-    /// its completions listed by the attempt's metadata, and one taken only if
+    /// its completions listed by the attempt's metadata, page after page
+    /// (`limit`, `after`, until `has_more` is false), and one taken only if
     /// its metadata names this attempt of this job (of no job: a
-    /// qualification's call). `Ok(None)` when none is
-    /// stored; `Some` holds the completion judged as a live answer is; `Err`
-    /// when the provider could not be asked (look again later).
+    /// qualification's call). `Ok(None)` only when the whole listing was read
+    /// and none is stored; `Some` holds the completion judged as a live
+    /// answer is; `Err` when the provider could not be asked, or the listing
+    /// could not be read to its end (look again later).
     pub(crate) async fn stored(
         &self,
         attempt: AttemptId,
         job: Option<JobId>,
     ) -> Result<Option<Result<Answer, CallError>>, String> {
+        let want = evidence_metadata(attempt, job);
+        let mut after: Option<String> = None;
+        for _ in 0..MAX_LIST_PAGES {
+            let page = self.stored_page(attempt, after.as_deref()).await?;
+            let found = page["data"].as_array().into_iter().flatten().find(|c| {
+                c["metadata"]["onejob_attempt"] == want["onejob_attempt"]
+                    && c["metadata"]["onejob_job"] == want["onejob_job"]
+            });
+            if let Some(c) = found {
+                let body = serde_json::to_vec(c).unwrap_or_default();
+                return Ok(Some(judge(&self.provider, 200, None, &body)));
+            }
+            match page["has_more"] {
+                Value::Bool(false) => return Ok(None),
+                Value::Bool(true) => {}
+                _ => {
+                    return Err(
+                        "the list of stored completions says no has_more: whether it was read to its end is not known"
+                            .into(),
+                    );
+                }
+            }
+            let next = page["last_id"]
+                .as_str()
+                .or_else(|| page["data"].as_array()?.last()?["id"].as_str())
+                .filter(|id| after.as_deref() != Some(*id))
+                .ok_or("the list of stored completions has more, but names no last_id to go on after")?;
+            after = Some(next.to_owned());
+        }
+        Err(format!(
+            "the list of stored completions runs past {MAX_LIST_PAGES} pages; not read to its end"
+        ))
+    }
+
+    /// One page of `attempt`'s stored completions, after the completion
+    /// `after` (the first page without).
+    async fn stored_page(&self, attempt: AttemptId, after: Option<&str>) -> Result<Value, String> {
         let mut url = self
             .provider
             .base_url
             .join("chat/completions")
             .map_err(|e| format!("bad url: {e}"))?;
-        url.query_pairs_mut()
-            .append_pair("metadata[onejob_attempt]", &attempt.to_string());
+        {
+            let mut query = url.query_pairs_mut();
+            query
+                .append_pair("metadata[onejob_attempt]", &attempt.to_string())
+                .append_pair("limit", &LIST_PAGE.to_string());
+            if let Some(after) = after {
+                query.append_pair("after", after);
+            }
+        }
         let request = self
             .authorized(self.http.get(url))
             .map_err(|e| e.to_string())?;
@@ -234,19 +280,16 @@ impl Client {
             }
             bytes.extend_from_slice(&chunk);
         }
-        let list: Value = serde_json::from_slice(&bytes)
-            .map_err(|e| format!("the list of stored completions is not JSON: {e}"))?;
-        let want = evidence_metadata(attempt, job);
-        let found = list["data"].as_array().into_iter().flatten().find(|c| {
-            c["metadata"]["onejob_attempt"] == want["onejob_attempt"]
-                && c["metadata"]["onejob_job"] == want["onejob_job"]
-        });
-        Ok(found.map(|c| {
-            let body = serde_json::to_vec(c).unwrap_or_default();
-            judge(&self.provider, 200, None, &body)
-        }))
+        serde_json::from_slice(&bytes)
+            .map_err(|e| format!("the list of stored completions is not JSON: {e}"))
     }
 }
+
+/// Stored completions asked for in one page of a listing (OpenAI's most).
+const LIST_PAGE: usize = 100;
+/// Pages of one listing read at most: past them the listing is not read to
+/// its end, and nothing is concluded from it.
+const MAX_LIST_PAGES: usize = 20;
 
 /// The verdict on a provider's answer: a success only when the output meets
 /// the operation's contract; the provider's usage and request id are kept

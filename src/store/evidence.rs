@@ -25,14 +25,20 @@ pub struct EvidenceDue {
     /// It was discarded while still unknown (another attempt won): a look
     /// now only records what its call cost, if the provider kept it.
     pub discarded: bool,
+    /// What evidence its own call asked for (`stored`, `idempotency_key`,
+    /// `none`; `None` for a call made before onejob recorded it): evidence
+    /// is concluded only from a call that asked for it.
+    pub asked: Option<String>,
 }
 
 impl Store {
     /// Takes up to `limit` unknown attempts of `providers` (each with its
     /// `evidence_delay`) whose next look is due: the first no sooner than the
     /// delay after the call's deadline. Attempts discarded while unknown
-    /// (another attempt won) are taken too while their cost is not known. Each is leased for `lease`: no other
-    /// pod takes it meanwhile. Rows held by someone else are skipped.
+    /// (another attempt won) are taken too while their cost is not known.
+    /// Each is leased for `lease`: no other pod takes it meanwhile. Rows held
+    /// by someone else are skipped, and so are attempts with an answer kept
+    /// on them (found already: the kept-answer pass settles it).
     pub async fn evidence_due(
         &self,
         providers: &[(String, Duration)],
@@ -51,6 +57,7 @@ impl Store {
                      WHERE (a.status = 'unknown'
                             OR (a.status = 'discarded' AND a.usage IS NULL
                                 AND a.evidence_next_at IS NOT NULL))
+                       AND a.answer IS NULL
                        AND COALESCE(a.evidence_next_at,
                                     COALESCE(a.deadline_at, a.started_at, a.created_at)
                                       + make_interval(secs => p.delay)) <= now()
@@ -67,7 +74,8 @@ impl Store {
                              a.provider, j.operation, j.version, j.input,
                              COALESCE(a.started_at, a.created_at) AS "started_at!",
                              a.evidence_looks AS looks,
-                             a.status = 'discarded' AS "discarded!""#,
+                             a.status = 'discarded' AS "discarded!",
+                             a.evidence AS asked"#,
                 &names,
                 &delays,
                 lease.as_secs_f64(),
@@ -99,7 +107,8 @@ impl Store {
                              a.provider, j.operation, j.version, j.input,
                              COALESCE(a.started_at, a.created_at) AS "started_at!",
                              a.evidence_looks AS looks,
-                             false AS "discarded!""#,
+                             false AS "discarded!",
+                             a.evidence AS asked"#,
                 attempt.0,
                 lease.as_secs_f64(),
             )
@@ -109,8 +118,9 @@ impl Store {
         .await
     }
 
-    /// Writes what a look found, and when the next may come (while the
-    /// attempt is still `unknown`, or discarded with its cost not known).
+    /// Writes what a look found, and when the next may come (only an
+    /// attempt still `unknown`, or discarded with its cost not known, is
+    /// looked at again; a settled one keeps the note of what settled it).
     pub async fn note_evidence(
         &self,
         attempt: AttemptId,
@@ -121,10 +131,41 @@ impl Store {
             sqlx::query!(
                 "UPDATE attempts SET evidence_note = $2, evidence_last_at = now(),
                      evidence_next_at = now() + make_interval(secs => $3)
-                 WHERE id = $1 AND status IN ('unknown', 'discarded')",
+                 WHERE id = $1",
                 attempt.0,
                 note,
                 next_in.as_secs_f64(),
+            )
+            .execute(&self.pool)
+            .await?;
+            Ok(())
+        })
+        .await
+    }
+}
+
+impl Store {
+    /// Keeps what a discarded attempt's call cost, as evidence found it, with
+    /// what was found, in one statement: its usage and request id (if none
+    /// were kept yet), and no more looks.
+    pub async fn record_cost(
+        &self,
+        attempt: AttemptId,
+        usage: Option<&Value>,
+        request_id: Option<&str>,
+        note: &str,
+    ) -> Result<()> {
+        self.retrying(|| async {
+            sqlx::query!(
+                "UPDATE attempts SET usage = COALESCE(usage, $2),
+                     provider_request_id = COALESCE(provider_request_id, $3),
+                     evidence_note = $4, evidence_last_at = now(),
+                     evidence_next_at = now() + interval '100 years'
+                 WHERE id = $1 AND status = 'discarded'",
+                attempt.0,
+                usage,
+                request_id,
+                note,
             )
             .execute(&self.pool)
             .await?;

@@ -9,7 +9,8 @@ impl Store {
     /// Prometheus gauges read from the tables: jobs and attempts by status, the
     /// oldest `unknown` attempt's age (alert on it: only a person or late evidence
     /// resolves an unknown), the unknowns resolved in the last hour by how
-    /// (evidence of each kind, or an operator), and the outbox backlog.
+    /// (evidence of each kind, or an operator), the answers kept on open
+    /// attempts by why they wait, and the outbox backlog.
     pub async fn gauges(&self) -> Result<String> {
         let jobs: HashMap<JobStatus, i64> = sqlx::query!(
             r#"SELECT status AS "status: JobStatus", count(*) AS "n!" FROM jobs GROUP BY status"#
@@ -80,6 +81,15 @@ impl Store {
             out.push_str(&format!(
                 "onejob_unknowns_resolved_last_hour{{how=\"{how}\"}} {n}\n"
             ));
+        }
+        let kept = self.kept_waiting().await?;
+        out.push_str("# TYPE onejob_kept_answers gauge\n");
+        for (why, n) in [
+            ("due", kept.due),
+            ("held", kept.held),
+            ("unreadable", kept.unreadable),
+        ] {
+            out.push_str(&format!("onejob_kept_answers{{why=\"{why}\"}} {n}\n"));
         }
         out.push_str("# TYPE onejob_outbox_unpublished gauge\n");
         out.push_str(&format!("onejob_outbox_unpublished {backlog}\n"));

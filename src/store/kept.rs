@@ -1,8 +1,13 @@
 //! Kept answers: a provider's answer that could not be settled yet, because
 //! its job row was held under someone else's lock, is written onto its attempt
-//! before anything could hand its delivery back. A worker that stops meanwhile
-//! then loses nothing: the reconciler settles kept answers, and the
-//! vanished-worker sweep never makes an attempt with one `unknown`.
+//! before anything could hand its delivery back; so is an answer evidence
+//! found, before it is settled. A worker that stops meanwhile then loses
+//! nothing: the reconciler settles kept answers, and the vanished-worker
+//! sweep never makes an attempt with one `unknown`. A kept answer ends in the
+//! transaction that settles it: cleared by the settlement
+//! ([`super::settle::take_rows`] finds it), or by the trigger
+//! `attempts_answer_closed` when its attempt closes by any other path, its
+//! usage kept on the attempt.
 
 use super::*;
 
@@ -20,6 +25,7 @@ impl Store {
     /// Keeps `finished` on its attempt while the attempt is still open. Takes
     /// the attempt row with `SKIP LOCKED`, so it never waits: false when the
     /// row was held (or the attempt is no longer open) and nothing was kept.
+    /// A kept answer is due for the kept-answer pass at once.
     pub async fn keep_answer(&self, finished: &Finished) -> Result<bool> {
         let kept = serde_json::to_value(KeptAnswer {
             version: finished.version,
@@ -30,7 +36,7 @@ impl Store {
         .map_err(corrupt)?;
         self.retrying(|| async {
             let done = sqlx::query!(
-                "UPDATE attempts SET answer = $2
+                "UPDATE attempts SET answer = $2, kept_next_at = NULL
                  WHERE id IN (SELECT id FROM attempts
                               WHERE id = $1 AND status IN ('started', 'unknown')
                               FOR UPDATE SKIP LOCKED)",
@@ -44,39 +50,101 @@ impl Store {
         .await
     }
 
-    /// Open attempts with a kept answer, oldest first, at most `limit`, as
-    /// finished attempts to settle. A kept answer this version cannot read is
-    /// left where it is, with an error in the log: an operator resolves it.
+    /// Open attempts with a kept answer that is due, at most `limit`, as
+    /// finished attempts to settle: never tried first, then those tried
+    /// longest ago, so that answers whose rows stay held (moved on by
+    /// [`Store::kept_later`]) never stand in front of newer ones. A kept
+    /// answer this version cannot read is set aside for good (an operator
+    /// resolves its attempt), with an error in the log.
     pub async fn kept_answers(&self, limit: i64) -> Result<Vec<Finished>> {
         let rows = sqlx::query!(
             r#"SELECT id AS "attempt_id: AttemptId", job_id AS "job_id: JobId",
                       answer AS "answer!"
                FROM attempts
                WHERE answer IS NOT NULL AND status IN ('started', 'unknown')
-               ORDER BY id
+                 AND (kept_next_at IS NULL OR kept_next_at <= now())
+               ORDER BY kept_next_at NULLS FIRST, id
                LIMIT $1"#,
             limit
         )
         .fetch_all(&self.pool)
         .await?;
-        Ok(rows
-            .into_iter()
-            .filter_map(|r| {
-                match serde_json::from_value::<KeptAnswer>(r.answer) {
-                    Ok(kept) => Some(Finished {
-                        attempt_id: r.attempt_id,
-                        job_id: r.job_id,
-                        version: kept.version,
-                        provider_request_id: kept.request_id,
-                        usage: kept.usage,
-                        verdict: kept.verdict,
-                    }),
-                    Err(e) => {
-                        tracing::error!(attempt_id = %r.attempt_id, error = %e, "a kept answer cannot be read; the attempt waits for an operator");
-                        None
-                    }
+        let mut finished = Vec::with_capacity(rows.len());
+        let mut unreadable = Vec::new();
+        for r in rows {
+            match serde_json::from_value::<KeptAnswer>(r.answer) {
+                Ok(kept) => finished.push(Finished {
+                    attempt_id: r.attempt_id,
+                    job_id: r.job_id,
+                    version: kept.version,
+                    provider_request_id: kept.request_id,
+                    usage: kept.usage,
+                    verdict: kept.verdict,
+                }),
+                Err(e) => {
+                    tracing::error!(attempt_id = %r.attempt_id, error = %e, "a kept answer cannot be read; the attempt waits for an operator");
+                    unreadable.push(r.attempt_id.0);
                 }
-            })
-            .collect())
+            }
+        }
+        if !unreadable.is_empty() {
+            sqlx::query!(
+                "UPDATE attempts SET kept_next_at = 'infinity' WHERE id = ANY($1)",
+                &unreadable
+            )
+            .execute(&self.pool)
+            .await?;
+        }
+        Ok(finished)
     }
+
+    /// Moves the kept answers of `attempts` (whose rows were held when the
+    /// pass tried them) behind the others, due again in `pause`.
+    pub async fn kept_later(&self, attempts: &[AttemptId], pause: Duration) -> Result<()> {
+        if attempts.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<Uuid> = attempts.iter().map(|a| a.0).collect();
+        sqlx::query!(
+            "UPDATE attempts SET kept_next_at = now() + make_interval(secs => $2)
+             WHERE id = ANY($1) AND answer IS NOT NULL AND kept_next_at IS DISTINCT FROM 'infinity'",
+            &ids,
+            pause.as_secs_f64(),
+        )
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// The answers kept on open attempts, by why they wait: `due` (the pass
+    /// settles them next), `held` (their rows were held when last tried) and
+    /// `unreadable` (an operator resolves them).
+    pub async fn kept_waiting(&self) -> Result<KeptWaiting> {
+        let row = sqlx::query!(
+            r#"SELECT count(*) FILTER (WHERE kept_next_at IS NULL OR kept_next_at <= now()) AS "due!",
+                      count(*) FILTER (WHERE kept_next_at > now() AND kept_next_at < 'infinity') AS "held!",
+                      count(*) FILTER (WHERE kept_next_at = 'infinity') AS "unreadable!"
+               FROM attempts
+               WHERE answer IS NOT NULL AND status IN ('started', 'unknown')"#
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(KeptWaiting {
+            due: row.due,
+            held: row.held,
+            unreadable: row.unreadable,
+        })
+    }
+}
+
+/// The answers kept on open attempts, by why they wait
+/// ([`Store::kept_waiting`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct KeptWaiting {
+    /// Due: the kept-answer pass settles them next.
+    pub due: i64,
+    /// Their rows were held under someone else's lock when last tried.
+    pub held: i64,
+    /// This version cannot read them: an operator resolves their attempts.
+    pub unreadable: i64,
 }

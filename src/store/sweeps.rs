@@ -123,7 +123,7 @@ impl Store {
         if vanished.is_empty() {
             return Ok(Vec::new());
         }
-        let held = take_rows(&mut tx, &vanished).await?;
+        let held = take_rows(&mut tx, &vanished).await?.busy;
         // Decided as for any timeout: under the attempts' and jobs' locks, so a
         // job that ended meanwhile gets a discarded attempt, never an unknown one.
         let error = "worker_vanished: no outcome by the deadline plus the grace period";

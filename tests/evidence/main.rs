@@ -13,6 +13,7 @@ mod measured;
 mod operators;
 mod replay;
 mod stored;
+mod stranding;
 
 use common::{P, TestEnv, config_for};
 use onejob::mock::MockHandle;

@@ -39,7 +39,13 @@ pub(super) async fn claim(
     let claimed = with_retries(shutdown, "starting attempts", || async {
         Ok(ctx
             .store
-            .claim(&provider.name, &ids, provider.timeout, token)
+            .claim(
+                &provider.name,
+                provider.evidence.kind.as_str(),
+                &ids,
+                provider.timeout,
+                token,
+            )
             .await?)
     })
     .await;

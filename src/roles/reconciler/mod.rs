@@ -219,25 +219,38 @@ async fn vanished_once(ctx: &Context) -> Result<()> {
 }
 
 /// Settles the answers that were kept on their attempts because their rows
-/// were held when they arrived ([`crate::store::Store::keep_answer`]): by the
-/// same settlement as a live answer, so a job that ended meanwhile discards
-/// it with its usage kept. Rows still held are left for the next pass.
+/// were held when they arrived ([`crate::store::Store::keep_answer`]), or
+/// because evidence found them: by the same settlement as a live answer, so a
+/// job that ended meanwhile discards it with its usage kept. The settlement
+/// clears each answer it settles. One whose rows are still held, or that
+/// Postgres refused, is moved behind the others ([`KEPT_HELD_PAUSE`]), so
+/// that answers the pass cannot settle never keep it from those it can.
 pub(crate) async fn settle_kept_once(ctx: &Context) -> Result<()> {
-    let kept = ctx.store.kept_answers(100).await?;
+    let kept = ctx.store.kept_answers(KEPT_BATCH).await?;
     if kept.is_empty() {
         return Ok(());
     }
     let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
     let plan = |f: &FailedJob| planner.plan(f);
     let (settled, publish) = ctx.store.finalize(&kept, &plan).await?;
+    let mut later = Vec::new();
     for (finished, settled) in kept.iter().zip(&settled) {
-        if *settled != Settled::Busy {
-            tracing::info!(attempt_id = %finished.attempt_id, job_id = %finished.job_id, ?settled, "a kept answer was settled");
+        match settled {
+            Settled::Busy | Settled::Refused { .. } => later.push(finished.attempt_id),
+            _ => {
+                tracing::info!(attempt_id = %finished.attempt_id, job_id = %finished.job_id, ?settled, "a kept answer was settled")
+            }
         }
     }
+    ctx.store.kept_later(&later, KEPT_HELD_PAUSE).await?;
     ctx.publish_outbox(&publish).await?;
     Ok(())
 }
+
+/// Kept answers one pass settles at most.
+const KEPT_BATCH: i64 = 100;
+/// How long a kept answer whose rows were held waits before it is tried again.
+const KEPT_HELD_PAUSE: Duration = Duration::from_secs(5);
 
 /// Queued attempts whose message seems lost are republished, then failed.
 async fn lost_once(ctx: &Context) -> Result<()> {

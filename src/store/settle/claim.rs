@@ -17,13 +17,17 @@ impl Store {
         timeout: Duration,
     ) -> Result<Vec<Started>> {
         Ok(self
-            .claim(provider, ids, timeout, Uuid::now_v7())
+            .claim(provider, "none", ids, timeout, Uuid::now_v7())
             .await?
             .started)
     }
 
     /// Moves queued attempts to `started` with one guarded statement and marks
-    /// their jobs `running`; `token` names this claim on the rows it starts.
+    /// their jobs `running`; `token` names this claim on the rows it starts,
+    /// and `evidence` is what evidence the calls about to be made can have
+    /// (the provider's kind: `stored`, `idempotency_key` or `none`), recorded
+    /// on each attempt so that evidence is concluded only from calls that
+    /// asked for it.
     ///
     /// The same claim run again returns the attempts it has already started:
     /// a claim whose commit took effect although its reply was lost (the
@@ -51,6 +55,7 @@ impl Store {
     pub async fn claim(
         &self,
         provider: &str,
+        evidence: &str,
         ids: &[AttemptId],
         timeout: Duration,
         token: Uuid,
@@ -76,7 +81,7 @@ impl Store {
                          FOR UPDATE SKIP LOCKED
                      ), started AS (
                          UPDATE attempts a
-                         SET status = 'started', claim = $4,
+                         SET status = 'started', claim = $4, evidence = $5,
                              started_at = COALESCE(a.started_at, now()),
                              deadline_at = COALESCE(a.deadline_at, now() + make_interval(secs => $3))
                          FROM claimed c
@@ -113,6 +118,7 @@ impl Store {
                     provider,
                     timeout.as_secs_f64(),
                     token,
+                    evidence,
                 )
                 .fetch_all(&self.per_job)
                 .map_err(StoreError::from)

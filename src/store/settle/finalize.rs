@@ -76,7 +76,7 @@ impl Store {
         let mut tx = self.per_job.begin().await?;
         let mut settled: HashMap<AttemptId, Settled> = HashMap::new();
         let rows: Vec<(AttemptId, JobId)> = all.iter().map(|f| (f.attempt_id, f.job_id)).collect();
-        let busy = take_rows(&mut tx, &rows).await?;
+        let Taken { busy, kept } = take_rows(&mut tx, &rows).await?;
         let finished: Vec<&Finished> = all
             .iter()
             .filter(|f| !busy.contains(&f.attempt_id))
@@ -137,6 +137,19 @@ impl Store {
         // snapshot sees a timeout that committed while the compare-and-swap
         // waited for the job, without a round trip of its own.
         let publish = self.insert_outbox_closing(&mut tx, &drafts, &won).await?;
+        // An answer kept on an attempt ends with its settlement, in its
+        // transaction: one that closed its attempt was cleared by the
+        // trigger `attempts_answer_closed`; this clears one whose attempt
+        // stays open (a kept timeout, now `unknown`, or one already settled).
+        if !kept.is_empty() {
+            sqlx::query!(
+                "UPDATE attempts SET answer = NULL, kept_next_at = NULL
+                 WHERE id = ANY($1) AND answer IS NOT NULL",
+                &kept
+            )
+            .execute(&mut *tx)
+            .await?;
+        }
         tx.commit().await?;
         let outcomes = all
             .iter()
@@ -172,12 +185,22 @@ impl Failure {
 /// later. A shorter `lock_timeout` set on the role or database is kept.
 const SETTLEMENT_LOCK_PATIENCE: Duration = Duration::from_secs(1);
 
+/// The rows a settlement took ([`take_rows`]).
+pub(in crate::store) struct Taken {
+    /// The attempts whose job or attempt row was held: not settled now.
+    pub(in crate::store) busy: BTreeSet<AttemptId>,
+    /// The attempts taken that have an answer kept on them: the settlement
+    /// clears it.
+    pub(in crate::store) kept: Vec<Uuid>,
+}
+
 /// Takes the settlement's rows, jobs first, with `SKIP LOCKED`: a settlement
 /// never waits for a row someone else holds (an operator's open transaction, a
 /// migration, another worker settling a hedge of the same job). Returns the
 /// attempts whose job or attempt row was held: they are not settled now. An
 /// attempt that does not exist at all is not held: its settlement finds
-/// nothing to change.
+/// nothing to change. Says too which attempts taken have a kept answer, in
+/// the same round trip.
 ///
 /// The same statement caps the transaction's `lock_timeout`
 /// ([`SETTLEMENT_LOCK_PATIENCE`]), so that what is left to wait for (closing a
@@ -185,7 +208,7 @@ const SETTLEMENT_LOCK_PATIENCE: Duration = Duration::from_secs(1);
 pub(in crate::store) async fn take_rows(
     tx: &mut PgConnection,
     rows: &[(AttemptId, JobId)],
-) -> Result<BTreeSet<AttemptId>> {
+) -> Result<Taken> {
     let attempts: Vec<Uuid> = rows.iter().map(|r| r.0.0).collect();
     let jobs: Vec<Uuid> = rows
         .iter()
@@ -194,7 +217,7 @@ pub(in crate::store) async fn take_rows(
         .into_iter()
         .collect();
     let patience = i64::try_from(SETTLEMENT_LOCK_PATIENCE.as_millis()).unwrap_or(i64::MAX);
-    let taken: BTreeSet<AttemptId> = sqlx::query_scalar!(
+    let taken = sqlx::query!(
         r#"WITH patience AS (
                SELECT CASE WHEN current_setting('lock_timeout')::interval = interval '0'
                              OR current_setting('lock_timeout')::interval > make_interval(secs => $3::bigint / 1000.0)
@@ -202,7 +225,8 @@ pub(in crate::store) async fn take_rows(
            ), jobs_taken AS (
                SELECT id FROM jobs WHERE id = ANY($2) ORDER BY id FOR UPDATE SKIP LOCKED
            )
-           SELECT a.id AS "id!: AttemptId" FROM attempts a, patience
+           SELECT a.id AS "id!: AttemptId", a.answer IS NOT NULL AS "kept!"
+           FROM attempts a, patience
            WHERE a.id = ANY($1) AND a.job_id IN (SELECT id FROM jobs_taken)
            ORDER BY a.id
            FOR UPDATE OF a SKIP LOCKED"#,
@@ -211,23 +235,27 @@ pub(in crate::store) async fn take_rows(
         patience,
     )
     .fetch_all(&mut *tx)
-    .await?
-    .into_iter()
-    .collect();
+    .await?;
+    let kept: Vec<Uuid> = taken.iter().filter(|r| r.kept).map(|r| r.id.0).collect();
+    let taken: BTreeSet<AttemptId> = taken.into_iter().map(|r| r.id).collect();
     if taken.len() == rows.len() {
-        return Ok(BTreeSet::new());
+        return Ok(Taken {
+            busy: BTreeSet::new(),
+            kept,
+        });
     }
     let missing: Vec<Uuid> = rows
         .iter()
         .filter(|r| !taken.contains(&r.0))
         .map(|r| r.0.0)
         .collect();
-    Ok(sqlx::query_scalar!(
+    let busy = sqlx::query_scalar!(
         r#"SELECT id AS "id!: AttemptId" FROM attempts WHERE id = ANY($1)"#,
         &missing
     )
     .fetch_all(&mut *tx)
     .await?
     .into_iter()
-    .collect())
+    .collect();
+    Ok(Taken { busy, kept })
 }
