@@ -357,11 +357,20 @@ async fn check_claim(
         Ok(a) => a,
         Err(e) => return Some((false, format!("the test call failed: {e}"))),
     };
+    // The check compares response ids: two missing ids are not the same
+    // answer, and a provider whose answers carry none cannot show that it
+    // kept or replayed one (one that ignores the key would pass).
+    let Some(first_id) = first.request_id.clone() else {
+        return Some((
+            false,
+            "the test call's answer carries no response id, so the claim cannot be checked".into(),
+        ));
+    };
     Some(match kind {
         EvidenceKind::Stored => {
             tokio::time::sleep(provider.evidence.delay.min(Duration::from_secs(30))).await;
             match client.stored(attempt, None).await {
-                Ok(Some(Ok(found))) if found.request_id == first.request_id => (
+                Ok(Some(Ok(found))) if found.request_id.as_deref() == Some(first_id.as_str()) => (
                     true,
                     "the test call was stored and found by its metadata".into(),
                 ),
@@ -389,13 +398,18 @@ async fn check_claim(
                 .await
             {
                 Ok(again)
-                    if again.request_id == first.request_id && again.content == first.content =>
+                    if again.request_id.as_deref() == Some(first_id.as_str())
+                        && again.content == first.content =>
                 {
                     (
                         true,
                         "the same key was answered with the first answer".into(),
                     )
                 }
+                Ok(again) if again.request_id.is_none() => (
+                    false,
+                    "the test call sent again came back with no response id, so the claim cannot be checked".into(),
+                ),
                 Ok(_) => (
                     false,
                     "the same key ran new work: another answer came back".into(),

@@ -73,7 +73,16 @@ async fn a_false_stored_claim_turns_evidence_off_until_it_holds() {
     // Past the first look's time, and a few passes more.
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(looks().await, 0, "no look while the claim is false");
-    let out = env.cli(&file.path, &["attempts", "evidence", &attempt.to_string()]);
+    let out = env.cli(
+        &file.path,
+        &[
+            "attempts",
+            "evidence",
+            &attempt.to_string(),
+            "--reason",
+            "claim off",
+        ],
+    );
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -138,4 +147,50 @@ async fn a_key_claim_holds_only_where_a_repeated_key_runs_no_new_work() {
             && text.contains("evidence idempotency_key: on"),
         "{text}"
     );
+}
+
+/// A provider whose answers carry no response id cannot show that it kept
+/// or replayed an answer: two missing ids are not the same answer. Its claim
+/// fails with the reason, whichever kind it claims (a provider that ignores
+/// the key would otherwise pass, and every later re-send buy new work).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_whose_answers_carry_no_id_fails_with_the_reason() {
+    let anonymous = mock(MockOptions {
+        store: true,
+        ..MockOptions::default()
+    })
+    .await;
+    let text = config_for(
+        &[
+            P(
+                "primary",
+                &anonymous.base_url(),
+                "evidence = \"idempotency_key\"",
+            ),
+            P(
+                "fallback",
+                &anonymous.base_url(),
+                "evidence = \"stored\"\nevidence_delay = \"100ms\"",
+            ),
+        ],
+        "",
+    )
+    .replace(
+        "The quick brown fox jumps over the lazy dog.",
+        "mock:no_id The quick brown fox.",
+    );
+    let (config, file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    for provider in ["primary", "fallback"] {
+        env.cli_ok(&file.path, &["providers", "qualify", provider]);
+        let evidence = evidence_of(&env, &file.path, provider);
+        assert_eq!(evidence["state"], "off", "{provider}: {evidence}");
+        assert!(
+            evidence["why"]
+                .as_str()
+                .unwrap()
+                .contains("carries no response id"),
+            "{provider}: {evidence}"
+        );
+    }
 }

@@ -93,7 +93,38 @@ async fn an_operator_looks_now_and_sees_what_was_found() {
         (!stored(&slow, "onejob_attempt", &id).await.is_empty()).then_some(())
     })
     .await;
-    let out = env.cli_ok(&file.path, &["attempts", "evidence", &id]);
+    // A look may send a billable request again: it needs a reason, and is
+    // recorded before it is taken.
+    let out = env.cli(&file.path, &["attempts", "evidence", &id]);
+    assert_eq!(out.status.code(), Some(2), "no --reason: {out:?}");
+    let out = env.cli(&file.path, &["attempts", "evidence", &id, "--reason", " "]);
+    assert_eq!(out.status.code(), Some(1), "an empty reason: {out:?}");
+    let requests = slow.stats.requests();
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN RAISE EXCEPTION 'the audit table refuses rows'; END $$;
+         CREATE TRIGGER refuse BEFORE INSERT ON audit FOR EACH ROW EXECUTE FUNCTION refuse();",
+    )
+    .execute(env.store.pool())
+    .await
+    .unwrap();
+    let out = env.cli(&file.path, &["attempts", "evidence", &id, "--reason", "r"]);
+    assert_eq!(out.status.code(), Some(1), "unaudited: {out:?}");
+    assert_eq!(slow.stats.requests(), requests, "nothing was asked");
+    let looks: i32 = sqlx::query_scalar("SELECT evidence_looks FROM attempts WHERE id = $1::uuid")
+        .bind(&id)
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(looks, 0, "no look was taken");
+    sqlx::raw_sql("DROP TRIGGER refuse ON audit")
+        .execute(env.store.pool())
+        .await
+        .unwrap();
+    let out = env.cli_ok(
+        &file.path,
+        &["attempts", "evidence", &id, "--reason", "customer asked"],
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("found: succeeded") && text.contains("settled"),
@@ -102,6 +133,19 @@ async fn an_operator_looks_now_and_sees_what_was_found() {
     let job = wait_for_status(&env, job_id, JobStatus::Succeeded).await;
     assert_eq!(job.attempts.len(), 1);
     assert_eq!(evidence_rows(&env, job_id).await.len(), 1);
+    let (actor, reason, detail): (String, String, serde_json::Value) = sqlx::query_as(
+        "SELECT actor, reason, detail FROM audit WHERE action = 'attempt.evidence_look'",
+    )
+    .fetch_one(env.store.pool())
+    .await
+    .unwrap();
+    assert!(actor.starts_with("cli:"), "{actor}");
+    assert_eq!(reason, "customer asked");
+    assert_eq!(detail["outcome"], "done", "{detail}");
+    assert!(
+        detail["found"].as_str().unwrap_or_default().contains("succeeded"),
+        "{detail}"
+    );
     let out = env.cli_ok(&file.path, &["jobs", "show", &job_id.to_string()]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -109,7 +153,10 @@ async fn an_operator_looks_now_and_sees_what_was_found() {
         "{text}"
     );
     // Not unknown any more: nothing to look up.
-    let out = env.cli(&file.path, &["attempts", "evidence", &id, "--json"]);
+    let out = env.cli(
+        &file.path,
+        &["attempts", "evidence", &id, "--json", "--reason", "again"],
+    );
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not unknown"), "{err}");

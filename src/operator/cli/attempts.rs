@@ -14,17 +14,23 @@ use crate::domain::{AttemptId, AttemptStatus};
 use crate::evidence::Looker;
 use crate::policy::Planner;
 use crate::provider::Client;
-use crate::store::{Actor, Refusal, Resolution, Settled};
+use crate::store::{Action, Actor, Refusal, Resolution, Settled};
 
 #[derive(Subcommand, Debug)]
 pub(super) enum AttemptsCommand {
     /// Look up an unknown attempt's evidence at its provider now, and settle
     /// it by what is found, as the reconciler does by itself (a stored
     /// completion, or the answer to the same request sent again with the same
-    /// key). Audited with the actor `evidence`.
+    /// key: a call the provider may bill). Recorded in the audit table with
+    /// the reason before anything is asked; a resolution it finds is audited
+    /// with the actor `evidence` too.
     Evidence {
         /// The attempt id.
         attempt_id: Uuid,
+        /// Why, for the audit table (required: a look may be a billable
+        /// re-send).
+        #[arg(long)]
+        reason: String,
     },
     /// Resolve an open (usually `unknown`) attempt. `failed` lets the route rule
     /// start the next attempt; `cancelled` ends the attempt and its job.
@@ -54,7 +60,10 @@ pub(super) async fn run(
     out: &mut impl Write,
 ) -> Outcome {
     match command {
-        AttemptsCommand::Evidence { attempt_id } => evidence(c, attempt_id, json, out).await,
+        AttemptsCommand::Evidence { attempt_id, reason } => {
+            let actor = Actor::cli(Some(&reason));
+            evidence(c, attempt_id, &actor, json, out).await
+        }
         AttemptsCommand::Resolve {
             attempt_id,
             resolution,
@@ -150,8 +159,19 @@ async fn resolve(
     Ok(())
 }
 
-/// `onejob attempts evidence`: one look now.
-async fn evidence(c: &Connections, attempt_id: Uuid, json: bool, out: &mut impl Write) -> Outcome {
+/// `onejob attempts evidence`: one look now, audited first.
+async fn evidence(
+    c: &Connections,
+    attempt_id: Uuid,
+    actor: &Actor,
+    json: bool,
+    out: &mut impl Write,
+) -> Outcome {
+    if actor.reason.trim().is_empty() {
+        return Err(Failure(
+            "--reason may not be empty: a look may send a billable request again, and the audit table says why".into(),
+        ));
+    }
     let config = c.load_config()?;
     let store = store(c, &config).await?;
     let attempt = AttemptId(attempt_id);
@@ -192,17 +212,38 @@ async fn evidence(c: &Connections, attempt_id: Uuid, json: bool, out: &mut impl 
             claim.detail
         )));
     }
-    let Some(unknown) = store.evidence_now(attempt, LOOK_LEASE).await? else {
-        return Err(Failure(format!(
-            "attempt {attempt_id} is no longer unknown"
-        )));
+    let client = Client::new(provider.clone()).map_err(|e| Failure(e.to_string()))?;
+    let action = Action {
+        action: "attempt.evidence_look",
+        job: job.as_ref().map(|j| j.id),
+        attempt: Some(attempt),
+        target: Some(provider.name.clone()),
+        detail: json!({ "evidence": provider.evidence.kind.as_str() }),
+        ..Action::default()
     };
-    let client = Client::new(provider).map_err(|e| Failure(e.to_string()))?;
+    // Recorded before the look: a look may send the request again.
+    let audit = store.audit_begin(actor, &action).await?;
+    let Some(unknown) = store.evidence_now(attempt, LOOK_LEASE).await? else {
+        let why = format!("attempt {attempt_id} is no longer unknown");
+        let _ = store.audit_outcome(audit, true, &json!({ "error": why })).await;
+        return Err(Failure(why));
+    };
     let looker = Looker {
         store: &store,
         config: &config,
     };
-    let look = looker.look(&client, &unknown).await?;
+    let look = match looker.look(&client, &unknown).await {
+        Ok(look) => look,
+        Err(e) => {
+            let detail = json!({ "error": e.to_string() });
+            let _ = store.audit_outcome(audit, true, &detail).await;
+            return Err(e.into());
+        }
+    };
+    let detail = json!({ "found": look.found, "settled": look.settled });
+    if let Err(e) = store.audit_outcome(audit, false, &detail).await {
+        eprintln!("onejob: warning: the outcome was not written to audit row {audit} (it stays pending): {e}");
+    }
     let published = publish_now(c, &config, &store, &look.publish).await;
     if let Err(e) = &published {
         eprintln!("onejob: warning: {e}; the reconciler will publish it");
