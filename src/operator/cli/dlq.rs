@@ -26,10 +26,12 @@ pub(super) enum DlqCommand {
         limit: usize,
     },
     /// Republish dead letters to the work queue their dead-letter queue belongs
-    /// to (Q.dlq → Q, through the onejob exchange, with a confirm), then remove
-    /// them. Never anywhere else: a letter whose headers name another
-    /// destination is skipped, with its reason, and left in place. Say which:
-    /// --id MESSAGE-ID or --all.
+    /// to (Q.dlq → Q, with a confirm), then remove them. Say which: --id
+    /// MESSAGE-ID or --all.
+    ///
+    /// A letter goes only to that work queue, through the onejob exchange, never
+    /// to a destination its own headers name: a letter whose headers name another
+    /// is skipped, with its reason, and left in place (exit 1).
     #[command(group(clap::ArgGroup::new("which").required(true)))]
     Replay {
         /// A dead-letter queue (or its work queue). Without it, every one.
