@@ -125,7 +125,13 @@ async fn a_held_job_row_makes_only_its_own_claim_wait_and_the_sweeps_go_on() {
     // Released, the held claim goes through.
     let claim = env
         .store
-        .claim("primary", "none", &[attempts[1]], Duration::from_secs(30), token)
+        .claim(
+            "primary",
+            "none",
+            &[attempts[1]],
+            Duration::from_secs(30),
+            token,
+        )
         .await
         .unwrap();
     assert_eq!(claim.started.len(), 1);

@@ -87,7 +87,10 @@ async fn a_kept_timeout_is_cleared_by_the_settlement_that_makes_it_unknown() {
         "the kept timeout is cleared with its settlement"
     );
     assert!(env.store.kept_answers(100).await.unwrap().is_empty());
-    assert_eq!(env.store.kept_waiting().await.unwrap(), KeptWaiting::default());
+    assert_eq!(
+        env.store.kept_waiting().await.unwrap(),
+        KeptWaiting::default()
+    );
 }
 
 /// An attempt closed by another path (an operator's resolution) while an
@@ -141,19 +144,19 @@ async fn kept_answers_that_cannot_be_settled_never_starve_the_rest() {
     }
     let jobs: Vec<JobId> = all.iter().map(|s| s.job_id).collect();
     let held = Held::hold(&env, &jobs).await;
-    let (config, _file) = common::config(&common::config_text(
-        "http://127.0.0.1:9/v1",
-        None,
-        "",
-    ));
+    let (config, _file) = common::config(&common::config_text("http://127.0.0.1:9/v1", None, ""));
     let fleet = env.fleet(config, vec![Role::Reconciler]).await;
     let job = common::wait_for_status(&env, free.job_id, JobStatus::Succeeded).await;
     assert_eq!(job.completed_by, Some(free.attempt_id));
     assert!(!answer_kept(&env, free.attempt_id).await);
-    let waiting = wait_for("the held ones to be moved on", Duration::from_secs(30), || async {
-        let w = env.store.kept_waiting().await.unwrap();
-        (w.held == 105).then_some(w)
-    })
+    let waiting = wait_for(
+        "the held ones to be moved on",
+        Duration::from_secs(30),
+        || async {
+            let w = env.store.kept_waiting().await.unwrap();
+            (w.held == 105).then_some(w)
+        },
+    )
     .await;
     assert_eq!(waiting.unreadable, 0);
     let gauges = env.store.gauges().await.unwrap();
@@ -166,7 +169,10 @@ async fn kept_answers_that_cannot_be_settled_never_starve_the_rest() {
         let job = common::wait_for_status(&env, s.job_id, JobStatus::Succeeded).await;
         assert_eq!(job.attempts[0].status, AttemptStatus::Succeeded);
     }
-    assert_eq!(env.store.kept_waiting().await.unwrap(), KeptWaiting::default());
+    assert_eq!(
+        env.store.kept_waiting().await.unwrap(),
+        KeptWaiting::default()
+    );
     fleet.stop().await;
 }
 
@@ -186,7 +192,10 @@ async fn an_unreadable_kept_answer_is_set_aside_and_counted() {
         .await
         .unwrap();
     let read = env.store.kept_answers(1).await.unwrap();
-    assert!(read.is_empty(), "the first read sets the unreadable one aside");
+    assert!(
+        read.is_empty(),
+        "the first read sets the unreadable one aside"
+    );
     let read = env.store.kept_answers(1).await.unwrap();
     assert_eq!(read.len(), 1);
     assert_eq!(read[0].attempt_id, good.attempt_id);

@@ -4,9 +4,11 @@
 //! operator acts. Browsing takes messages without acking them and then closes its
 //! channel, so the broker puts every one back: the same listing twice gives the
 //! same result and the depth is unchanged. Replaying publishes a copy to the
-//! original exchange and routing key and waits for the confirm before it acks the
-//! dead letter: a crash in between leaves a duplicate (which the guarded
-//! transitions drop), never a loss.
+//! work queue its dead-letter queue belongs to (`Q.dlq` → `Q`, through the
+//! `onejob` exchange), never to a destination the letter's own headers name,
+//! and waits for the confirm before it acks the dead letter: a crash in
+//! between leaves a duplicate (which the guarded transitions drop), never a
+//! loss.
 
 use chrono::{DateTime, Utc};
 use lapin::message::Delivery;
@@ -328,8 +330,10 @@ pub struct ReplayReport {
     pub outcome: ReplayOutcome,
 }
 
-/// Replays the dead letters of `queue` that match `selection` to where they were
-/// first published, each with a confirm before its dead letter is acked, and
+/// Replays the dead letters of `queue` that match `selection` to the work queue
+/// `queue` belongs to (`Q.dlq` → `Q`; a letter whose headers name another
+/// destination is skipped and left in place), each with a confirm before its
+/// dead letter is acked, and
 /// hands `report` what became of each as it goes: nothing is kept in memory but
 /// the letter in hand.
 ///

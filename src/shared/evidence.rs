@@ -41,6 +41,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::config::{Config, EvidenceKind, Provider};
+use crate::domain::AttemptStatus;
 use crate::policy::Planner;
 use crate::provider::{Answer, CallError, Client, verdict};
 use crate::runtime::Result;
@@ -92,7 +93,10 @@ impl Looker<'_> {
                 ..Look::default()
             },
             _ if unknown.asked.as_deref() != Some(kind.as_str()) => {
-                let asked = unknown.asked.as_deref().unwrap_or("none (made before onejob recorded it)");
+                let asked = unknown
+                    .asked
+                    .as_deref()
+                    .unwrap_or("none (made before onejob recorded it)");
                 let found = format!(
                     "its call asked for no {} evidence (it asked for {asked}): nothing can be concluded from the provider, an operator resolves it",
                     kind.as_str()
@@ -167,6 +171,13 @@ impl Looker<'_> {
         ) else {
             return Ok(Look::default());
         };
+        // Read again just before sending: an attempt discarded since it was
+        // taken for this look (its job ended) is never sent again.
+        let state = self.store.attempt_state(unknown.attempt_id).await?;
+        if !matches!(state, Some((_, AttemptStatus::Unknown, _))) {
+            let found = "no longer unknown when its look came: never sent again (a re-send could buy new work for a job that is over)".into();
+            return self.note_final(unknown, found, "no_evidence").await;
+        }
         let answer = match self.config.render(operation, input) {
             Ok(rendered) => {
                 let job = Some(unknown.job_id);
@@ -332,7 +343,9 @@ impl Looker<'_> {
         if !self.store.keep_answer(&finished).await? {
             tracing::info!(attempt_id = %unknown.attempt_id, "evidence: the attempt's row is held or it was settled meanwhile; looked at again after its lease");
             return Ok(Look {
-                found: format!("{found} (not kept yet: its row was held or it was settled meanwhile)"),
+                found: format!(
+                    "{found} (not kept yet: its row was held or it was settled meanwhile)"
+                ),
                 outcome: "held",
                 ..Look::default()
             });

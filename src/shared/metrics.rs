@@ -37,8 +37,7 @@ pub const ATTEMPT_BATCH_SIZE: &str = "onejob_attempt_batch_size";
 pub const STAGE_SECONDS: &str = "onejob_stage_seconds";
 
 /// Seconds from an attempt becoming `unknown` (its call's deadline) to its
-/// resolution by evidence, by how (`stored`, `replayed`, `no_evidence`,
-/// `not_completed`).
+/// resolution by evidence, by how (`stored`, `replayed`, `no_evidence`).
 pub const UNKNOWN_RESOLUTION_SECONDS: &str = "onejob_unknown_resolution_seconds";
 
 /// Bucket bounds for resolving unknowns: from the evidence delay (seconds) to
@@ -168,10 +167,13 @@ pub fn provider_call(provider: &str, result: &'static str, elapsed: Duration) {
 }
 
 /// A look at an unknown's evidence came to `outcome`: `stored`, `replayed`,
-/// `no_evidence`, `not_completed` (each resolves it), `nothing_yet`,
-/// `unreachable` (the provider could not be asked or did not answer),
-/// `waits_for_operator`, or `cost_found` (what an attempt discarded while
-/// unknown cost).
+/// `no_evidence` (each resolves it), `nothing_yet`, `in_progress` (a `409`:
+/// the first request is still being processed), `unreachable` (the provider
+/// could not be asked or did not answer), `kept` (found, and kept on its
+/// attempt while its job's rows are held), `held` (found while its attempt's
+/// row was held: looked at again), `not_asked` (its call asked for no such
+/// evidence), `waits_for_operator`, or `cost_found` (what an attempt
+/// discarded while unknown cost).
 pub fn evidence_look(provider: &str, outcome: &'static str) {
     counter!(
         "onejob_evidence_looks_total",

@@ -237,7 +237,9 @@ impl Client {
                 .as_str()
                 .or_else(|| page["data"].as_array()?.last()?["id"].as_str())
                 .filter(|id| after.as_deref() != Some(*id))
-                .ok_or("the list of stored completions has more, but names no last_id to go on after")?;
+                .ok_or(
+                    "the list of stored completions has more, but names no last_id to go on after",
+                )?;
             after = Some(next.to_owned());
         }
         Err(format!(

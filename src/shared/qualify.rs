@@ -367,56 +367,69 @@ async fn check_claim(
         ));
     };
     Some(match kind {
-        EvidenceKind::Stored => {
-            tokio::time::sleep(provider.evidence.delay.min(Duration::from_secs(30))).await;
-            match client.stored(attempt, None).await {
-                Ok(Some(Ok(found))) if found.request_id.as_deref() == Some(first_id.as_str()) => (
-                    true,
-                    "the test call was stored and found by its metadata".into(),
-                ),
-                Ok(Some(_)) => (
-                    false,
-                    "a completion was found by the test call's metadata, but not the test call's"
-                        .into(),
-                ),
-                Ok(None) => (
-                    false,
-                    format!(
-                        "the test call was not found by its metadata {} after it ended",
-                        humantime::format_duration(provider.evidence.delay)
-                    ),
-                ),
-                Err(e) => (
-                    false,
-                    format!("stored completions could not be listed: {e}"),
-                ),
-            }
-        }
+        EvidenceKind::Stored => check_stored(&client, attempt, &first_id).await,
         EvidenceKind::IdempotencyKey => {
-            match client
+            let again = client
                 .complete(attempt, None, None, operation, &rendered)
-                .await
-            {
-                Ok(again)
-                    if again.request_id.as_deref() == Some(first_id.as_str())
-                        && again.content == first.content =>
-                {
-                    (
-                        true,
-                        "the same key was answered with the first answer".into(),
-                    )
-                }
-                Ok(again) if again.request_id.is_none() => (
-                    false,
-                    "the test call sent again came back with no response id, so the claim cannot be checked".into(),
-                ),
-                Ok(_) => (
-                    false,
-                    "the same key ran new work: another answer came back".into(),
-                ),
-                Err(e) => (false, format!("the test call sent again failed: {e}")),
-            }
+                .await;
+            check_replayed(again, &first_id, &first.content)
         }
         EvidenceKind::None => return None,
     })
+}
+
+/// Whether the test call `attempt` (its answer's id `first_id`) was stored
+/// and is found by its metadata after `evidence_delay`.
+async fn check_stored(client: &Client, attempt: AttemptId, first_id: &str) -> (bool, String) {
+    let provider = client.provider();
+    tokio::time::sleep(provider.evidence.delay.min(Duration::from_secs(30))).await;
+    match client.stored(attempt, None).await {
+        Ok(Some(Ok(found))) if found.request_id.as_deref() == Some(first_id) => (
+            true,
+            "the test call was stored and found by its metadata".into(),
+        ),
+        Ok(Some(_)) => (
+            false,
+            "a completion was found by the test call's metadata, but not the test call's".into(),
+        ),
+        Ok(None) => (
+            false,
+            format!(
+                "the test call was not found by its metadata {} after it ended",
+                humantime::format_duration(provider.evidence.delay)
+            ),
+        ),
+        Err(e) => (
+            false,
+            format!("stored completions could not be listed: {e}"),
+        ),
+    }
+}
+
+/// Whether the test call sent again with its key came back as the first
+/// answer (id `first_id`, text `first_content`), with no new work.
+fn check_replayed(
+    again: Result<crate::provider::Answer, crate::provider::CallError>,
+    first_id: &str,
+    first_content: &str,
+) -> (bool, String) {
+    match again {
+        Ok(again)
+            if again.request_id.as_deref() == Some(first_id) && again.content == first_content =>
+        {
+            (
+                true,
+                "the same key was answered with the first answer".into(),
+            )
+        }
+        Ok(again) if again.request_id.is_none() => (
+            false,
+            "the test call sent again came back with no response id, so the claim cannot be checked".into(),
+        ),
+        Ok(_) => (
+            false,
+            "the same key ran new work: another answer came back".into(),
+        ),
+        Err(e) => (false, format!("the test call sent again failed: {e}")),
+    }
 }

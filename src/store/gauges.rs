@@ -82,8 +82,18 @@ impl Store {
                 "onejob_unknowns_resolved_last_hour{{how=\"{how}\"}} {n}\n"
             ));
         }
+        out.push_str(&self.kept_gauge().await?);
+        out.push_str("# TYPE onejob_outbox_unpublished gauge\n");
+        out.push_str(&format!("onejob_outbox_unpublished {backlog}\n"));
+        out.push_str(&self.owner_gauges().await?);
+        Ok(out)
+    }
+
+    /// The answers kept on open attempts, by why they wait
+    /// ([`Store::kept_waiting`]).
+    async fn kept_gauge(&self) -> Result<String> {
         let kept = self.kept_waiting().await?;
-        out.push_str("# TYPE onejob_kept_answers gauge\n");
+        let mut out = String::from("# TYPE onejob_kept_answers gauge\n");
         for (why, n) in [
             ("due", kept.due),
             ("held", kept.held),
@@ -91,9 +101,6 @@ impl Store {
         ] {
             out.push_str(&format!("onejob_kept_answers{{why=\"{why}\"}} {n}\n"));
         }
-        out.push_str("# TYPE onejob_outbox_unpublished gauge\n");
-        out.push_str(&format!("onejob_outbox_unpublished {backlog}\n"));
-        out.push_str(&self.owner_gauges().await?);
         Ok(out)
     }
 

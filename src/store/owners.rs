@@ -21,7 +21,8 @@ pub struct OwnerView {
     pub limits: OwnerLimits,
     /// Tokens its attempts spent over the last 24 hours, discarded ones included.
     pub spent_24h: i64,
-    /// Its jobs whose first attempt waits for its turn under `rate`.
+    /// Its jobs whose first attempt waits for its turn: held (past its share
+    /// or under its `max_in_flight`) or not yet due under its `rate`.
     pub waiting: i64,
     /// When its own settings last changed, if it has any.
     pub updated_at: Option<DateTime<Utc>>,

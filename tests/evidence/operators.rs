@@ -93,34 +93,7 @@ async fn an_operator_looks_now_and_sees_what_was_found() {
         (!stored(&slow, "onejob_attempt", &id).await.is_empty()).then_some(())
     })
     .await;
-    // A look may send a billable request again: it needs a reason, and is
-    // recorded before it is taken.
-    let out = env.cli(&file.path, &["attempts", "evidence", &id]);
-    assert_eq!(out.status.code(), Some(2), "no --reason: {out:?}");
-    let out = env.cli(&file.path, &["attempts", "evidence", &id, "--reason", " "]);
-    assert_eq!(out.status.code(), Some(1), "an empty reason: {out:?}");
-    let requests = slow.stats.requests();
-    sqlx::raw_sql(
-        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
-           $$ BEGIN RAISE EXCEPTION 'the audit table refuses rows'; END $$;
-         CREATE TRIGGER refuse BEFORE INSERT ON audit FOR EACH ROW EXECUTE FUNCTION refuse();",
-    )
-    .execute(env.store.pool())
-    .await
-    .unwrap();
-    let out = env.cli(&file.path, &["attempts", "evidence", &id, "--reason", "r"]);
-    assert_eq!(out.status.code(), Some(1), "unaudited: {out:?}");
-    assert_eq!(slow.stats.requests(), requests, "nothing was asked");
-    let looks: i32 = sqlx::query_scalar("SELECT evidence_looks FROM attempts WHERE id = $1::uuid")
-        .bind(&id)
-        .fetch_one(env.store.pool())
-        .await
-        .unwrap();
-    assert_eq!(looks, 0, "no look was taken");
-    sqlx::raw_sql("DROP TRIGGER refuse ON audit")
-        .execute(env.store.pool())
-        .await
-        .unwrap();
+    a_look_needs_a_reason_and_its_audit_row(&env, &file.path, &id, &slow).await;
     let out = env.cli_ok(
         &file.path,
         &["attempts", "evidence", &id, "--reason", "customer asked"],
@@ -143,7 +116,10 @@ async fn an_operator_looks_now_and_sees_what_was_found() {
     assert_eq!(reason, "customer asked");
     assert_eq!(detail["outcome"], "done", "{detail}");
     assert!(
-        detail["found"].as_str().unwrap_or_default().contains("succeeded"),
+        detail["found"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("succeeded"),
         "{detail}"
     );
     let out = env.cli_ok(&file.path, &["jobs", "show", &job_id.to_string()]);
@@ -162,4 +138,41 @@ async fn an_operator_looks_now_and_sees_what_was_found() {
     assert!(err.contains("not unknown"), "{err}");
     producer.close().await;
     fleet.stop().await;
+}
+
+/// A look may send a billable request again: it needs a reason, and is
+/// recorded before it is taken; with the audit table refusing rows, none is
+/// taken.
+async fn a_look_needs_a_reason_and_its_audit_row(
+    env: &TestEnv,
+    path: &std::path::Path,
+    id: &str,
+    slow: &onejob::mock::MockHandle,
+) {
+    let out = env.cli(path, &["attempts", "evidence", id]);
+    assert_eq!(out.status.code(), Some(2), "no --reason: {out:?}");
+    let out = env.cli(path, &["attempts", "evidence", id, "--reason", " "]);
+    assert_eq!(out.status.code(), Some(1), "an empty reason: {out:?}");
+    let requests = slow.stats.requests();
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN RAISE EXCEPTION 'the audit table refuses rows'; END $$;
+         CREATE TRIGGER refuse BEFORE INSERT ON audit FOR EACH ROW EXECUTE FUNCTION refuse();",
+    )
+    .execute(env.store.pool())
+    .await
+    .unwrap();
+    let out = env.cli(path, &["attempts", "evidence", id, "--reason", "r"]);
+    assert_eq!(out.status.code(), Some(1), "unaudited: {out:?}");
+    assert_eq!(slow.stats.requests(), requests, "nothing was asked");
+    let looks: i32 = sqlx::query_scalar("SELECT evidence_looks FROM attempts WHERE id = $1::uuid")
+        .bind(id)
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(looks, 0, "no look was taken");
+    sqlx::raw_sql("DROP TRIGGER refuse ON audit")
+        .execute(env.store.pool())
+        .await
+        .unwrap();
 }

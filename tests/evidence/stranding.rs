@@ -151,10 +151,7 @@ async fn an_unknown_whose_call_asked_for_no_evidence_waits_for_an_operator() {
         ..MockOptions::default()
     })
     .await;
-    let before = config_for(
-        &[P("primary", &slow.base_url(), "timeout = \"500ms\"")],
-        "",
-    );
+    let before = config_for(&[P("primary", &slow.base_url(), "timeout = \"500ms\"")], "");
     let (plain, _file) = config(&before);
     let env = TestEnv::new(&plain).await;
     let fleet = env.fleet(plain.clone(), vec![]).await;
@@ -190,4 +187,102 @@ async fn an_unknown_whose_call_asked_for_no_evidence_waits_for_an_operator() {
     assert_eq!(slow.stats.work(), 1);
     producer.close().await;
     fleet.stop().await;
+}
+
+/// One slow provider's looks (each may wait a whole timeout: here a
+/// listing that never answers) do not delay another provider's: the fast
+/// provider's unknown is settled while the slow provider's first looks are
+/// still waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slow_providers_looks_do_not_delay_another_providers() {
+    let silent_url = silent_provider().await;
+    let fast = mock(MockOptions {
+        store: true,
+        delay: Duration::from_secs(1),
+        ..MockOptions::default()
+    })
+    .await;
+    let keeping = "evidence = \"stored\"\nevidence_delay = \"1s\"";
+    let (config, _file) = config(&config_for(
+        &[
+            P(
+                "silent",
+                &silent_url,
+                &format!("timeout = \"10s\"\n{keeping}"),
+            ),
+            P(
+                "fast",
+                &fast.base_url(),
+                &format!("timeout = \"500ms\"\n{keeping}"),
+            ),
+        ],
+        "",
+    ));
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let pinned = |key: &str, provider: &str| {
+        let mut i = intent("acct_ev", key, key);
+        i.provider = Some(provider.into());
+        i
+    };
+    let mut silent_attempts = Vec::new();
+    for key in ["k-silent-1", "k-silent-2"] {
+        let receipt = producer.submit(&pinned(key, "silent")).await.unwrap();
+        let job = wait_for_status(&env, receipt.job_id.unwrap(), JobStatus::Unknown).await;
+        silent_attempts.push(job.attempts[0].id.0);
+    }
+    // (looks begun, looks ended) over the silent provider's unknowns.
+    let silent_looks = || async {
+        sqlx::query_as::<_, (i64, i64)>(
+            "SELECT count(*) FILTER (WHERE evidence_looks > 0),
+                    count(*) FILTER (WHERE evidence_last_at IS NOT NULL)
+             FROM attempts WHERE id = ANY($1)",
+        )
+        .bind(&silent_attempts)
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap()
+    };
+    wait_for(
+        "a look at the silent provider",
+        Duration::from_secs(30),
+        || async { (silent_looks().await.0 > 0).then_some(()) },
+    )
+    .await;
+    let receipt = producer.submit(&pinned("k-fast", "fast")).await.unwrap();
+    let job = wait_for_status(&env, receipt.job_id.unwrap(), JobStatus::Succeeded).await;
+    assert_eq!(job.attempts.len(), 1, "settled from evidence: {job:?}");
+    assert_eq!(fast.stats.work(), 1);
+    let (begun, ended) = silent_looks().await;
+    assert!(begun > 0);
+    assert_eq!(
+        ended, 0,
+        "the fast provider's unknown was settled while the silent provider's looks still waited"
+    );
+    producer.close().await;
+    fleet.stop().await;
+}
+
+/// A provider that drops every call once it has read it (the call is
+/// `unknown` at once) and never answers a listing (a look waits its whole
+/// timeout): its base URL.
+async fn silent_provider() -> String {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", silent.local_addr().unwrap());
+    tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        let mut waiting = Vec::new();
+        while let Ok((mut conn, _)) = silent.accept().await {
+            let mut head = [0u8; 4];
+            if conn.read_exact(&mut head).await.is_ok() && &head == b"GET " {
+                waiting.push(conn);
+            } else {
+                let mut rest = [0u8; 4096];
+                let _ = tokio::time::timeout(Duration::from_millis(50), conn.read(&mut rest)).await;
+                drop(conn);
+            }
+        }
+    });
+    url
 }

@@ -133,45 +133,16 @@ async fn receipts_go_only_to_direct_reply_to_a_server_named_or_an_allowed_queue(
         .collect();
     sends.push(("k-allowed".into(), "svc.replies"));
     for (key, reply_to) in &sends {
-        let body = serde_json::to_vec(&intent("acct_reply", key, "text")).unwrap();
-        ch.basic_publish(
-            broker::EXCHANGE.into(),
-            broker::INTENTS_KEY.into(),
-            BasicPublishOptions::default(),
-            &body,
-            broker::json_properties()
-                .with_reply_to((*reply_to).into())
-                .with_correlation_id(key.as_str().into()),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+        publish_asking(&ch, key, reply_to, key).await;
     }
-    let dlq = format!("{}.dlq", broker::INTENTS_QUEUE);
-    let mut letters = Vec::new();
-    while letters.len() < forbidden.len() {
-        letters.extend(wait_for_messages(&env, &ch, &dlq).await);
-    }
-    assert_eq!(letters.len(), forbidden.len(), "one letter per forbidden name");
-    let mut refused: Vec<String> = letters
-        .iter()
-        .map(|letter| {
-            let headers = letter.properties.headers().clone().unwrap_or_default();
-            let error = header_str(&headers, broker::ERROR_HEADER).unwrap_or_default();
-            assert!(error.starts_with("reply_to_refused"), "{error}");
-            letter
-                .properties
-                .reply_to()
-                .as_ref()
-                .map(|r| r.to_string())
-                .unwrap_or_default()
-        })
-        .collect();
+    let mut refused = refused_names(&env, &ch, forbidden.len()).await;
     refused.sort();
     let mut expected: Vec<String> = forbidden.iter().map(|q| (*q).to_owned()).collect();
     expected.sort();
-    assert_eq!(refused, expected, "each forbidden name refused, and only those");
+    assert_eq!(
+        refused, expected,
+        "each forbidden name refused, and only those"
+    );
     let receipt = wait_for_messages(&env, &ch, "svc.replies").await.remove(0);
     assert_eq!(
         receipt
@@ -191,11 +162,59 @@ async fn receipts_go_only_to_direct_reply_to_a_server_named_or_an_allowed_queue(
     );
     for (key, _) in &sends[..forbidden.len()] {
         assert!(
-            env.store.find_job("acct_reply", key).await.unwrap().is_none(),
+            env.store
+                .find_job("acct_reply", key)
+                .await
+                .unwrap()
+                .is_none(),
             "{key} made no job"
         );
     }
     fleet.stop().await;
+}
+
+/// Publishes an intent with `key` that asks for its receipt at `reply_to`,
+/// under `correlation`.
+async fn publish_asking(ch: &lapin::Channel, key: &str, reply_to: &str, correlation: &str) {
+    let body = serde_json::to_vec(&intent("acct_reply", key, "text")).unwrap();
+    ch.basic_publish(
+        broker::EXCHANGE.into(),
+        broker::INTENTS_KEY.into(),
+        BasicPublishOptions::default(),
+        &body,
+        broker::json_properties()
+            .with_reply_to(reply_to.into())
+            .with_correlation_id(correlation.into()),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+}
+
+/// The `reply_to` of each of the `n` intents dead-lettered as
+/// `reply_to_refused`.
+async fn refused_names(env: &TestEnv, ch: &lapin::Channel, n: usize) -> Vec<String> {
+    let dlq = format!("{}.dlq", broker::INTENTS_QUEUE);
+    let mut letters = Vec::new();
+    while letters.len() < n {
+        letters.extend(wait_for_messages(env, ch, &dlq).await);
+    }
+    assert_eq!(letters.len(), n, "one letter per forbidden name");
+    letters
+        .iter()
+        .map(|letter| {
+            let headers = letter.properties.headers().clone().unwrap_or_default();
+            let error = header_str(&headers, broker::ERROR_HEADER).unwrap_or_default();
+            assert!(error.starts_with("reply_to_refused"), "{error}");
+            letter
+                .properties
+                .reply_to()
+                .as_ref()
+                .map(|r| r.to_string())
+                .unwrap_or_default()
+        })
+        .collect()
 }
 
 /// A publisher written after RabbitMQ's RPC tutorial: it declares a private
@@ -241,27 +260,18 @@ async fn a_publisher_after_the_rpc_tutorial_gets_its_receipts() {
         .unwrap();
     let mut jobs = Vec::new();
     for (n, correlation) in ["c-1", "c-2"].into_iter().enumerate() {
-        let body = serde_json::to_vec(&intent("acct_rpc", "rpc-1", "text")).unwrap();
-        ch.basic_publish(
-            broker::EXCHANGE.into(),
-            broker::INTENTS_KEY.into(),
-            BasicPublishOptions::default(),
-            &body,
-            broker::json_properties()
-                .with_reply_to(callback.as_str().into())
-                .with_correlation_id(correlation.into()),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+        publish_asking(&ch, "rpc-1", &callback, correlation).await;
         let delivery = tokio::time::timeout(std::time::Duration::from_secs(20), receipts.next())
             .await
             .expect("a receipt within 20 s")
             .expect("the consumer is open")
             .unwrap();
         assert_eq!(
-            delivery.properties.correlation_id().as_ref().map(|c| c.as_str()),
+            delivery
+                .properties
+                .correlation_id()
+                .as_ref()
+                .map(|c| c.as_str()),
             Some(correlation)
         );
         let receipt: onejob::intent::Receipt = serde_json::from_slice(&delivery.data).unwrap();
@@ -274,9 +284,12 @@ async fn a_publisher_after_the_rpc_tutorial_gets_its_receipts() {
         jobs.push(receipt.job_id.expect("a job id"));
     }
     assert_eq!(jobs[0], jobs[1], "the re-send names the same job");
-    let job = env.store.find_job("acct_rpc", "rpc-1").await.unwrap();
+    let job = env.store.find_job("acct_reply", "rpc-1").await.unwrap();
     assert_eq!(job.map(|j| j.id), Some(jobs[0]));
     let dlq = format!("{}.dlq", broker::INTENTS_QUEUE);
-    assert!(env.drain(&ch, &dlq).await.is_empty(), "nothing dead-lettered");
+    assert!(
+        env.drain(&ch, &dlq).await.is_empty(),
+        "nothing dead-lettered"
+    );
     fleet.stop().await;
 }

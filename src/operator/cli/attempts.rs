@@ -175,6 +175,71 @@ async fn evidence(
     let config = c.load_config()?;
     let store = store(c, &config).await?;
     let attempt = AttemptId(attempt_id);
+    let (job, provider) = look_target(&config, &store, attempt).await?;
+    let client = Client::new(provider.clone()).map_err(|e| Failure(e.to_string()))?;
+    let action = Action {
+        action: "attempt.evidence_look",
+        job: Some(job),
+        attempt: Some(attempt),
+        target: Some(provider.name.clone()),
+        detail: json!({ "evidence": provider.evidence.kind.as_str() }),
+        ..Action::default()
+    };
+    // Recorded before the look: a look may send the request again.
+    let audit = store.audit_begin(actor, &action).await?;
+    let Some(unknown) = store.evidence_now(attempt, LOOK_LEASE).await? else {
+        let why = format!("attempt {attempt_id} is no longer unknown");
+        let _ = store
+            .audit_outcome(audit, true, &json!({ "error": why }))
+            .await;
+        return Err(Failure(why));
+    };
+    let looker = Looker {
+        store: &store,
+        config: &config,
+    };
+    let look = match looker.look(&client, &unknown).await {
+        Ok(look) => look,
+        Err(e) => {
+            let detail = json!({ "error": e.to_string() });
+            let _ = store.audit_outcome(audit, true, &detail).await;
+            return Err(e.into());
+        }
+    };
+    let detail = json!({ "found": look.found, "settled": look.settled });
+    if let Err(e) = store.audit_outcome(audit, false, &detail).await {
+        eprintln!(
+            "onejob: warning: the outcome was not written to audit row {audit} (it stays pending): {e}"
+        );
+    }
+    let published = publish_now(c, &config, &store, &look.publish).await;
+    if let Err(e) = &published {
+        eprintln!("onejob: warning: {e}; the reconciler will publish it");
+    }
+    if json {
+        writeln!(
+            out,
+            "{}",
+            json!({ "attempt_id": attempt_id, "found": look.found, "settled": look.settled,
+                    "published": published.is_ok() })
+        )?;
+    } else {
+        writeln!(out, "attempt {attempt_id}: {}", shown(&look.found))?;
+        if let Some(settled) = &look.settled {
+            writeln!(out, "settled: {settled}")?;
+        }
+    }
+    Ok(())
+}
+
+/// The job and provider of `attempt`, which an operator's look may look up:
+/// it is `unknown`, and its provider keeps evidence that is not off.
+async fn look_target(
+    config: &crate::config::Config,
+    store: &crate::store::Store,
+    attempt: AttemptId,
+) -> Result<(crate::domain::JobId, crate::config::Provider), Failure> {
+    let attempt_id = attempt.0;
     let job = match store.attempt_job(attempt).await? {
         Some(job) => store.job(job).await?,
         None => None,
@@ -212,54 +277,5 @@ async fn evidence(
             claim.detail
         )));
     }
-    let client = Client::new(provider.clone()).map_err(|e| Failure(e.to_string()))?;
-    let action = Action {
-        action: "attempt.evidence_look",
-        job: job.as_ref().map(|j| j.id),
-        attempt: Some(attempt),
-        target: Some(provider.name.clone()),
-        detail: json!({ "evidence": provider.evidence.kind.as_str() }),
-        ..Action::default()
-    };
-    // Recorded before the look: a look may send the request again.
-    let audit = store.audit_begin(actor, &action).await?;
-    let Some(unknown) = store.evidence_now(attempt, LOOK_LEASE).await? else {
-        let why = format!("attempt {attempt_id} is no longer unknown");
-        let _ = store.audit_outcome(audit, true, &json!({ "error": why })).await;
-        return Err(Failure(why));
-    };
-    let looker = Looker {
-        store: &store,
-        config: &config,
-    };
-    let look = match looker.look(&client, &unknown).await {
-        Ok(look) => look,
-        Err(e) => {
-            let detail = json!({ "error": e.to_string() });
-            let _ = store.audit_outcome(audit, true, &detail).await;
-            return Err(e.into());
-        }
-    };
-    let detail = json!({ "found": look.found, "settled": look.settled });
-    if let Err(e) = store.audit_outcome(audit, false, &detail).await {
-        eprintln!("onejob: warning: the outcome was not written to audit row {audit} (it stays pending): {e}");
-    }
-    let published = publish_now(c, &config, &store, &look.publish).await;
-    if let Err(e) = &published {
-        eprintln!("onejob: warning: {e}; the reconciler will publish it");
-    }
-    if json {
-        writeln!(
-            out,
-            "{}",
-            json!({ "attempt_id": attempt_id, "found": look.found, "settled": look.settled,
-                    "published": published.is_ok() })
-        )?;
-    } else {
-        writeln!(out, "attempt {attempt_id}: {}", shown(&look.found))?;
-        if let Some(settled) = &look.settled {
-            writeln!(out, "settled: {settled}")?;
-        }
-    }
-    Ok(())
+    Ok((a.job_id, provider))
 }

@@ -155,16 +155,16 @@ pub(super) async fn confirm(
         (Some("replay"), Some(id)) => (
             "replay",
             format!(
-                "Republish the dead letter {id} of {queue} to the exchange and routing key it was \
-                 first published to (with a confirm), then remove it from {queue}."
+                "Republish the dead letter {id} of {queue} to the work queue {queue} belongs to \
+                 (with a confirm), then remove it from {queue}."
             ),
         ),
         (Some("replay"), None) => (
             "replay",
             format!(
-                "Republish each of the {depth} dead letter(s) in {queue} to where it was first \
-                 published (each with a confirm), then remove it. A letter without an origin is \
-                 left in place."
+                "Republish each of the {depth} dead letter(s) in {queue} to the work queue \
+                 {queue} belongs to (each with a confirm), then remove it. A letter whose headers \
+                 name another destination, or none, is left in place."
             ),
         ),
         (Some("purge"), _) => (

@@ -1,12 +1,11 @@
-//! The evidence pass: every second, the `unknown` attempts of providers that
-//! keep evidence and are due for a look are taken (one pod at a time, under a
-//! lease) and looked up ([`crate::evidence`]), and what their resolutions
-//! wrote is published.
+//! The evidence pass: every second, for each provider that keeps evidence
+//! apart, its `unknown` attempts that are due for a look are taken (one pod
+//! at a time, under a lease) and looked up ([`crate::evidence`]), and what
+//! their resolutions wrote is published.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::config::EvidenceKind;
+use crate::config::{EvidenceKind, Provider};
 use crate::evidence::Looker;
 use crate::provider::Client;
 use crate::runtime::{Context, Result};
@@ -15,14 +14,37 @@ use crate::shutdown::Shutdown;
 /// How long a pod holds an unknown it is looking up before another may, on
 /// top of its provider's `timeout`.
 const LEASE: Duration = Duration::from_secs(60);
-/// Unknowns one pass looks up at most.
+/// Unknowns one pass looks up at most, per provider.
 const BATCH: i64 = 32;
 /// How often the pass runs.
 const EVERY: Duration = Duration::from_secs(1);
 
-/// Runs the pass every [`EVERY`] until shutdown, in a loop of its own: looks
-/// wait on providers, and must never hold up the other passes.
+/// Runs the pass until shutdown: one loop per provider that keeps evidence,
+/// each every [`EVERY`], apart from the other passes and from each other: a
+/// look can wait a whole timeout (a re-send, a listing that does not
+/// answer), and one slow provider must hold up neither the other passes nor
+/// the looks of the other providers.
 pub(crate) async fn evidence_loop(ctx: Context, shutdown: Shutdown) {
+    let loops: Vec<_> = ctx
+        .config
+        .providers
+        .values()
+        .filter(|p| p.evidence.kind != EvidenceKind::None)
+        .map(|p| provider_loop(ctx.clone(), p.clone(), shutdown.clone()))
+        .collect();
+    // Without such a provider (the default), the pass asks the database nothing.
+    futures_util::future::join_all(loops).await;
+}
+
+/// One provider's looks, every [`EVERY`] until shutdown.
+async fn provider_loop(ctx: Context, provider: Provider, shutdown: Shutdown) {
+    let client = match Client::new(provider.clone()) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(provider = %provider.name, error = %e, "evidence: no client; its unknowns wait for an operator");
+            return;
+        }
+    };
     let mut tick = tokio::time::interval(EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -30,69 +52,40 @@ pub(crate) async fn evidence_loop(ctx: Context, shutdown: Shutdown) {
             () = shutdown.wait() => return,
             _ = tick.tick() => {}
         }
-        if let Err(e) = evidence_once(&ctx).await {
-            tracing::warn!(error = %e, "evidence pass failed; will retry");
+        let pass = provider_once(&ctx, &client);
+        let outcome = tokio::select! {
+            () = shutdown.wait() => return,
+            outcome = pass => outcome,
+        };
+        if let Err(e) = outcome {
+            tracing::warn!(provider = %provider.name, error = %e, "evidence pass failed; will retry");
         }
     }
 }
 
-/// One pass: the due unknowns of every provider that keeps evidence, unless
-/// its latest qualification found the claim false (then an operator resolves
-/// them, until a later qualification finds it holds). Each is taken under its
-/// own lease just before its look, one at a time, so that a lease never runs
-/// out while a slow look before it is still going; [`BATCH`] looks at most.
-pub(crate) async fn evidence_once(ctx: &Context) -> Result<()> {
-    let keeping = ctx
-        .config
-        .providers
-        .values()
-        .filter(|p| p.evidence.kind != EvidenceKind::None);
-    // Without such a provider (the default), the pass asks the database nothing.
-    if keeping.clone().next().is_none() {
-        return Ok(());
-    }
+/// One pass over one provider's due unknowns, unless its latest
+/// qualification found its claim false (then an operator resolves them,
+/// until a later qualification finds it holds). Each is taken under its own
+/// lease just before its look, one at a time, so that a lease never runs out
+/// while a slow look before it is still going; [`BATCH`] looks at most.
+async fn provider_once(ctx: &Context, client: &Client) -> Result<()> {
+    let provider = client.provider();
     let claims = ctx.store.latest_claims().await?;
-    let providers: Vec<&crate::config::Provider> = keeping
-        .filter(|p| crate::evidence::claim_holds(p, claims.get(&p.name)))
-        .collect();
-    if providers.is_empty() {
+    if !crate::evidence::claim_holds(provider, claims.get(&provider.name)) {
         return Ok(());
     }
-    let delays: Vec<(String, Duration)> = providers
-        .iter()
-        .map(|p| (p.name.clone(), p.evidence.delay))
-        .collect();
-    // Longer than the slowest look: a re-send waits up to its provider's timeout.
-    let slowest = providers
-        .iter()
-        .map(|p| p.timeout)
-        .max()
-        .unwrap_or_default();
-    let lease = LEASE + slowest;
+    let delays = [(provider.name.clone(), provider.evidence.delay)];
+    // Longer than the slowest look: a re-send waits up to the provider's timeout.
+    let lease = LEASE + provider.timeout;
     let looker = Looker {
         store: &ctx.store,
         config: &ctx.config,
     };
-    let mut clients: HashMap<String, Client> = HashMap::new();
     for _ in 0..BATCH {
         let Some(unknown) = ctx.store.evidence_due(&delays, lease, 1).await?.pop() else {
             break;
         };
-        let Some(provider) = ctx.config.providers.get(&unknown.provider) else {
-            continue;
-        };
-        if !clients.contains_key(&provider.name) {
-            match Client::new(provider.clone()) {
-                Ok(c) => {
-                    clients.insert(provider.name.clone(), c);
-                }
-                Err(e) => {
-                    tracing::warn!(provider = %provider.name, error = %e, "evidence: no client");
-                    continue;
-                }
-            }
-        }
-        let look = looker.look(&clients[&provider.name], &unknown).await?;
+        let look = looker.look(client, &unknown).await?;
         ctx.publish_outbox(&look.publish).await?;
     }
     Ok(())

@@ -137,19 +137,7 @@ impl Store {
         // snapshot sees a timeout that committed while the compare-and-swap
         // waited for the job, without a round trip of its own.
         let publish = self.insert_outbox_closing(&mut tx, &drafts, &won).await?;
-        // An answer kept on an attempt ends with its settlement, in its
-        // transaction: one that closed its attempt was cleared by the
-        // trigger `attempts_answer_closed`; this clears one whose attempt
-        // stays open (a kept timeout, now `unknown`, or one already settled).
-        if !kept.is_empty() {
-            sqlx::query!(
-                "UPDATE attempts SET answer = NULL, kept_next_at = NULL
-                 WHERE id = ANY($1) AND answer IS NOT NULL",
-                &kept
-            )
-            .execute(&mut *tx)
-            .await?;
-        }
+        clear_kept(&mut tx, &kept).await?;
         tx.commit().await?;
         let outcomes = all
             .iter()
@@ -184,6 +172,25 @@ impl Failure {
 /// attempt of a job it won, say) before it gives up and is settled again
 /// later. A shorter `lock_timeout` set on the role or database is kept.
 const SETTLEMENT_LOCK_PATIENCE: Duration = Duration::from_secs(1);
+
+/// An answer kept on an attempt ends with its settlement, in its
+/// transaction: one that closed its attempt was cleared by the trigger
+/// `attempts_answer_closed`; this clears one whose attempt stays open (a kept
+/// timeout, now `unknown`, or one already settled). No round trip when none
+/// of the settlement's attempts had one.
+async fn clear_kept(tx: &mut PgConnection, kept: &[Uuid]) -> Result<()> {
+    if kept.is_empty() {
+        return Ok(());
+    }
+    sqlx::query!(
+        "UPDATE attempts SET answer = NULL, kept_next_at = NULL
+         WHERE id = ANY($1) AND answer IS NOT NULL",
+        kept
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
 
 /// The rows a settlement took ([`take_rows`]).
 pub(in crate::store) struct Taken {
