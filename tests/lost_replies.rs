@@ -55,6 +55,29 @@ async fn a_claim_run_again_after_a_lost_reply_finds_its_own_attempts() {
         .await
         .unwrap();
     assert!(other.started.is_empty() && other.busy.is_empty());
+    // One attempt whose handler was cut off is handed back alone, and only
+    // under its own claim.
+    let other_token = uuid::Uuid::now_v7();
+    assert!(
+        !env.store
+            .unclaim_attempt(attempts[0], other_token)
+            .await
+            .unwrap()
+    );
+    assert!(env.store.unclaim_attempt(attempts[0], token).await.unwrap());
+    assert!(!env.store.unclaim_attempt(attempts[0], token).await.unwrap());
+    let retaken = env
+        .store
+        .claim(
+            "primary",
+            "none",
+            &attempts[..1],
+            Duration::from_secs(30),
+            token,
+        )
+        .await
+        .unwrap();
+    assert_eq!(retaken.started.len(), 1, "queued again, claimed again");
     // A claim given up is handed back: queued again, for its redelivery.
     assert_eq!(env.store.unclaim(token).await.unwrap(), 3);
     for new in &news {

@@ -6,6 +6,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use crate::domain::AttemptId;
 use crate::provider::Client;
+use crate::runtime::Unheard;
 use crate::runtime::{Context, with_retries};
 use crate::shutdown::Shutdown;
 use crate::store::Started;
@@ -16,8 +17,8 @@ pub(super) type Claimed = std::result::Result<ClaimAnswer, String>;
 /// What a claim did with one attempt.
 #[derive(Debug)]
 pub(super) enum ClaimAnswer {
-    /// Started: call its provider.
-    Started(Started),
+    /// Started (under the claim's token): call its provider.
+    Started(Started, uuid::Uuid),
     /// Its job row was held under someone else's lock: claim it again later.
     Busy,
     /// Not started (a duplicate delivery, a blocked or ended job, no attempt).
@@ -60,7 +61,7 @@ pub(super) async fn claim(
             ids.iter()
                 .map(|id| {
                     Ok(match started.remove(id) {
-                        Some(s) => ClaimAnswer::Started(s),
+                        Some(s) => ClaimAnswer::Started(s, token),
                         None if busy.contains(id) => ClaimAnswer::Busy,
                         None => ClaimAnswer::NotStarted,
                     })
@@ -81,4 +82,29 @@ pub(super) async fn claim(
             ids.iter().map(|_| Err(why.clone())).collect()
         }
     }
+}
+
+/// What becomes of a claim whose handler was cut off while its flush ran
+/// (the end of a stop's grace): an attempt it started is handed back to
+/// `queued` at once, for its redelivered message, never left `started` with
+/// no call (which the vanished sweep would make `unknown`).
+pub(super) fn hand_back(ctx: &Context) -> Unheard<Claimed> {
+    let ctx = ctx.clone();
+    std::sync::Arc::new(move |claimed: Claimed| {
+        let ctx = ctx.clone();
+        Box::pin(async move {
+            let Ok(ClaimAnswer::Started(started, token)) = claimed else {
+                return;
+            };
+            match ctx.store.unclaim_attempt(started.attempt_id, token).await {
+                Ok(true) => {
+                    tracing::info!(attempt_id = %started.attempt_id, "a claim whose handler was cut off was handed back: the attempt is queued again");
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!(attempt_id = %started.attempt_id, error = %e, "a claim whose handler was cut off could not be handed back; the vanished sweep will find its attempt");
+                }
+            }
+        })
+    })
 }

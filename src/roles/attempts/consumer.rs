@@ -101,7 +101,7 @@ impl Consumer {
         loop {
             let claimed = self.claims.submit(attempt).await;
             match claimed.unwrap_or_else(|| Err("the claims stopped".into())) {
-                Ok(ClaimAnswer::Started(started)) => return Ok(Some(started)),
+                Ok(ClaimAnswer::Started(started, _)) => return Ok(Some(started)),
                 Ok(ClaimAnswer::NotStarted) => return Ok(None),
                 Ok(ClaimAnswer::Busy) => {}
                 Err(e) => return Err(WorkerError::Unsettled(e)),

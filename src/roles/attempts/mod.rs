@@ -121,7 +121,8 @@ fn claims(
     let (freed, share) = (freed.clone(), share.clone());
     let worker = &ctx.config.worker;
     // A claim nobody waits for any more (its handler was cut off at the end of
-    // the shutdown grace) is not made: it would start an attempt no one calls.
+    // the shutdown grace) is not made: it would start an attempt no one calls;
+    // one cut off while its flush ran is handed back once it has committed.
     GroupCommit::start(
         Stages {
             wait: "claim_wait",
@@ -129,7 +130,7 @@ fn claims(
         },
         worker.batch_size,
         worker.flush_interval,
-        Abandoned::Skip,
+        (Abandoned::Skip, Some(claim::hand_back(&ctx))),
         move |ids| {
             let (ctx, shutdown, client) = (ctx.clone(), shutdown.clone(), client.clone());
             let (freed, share) = (freed.clone(), share.clone());
@@ -137,7 +138,7 @@ fn claims(
                 let claimed = claim(&ctx, &shutdown, &client, ids).await;
                 let started = claimed
                     .iter()
-                    .filter(|c| matches!(c, Ok(claim::ClaimAnswer::Started(_))))
+                    .filter(|c| matches!(c, Ok(claim::ClaimAnswer::Started(..))))
                     .count();
                 share
                     .started
@@ -171,7 +172,7 @@ fn settlements(
         },
         worker.batch_size,
         worker.flush_interval,
-        Abandoned::Flush,
+        (Abandoned::Flush, None),
         move |batch| {
             let (ctx, shutdown, name) = (ctx.clone(), shutdown.clone(), name.clone());
             let freed = freed.clone();

@@ -25,6 +25,14 @@ pub(crate) struct Stages {
     pub flush: &'static str,
 }
 
+/// What becomes of an answer whose submitter stopped waiting while its flush
+/// ran (its handler cut off at the end of a stop): the flush did its work,
+/// and this undoes what must not be left behind (a claim is handed back).
+/// The group commit waits for it before it ends.
+pub(crate) type Unheard<R> = std::sync::Arc<
+    dyn Fn(R) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync,
+>;
+
 /// What a [`GroupCommit`] does with an item whose submitter stopped waiting.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Abandoned {
@@ -47,13 +55,14 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
     pub(crate) const IN_FLIGHT: usize = 4;
 
     /// Starts the task that flushes. `flush` answers each item of its batch, in
-    /// order. The task ends once every handle is dropped and what they handed
+    /// order; an answer nobody waits for any more goes to `unheard`, if
+    /// given. The task ends once every handle is dropped and what they handed
     /// in is flushed.
     pub(crate) fn start<F, Fut>(
         stages: Stages,
         size: usize,
         interval: Duration,
-        abandoned: Abandoned,
+        (abandoned, unheard): (Abandoned, Option<Unheard<R>>),
         flush: F,
     ) -> (tokio::task::JoinHandle<()>, Self)
     where
@@ -65,7 +74,7 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
             stages,
             size.max(1),
             interval,
-            abandoned,
+            (abandoned, unheard),
             pending,
             flush,
         ));
@@ -87,7 +96,7 @@ async fn group_commit<T, R, F, Fut>(
     stages: Stages,
     size: usize,
     interval: Duration,
-    abandoned: Abandoned,
+    (abandoned, unheard): (Abandoned, Option<Unheard<R>>),
     mut pending: tokio::sync::mpsc::UnboundedReceiver<Submitted<T, R>>,
     flush: F,
 ) where
@@ -124,9 +133,12 @@ async fn group_commit<T, R, F, Fut>(
                 answers.push(answer);
             }
             let done = crate::metrics::timed(stages.flush, flush(items));
+            let unheard = unheard.clone();
             flushes.spawn(async move {
                 for (answer, result) in answers.into_iter().zip(done.await) {
-                    let _ = answer.send(result);
+                    if let (Err(result), Some(unheard)) = (answer.send(result), &unheard) {
+                        unheard(result).await;
+                    }
                 }
             });
             due = None;

@@ -35,7 +35,7 @@ use crate::store::{NewJob, OutboxMessage, Routes, Store, StoreError};
 
 pub use consume::{Arrival, Batching, consume, consume_batches};
 pub use delivery::{ack, requeue, with_retries};
-pub(crate) use group_commit::{Abandoned, GroupCommit, Stages};
+pub(crate) use group_commit::{Abandoned, GroupCommit, Stages, Unheard};
 pub use health::{health_router, readiness, supervise_connection};
 pub use publish::{HANDED_ON_HEADER, Marks, operator_connection, publish_now, publish_outbox};
 

@@ -53,3 +53,41 @@ async fn other_failures_are_retried_a_bounded_number_of_times() {
     assert!(result.is_err());
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 16);
 }
+
+/// An answer whose submitter stopped waiting while its flush ran (a handler
+/// cut off at the end of a stop) is not dropped: it goes to the group
+/// commit's `unheard`, which the group commit waits for before it ends (the
+/// claims hand such a claim back). Answers still waited for are not.
+#[tokio::test(start_paused = true)]
+async fn an_answer_nobody_waits_for_goes_to_unheard() {
+    let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = heard.clone();
+    let unheard: Unheard<u32> = Arc::new(move |answer| {
+        let kept = kept.clone();
+        Box::pin(async move {
+            kept.lock().unwrap().push(answer);
+        })
+    });
+    let (task, commit) = GroupCommit::start(
+        Stages {
+            wait: "test_wait",
+            flush: "test",
+        },
+        10,
+        Duration::from_millis(1),
+        (Abandoned::Skip, Some(unheard)),
+        |items: Vec<u32>| async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            items.into_iter().map(|i| i * 10).collect()
+        },
+    );
+    let (waited, cut_off) = tokio::join!(
+        commit.submit(1),
+        tokio::time::timeout(Duration::from_millis(50), commit.submit(2)),
+    );
+    assert_eq!(waited, Some(10));
+    assert!(cut_off.is_err(), "cut off mid-flush");
+    drop(commit);
+    task.await.unwrap();
+    assert_eq!(*heard.lock().unwrap(), vec![20]);
+}

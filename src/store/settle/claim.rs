@@ -148,6 +148,27 @@ impl Store {
     }
 }
 
+impl Store {
+    /// Hands back one attempt the claim `token` started, whose call was never
+    /// made (its handler was cut off): `queued` again, for its redelivered
+    /// message. False when it is not `started` under that claim any more.
+    pub async fn unclaim_attempt(&self, attempt: AttemptId, token: Uuid) -> Result<bool> {
+        self.retrying(|| async {
+            let back = sqlx::query!(
+                "UPDATE attempts SET status = 'queued', claim = NULL, started_at = NULL,
+                     deadline_at = NULL
+                 WHERE id = $1 AND claim = $2 AND status = 'started'",
+                attempt.0,
+                token
+            )
+            .execute(&self.pool)
+            .await?;
+            Ok(back.rows_affected() == 1)
+        })
+        .await
+    }
+}
+
 /// A row of [`Store::claim`]: an attempt that left `queued`, with its job, or
 /// (`busy`) a queued attempt whose job row was held.
 struct ClaimRow {
