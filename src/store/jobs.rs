@@ -198,3 +198,138 @@ impl Store {
         Ok(Some(publish))
     }
 }
+
+/// Which jobs `onejob jobs list` lists, and where its page starts. Every
+/// filter given must hold; none given lists every job.
+#[derive(Clone, Debug, Default)]
+pub struct JobQuery {
+    /// Only jobs in one of these statuses (empty: any status).
+    pub statuses: Vec<JobStatus>,
+    /// Only this owner's jobs.
+    pub owner: Option<String>,
+    /// Only jobs with an attempt on this provider.
+    pub provider: Option<String>,
+    /// Only jobs created longer ago than this.
+    pub older_than: Option<Duration>,
+    /// Only jobs created at most this long ago.
+    pub newer_than: Option<Duration>,
+    /// Only jobs older than this one (the last of the page before): pages go
+    /// newest first, by the id (a UUIDv7, so in the order jobs were created).
+    pub after: Option<JobId>,
+}
+
+/// A job as `onejob jobs list` shows it: what `jobs show` does but its input,
+/// result and attempts, which it counts.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct JobSummary {
+    /// The job id.
+    pub id: JobId,
+    /// Owner.
+    pub owner_id: String,
+    /// Idempotency key.
+    pub idempotency_key: String,
+    /// Fingerprint of the intent.
+    pub request_fingerprint: String,
+    /// Operation.
+    pub operation: String,
+    /// The pinned provider, if any.
+    pub provider: Option<String>,
+    /// Status.
+    pub status: JobStatus,
+    /// Version.
+    pub version: i64,
+    /// The winning attempt.
+    pub completed_by: Option<AttemptId>,
+    /// Error.
+    pub error: Option<String>,
+    /// How many attempts it has made.
+    pub attempt_count: i64,
+    /// Created.
+    pub created_at: DateTime<Utc>,
+    /// Last changed.
+    pub updated_at: DateTime<Utc>,
+}
+
+/// An age longer than any job's, in seconds (1,000 years): a longer duration
+/// is taken as this, which Postgres's timestamps still hold when taken from
+/// now.
+const AGE_CAP_SECONDS: f64 = 31_557_600_000.0;
+
+impl Store {
+    /// Up to `limit` jobs that `query` picks, newest first, after
+    /// `query.after`: by keyset on the primary key, never by offset. Each
+    /// filter not given is `NULL`, which Postgres folds away when it plans the
+    /// statement for its values (as it does for a statement's first runs), so
+    /// the walk backwards through the primary key (or, for a few statuses, the
+    /// `jobs_status_id` index) stops once the page is full. A provider is a
+    /// semi-join at the statement's top, not an `OR`, so that Postgres may
+    /// walk the provider's attempts instead (`attempts_provider_job`) when few
+    /// jobs used it, and look each job's up there when many did.
+    pub async fn list_jobs(&self, query: &JobQuery, limit: i64) -> Result<Vec<JobSummary>> {
+        let statuses: Option<Vec<String>> = (!query.statuses.is_empty()).then(|| {
+            query
+                .statuses
+                .iter()
+                .map(|s| s.as_str().to_owned())
+                .collect()
+        });
+        let age = |d: Option<Duration>| d.map(|d| d.as_secs_f64().min(AGE_CAP_SECONDS));
+        let (older, newer) = (age(query.older_than), age(query.newer_than));
+        let after = query.after.map(|j| j.0);
+        let owner = query.owner.as_deref();
+        let Some(provider) = query.provider.as_deref() else {
+            return Ok(sqlx::query_as!(
+                JobSummary,
+                r#"SELECT j.id AS "id: JobId", j.owner_id, j.idempotency_key, j.request_fingerprint,
+                          j.operation, j.provider, j.status AS "status: JobStatus", j.version,
+                          j.completed_by AS "completed_by: AttemptId", j.error,
+                          (SELECT count(*) FROM attempts a WHERE a.job_id = j.id) AS "attempt_count!",
+                          j.created_at, j.updated_at
+                   FROM jobs j
+                   WHERE ($1::text[] IS NULL OR j.status = ANY($1))
+                     AND ($2::text IS NULL OR j.owner_id = $2)
+                     AND ($3::float8 IS NULL OR j.created_at < now() - make_interval(secs => $3))
+                     AND ($4::float8 IS NULL OR j.created_at >= now() - make_interval(secs => $4))
+                     AND ($5::uuid IS NULL OR j.id < $5)
+                   ORDER BY j.id DESC
+                   LIMIT $6"#,
+                statuses.as_deref(),
+                owner,
+                older,
+                newer,
+                after,
+                limit
+            )
+            .fetch_all(&self.pool)
+            .await?);
+        };
+        Ok(sqlx::query_as!(
+            JobSummary,
+            r#"SELECT j.id AS "id: JobId", j.owner_id, j.idempotency_key, j.request_fingerprint,
+                      j.operation, j.provider, j.status AS "status: JobStatus", j.version,
+                      j.completed_by AS "completed_by: AttemptId", j.error,
+                      (SELECT count(*) FROM attempts a WHERE a.job_id = j.id) AS "attempt_count!",
+                      j.created_at, j.updated_at
+               FROM jobs j
+               WHERE EXISTS (SELECT 1 FROM attempts a
+                             WHERE a.job_id = j.id AND a.provider = $7
+                               AND ($5::uuid IS NULL OR a.job_id < $5))
+                 AND ($1::text[] IS NULL OR j.status = ANY($1))
+                 AND ($2::text IS NULL OR j.owner_id = $2)
+                 AND ($3::float8 IS NULL OR j.created_at < now() - make_interval(secs => $3))
+                 AND ($4::float8 IS NULL OR j.created_at >= now() - make_interval(secs => $4))
+                 AND ($5::uuid IS NULL OR j.id < $5)
+               ORDER BY j.id DESC
+               LIMIT $6"#,
+            statuses.as_deref(),
+            owner,
+            older,
+            newer,
+            after,
+            limit,
+            provider
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
+}

@@ -66,6 +66,7 @@ pub use drafts::{OutboxDraft, OutboxMessage, Routes};
 use error::corrupt;
 pub use error::{Refusal, Result, StoreError};
 pub use evidence::{EvidenceClaim, EvidenceDue};
+pub use jobs::{JobQuery, JobSummary};
 pub use kept::KeptWaiting;
 pub use owners::{OwnerChange, OwnerView};
 pub use qualifications::QualificationRun;

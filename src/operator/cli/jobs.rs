@@ -1,18 +1,27 @@
-//! `onejob jobs …`: show, find, cancel and prune jobs.
+//! `onejob jobs …`: list, show, find, cancel and prune jobs.
 
 use std::io::Write;
 
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 use serde_json::json;
 use uuid::Uuid;
 
 use super::{Connections, Failure, Outcome, publish_now, shown, store};
 use crate::config::Config;
-use crate::domain::{AttemptStatus, JobId};
-use crate::store::{Actor, AuditEntry, JobView, OwnerView, Store};
+use crate::domain::{AttemptStatus, JobId, JobStatus};
+use crate::store::{Actor, AuditEntry, JobQuery, JobSummary, JobView, OwnerView, Store};
 
 #[derive(Subcommand, Debug)]
 pub(super) enum JobsCommand {
+    /// List jobs, newest first, a page at a time: by status, owner, provider
+    /// or age.
+    ///
+    /// Every job, or those the filters pick (each given must hold). One line a
+    /// job: id, status, owner, key, operation, attempts, created, updated.
+    /// When more jobs follow, the last line says where the next page starts
+    /// (`more: --after <id>`; with `--json`, `{"jobs": [...], "next_after"}`):
+    /// run the same command with it.
+    List(ListArgs),
     /// Show a job and its attempts.
     Show {
         /// The job id.
@@ -52,6 +61,46 @@ pub(super) enum JobsCommand {
     },
 }
 
+/// `onejob jobs list`'s filters and page.
+#[derive(Args, Debug)]
+pub(super) struct ListArgs {
+    /// Only jobs in this status: queued, running, unknown, succeeded, failed or
+    /// cancelled (repeatable, or comma-separated: `--status unknown,running`).
+    #[arg(long, value_name = "S", value_delimiter = ',', value_parser = job_status)]
+    status: Vec<JobStatus>,
+    /// Only this owner's jobs.
+    #[arg(long, value_name = "O")]
+    owner: Option<String>,
+    /// Only jobs with an attempt on this provider.
+    #[arg(long, value_name = "P")]
+    provider: Option<String>,
+    /// Only jobs created longer ago than this (e.g. "1h").
+    #[arg(long, value_name = "D", value_parser = humantime::parse_duration)]
+    older_than: Option<std::time::Duration>,
+    /// Only jobs created at most this long ago (e.g. "15m").
+    #[arg(long, value_name = "D", value_parser = humantime::parse_duration)]
+    newer_than: Option<std::time::Duration>,
+    /// At most this many jobs on the page, 1 to 1000.
+    #[arg(long, value_name = "N", default_value_t = 50,
+          value_parser = clap::value_parser!(i64).range(1..=MAX_PAGE))]
+    limit: i64,
+    /// Start after this job: the id the page before ended with (`more:
+    /// --after <id>`), so the page holds the jobs created before it.
+    #[arg(long, value_name = "JOB_ID")]
+    after: Option<Uuid>,
+}
+
+/// The most jobs one page of `jobs list` holds.
+const MAX_PAGE: i64 = 1000;
+
+/// A job status as the contract spells it, or why not.
+fn job_status(text: &str) -> Result<JobStatus, String> {
+    text.parse().map_err(|_| {
+        let all: Vec<&str> = JobStatus::ALL.iter().map(|s| s.as_str()).collect();
+        format!("not a job status; one of {}", all.join(", "))
+    })
+}
+
 /// `onejob jobs …`.
 pub(super) async fn run(
     c: &Connections,
@@ -61,6 +110,10 @@ pub(super) async fn run(
 ) -> Outcome {
     let config = c.load_config()?;
     match command {
+        JobsCommand::List(args) => {
+            let store = store(c, &config).await?;
+            list(&store, args, json, out).await?;
+        }
         JobsCommand::Show { job_id } => {
             let store = store(c, &config).await?;
             let job = store.job(JobId(job_id)).await?;
@@ -88,6 +141,56 @@ pub(super) async fn run(
         } => prune(c, &config, older_than, dry_run, json, out).await?,
     }
     Ok(())
+}
+
+/// `onejob jobs list`: one page, newest first, and where the next starts.
+async fn list(store: &Store, args: ListArgs, json: bool, out: &mut impl Write) -> Outcome {
+    let query = JobQuery {
+        statuses: args.status,
+        owner: args.owner,
+        provider: args.provider,
+        older_than: args.older_than,
+        newer_than: args.newer_than,
+        after: args.after.map(JobId),
+    };
+    // One job more than the page holds says whether another page follows.
+    let mut jobs = store.list_jobs(&query, args.limit + 1).await?;
+    let page = usize::try_from(args.limit).unwrap_or(usize::MAX);
+    let more = jobs.len() > page;
+    jobs.truncate(page);
+    let next_after = more.then(|| jobs.last().map(|j| j.id)).flatten();
+    if json {
+        writeln!(out, "{}", json!({ "jobs": jobs, "next_after": next_after }))?;
+        return Ok(());
+    }
+    if jobs.is_empty() {
+        writeln!(out, "no jobs")?;
+    }
+    for job in &jobs {
+        write_line(out, job)?;
+    }
+    if let Some(after) = next_after {
+        writeln!(out, "more: --after {after}")?;
+    }
+    Ok(())
+}
+
+/// One job as `jobs list` prints it, its outside text escaped.
+fn write_line(out: &mut impl Write, job: &JobSummary) -> std::io::Result<()> {
+    let at =
+        |t: &chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    writeln!(
+        out,
+        "{}  {:<9}  owner {}  key {}  {}  attempts {}  created {}  updated {}",
+        job.id,
+        job.status.as_str(),
+        shown(&job.owner_id),
+        shown(&job.idempotency_key),
+        shown(&job.operation),
+        job.attempt_count,
+        at(&job.created_at),
+        at(&job.updated_at)
+    )
 }
 
 /// `onejob jobs cancel`: cancels, then publishes the job's event now (or
