@@ -163,3 +163,44 @@ fn a_taken_port_is_one_line_for_the_mock() {
         "{lines:?}"
     );
 }
+
+/// `onejob-producer publish --wait` with a conflict: the receipt is printed
+/// as it came (no error in it, as the contract has it), and stderr says what
+/// happened and what to do; the exit status is 1. A rejection says its
+/// reason there too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_conflict_at_the_producer_cli_says_what_happened_and_what_to_do() {
+    let (config, _file) = common::config(&common::config_text("http://127.0.0.1:9/v1", None, ""));
+    let env = common::TestEnv::new(&config).await;
+    let fleet = env
+        .fleet(config.clone(), vec![onejob::fleet::Role::Intake])
+        .await;
+    let publish = |input: &str, operation: &str| {
+        Command::new(common::binaries::binary("onejob-producer"))
+            .args(["publish", "--owner", "acct_cli", "--key", "same-key"])
+            .args(["--operation", operation, "--input", input, "--wait"])
+            .env("AMQP_URL", &env.amqp_url)
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap()
+    };
+    let first = publish(r#"{"text":"first"}"#, "summarize");
+    assert_eq!(first.status.code(), Some(0), "{first:?}");
+    let conflict = publish(r#"{"text":"second"}"#, "summarize");
+    assert_eq!(conflict.status.code(), Some(1), "{conflict:?}");
+    let receipt: serde_json::Value = serde_json::from_slice(&conflict.stdout).unwrap();
+    assert_eq!(receipt["outcome"], "conflict");
+    let said = stderr_lines(&conflict).join("\n");
+    assert!(
+        said.contains("conflict")
+            && said.contains("\"same-key\"")
+            && said.contains("new key")
+            && said.contains("onejob jobs find"),
+        "{said}"
+    );
+    let rejected = publish(r#"{"text":"x"}"#, "no_such_operation");
+    assert_eq!(rejected.status.code(), Some(1), "{rejected:?}");
+    let said = stderr_lines(&rejected).join("\n");
+    assert!(said.contains("rejected: unknown_operation"), "{said}");
+    fleet.stop().await;
+}

@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::database::{DropDatabase, attempt_status, give_up, started, success};
 use common::{P, TestEnv, config, config_for, mock, new_job, store_env, submit, wait_for};
 use futures_util::future::join_all;
-use onejob::domain::{AttemptStatus, JobId, JobStatus};
+use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
 use onejob::mock::MockOptions;
 use onejob::store::{Actor, Finished, Store, Verdict};
 use onejob_producer::Producer;
@@ -55,29 +55,7 @@ async fn a_claim_run_again_after_a_lost_reply_finds_its_own_attempts() {
         .await
         .unwrap();
     assert!(other.started.is_empty() && other.busy.is_empty());
-    // One attempt whose handler was cut off is handed back alone, and only
-    // under its own claim.
-    let other_token = uuid::Uuid::now_v7();
-    assert!(
-        !env.store
-            .unclaim_attempt(attempts[0], other_token)
-            .await
-            .unwrap()
-    );
-    assert!(env.store.unclaim_attempt(attempts[0], token).await.unwrap());
-    assert!(!env.store.unclaim_attempt(attempts[0], token).await.unwrap());
-    let retaken = env
-        .store
-        .claim(
-            "primary",
-            "none",
-            &attempts[..1],
-            Duration::from_secs(30),
-            token,
-        )
-        .await
-        .unwrap();
-    assert_eq!(retaken.started.len(), 1, "queued again, claimed again");
+    one_attempt_is_handed_back_under_its_own_claim(&env, attempts[0], token).await;
     // A claim given up is handed back: queued again, for its redelivery.
     assert_eq!(env.store.unclaim(token).await.unwrap(), 3);
     for new in &news {
@@ -345,4 +323,34 @@ async fn sessions_end_idle_transactions_and_probe_silent_peers() {
         .await
         .unwrap();
     assert_eq!(show(store).await, ["5s", "30", "10", "3"]);
+}
+
+/// One attempt whose handler was cut off is handed back alone, and only
+/// under its own claim; queued again, it is claimed again.
+async fn one_attempt_is_handed_back_under_its_own_claim(
+    env: &TestEnv,
+    attempt: AttemptId,
+    token: uuid::Uuid,
+) {
+    let other_token = uuid::Uuid::now_v7();
+    assert!(
+        !env.store
+            .unclaim_attempt(attempt, other_token)
+            .await
+            .unwrap()
+    );
+    assert!(env.store.unclaim_attempt(attempt, token).await.unwrap());
+    assert!(!env.store.unclaim_attempt(attempt, token).await.unwrap());
+    let retaken = env
+        .store
+        .claim(
+            "primary",
+            "none",
+            &[attempt],
+            Duration::from_secs(30),
+            token,
+        )
+        .await
+        .unwrap();
+    assert_eq!(retaken.started.len(), 1, "queued again, claimed again");
 }

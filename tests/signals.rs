@@ -117,10 +117,32 @@ fn fleet(
     mock: u16,
     log: &std::path::Path,
 ) -> (Program, u16) {
+    fleet_with(env, config_path, mock, log, |_| {})
+}
+
+/// As [`fleet`], run by `bash` with the arguments `shell` gives it (none:
+/// `scripts/fleet` itself).
+fn fleet_with(
+    env: &TestEnv,
+    config_path: &std::path::Path,
+    mock: u16,
+    log: &std::path::Path,
+    shell: impl FnOnce(&mut Command),
+) -> (Program, u16) {
     use std::os::unix::process::CommandExt;
     let probes = free_port();
     let out = std::fs::File::create(log).expect("fleet log");
-    let child = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/fleet"))
+    let mut command = Command::new("bash");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/fleet");
+    let mut given = false;
+    shell(&mut command);
+    if command.get_args().next().is_some() {
+        given = true;
+    }
+    if !given {
+        command.arg(script);
+    }
+    let child = command
         .env("DATABASE_URL", &env.database_url)
         .env("AMQP_URL", &env.amqp_url)
         .env("ONEJOB_CONFIG", config_path)
@@ -141,6 +163,22 @@ fn fleet(
         .spawn()
         .expect("run scripts/fleet");
     (Program(child), probes)
+}
+
+/// Waits (60 s at most) for `log` to hold a line with `words`, and returns it.
+fn said_in(log: &std::path::Path, words: &str) -> String {
+    let began = Instant::now();
+    loop {
+        let said = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(line) = said.lines().find(|l| l.contains(words)) {
+            return line.to_owned();
+        }
+        assert!(
+            began.elapsed() < Duration::from_secs(60),
+            "no {words:?} within 60 s:\n{said}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// What a terminal does on Ctrl-C: SIGINT to the foreground process group,
@@ -212,11 +250,17 @@ async fn ctrl_c_in_the_fleet_during_a_burst_leaves_no_attempt_unknown() {
     })
     .await;
 
+    let ready = said_in(&log, "fleet: ready: mock provider http://");
+    assert!(
+        ready.contains("/readyz") && ready.contains("gateway http://"),
+        "{ready}"
+    );
     let status = tokio::task::spawn_blocking(move || ctrl_c(fleet))
         .await
         .unwrap();
     let said = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(status.success(), "scripts/fleet exited {status}:\n{said}");
+    assert!(said.contains("fleet: stopped"), "{said}");
 
     let counts: Vec<(String, i64)> =
         sqlx::query_as("SELECT status::text, count(*) FROM attempts GROUP BY 1 ORDER BY 1")
@@ -233,5 +277,57 @@ async fn ctrl_c_in_the_fleet_during_a_burst_leaves_no_attempt_unknown() {
         TcpStream::connect(("127.0.0.1", mock)).is_err(),
         "the mock provider still listens after scripts/fleet exited"
     );
+    let _ = std::fs::remove_file(&log);
+}
+
+/// `scripts/fleet` started in the background by a script inherits SIGINT
+/// ignored, which no trap can undo: it says so at start, and how to stop it;
+/// SIGTERM then stops it in order, and it says when it has stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_backgrounded_by_a_script_says_to_stop_it_with_sigterm() {
+    let mock = free_port();
+    let (config, file) = config(&common::config_text(
+        &format!("http://127.0.0.1:{mock}/v1"),
+        None,
+        "",
+    ));
+    let env = TestEnv::new(&config).await;
+    let log = std::env::temp_dir().join(format!("onejob-fleet-bg-{}.log", env.name));
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/fleet");
+    // As a script backgrounds it: `fleet &` in a non-interactive shell.
+    let (mut shell, _) = fleet_with(&env, &file.path, mock, &log, |c| {
+        c.arg("-c").arg(format!("{script} & echo $! >&2; wait"));
+    });
+    let warned = said_in(&log, "SIGINT is ignored");
+    assert!(warned.contains("SIGTERM"), "{warned}");
+    said_in(&log, "fleet: ready:");
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    let pid = said
+        .lines()
+        .find(|l| !l.is_empty() && l.chars().all(|c| c.is_ascii_digit()))
+        .expect("the fleet's pid")
+        .to_owned();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = tokio::task::spawn_blocking(move || {
+        let began = Instant::now();
+        loop {
+            if let Some(status) = shell.0.try_wait().unwrap() {
+                return status;
+            }
+            assert!(began.elapsed() < Duration::from_secs(60), "did not stop");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    })
+    .await
+    .unwrap();
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(status.success(), "{status}:\n{said}");
+    assert!(said.contains("fleet: stopped"), "{said}");
     let _ = std::fs::remove_file(&log);
 }

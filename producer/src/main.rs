@@ -217,7 +217,19 @@ async fn publish(
                 println!("{}", serde_json::to_string(&receipt).unwrap_or_default());
                 match receipt.outcome {
                     Outcome::Created | Outcome::Duplicate => ExitCode::SUCCESS,
-                    Outcome::Conflict | Outcome::Rejected => ExitCode::from(1),
+                    Outcome::Conflict => {
+                        eprintln!("{}", conflict_explained(intent));
+                        ExitCode::from(1)
+                    }
+                    Outcome::Rejected => {
+                        eprintln!(
+                            "onejob-producer: rejected: {}; nothing was made, and the intent is in onejob.intents.dlq with the reason",
+                            onejob::broker::escape_controls(
+                                receipt.error.as_deref().unwrap_or("no reason given")
+                            )
+                        );
+                        ExitCode::from(1)
+                    }
                 }
             }
             Err(e) => {
@@ -297,4 +309,13 @@ async fn serve(
             ExitCode::from(1)
         }
     }
+}
+
+/// What a `conflict` receipt means, and what to do: the receipt itself
+/// carries no error (contract section 4), so the CLI says it on stderr.
+fn conflict_explained(intent: &Intent) -> String {
+    format!(
+        "onejob-producer: conflict: owner {:?} already sent key {:?} with another intent (a different operation, input or provider); the job it made was neither changed nor handed out. Send a new intent under a new key, or send the first intent again to get its job (`onejob jobs find --owner {:?} --key {:?}` shows it).",
+        intent.owner_id, intent.idempotency_key, intent.owner_id, intent.idempotency_key
+    )
 }

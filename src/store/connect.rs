@@ -110,12 +110,14 @@ impl Store {
             return Err(StoreError::CutShort);
         }
         if !sqlx::Postgres::database_exists(url).await? {
-            if let Err(e) = sqlx::Postgres::create_database(url).await
-                && !sqlx::Postgres::database_exists(url).await.unwrap_or(false)
-            {
-                return Err(e.into());
+            match sqlx::Postgres::create_database(url).await {
+                Ok(()) => tracing::info!("created the database"),
+                // Another program created it first: only the one that did says so.
+                Err(_) if sqlx::Postgres::database_exists(url).await.unwrap_or(false) => {
+                    tracing::debug!("the database was created meanwhile by another program");
+                }
+                Err(e) => return Err(e.into()),
             }
-            tracing::info!("created the database");
         }
         Ok(())
     }
