@@ -202,3 +202,39 @@ async fn an_unreadable_kept_answer_is_set_aside_and_counted() {
     let w = env.store.kept_waiting().await.unwrap();
     assert_eq!((w.due, w.unreadable), (1, 1), "{w:?}");
 }
+
+/// The console's overview says how many kept answers wait, and why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_overview_says_how_many_kept_answers_wait_and_why() {
+    let (config, _file) = common::config(&common::config_text("http://127.0.0.1:9/v1", None, ""));
+    let env = TestEnv::new(&config).await;
+    let mut three = started(&env.store, "kept-console", 3).await;
+    for s in &three {
+        assert!(env.store.keep_answer(&success(s)).await.unwrap());
+    }
+    let held = three.pop().unwrap();
+    env.store
+        .kept_later(&[held.attempt_id], Duration::from_secs(60))
+        .await
+        .unwrap();
+    sqlx::query("UPDATE attempts SET answer = '{}' WHERE id = $1")
+        .bind(three[0].attempt_id.0)
+        .execute(env.store.pool())
+        .await
+        .unwrap();
+    env.store.kept_answers(10).await.unwrap();
+    let served = common::console::serve(&env, config, false).await;
+    let session = served.sign_in(&env.store, "ada").await;
+    let (status, page) = served.get(&session.cookie, "/").await;
+    assert!(status.is_success(), "{page}");
+    let cards = &page[page
+        .find("id=\"kept-answers\"")
+        .expect("the kept-answers cards")..];
+    let cards = &cards[..cards.find("</div>\n</div>").unwrap_or(cards.len())];
+    for (n, why) in [(1, "due"), (1, "held"), (1, "unreadable")] {
+        assert!(
+            cards.contains(&format!("{n}</div><div class=\"l\">kept answers {why}")),
+            "{why}: {cards}"
+        );
+    }
+}

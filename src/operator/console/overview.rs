@@ -1,5 +1,6 @@
 //! The overview page: counts, the last hour's arrivals, the oldest unknown,
-//! the outbox, and each dead-letter queue's depth (within a short broker wait).
+//! the outbox, the answers kept on open attempts and why they wait, and each
+//! dead-letter queue's depth (within a short broker wait).
 
 use std::time::Duration;
 
@@ -26,6 +27,10 @@ pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response 
         .max()
         .unwrap_or(0)
         .max(1);
+    let kept = match app.0.store.kept_waiting().await {
+        Ok(k) => k,
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
     let dead_letters = dead_letter_depths(&app).await;
     let bars: Vec<_> = o
         .created_per_minute
@@ -50,6 +55,7 @@ pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response 
             oldest_unknown => o.oldest_unknown_seconds.map(age),
             outbox_pending => o.outbox_pending,
             outbox_lag => o.outbox_lag_seconds.map(age),
+            kept => context! { due => kept.due, held => kept.held, unreadable => kept.unreadable },
             dead_letters,
         },
     )
