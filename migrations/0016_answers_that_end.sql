@@ -11,6 +11,11 @@
 -- be new paid work).
 ALTER TABLE attempts ADD COLUMN IF NOT EXISTS evidence text;
 
+-- The look that leased an unknown last (a token per take): a take whose
+-- commit took effect although its reply was lost finds its own lease again
+-- on its next try, instead of leaving the unknown unlooked at for a lease.
+ALTER TABLE attempts ADD COLUMN IF NOT EXISTS evidence_lease uuid;
+
 -- When the kept-answer pass may try a kept answer again: NULL is now. A
 -- settlement that meets a held row moves it on, so that answers it cannot
 -- settle yet never stand in front of the ones it can; 'infinity' marks an

@@ -139,5 +139,8 @@ async fn chaos_loses_nothing_and_duplicates_nothing() {
             primary.stats.requests(),
             kills_and_crashes * concurrency,
         );
+    common::history::History::check(&store, &primary.stats.idempotency_keys())
+        .await
+        .assert_held("chaos", kills_and_crashes * concurrency);
     common::chaos::remove_logs(&log_dir);
 }

@@ -15,11 +15,14 @@ use tokio::task::JoinHandle;
 
 /// Chaos of the database's everyday faults, through three in-process workers
 /// under load: replies lost after Postgres ran a statement (one committed
-/// reply in 20 through the workers' path), and job rows held by another
-/// session for 1.5 s at a time under a database-wide `lock_timeout` of
-/// 300 ms, while intents (30% of them re-sent) flow through a provider with
-/// random latency and errors. Then the chaos test's invariant checker: 0 lost,
-/// 0 stuck, 0 unknown; and every attempt's provider was called at most once.
+/// reply in 20 through the workers' path), and job rows (open or `unknown`)
+/// held by another session for 1.5 s at a time under a database-wide
+/// `lock_timeout` of 300 ms, while intents (30% of them re-sent) flow
+/// through a provider with random latency (a third of the calls time out,
+/// and the completions it stored settle them) and errors, for an owner with
+/// `max_in_flight`. Then the chaos test's invariant checker: 0 lost, 0
+/// stuck, 0 unknown; every attempt's provider called at most once; and the
+/// history check against the provider's log.
 /// `ONEJOB_DB_CHAOS_INTENTS` and `ONEJOB_DB_CHAOS_SECONDS` size it (600 over
 /// 15 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -29,15 +32,21 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
     let intents = env_or("ONEJOB_DB_CHAOS_INTENTS", 600);
     let seconds = env_or("ONEJOB_DB_CHAOS_SECONDS", 15) as u64;
     let primary = mock(MockOptions {
-        jitter: Duration::from_millis(150),
+        jitter: Duration::from_millis(300),
         error_rate: 0.1,
+        store: true,
         ..MockOptions::default()
     })
     .await;
-    let text = config_for(&[P("primary", &primary.base_url(), "timeout = \"5s\"")], "").replace(
+    // Calls past 200 ms time out: their attempts are `unknown` until the
+    // completions the provider stored settle them (one answered with an error
+    // stored none: by the deadline it fails `no_evidence`, and the route
+    // moves on). One owner may have 8 calls in flight, unknowns included.
+    let provider = "timeout = \"200ms\"\nevidence = \"stored\"\nevidence_delay = \"1s\"\nevidence_deadline = \"3s\"";
+    let text = config_for(&[P("primary", &primary.base_url(), provider)], "").replace(
         "[worker]\n",
         "[worker]\nstuck_after = \"5s\"\nmax_republish = 5\ndelivery_limit = 1\n",
-    );
+    ) + "\n[owners]\nmax_in_flight = 8\n";
     let (config, _file) = config(&text);
     let env = TestEnv::new(&config).await;
     common::database::set_lock_timeout(&env).await;
@@ -56,8 +65,9 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
     }
     let confirmed = sent.keys();
 
-    let settled_in = settled(&env, confirmed.len()).await;
+    // The faults last as long as the load; then the fleet recovers.
     let held_rows = holder.stop().await;
+    let settled_in = settled(&env, confirmed.len()).await;
     let lost_replies = lossy.lost();
     lossy.stop_losing();
     // The last events' outbox rows are published by the relay.
@@ -77,6 +87,11 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
     let invariants = Invariants::check(&env, &env.store, &confirmed).await;
     let calls = primary.stats.idempotency_keys();
     let distinct: std::collections::HashSet<&String> = calls.iter().collect();
+    let by_evidence: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM audit WHERE actor = 'evidence'")
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap();
     let without_call: i64 =
         sqlx::query_scalar("SELECT count(*) FROM attempts WHERE status IN ('started', 'unknown')")
             .fetch_one(env.store.pool())
@@ -84,7 +99,8 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
             .unwrap();
     println!(
         "database chaos: {} intents sent ({} keys), {lost_replies} replies lost after commits, \
-         {held_rows} job rows held 1.5 s under lock_timeout 300 ms; settled {settled_in:?} after the last publish; \
+         {held_rows} job rows held 1.5 s under lock_timeout 300 ms; {by_evidence} unknowns settled by evidence; \
+         settled {settled_in:?} after the last publish; \
          {} provider calls for {} attempts, {} called twice; {without_call} attempts started or unknown",
         sent.count.load(Ordering::SeqCst),
         confirmed.len(),
@@ -92,7 +108,14 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
         invariants.attempts,
         calls.len() - distinct.len(),
     );
+    assert!(
+        by_evidence >= 10,
+        "calls timed out and evidence settled them: {by_evidence}"
+    );
     invariants.assert_held("database chaos", calls.len() as u64, 0);
+    common::history::History::check(&env.store, &calls)
+        .await
+        .assert_held("database chaos", 0);
     assert_eq!(
         calls.len(),
         distinct.len(),
@@ -157,7 +180,7 @@ impl RowHolder {
                 while holding.load(Ordering::SeqCst) {
                     conn.execute("BEGIN").await.unwrap();
                     let picked: Option<uuid::Uuid> = sqlx::query_scalar(
-                        "SELECT id FROM jobs WHERE status IN ('queued', 'running')
+                        "SELECT id FROM jobs WHERE status IN ('queued', 'running', 'unknown')
                      ORDER BY random() LIMIT 1 FOR UPDATE SKIP LOCKED",
                     )
                     .fetch_optional(&mut conn)
@@ -188,13 +211,13 @@ impl RowHolder {
     }
 }
 
-/// Waits until every confirmed key has a job and none is queued or running,
-/// and says how long that took.
+/// Waits until every confirmed key has a job and none is queued, running or
+/// unknown (evidence settles the unknowns), and says how long that took.
 async fn settled(env: &TestEnv, confirmed: usize) -> Duration {
     let recovery = std::time::Instant::now();
     wait_for("every job to end", Duration::from_secs(120), || async {
         let (open, jobs): (i64, i64) = sqlx::query_as(
-            "SELECT count(*) FILTER (WHERE status IN ('queued', 'running')), count(*) FROM jobs",
+            "SELECT count(*) FILTER (WHERE status IN ('queued', 'running', 'unknown')), count(*) FROM jobs",
         )
         .fetch_one(env.store.pool())
         .await

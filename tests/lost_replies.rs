@@ -354,3 +354,48 @@ async fn one_attempt_is_handed_back_under_its_own_claim(
         .unwrap();
     assert_eq!(retaken.started.len(), 1, "queued again, claimed again");
 }
+
+/// The evidence pass's take of an unknown whose commit reply was lost: its
+/// next try finds its own lease (a token per take) and looks, where it used
+/// to find the unknown leased, by itself, and leave it for a whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_look_whose_take_reply_was_lost_finds_its_own_lease() {
+    let env = store_env().await;
+    let s = started(&env.store, "look", 1).await.remove(0);
+    let unknown = Finished {
+        verdict: Verdict::Unknown {
+            error: "outcome_unknown: timed out".into(),
+        },
+        ..success(&s)
+    };
+    env.store.finalize(&[unknown], &give_up).await.unwrap();
+    sqlx::query("UPDATE attempts SET deadline_at = now() - interval '1 minute' WHERE id = $1")
+        .bind(s.attempt_id.0)
+        .execute(env.store.pool())
+        .await
+        .unwrap();
+    let server = common::database::pg_server();
+    let lossy = common::lossy::LossyPostgres::to(&server, 1, 1).await;
+    let (config, _file) = config(&common::config_text("http://127.0.0.1:9/v1", None, ""));
+    let store = Store::connect(
+        &lossy.url(&env.name),
+        2,
+        onejob::runtime::routes(&config),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    lossy.start_losing();
+    let due = store
+        .evidence_due(
+            &[("primary".into(), Duration::ZERO)],
+            Duration::from_secs(60),
+            1,
+        )
+        .await
+        .unwrap();
+    assert_eq!(lossy.lost(), 1, "the take's reply was lost");
+    assert_eq!(due.len(), 1, "taken all the same");
+    assert_eq!(due[0].attempt_id, s.attempt_id);
+    assert_eq!(due[0].looks, 1, "one look, counted once");
+}

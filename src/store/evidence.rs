@@ -47,6 +47,11 @@ impl Store {
     ) -> Result<Vec<EvidenceDue>> {
         let names: Vec<String> = providers.iter().map(|p| p.0.clone()).collect();
         let delays: Vec<f64> = providers.iter().map(|p| p.1.as_secs_f64()).collect();
+        // One token for every try: a try whose commit took effect although
+        // its reply was lost is found again by the next, which would
+        // otherwise see the attempt leased (by itself) and leave it unlooked
+        // at for a whole lease.
+        let token = Uuid::now_v7();
         self.retrying(|| async {
             Ok(sqlx::query_as!(
                 EvidenceDue,
@@ -58,16 +63,19 @@ impl Store {
                             OR (a.status = 'discarded' AND a.usage IS NULL
                                 AND a.evidence_next_at IS NOT NULL))
                        AND a.answer IS NULL
-                       AND COALESCE(a.evidence_next_at,
-                                    COALESCE(a.deadline_at, a.started_at, a.created_at)
-                                      + make_interval(secs => p.delay)) <= now()
-                     ORDER BY a.id
+                       AND (COALESCE(a.evidence_next_at,
+                                     COALESCE(a.deadline_at, a.started_at, a.created_at)
+                                       + make_interval(secs => p.delay)) <= now()
+                            OR a.evidence_lease IS NOT DISTINCT FROM $5)
+                     ORDER BY a.evidence_lease IS NOT DISTINCT FROM $5 DESC, a.id
                      LIMIT $4
                      FOR UPDATE OF a SKIP LOCKED
                    )
                    UPDATE attempts a
                    SET evidence_next_at = now() + make_interval(secs => $3),
-                       evidence_looks = a.evidence_looks + 1
+                       evidence_looks = a.evidence_looks
+                         + CASE WHEN a.evidence_lease IS NOT DISTINCT FROM $5 THEN 0 ELSE 1 END,
+                       evidence_lease = $5
                    FROM due, jobs j
                    WHERE a.id = due.id AND j.id = a.job_id
                    RETURNING a.id AS "attempt_id: AttemptId", a.job_id AS "job_id: JobId",
@@ -80,6 +88,7 @@ impl Store {
                 &delays,
                 lease.as_secs_f64(),
                 limit,
+                token,
             )
             .fetch_all(&self.pool)
             .await?)

@@ -10,6 +10,7 @@ pub mod browser;
 pub mod chaos;
 pub mod console;
 pub mod database;
+pub mod history;
 pub mod lossy;
 pub mod raw_http;
 pub mod refusing;

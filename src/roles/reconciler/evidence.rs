@@ -85,7 +85,20 @@ async fn provider_once(ctx: &Context, client: &Client) -> Result<()> {
         let Some(unknown) = ctx.store.evidence_due(&delays, lease, 1).await?.pop() else {
             break;
         };
-        let look = looker.look(client, &unknown).await?;
+        let look = match looker.look(client, &unknown).await {
+            Ok(look) => look,
+            Err(e) => {
+                // Its lease would keep it from every look for a minute and
+                // more: a look that failed (Postgres, say) is due again soon.
+                tracing::warn!(attempt_id = %unknown.attempt_id, error = %e, "evidence: a look failed; looking again shortly");
+                let note = format!("the look failed ({e}); looking again shortly");
+                let again = provider.evidence.delay.max(Duration::from_secs(1));
+                ctx.store
+                    .note_evidence(unknown.attempt_id, &note, again)
+                    .await?;
+                continue;
+            }
+        };
         ctx.publish_outbox(&look.publish).await?;
     }
     Ok(())
