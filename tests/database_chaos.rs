@@ -27,7 +27,7 @@ use tokio::task::JoinHandle;
 /// 15 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unknown() {
-    use common::chaos::{Invariants, Sent, env_or, start_producers};
+    use common::chaos::{Sent, env_or, start_producers};
 
     let intents = env_or("ONEJOB_DB_CHAOS_INTENTS", 600);
     let seconds = env_or("ONEJOB_DB_CHAOS_SECONDS", 15) as u64;
@@ -38,15 +38,7 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
         ..MockOptions::default()
     })
     .await;
-    // Calls past 200 ms time out: their attempts are `unknown` until the
-    // completions the provider stored settle them (one answered with an error
-    // stored none: by the deadline it fails `no_evidence`, and the route
-    // moves on). One owner may have 8 calls in flight, unknowns included.
-    let provider = "timeout = \"200ms\"\nevidence = \"stored\"\nevidence_delay = \"1s\"\nevidence_deadline = \"3s\"";
-    let text = config_for(&[P("primary", &primary.base_url(), provider)], "").replace(
-        "[worker]\n",
-        "[worker]\nstuck_after = \"5s\"\nmax_republish = 5\ndelivery_limit = 1\n",
-    ) + "\n[owners]\nmax_in_flight = 8\n";
+    let text = chaos_config(&primary.base_url());
     let (config, _file) = config(&text);
     let env = TestEnv::new(&config).await;
     common::database::set_lock_timeout(&env).await;
@@ -81,47 +73,14 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
     })
     .await;
     fleets.stop().await;
-
-    assert!(lost_replies >= 10, "replies were lost: {lost_replies}");
-    assert!(held_rows >= 3, "job rows were held: {held_rows}");
-    let invariants = Invariants::check(&env, &env.store, &confirmed).await;
-    let calls = primary.stats.idempotency_keys();
-    let distinct: std::collections::HashSet<&String> = calls.iter().collect();
-    let by_evidence: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM audit WHERE actor = 'evidence'")
-            .fetch_one(env.store.pool())
-            .await
-            .unwrap();
-    let without_call: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM attempts WHERE status IN ('started', 'unknown')")
-            .fetch_one(env.store.pool())
-            .await
-            .unwrap();
-    println!(
-        "database chaos: {} intents sent ({} keys), {lost_replies} replies lost after commits, \
-         {held_rows} job rows held 1.5 s under lock_timeout 300 ms; {by_evidence} unknowns settled by evidence; \
-         settled {settled_in:?} after the last publish; \
-         {} provider calls for {} attempts, {} called twice; {without_call} attempts started or unknown",
-        sent.count.load(Ordering::SeqCst),
-        confirmed.len(),
-        calls.len(),
-        invariants.attempts,
-        calls.len() - distinct.len(),
-    );
-    assert!(
-        by_evidence >= 10,
-        "calls timed out and evidence settled them: {by_evidence}"
-    );
-    invariants.assert_held("database chaos", calls.len() as u64, 0);
-    common::history::History::check(&env.store, &calls)
-        .await
-        .assert_held("database chaos", 0);
-    assert_eq!(
-        calls.len(),
-        distinct.len(),
-        "no attempt's provider called twice"
-    );
-    assert_eq!(without_call, 0, "no attempt left started or unknown");
+    check_history(
+        &env,
+        &primary,
+        &sent,
+        &confirmed,
+        (lost_replies, held_rows, settled_in),
+    )
+    .await;
 }
 
 /// The three in-process workers, each with every role, their Postgres
@@ -226,4 +185,69 @@ async fn settled(env: &TestEnv, confirmed: usize) -> Duration {
     })
     .await;
     recovery.elapsed()
+}
+
+/// The run's configuration: calls past 200 ms time out, and their attempts
+/// are `unknown` until the completions the provider (at `base`) stored
+/// settle them (one answered with an error stored none: by the deadline it
+/// fails `no_evidence`, and the route moves on); one owner may have 8 calls
+/// in flight, unknowns included.
+fn chaos_config(base: &str) -> String {
+    let provider = "timeout = \"200ms\"\nevidence = \"stored\"\nevidence_delay = \"1s\"\nevidence_deadline = \"3s\"";
+    config_for(&[P("primary", base, provider)], "").replace(
+        "[worker]\n",
+        "[worker]\nstuck_after = \"5s\"\nmax_republish = 5\ndelivery_limit = 1\n",
+    ) + "\n[owners]\nmax_in_flight = 8\n"
+}
+
+/// What the run left, against the provider's log: the figures printed, the
+/// invariants and the history asserted.
+async fn check_history(
+    env: &TestEnv,
+    primary: &onejob::mock::MockHandle,
+    sent: &common::chaos::Sent,
+    confirmed: &[String],
+    (lost_replies, held_rows, settled_in): (u64, u64, Duration),
+) {
+    use common::chaos::Invariants;
+    assert!(lost_replies >= 10, "replies were lost: {lost_replies}");
+    assert!(held_rows >= 3, "job rows were held: {held_rows}");
+    let invariants = Invariants::check(env, &env.store, confirmed).await;
+    let calls = primary.stats.idempotency_keys();
+    let distinct: std::collections::HashSet<&String> = calls.iter().collect();
+    let by_evidence: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM audit WHERE actor = 'evidence'")
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap();
+    let without_call: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM attempts WHERE status IN ('started', 'unknown')")
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap();
+    println!(
+        "database chaos: {} intents sent ({} keys), {lost_replies} replies lost after commits, \
+         {held_rows} job rows held 1.5 s under lock_timeout 300 ms; {by_evidence} unknowns settled by evidence; \
+         settled {settled_in:?} after the last publish; \
+         {} provider calls for {} attempts, {} called twice; {without_call} attempts started or unknown",
+        sent.count.load(Ordering::SeqCst),
+        confirmed.len(),
+        calls.len(),
+        invariants.attempts,
+        calls.len() - distinct.len(),
+    );
+    assert!(
+        by_evidence >= 10,
+        "calls timed out and evidence settled them: {by_evidence}"
+    );
+    invariants.assert_held("database chaos", calls.len() as u64, 0);
+    common::history::History::check(&env.store, &calls)
+        .await
+        .assert_held("database chaos", 0);
+    assert_eq!(
+        calls.len(),
+        distinct.len(),
+        "no attempt's provider called twice"
+    );
+    assert_eq!(without_call, 0, "no attempt left started or unknown");
 }
