@@ -245,15 +245,7 @@ async fn an_operator_action_whose_commit_reply_was_lost_is_reported_done() {
     env.store.finalize(&[unknown], &give_up).await.unwrap();
     let server = common::database::pg_server();
     let lossy = common::lossy::LossyPostgres::to(&server, 1, 0).await;
-    let (config, _file) = config(&common::config_text("http://127.0.0.1:9/v1", None, ""));
-    let store = Store::connect(
-        &lossy.url(&env.name),
-        2,
-        onejob::runtime::routes(&config),
-        Duration::from_secs(5),
-    )
-    .await
-    .unwrap();
+    let store = store_through(&lossy, &env).await;
     let actor = Actor::cli(Some("lost reply"));
 
     lossy.lose_next_commit();
@@ -376,15 +368,7 @@ async fn a_look_whose_take_reply_was_lost_finds_its_own_lease() {
         .unwrap();
     let server = common::database::pg_server();
     let lossy = common::lossy::LossyPostgres::to(&server, 1, 1).await;
-    let (config, _file) = config(&common::config_text("http://127.0.0.1:9/v1", None, ""));
-    let store = Store::connect(
-        &lossy.url(&env.name),
-        2,
-        onejob::runtime::routes(&config),
-        Duration::from_secs(5),
-    )
-    .await
-    .unwrap();
+    let store = store_through(&lossy, &env).await;
     lossy.start_losing();
     let due = store
         .evidence_due(
@@ -398,4 +382,17 @@ async fn a_look_whose_take_reply_was_lost_finds_its_own_lease() {
     assert_eq!(due.len(), 1, "taken all the same");
     assert_eq!(due[0].attempt_id, s.attempt_id);
     assert_eq!(due[0].looks, 1, "one look, counted once");
+}
+
+/// A store of `env`'s database reached through `lossy`.
+async fn store_through(lossy: &common::lossy::LossyPostgres, env: &TestEnv) -> Store {
+    let (config, _file) = config(&common::config_text("http://127.0.0.1:9/v1", None, ""));
+    Store::connect(
+        &lossy.url(&env.name),
+        2,
+        onejob::runtime::routes(&config),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap()
 }

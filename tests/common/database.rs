@@ -129,3 +129,16 @@ impl Drop for DropDatabase {
             .output();
     }
 }
+
+/// From now on `env`'s audit table refuses every row (a trigger raises), to
+/// show that an action whose audit row cannot be written is not done.
+pub async fn refuse_audit(env: &super::TestEnv) {
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN RAISE EXCEPTION 'the audit table refuses rows'; END $$;
+         CREATE TRIGGER refuse BEFORE INSERT ON audit FOR EACH ROW EXECUTE FUNCTION refuse();",
+    )
+    .execute(env.store.pool())
+    .await
+    .unwrap();
+}

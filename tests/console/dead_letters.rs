@@ -151,14 +151,7 @@ async fn a_dead_letter_action_that_cannot_be_recorded_is_not_done() {
     common::console::dead_letter_intent(&env, "kept-1", "acct_k", "kept").await;
     let dlq = onejob::broker::dead_letter_queue(onejob::broker::INTENTS_QUEUE);
     // The audit table refuses every row from now on.
-    sqlx::raw_sql(
-        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
-           $$ BEGIN RAISE EXCEPTION 'the audit table refuses rows'; END $$;
-         CREATE TRIGGER refuse BEFORE INSERT ON audit FOR EACH ROW EXECUTE FUNCTION refuse();",
-    )
-    .execute(env.store.pool())
-    .await
-    .unwrap();
+    common::database::refuse_audit(&env).await;
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.unwrap();
     for (path, extra) in [

@@ -154,14 +154,7 @@ async fn a_look_needs_a_reason_and_its_audit_row(
     let out = env.cli(path, &["attempts", "evidence", id, "--reason", " "]);
     assert_eq!(out.status.code(), Some(1), "an empty reason: {out:?}");
     let requests = slow.stats.requests();
-    sqlx::raw_sql(
-        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
-           $$ BEGIN RAISE EXCEPTION 'the audit table refuses rows'; END $$;
-         CREATE TRIGGER refuse BEFORE INSERT ON audit FOR EACH ROW EXECUTE FUNCTION refuse();",
-    )
-    .execute(env.store.pool())
-    .await
-    .unwrap();
+    crate::common::database::refuse_audit(env).await;
     let out = env.cli(path, &["attempts", "evidence", id, "--reason", "r"]);
     assert_eq!(out.status.code(), Some(1), "unaudited: {out:?}");
     assert_eq!(slow.stats.requests(), requests, "nothing was asked");

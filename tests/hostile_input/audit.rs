@@ -41,14 +41,7 @@ async fn every_operator_action_from_the_cli_is_audited_first() {
     tokens_created_and_revoked_are_audited(&env, path).await;
     a_qualification_is_audited(&env, path).await;
     // From now on the audit table refuses every row: nothing is done.
-    sqlx::raw_sql(
-        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
-           $$ BEGIN RAISE EXCEPTION 'the audit table refuses rows'; END $$;
-         CREATE TRIGGER refuse BEFORE INSERT ON audit FOR EACH ROW EXECUTE FUNCTION refuse();",
-    )
-    .execute(env.store.pool())
-    .await
-    .unwrap();
+    common::database::refuse_audit(&env).await;
     nothing_unaudited_is_done(&env, path, &provider).await;
 }
 
