@@ -72,7 +72,7 @@ async fn a_kept_timeout_is_cleared_by_the_settlement_that_makes_it_unknown() {
         .await
         .unwrap();
     assert_eq!(settled, vec![Settled::Busy]);
-    assert!(env.store.keep_answer(&finished).await.unwrap());
+    assert!(env.store.keep_answer(&finished, None).await.unwrap());
     assert!(answer_kept(&env, s.attempt_id).await);
     held.release().await;
     // Settled again, as its worker does (or the kept-answer pass).
@@ -100,7 +100,7 @@ async fn a_kept_timeout_is_cleared_by_the_settlement_that_makes_it_unknown() {
 async fn a_kept_answer_ends_with_its_attempt_and_its_cost_is_kept() {
     let env = store_env().await;
     let s = started(&env.store, "kept-closed", 1).await.remove(0);
-    assert!(env.store.keep_answer(&success(&s)).await.unwrap());
+    assert!(env.store.keep_answer(&success(&s), None).await.unwrap());
     let actor = onejob::store::Actor::cli(Some("test"));
     env.store
         .resolve(
@@ -140,7 +140,7 @@ async fn kept_answers_that_cannot_be_settled_never_starve_the_rest() {
     let mut all = started(&env.store, "kept-starve", 106).await;
     let free = all.pop().expect("the newest");
     for s in all.iter().chain([&free]) {
-        assert!(env.store.keep_answer(&success(s)).await.unwrap());
+        assert!(env.store.keep_answer(&success(s), None).await.unwrap());
     }
     let jobs: Vec<JobId> = all.iter().map(|s| s.job_id).collect();
     let held = Held::hold(&env, &jobs).await;
@@ -185,7 +185,7 @@ async fn an_unreadable_kept_answer_is_set_aside_and_counted() {
     let mut both = started(&env.store, "kept-unreadable", 2).await;
     let good = both.pop().unwrap();
     let bad = both.pop().unwrap();
-    assert!(env.store.keep_answer(&success(&good)).await.unwrap());
+    assert!(env.store.keep_answer(&success(&good), None).await.unwrap());
     sqlx::query("UPDATE attempts SET answer = '{\"from\": \"a later version\"}' WHERE id = $1")
         .bind(bad.attempt_id.0)
         .execute(env.store.pool())
@@ -210,7 +210,7 @@ async fn the_overview_says_how_many_kept_answers_wait_and_why() {
     let env = TestEnv::new(&config).await;
     let mut three = started(&env.store, "kept-console", 3).await;
     for s in &three {
-        assert!(env.store.keep_answer(&success(s)).await.unwrap());
+        assert!(env.store.keep_answer(&success(s), None).await.unwrap());
     }
     let held = three.pop().unwrap();
     env.store

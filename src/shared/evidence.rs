@@ -340,7 +340,7 @@ impl Looker<'_> {
         // Kept first: whatever happens to the settlement below (a held row,
         // an error, a crash), the answer is on the attempt, and the
         // kept-answer pass settles it.
-        if !self.store.keep_answer(&finished).await? {
+        if !self.store.keep_answer(&finished, Some(&found)).await? {
             tracing::info!(attempt_id = %unknown.attempt_id, "evidence: the attempt's row is held or it was settled meanwhile; looked at again after its lease");
             return Ok(Look {
                 found: format!(

@@ -25,8 +25,10 @@ impl Store {
     /// Keeps `finished` on its attempt while the attempt is still open. Takes
     /// the attempt row with `SKIP LOCKED`, so it never waits: false when the
     /// row was held (or the attempt is no longer open) and nothing was kept.
-    /// A kept answer is due for the kept-answer pass at once.
-    pub async fn keep_answer(&self, finished: &Finished) -> Result<bool> {
+    /// A kept answer is due for the kept-answer pass at once. `found`, for an
+    /// answer a look at evidence found, is written as the look's note with
+    /// it: whoever settles the answer, the attempt says what was found.
+    pub async fn keep_answer(&self, finished: &Finished, found: Option<&str>) -> Result<bool> {
         let kept = serde_json::to_value(KeptAnswer {
             version: finished.version,
             verdict: finished.verdict.clone(),
@@ -36,12 +38,16 @@ impl Store {
         .map_err(corrupt)?;
         self.retrying(|| async {
             let done = sqlx::query!(
-                "UPDATE attempts SET answer = $2, kept_next_at = NULL
+                "UPDATE attempts SET answer = $2, kept_next_at = NULL,
+                        evidence_note = coalesce($3, evidence_note),
+                        evidence_last_at = CASE WHEN $3::text IS NULL THEN evidence_last_at
+                                                ELSE now() END
                  WHERE id IN (SELECT id FROM attempts
                               WHERE id = $1 AND status IN ('started', 'unknown')
                               FOR UPDATE SKIP LOCKED)",
                 finished.attempt_id.0,
                 &kept,
+                found,
             )
             .execute(&self.pool)
             .await?;

@@ -64,6 +64,11 @@ async fn an_answer_found_while_its_job_row_is_held_is_kept_and_settled_once_free
     assert!(!kept(&env, attempt).await, "the kept answer is cleared");
     assert_eq!(slow.stats.work(), 1, "the answer was not bought twice");
     assert_eq!(evidence_rows(&env, job_id).await.len(), 1);
+    // Settled by the kept-answer pass, not by the look: the attempt still
+    // says what its look found.
+    let note = job.attempts[0].evidence_note.as_deref().unwrap_or_default();
+    assert!(note.contains("succeeded"), "{note:?}");
+    assert!(job.attempts[0].evidence_last_at.is_some());
     producer.close().await;
     fleet.stop().await;
 }

@@ -61,7 +61,7 @@ pub(super) async fn flood(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_owners_started_attempts_never_pass_its_max_in_flight() {
     let primary = mock(MockOptions {
-        delay: Duration::from_millis(400),
+        delay: Duration::from_millis(800),
         ..MockOptions::default()
     })
     .await;
@@ -84,8 +84,18 @@ async fn an_owners_started_attempts_never_pass_its_max_in_flight() {
 
     let (limited, free) =
         tokio::join!(flood(&producer, "acct_m", 8), flood(&producer, "acct_f", 8));
-    // The last of the limited owner's jobs waits its turn, and says so.
-    let shown = env.cli_ok(&file.path, &["jobs", "show", &limited[7].to_string()]);
+    // The last in the limited owner's line waits its turn, and says so. (The
+    // intents were sent at once: which job is last is read, not assumed.
+    // Three pairs of calls stand before it.)
+    let last: uuid::Uuid = sqlx::query_scalar(
+        "SELECT a.job_id FROM turns t JOIN attempts a ON a.id = t.attempt_id
+         WHERE t.owner_id = 'acct_m' AND t.handed_out_at IS NULL
+         ORDER BY t.seq DESC LIMIT 1",
+    )
+    .fetch_one(env.store.pool())
+    .await
+    .expect("the limited owner has turns held");
+    let shown = env.cli_ok(&file.path, &["jobs", "show", &last.to_string()]);
     let text = String::from_utf8_lossy(&shown.stdout);
     assert!(
         text.contains("waits    its turn") && text.contains("max_in_flight 2"),

@@ -101,7 +101,7 @@ pub(super) async fn settle_all(
 /// Writes an answer that could not be settled now onto its attempt, for the
 /// reconciler to settle if its worker stops first; best effort, logged.
 pub(super) async fn keep(ctx: &Context, finished: &Finished) {
-    match ctx.store.keep_answer(finished).await {
+    match ctx.store.keep_answer(finished, None).await {
         Ok(true) => {}
         Ok(false) => {
             tracing::warn!(attempt_id = %finished.attempt_id, "an unsettled answer could not be kept: its attempt row is held or no longer open")
