@@ -91,6 +91,7 @@ pub async fn run(ctx: Context, roles: Vec<Role>, shutdown: Shutdown) -> Result<(
                 shutdown.trigger();
             }
             Err(e) => {
+                let e = as_seen(&ctx, &name, e);
                 tracing::error!(role = %name, error = %e, "role failed; stopping the worker");
                 failure.get_or_insert(e);
                 shutdown.trigger();
@@ -103,5 +104,16 @@ pub async fn run(ctx: Context, roles: Vec<Role>, shutdown: Shutdown) -> Result<(
     match failure {
         Some(e) => Err(e),
         None => Ok(()),
+    }
+}
+
+/// A role's failure as the worker reports it: one that met the lost
+/// connection first says what was lost.
+fn as_seen(ctx: &Context, role: &str, e: WorkerError) -> WorkerError {
+    let status = ctx.connection.status();
+    if status.closed() || status.errored() {
+        WorkerError::RoleStopped(role.to_owned(), format!("RabbitMQ connection lost: {e}"))
+    } else {
+        e
     }
 }

@@ -19,7 +19,7 @@
 //! src/fleet.rs     composition: starts, supervises and stops the roles (the one place that names them)
 //! src/roles/       what a pod runs: intake, attempts, reconciler
 //! src/operator/    the operator's tools: cli, console (and their terminal escaping, throttle)
-//! src/shared/      what roles and tools share: runtime, policy, qualify, evidence, dlq, provider,
+//! src/shared/      what roles and tools share: runtime, policy, qualify, evidence, handed_on, dlq, provider,
 //!                  metrics, gauges, config, token, http, shutdown, telemetry
 //! src/store/       all SQL, one file per aggregate: the one seam to Postgres
 //! src/mock/        the bundled OpenAI-compatible mock provider (not part of a pod)
@@ -36,7 +36,7 @@
 //! | operator CLI | [`cli`] (the `onejob` command, the console's among them) |
 //! | composition | [`fleet`] (the one module that names the roles: start, supervise, stop) · [`console`] (the operator console: HTML over the store) |
 //! | roles | [`intake`] · `attempts` · `reconciler` (one maintenance pass per function, each a bounded batch) |
-//! | shared by the roles | [`runtime`] (context, consume, ack, retries, health) · `policy` (what follows a failure: planned once) · `qualify` · `evidence` (one look at an unknown's evidence) · [`dlq`] |
+//! | shared by the roles | [`runtime`] (context, consume, ack, retries, health) · `policy` (what follows a failure: planned once) · `qualify` · `evidence` (one look at an unknown's evidence) · `handed_on` (settlements handed on through the broker) · [`dlq`] |
 //! | edges | [`store`] (all SQL, one file per aggregate) · `provider` (HTTP to providers) · [`metrics`] · `gauges` (the table gauges, read by a timer) · [`telemetry`] (logs, and spans over OTLP) |
 //! | core | [`broker`] (AMQP topology, confirms, dead letters) · [`config`] · [`token`] · [`intent`] (parsing, fingerprint, receipts) · [`trace`] (W3C trace context) · [`domain`] (ids, states, transitions, the route rule: pure) |
 //! | apart | [`mock`] (the bundled provider) · [`shutdown`] · [`http`] (serving untrusted clients) · `terminal` (plain output, escaped) · `throttle` (a per-client allowance) |
@@ -44,7 +44,7 @@
 //! # Public surface
 //!
 //! Modules are private unless a binary or a black-box test needs them: `attempts`,
-//! `reconciler`, `policy`, `qualify`, `evidence`, `provider`, `gauges`,
+//! `reconciler`, `policy`, `qualify`, `evidence`, `handed_on`, `provider`, `gauges`,
 //! `terminal` and `throttle` are internal. [`fleet::run`]
 //! starts the roles; [`store::Store`] is the one seam to Postgres; [`cli::main`] is
 //! the operator CLI; [`intake::validate`] and [`intake::admit_rows`] are public so
@@ -65,4 +65,4 @@ pub(crate) use operator::{terminal, throttle};
 pub use roles::intake;
 pub(crate) use roles::{attempts, reconciler};
 pub use shared::{config, dlq, http, metrics, runtime, shutdown, telemetry, token};
-pub(crate) use shared::{evidence, gauges, policy, provider, qualify};
+pub(crate) use shared::{evidence, gauges, handed_on, policy, provider, qualify};

@@ -7,11 +7,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::database::{give_up, started, success};
+use common::database::{Holder, give_up, started, success};
 use common::{TestEnv, store_env, wait_for};
 use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
 use onejob::fleet::Role;
-use onejob::store::{Finished, KeptWaiting, Settled, Started, Verdict};
+use onejob::store::{Finished, HandedOn, KeptWaiting, Settled, Started, Verdict};
 use sqlx::{Connection, Executor, PgConnection};
 
 /// Holds the rows of `jobs` under one open transaction, as an operator's
@@ -44,6 +44,21 @@ async fn answer_kept(env: &TestEnv, attempt: AttemptId) -> bool {
         .fetch_one(env.store.pool())
         .await
         .unwrap()
+}
+
+/// An operator cancels `attempt` (`onejob attempts resolve --as cancelled`).
+async fn cancelled_by_hand(env: &TestEnv, attempt: AttemptId) {
+    let actor = onejob::store::Actor::cli(Some("test"));
+    env.store
+        .resolve(
+            attempt,
+            onejob::store::Resolution::Cancelled,
+            &give_up,
+            &actor,
+        )
+        .await
+        .unwrap()
+        .unwrap();
 }
 
 fn timed_out(s: &Started) -> Finished {
@@ -101,17 +116,7 @@ async fn a_kept_answer_ends_with_its_attempt_and_its_cost_is_kept() {
     let env = store_env().await;
     let s = started(&env.store, "kept-closed", 1).await.remove(0);
     assert!(env.store.keep_answer(&success(&s), None).await.unwrap());
-    let actor = onejob::store::Actor::cli(Some("test"));
-    env.store
-        .resolve(
-            s.attempt_id,
-            onejob::store::Resolution::Cancelled,
-            &give_up,
-            &actor,
-        )
-        .await
-        .unwrap()
-        .unwrap();
+    cancelled_by_hand(&env, s.attempt_id).await;
     let (kept, usage, request_id): (bool, Option<serde_json::Value>, Option<String>) =
         sqlx::query_as(
             "SELECT answer IS NOT NULL, usage, provider_request_id FROM attempts WHERE id = $1",
@@ -237,4 +242,50 @@ async fn the_overview_says_how_many_kept_answers_wait_and_why() {
             "{why}: {cards}"
         );
     }
+}
+
+/// A settlement handed on through the broker is kept only on the open
+/// attempt of its job started under the claim it names; its attempt row
+/// held, nothing is written and it says so; an attempt under that claim
+/// settled meanwhile keeps what the call cost, and nothing else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handed_on_settlement_is_kept_only_under_its_claim() {
+    let env = store_env().await;
+    let mut both = started(&env.store, "handed-on", 2).await;
+    let (open, closed) = (both.remove(0), both.remove(0));
+    let answer = success(&open);
+    let keep = |f: Finished, claim: uuid::Uuid| {
+        let store = env.store.clone();
+        async move { store.keep_handed_on(&f, claim).await.unwrap() }
+    };
+    assert_eq!(
+        keep(answer.clone(), uuid::Uuid::new_v4()).await,
+        HandedOn::NoSuchClaim
+    );
+    let mut elsewhere = answer.clone();
+    elsewhere.job_id = closed.job_id;
+    assert_eq!(keep(elsewhere, open.claim).await, HandedOn::NoSuchClaim);
+    assert!(!answer_kept(&env, open.attempt_id).await);
+
+    let held = Holder::hold_with_attempts(&env.database_url, open.job_id).await;
+    assert_eq!(keep(answer.clone(), open.claim).await, HandedOn::Held);
+    held.release().await;
+    assert!(!answer_kept(&env, open.attempt_id).await);
+    assert_eq!(keep(answer.clone(), open.claim).await, HandedOn::Kept);
+    assert!(answer_kept(&env, open.attempt_id).await);
+
+    cancelled_by_hand(&env, closed.attempt_id).await;
+    assert_eq!(
+        keep(success(&closed), closed.claim).await,
+        HandedOn::Settled
+    );
+    let view = env.store.job(closed.job_id).await.unwrap().unwrap();
+    assert_eq!(view.status, JobStatus::Cancelled);
+    assert_eq!(view.attempts[0].status, AttemptStatus::Cancelled);
+    assert_eq!(
+        view.attempts[0].usage,
+        Some(serde_json::json!({"total_tokens": 10})),
+        "what the call cost is kept"
+    );
+    assert!(!answer_kept(&env, closed.attempt_id).await);
 }

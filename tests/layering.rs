@@ -81,7 +81,14 @@ const LAYERS: &[(&str, &[&str], bool)] = &[
     ("roles", &["intake", "attempts", "reconciler"], false),
     (
         "shared by the roles",
-        &["runtime", "policy", "qualify", "evidence", "dlq"],
+        &[
+            "runtime",
+            "policy",
+            "qualify",
+            "evidence",
+            "handed_on",
+            "dlq",
+        ],
         true,
     ),
     (

@@ -103,10 +103,13 @@ pub enum DlqError {
 /// Result alias for dead letters.
 pub type Result<T, E = DlqError> = std::result::Result<T, E>;
 
-/// Every dead-letter queue of the configuration: the intents' and each provider's
-/// attempts'.
+/// Every dead-letter queue of the configuration: the intents', the handed-on
+/// settlements' and each provider's attempts'.
 pub fn queues(config: &Config) -> Vec<String> {
-    let mut out = vec![broker::dead_letter_queue(broker::INTENTS_QUEUE)];
+    let mut out = vec![
+        broker::dead_letter_queue(broker::INTENTS_QUEUE),
+        broker::dead_letter_queue(broker::SETTLEMENTS_QUEUE),
+    ];
     out.extend(
         config
             .providers

@@ -183,6 +183,13 @@ pub fn evidence_look(provider: &str, outcome: &'static str) {
     .increment(1);
 }
 
+/// A settlement handed on through the broker ([`crate::handed_on`]): by the
+/// worker that could not settle it (`published`, `lost`), or by the worker
+/// that took it (`kept`, `settled_already`, `refused`).
+pub fn settlement_handed_on(outcome: &'static str) {
+    counter!("onejob_settlements_handed_on_total", "outcome" => outcome).increment(1);
+}
+
 /// An unknown was resolved by evidence (`how`), `unknown_for` after its
 /// call's deadline.
 pub fn unknown_resolved(how: &'static str, unknown_for: Duration) {

@@ -21,7 +21,82 @@ struct KeptAnswer {
     request_id: Option<String>,
 }
 
+/// What became of a settlement handed on through the broker
+/// ([`Store::keep_handed_on`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandedOn {
+    /// Kept on its attempt, for the kept-answer pass to settle.
+    Kept,
+    /// Its attempt's row is held under someone else's lock: nothing written.
+    Held,
+    /// Its attempt, under the same claim, is no longer open: it was settled
+    /// already (a duplicate, or evidence or an operator got there first).
+    Settled,
+    /// No attempt of that job was started under that claim: nothing kept.
+    NoSuchClaim,
+}
+
+/// An answer as its attempt keeps it.
+fn kept_answer(finished: &Finished) -> Result<Value> {
+    serde_json::to_value(KeptAnswer {
+        version: finished.version,
+        verdict: finished.verdict.clone(),
+        usage: finished.usage.clone(),
+        request_id: finished.provider_request_id.clone(),
+    })
+    .map_err(corrupt)
+}
+
 impl Store {
+    /// Keeps a settlement handed on through the broker on its attempt, if
+    /// that attempt is still open and was started under `claim` (the secret
+    /// only its worker knew): never waits for a held row (`SKIP LOCKED`).
+    /// An attempt under that claim that was settled meanwhile keeps what the
+    /// call cost (its usage and request id, where it has none), as a late
+    /// answer's settlement would. Whatever else it names keeps nothing.
+    pub async fn keep_handed_on(&self, finished: &Finished, claim: Uuid) -> Result<HandedOn> {
+        let kept = kept_answer(finished)?;
+        self.retrying(|| async {
+            let row = sqlx::query!(
+                r#"WITH target AS (
+                       SELECT status IN ('started', 'unknown') AS open, claim = $3 AS ours
+                       FROM attempts WHERE id = $1 AND job_id = $4
+                   ), kept AS (
+                       UPDATE attempts SET answer = $2, kept_next_at = NULL
+                       WHERE id IN (SELECT id FROM attempts
+                                    WHERE id = $1 AND job_id = $4 AND claim = $3
+                                      AND status IN ('started', 'unknown')
+                                    FOR UPDATE SKIP LOCKED)
+                       RETURNING id
+                   ), late AS (
+                       UPDATE attempts
+                       SET usage = coalesce(usage, $5), provider_request_id = coalesce(provider_request_id, $6)
+                       WHERE id = $1 AND job_id = $4 AND claim = $3
+                         AND status NOT IN ('queued', 'started', 'unknown')
+                       RETURNING id
+                   )
+                   SELECT (SELECT count(*) FROM kept) AS "kept!",
+                          (SELECT open FROM target) AS open,
+                          (SELECT ours FROM target) AS ours"#,
+                finished.attempt_id.0,
+                &kept,
+                claim,
+                finished.job_id.0,
+                finished.usage.as_ref(),
+                finished.provider_request_id.as_deref(),
+            )
+            .fetch_one(&self.pool)
+            .await?;
+            Ok(match (row.kept, row.ours, row.open) {
+                (1.., _, _) => HandedOn::Kept,
+                (_, Some(true), Some(true)) => HandedOn::Held,
+                (_, Some(true), _) => HandedOn::Settled,
+                _ => HandedOn::NoSuchClaim,
+            })
+        })
+        .await
+    }
+
     /// Keeps `finished` on its attempt while the attempt is still open. Takes
     /// the attempt row with `SKIP LOCKED`, so it never waits: false when the
     /// row was held (or the attempt is no longer open) and nothing was kept.
@@ -29,13 +104,7 @@ impl Store {
     /// answer a look at evidence found, is written as the look's note with
     /// it: whoever settles the answer, the attempt says what was found.
     pub async fn keep_answer(&self, finished: &Finished, found: Option<&str>) -> Result<bool> {
-        let kept = serde_json::to_value(KeptAnswer {
-            version: finished.version,
-            verdict: finished.verdict.clone(),
-            usage: finished.usage.clone(),
-            request_id: finished.provider_request_id.clone(),
-        })
-        .map_err(corrupt)?;
+        let kept = kept_answer(finished)?;
         self.retrying(|| async {
             let done = sqlx::query!(
                 "UPDATE attempts SET answer = $2, kept_next_at = NULL,

@@ -67,7 +67,7 @@ use error::corrupt;
 pub use error::{Refusal, Result, StoreError};
 pub use evidence::{EvidenceClaim, EvidenceDue};
 pub use jobs::{JobQuery, JobSummary};
-pub use kept::KeptWaiting;
+pub use kept::{HandedOn, KeptWaiting};
 pub use owners::{OwnerChange, OwnerView};
 pub use qualifications::QualificationRun;
 pub use retention::{Pass, Policy, Pruned};

@@ -28,6 +28,21 @@ impl Holder {
         Holder(conn)
     }
 
+    /// Holds the job row and its attempts' rows, as a session that settles
+    /// or resolves the job by hand would.
+    pub async fn hold_with_attempts(url: &str, job: JobId) -> Holder {
+        let mut conn = PgConnection::connect(url).await.expect("holder connects");
+        conn.execute("BEGIN").await.expect("begin");
+        sqlx::query(
+            "SELECT j.id FROM jobs j JOIN attempts a ON a.job_id = j.id WHERE j.id = $1 FOR UPDATE",
+        )
+        .bind(job.0)
+        .fetch_all(&mut conn)
+        .await
+        .expect("lock the job's rows");
+        Holder(conn)
+    }
+
     pub async fn release(mut self) {
         self.0.execute("ROLLBACK").await.expect("release");
         self.0.close().await.ok();

@@ -131,8 +131,9 @@ async fn declare_the_old_way(ch: &lapin::Channel, queue: &str) {
     .unwrap();
 }
 
-/// The two work queues of `vhost` (`rabbitmqctl` lists their arguments) are
-/// declared for at-least-once dead-lettering.
+/// The three work queues of `vhost` (intents, settlements and the
+/// primary's attempts; `rabbitmqctl` lists their arguments) are declared for
+/// at-least-once dead-lettering.
 fn work_queues_are_current(vhost: &str) {
     let listed = std::process::Command::new("rabbitmqctl")
         .args(["list_queues", "-q", "-p", vhost, "name", "arguments"])
@@ -143,7 +144,7 @@ fn work_queues_are_current(vhost: &str) {
         .lines()
         .filter(|l| l.starts_with("onejob.") && !l.contains(".dlq"))
         .collect();
-    assert_eq!(work.len(), 2, "{listed}");
+    assert_eq!(work.len(), 3, "{listed}");
     for line in work {
         assert!(
             line.contains("at-least-once") && line.contains("reject-publish"),
@@ -202,7 +203,8 @@ async fn a_closed_publishing_channel_is_reopened() {
 }
 
 /// Item 2: when the AMQP connection is gone for good, every role stops (the
-/// reconciler too, which has no consumer to notice) and the worker reports it.
+/// reconciler too, whether its passes or its consumer of handed-on
+/// settlements notices first) and the worker reports it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn losing_the_broker_for_good_stops_every_role() {
     let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));

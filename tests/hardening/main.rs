@@ -7,7 +7,8 @@
 //! outcomes that arrive after their job ended (`late_outcomes`), settlements
 //! racing each other behind a barrier (`races`), dead letters
 //! (`dead_letters`), the broker's faults (`broker_faults`), Postgres
-//! outages and stopping workers (`outages`), and the reconciler's upkeep
+//! outages and stopping workers (`outages`), settlements handed on through
+//! the broker when Postgres is away at a stop (`handed_on`), and the reconciler's upkeep
 //! (`upkeep`).
 
 #[path = "../common/mod.rs"]
@@ -15,6 +16,7 @@ mod common;
 
 mod broker_faults;
 mod dead_letters;
+mod handed_on;
 mod late_outcomes;
 mod outages;
 mod provider_answers;

@@ -14,7 +14,7 @@ use crate::common::{
 
 /// A worker context whose Postgres connections go through a TCP path the test
 /// can cut and restore.
-async fn behind_a_cuttable_postgres(
+pub(super) async fn behind_a_cuttable_postgres(
     env: &TestEnv,
     config: &std::sync::Arc<onejob::config::Config>,
 ) -> (common::Cuttable, onejob::runtime::Context) {

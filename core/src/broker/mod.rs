@@ -45,6 +45,11 @@ pub const EVENTS: &str = "onejob.events";
 pub const INTENTS_QUEUE: &str = "onejob.intents";
 /// The routing key producers publish intents with.
 pub const INTENTS_KEY: &str = "intents";
+/// The queue of settlements handed on: answers a stopping worker could
+/// neither settle nor keep (Postgres unreachable), for any worker to settle.
+pub const SETTLEMENTS_QUEUE: &str = "onejob.settlements";
+/// The routing key settlements are handed on with.
+pub const SETTLEMENTS_KEY: &str = "settlements";
 /// The header naming why a message was dead-lettered by onejob.
 pub const ERROR_HEADER: &str = "x-onejob-error";
 /// When onejob dead-lettered a message itself (the broker's own dead letters

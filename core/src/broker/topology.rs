@@ -3,7 +3,9 @@
 
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
-use super::{BrokerError, DLX, INTENTS_KEY, INTENTS_QUEUE, Result};
+use super::{
+    BrokerError, DLX, INTENTS_KEY, INTENTS_QUEUE, Result, SETTLEMENTS_KEY, SETTLEMENTS_QUEUE,
+};
 
 /// AMQP 0-9-1 caps short strings (routing keys, reply-to) at 255 bytes.
 const SHORT_STRING_MAX: usize = 255;
@@ -60,7 +62,10 @@ pub(super) fn describe_work_args(delivery_limit: u32) -> String {
 
 /// The work queues of a configuration and their routing keys.
 pub(super) fn work_queues(providers: &[String]) -> Vec<(String, String)> {
-    let mut work = vec![(INTENTS_QUEUE.to_owned(), INTENTS_KEY.to_owned())];
+    let mut work = vec![
+        (INTENTS_QUEUE.to_owned(), INTENTS_KEY.to_owned()),
+        (SETTLEMENTS_QUEUE.to_owned(), SETTLEMENTS_KEY.to_owned()),
+    ];
     for p in providers {
         work.push((attempts_queue(p), attempts_routing_key(p)));
     }
@@ -86,5 +91,9 @@ mod tests {
         assert_eq!(attempts_queue("primary"), "onejob.attempts.primary");
         assert_eq!(attempts_routing_key("primary"), "attempts.primary");
         assert_eq!(dead_letter_queue(INTENTS_QUEUE), "onejob.intents.dlq");
+        assert_eq!(
+            dead_letter_queue(SETTLEMENTS_QUEUE),
+            "onejob.settlements.dlq"
+        );
     }
 }

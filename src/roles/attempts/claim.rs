@@ -35,8 +35,10 @@ pub(super) async fn claim(
     let provider = client.provider();
     crate::metrics::attempt_batch(&provider.name, "claim", ids.len());
     // One token for every try of this claim: a try whose commit took effect
-    // unseen is found again by the next (Store::claim).
-    let token = uuid::Uuid::now_v7();
+    // unseen is found again by the next (Store::claim). Random, not
+    // time-ordered: it is the secret a settlement handed on through the
+    // broker proves its origin by.
+    let token = uuid::Uuid::new_v4();
     let claimed = with_retries(shutdown, "starting attempts", || async {
         Ok(ctx
             .store

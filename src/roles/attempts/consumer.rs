@@ -126,8 +126,13 @@ impl Consumer {
     /// (`attempt_prefetch`): each holds its delivery, so at the bound the
     /// consumer takes no new delivery, and no new call is made, until the
     /// database lets settlements through again.
+    ///
+    /// At a stop it settles once more: that flush, seeing the stop, hands an
+    /// answer it can neither settle nor keep on through the broker
+    /// ([`crate::handed_on`]).
     async fn settle(&self, started: Started, finished: Finished) -> Result<()> {
         let mut pause = HELD_PAUSE_MIN;
+        let mut stopping = false;
         loop {
             let committed = self
                 .settlements
@@ -139,11 +144,12 @@ impl Consumer {
                 Ok(false) => {}
                 Err(e) => return Err(WorkerError::Unsettled(e)),
             }
-            if self.pause(&mut pause).await.is_err() {
+            if stopping {
                 return Err(WorkerError::Unsettled(
-                    "the worker is stopping while this attempt's rows are held; its answer is kept on the attempt for the reconciler to settle".into(),
+                    "the worker is stopping while this attempt's rows are held; its answer is kept on the attempt, or handed on, where it could be, for the reconciler to settle".into(),
                 ));
             }
+            stopping = self.pause(&mut pause).await.is_err();
         }
     }
 

@@ -33,12 +33,18 @@ pub(super) async fn settle(
     let (outcomes, publish) = match settle_all(ctx, shutdown, &finished, &failing).await {
         Ok(settled) => settled,
         Err(e) => {
-            // Their deliveries go back: their answers are kept first.
-            for f in &finished {
-                keep(ctx, f).await;
-            }
+            // Their deliveries go back: their answers are kept first. One
+            // that cannot be kept (Postgres unreachable at a stop) is handed
+            // on through the broker, and its delivery goes.
             let why = e.to_string();
-            return finished.iter().map(|_| Err(why.clone())).collect();
+            let mut answers = Vec::with_capacity(finished.len());
+            for (s, f) in started.iter().zip(&finished) {
+                answers.push(match keep_or_hand_on(ctx, s, f).await {
+                    Unsettled::HandedOn => Ok(true),
+                    Unsettled::Kept | Unsettled::Lost => Err(why.clone()),
+                });
+            }
+            return answers;
         }
     };
     let mut answers = Vec::with_capacity(finished.len());
@@ -51,7 +57,15 @@ pub(super) async fn settle(
                 Err(error)
             }
             // Kept here, in the flush, so that it is kept even when its
-            // handler is gone (cut off at the end of a stop).
+            // handler is gone (cut off at the end of a stop). At a stop, one
+            // that cannot be kept (its attempt row held too) is handed on
+            // through the broker; otherwise its handler settles it again.
+            Settled::Busy if shutdown.is_triggered() => {
+                match keep_or_hand_on(ctx, started, finished).await {
+                    Unsettled::HandedOn => Ok(true),
+                    Unsettled::Kept | Unsettled::Lost => Ok(false),
+                }
+            }
             Settled::Busy => {
                 keep(ctx, finished).await;
                 Ok(false)
@@ -100,14 +114,65 @@ pub(super) async fn settle_all(
 
 /// Writes an answer that could not be settled now onto its attempt, for the
 /// reconciler to settle if its worker stops first; best effort, logged.
-pub(super) async fn keep(ctx: &Context, finished: &Finished) {
+/// Whether it was kept.
+pub(super) async fn keep(ctx: &Context, finished: &Finished) -> bool {
     match ctx.store.keep_answer(finished, None).await {
-        Ok(true) => {}
+        Ok(true) => true,
         Ok(false) => {
-            tracing::warn!(attempt_id = %finished.attempt_id, "an unsettled answer could not be kept: its attempt row is held or no longer open")
+            tracing::warn!(attempt_id = %finished.attempt_id, "an unsettled answer could not be kept: its attempt row is held or no longer open");
+            false
         }
         Err(e) => {
-            tracing::warn!(attempt_id = %finished.attempt_id, error = %e, "could not keep an unsettled answer on its attempt")
+            tracing::warn!(attempt_id = %finished.attempt_id, error = %e, "could not keep an unsettled answer on its attempt");
+            false
+        }
+    }
+}
+
+/// Where an answer that could not be settled now went instead.
+enum Unsettled {
+    /// Onto its attempt.
+    Kept,
+    /// To the queue of settlements handed on, confirmed by the broker.
+    HandedOn,
+    /// Nowhere: its attempt becomes `unknown` at its deadline.
+    Lost,
+}
+
+/// Keeps an answer that could not be settled on its attempt, or, when that
+/// cannot be done (Postgres unreachable, or the attempt row held), hands it
+/// on to `onejob.settlements` with a confirm, for any worker to settle once
+/// it can ([`crate::handed_on`]).
+async fn keep_or_hand_on(ctx: &Context, started: &Started, finished: &Finished) -> Unsettled {
+    if keep(ctx, finished).await {
+        return Unsettled::Kept;
+    }
+    let settlement = crate::handed_on::Settlement::of(started, finished);
+    let handed = async {
+        let body = serde_json::to_vec(&settlement).map_err(|e| e.to_string())?;
+        let properties = crate::broker::json_properties()
+            .with_message_id(finished.attempt_id.to_string().into());
+        ctx.publisher
+            .publish(
+                crate::broker::EXCHANGE,
+                crate::broker::SETTLEMENTS_KEY,
+                &body,
+                properties,
+                true,
+            )
+            .await
+            .map_err(|e| e.to_string())
+    };
+    match handed.await {
+        Ok(()) => {
+            tracing::warn!(attempt_id = %finished.attempt_id, job_id = %finished.job_id, "an answer that could be neither settled nor kept was handed on to {} for any worker to settle", crate::broker::SETTLEMENTS_QUEUE);
+            crate::metrics::settlement_handed_on("published");
+            Unsettled::HandedOn
+        }
+        Err(e) => {
+            tracing::error!(attempt_id = %finished.attempt_id, job_id = %finished.job_id, error = %e, "an answer could be neither settled, kept nor handed on: its attempt becomes unknown at its deadline");
+            crate::metrics::settlement_handed_on("lost");
+            Unsettled::Lost
         }
     }
 }

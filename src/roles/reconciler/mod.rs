@@ -9,6 +9,10 @@
 //! - **Kept answers**: an answer whose rows were held under someone else's lock
 //!   when it arrived was kept on its attempt; it is settled here, as a live
 //!   answer would be.
+//! - **Settlements handed on**: an answer a stopping worker could neither
+//!   settle nor keep (Postgres unreachable) arrives on `onejob.settlements`;
+//!   one that proves its claim is kept on its attempt, and settled as a kept
+//!   answer (`handed_on`).
 //! - **Lost messages**: `queued` attempts that never started long after their
 //!   message was published are republished, then failed with a reason after
 //!   `max_republish` tries.
@@ -36,12 +40,13 @@
 //! `FOR UPDATE SKIP LOCKED` or goes through a guarded statement.
 
 mod evidence;
+mod handed_on;
 
 use std::time::Duration;
 
 use crate::domain::{self, GiveUp};
 use crate::policy::Planner;
-use crate::runtime::{Context, Result};
+use crate::runtime::{Context, Result, WorkerError};
 use crate::shutdown::Shutdown;
 use crate::store::{FailedJob, Settled};
 use crate::trace::TraceContext;
@@ -57,11 +62,30 @@ const PRUNE_BATCH: i64 = 1000;
 /// large first prune spreads over several passes.
 const PRUNE_BATCHES: usize = 100;
 
-/// Runs every pass until shutdown.
+/// Runs every pass, and takes the settlements handed on, until shutdown. A
+/// failure of the settlements' consumer stops the role as a pass's would.
 pub(crate) async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
     let pruner = tokio::spawn(prune_loop(ctx.clone(), shutdown.clone()));
     let evidence = tokio::spawn(evidence::evidence_loop(ctx.clone(), shutdown.clone()));
-    let outcome = passes(ctx, shutdown).await;
+    let mut handed_on = tokio::spawn(handed_on::consume(ctx.clone(), shutdown.clone()));
+    let passes = passes(ctx, shutdown.clone());
+    tokio::pin!(passes);
+    let outcome = tokio::select! {
+        outcome = &mut passes => {
+            // At a stop the consumer hands back what it holds; otherwise it
+            // is stopped with the passes.
+            if !shutdown.is_triggered() {
+                handed_on.abort();
+            }
+            let _ = handed_on.await;
+            outcome
+        }
+        ended = &mut handed_on => match ended {
+            Ok(Ok(())) => passes.await,
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(WorkerError::RoleStopped("reconciler".into(), e.to_string())),
+        },
+    };
     for task in [pruner, evidence] {
         task.abort();
         let _ = task.await;

@@ -17,7 +17,7 @@ impl Store {
         timeout: Duration,
     ) -> Result<Vec<Started>> {
         Ok(self
-            .claim(provider, "none", ids, timeout, Uuid::now_v7())
+            .claim(provider, "none", ids, timeout, Uuid::new_v4())
             .await?
             .started)
     }
@@ -124,7 +124,7 @@ impl Store {
                 .map_err(StoreError::from)
             })
             .await?;
-        claim_of(rows)
+        claim_of(rows, token)
     }
 
     /// Hands back what the claim `token` started: its attempts go back to
@@ -183,7 +183,7 @@ struct ClaimRow {
 
 /// What a claim's rows say: the attempts it started, each with its job's
 /// operation and input, and the attempts whose job row was held.
-fn claim_of(rows: Vec<ClaimRow>) -> Result<Claim> {
+fn claim_of(rows: Vec<ClaimRow>, token: Uuid) -> Result<Claim> {
     let mut claim = Claim::default();
     for r in rows {
         if r.busy {
@@ -201,6 +201,7 @@ fn claim_of(rows: Vec<ClaimRow>) -> Result<Claim> {
             version: r.version,
             operation: r.operation,
             input,
+            claim: token,
         });
     }
     Ok(claim)

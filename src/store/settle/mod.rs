@@ -44,6 +44,10 @@ pub struct Started {
     pub operation: String,
     /// The job's input.
     pub input: serde_json::Map<String, Value>,
+    /// The claim it was started under (`attempts.claim`): random, and known
+    /// only to Postgres and the worker that claimed it, so a settlement handed
+    /// on through the broker proves by it that it comes from that worker.
+    pub claim: Uuid,
 }
 
 /// How an attempt ended, as its worker saw it.
