@@ -60,8 +60,8 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
     // The faults last as long as the load; then the fleet recovers.
     let held_rows = holder.stop().await;
     let settled_in = settled(&env, confirmed.len()).await;
-    let lost_replies = lossy.lost();
     lossy.stop_losing();
+    let lost = Lost::of(&lossy.lost_statements());
     // The last events' outbox rows are published by the relay.
     wait_for("the outbox to drain", Duration::from_secs(30), || async {
         let pending: i64 =
@@ -78,9 +78,53 @@ async fn database_chaos_loses_nothing_duplicates_no_call_and_leaves_nothing_unkn
         &primary,
         &sent,
         &confirmed,
-        (lost_replies, held_rows, settled_in),
+        (lost, held_rows, settled_in),
     )
     .await;
+}
+
+/// The replies lost after commits, by what they answered: claims,
+/// settlements, and everything else (reads, the relay, the passes).
+#[derive(Debug, Default)]
+struct Lost {
+    claims: usize,
+    settlements: usize,
+    other: usize,
+}
+
+impl Lost {
+    /// Sorts the lost replies by the statements they answered.
+    fn of(lost: &[Vec<String>]) -> Lost {
+        let mut sorted = Lost::default();
+        for statements in lost {
+            let ran = |what: &str| statements.iter().any(|s| s.contains(what));
+            if ran("SET status = 'started', claim") {
+                sorted.claims += 1;
+            } else if ran("jobs_taken") {
+                sorted.settlements += 1;
+            } else {
+                sorted.other += 1;
+            }
+        }
+        sorted
+    }
+}
+
+/// The times the workers' claims and settlements met a row held under
+/// another session's lock, by their own counters (the workers run in this
+/// process): `(claims, settlements)`.
+fn collisions() -> (u64, u64) {
+    let text = onejob::metrics::render();
+    let sum = |name: &str, label: &str| -> u64 {
+        text.lines()
+            .filter(|l| l.starts_with(name) && l.contains(label))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    };
+    (
+        sum("onejob_attempt_claims_held_total{", ""),
+        sum("onejob_attempts_settled_total{", "settled=\"busy\""),
+    )
 }
 
 /// The three in-process workers, each with every role, their Postgres
@@ -118,8 +162,9 @@ impl Fleets {
     }
 }
 
-/// Another session that holds a random open job's row for 1.5 s at a time,
-/// until stopped, counting the rows it held.
+/// Another session that holds open jobs' rows (one queued, one running, one
+/// unknown, picked at random) for 1.5 s at a time, until stopped, counting
+/// the rows it held.
 struct RowHolder {
     holding: Arc<AtomicBool>,
     holds: Arc<AtomicU64>,
@@ -138,16 +183,22 @@ impl RowHolder {
                 let mut conn = PgConnection::connect(&url).await.unwrap();
                 while holding.load(Ordering::SeqCst) {
                     conn.execute("BEGIN").await.unwrap();
-                    let picked: Option<uuid::Uuid> = sqlx::query_scalar(
-                        "SELECT id FROM jobs WHERE status IN ('queued', 'running', 'unknown')
-                     ORDER BY random() LIMIT 1 FOR UPDATE SKIP LOCKED",
-                    )
-                    .fetch_optional(&mut conn)
-                    .await
-                    .unwrap();
-                    if picked.is_some() {
-                        holds.fetch_add(1, Ordering::SeqCst);
+                    // One job of each open status, where there is one: a
+                    // queued one's claim, a running one's settlement and an
+                    // unknown one's evidence are about to meet it.
+                    let mut held = 0;
+                    for status in ["queued", "running", "unknown"] {
+                        let picked: Option<uuid::Uuid> = sqlx::query_scalar(
+                            "SELECT id FROM jobs WHERE status = $1
+                             ORDER BY random() LIMIT 1 FOR UPDATE SKIP LOCKED",
+                        )
+                        .bind(status)
+                        .fetch_optional(&mut conn)
+                        .await
+                        .unwrap();
+                        held += u64::from(picked.is_some());
                     }
+                    holds.fetch_add(held, Ordering::SeqCst);
                     tokio::time::sleep(Duration::from_millis(1500)).await;
                     conn.execute("COMMIT").await.unwrap();
                     let pause = rand::rng().random_range(100..400);
@@ -207,11 +258,10 @@ async fn check_history(
     primary: &onejob::mock::MockHandle,
     sent: &common::chaos::Sent,
     confirmed: &[String],
-    (lost_replies, held_rows, settled_in): (u64, u64, Duration),
+    (lost, held_rows, settled_in): (Lost, u64, Duration),
 ) {
     use common::chaos::Invariants;
-    assert!(lost_replies >= 10, "replies were lost: {lost_replies}");
-    assert!(held_rows >= 3, "job rows were held: {held_rows}");
+    let (claims_held, settlements_held) = collisions();
     let invariants = Invariants::check(env, &env.store, confirmed).await;
     let calls = primary.stats.idempotency_keys();
     let distinct: std::collections::HashSet<&String> = calls.iter().collect();
@@ -226,15 +276,28 @@ async fn check_history(
             .await
             .unwrap();
     println!(
-        "database chaos: {} intents sent ({} keys), {lost_replies} replies lost after commits, \
-         {held_rows} job rows held 1.5 s under lock_timeout 300 ms; {by_evidence} unknowns settled by evidence; \
+        "database chaos: {} intents sent ({} keys); replies lost after commits: {} to claims, \
+         {} to settlements, {} to other statements; {held_rows} job rows held 1.5 s under \
+         lock_timeout 300 ms, met by {claims_held} claims and {settlements_held} settlements; \
+         {by_evidence} unknowns settled by evidence; \
          settled {settled_in:?} after the last publish; \
          {} provider calls for {} attempts, {} called twice; {without_call} attempts started or unknown",
         sent.count.load(Ordering::SeqCst),
         confirmed.len(),
+        lost.claims,
+        lost.settlements,
+        lost.other,
         calls.len(),
         invariants.attempts,
         calls.len() - distinct.len(),
+    );
+    assert!(
+        lost.claims >= 1 && lost.settlements >= 1,
+        "replies to claims and settlements were lost: {lost:?}"
+    );
+    assert!(
+        claims_held >= 1 && settlements_held >= 1,
+        "claims and settlements met held rows: {claims_held} claims, {settlements_held} settlements"
     );
     assert!(
         by_evidence >= 10,

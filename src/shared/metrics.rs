@@ -155,6 +155,15 @@ pub fn attempt_settled(provider: &str, settled: &'static str) {
     .increment(1);
 }
 
+/// Claims of `provider`'s attempts met their job rows held under someone
+/// else's lock (`held` of them): each is claimed again shortly.
+pub fn attempt_claims_held(provider: &str, held: usize) {
+    if held > 0 {
+        counter!("onejob_attempt_claims_held_total", "provider" => provider.to_owned())
+            .increment(held as u64);
+    }
+}
+
 /// A provider call ended: `answered` (whatever the answer), `refused` (never
 /// left), `rejected` (an error status) or `unknown` (timed out or cut off).
 pub fn provider_call(provider: &str, result: &'static str, elapsed: Duration) {

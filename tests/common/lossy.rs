@@ -10,10 +10,16 @@
 //! carries a `CommandComplete`, the statement committed, and this reply may be
 //! the one lost. Connect with `sslmode=disable` so that the stream is framed
 //! from the first byte.
+//!
+//! It reads the client's messages too (`Query`, and `Parse` and `Bind` of
+//! prepared statements), so that it can say what each lost reply was to: the
+//! statements run since the connection was last idle, the whole transaction
+//! for a lost `COMMIT` ([`LossyPostgres::lost_statements`]).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -26,6 +32,7 @@ pub struct LossyPostgres {
     lost: Arc<AtomicU64>,
     losing: Arc<AtomicBool>,
     next_commit: Arc<AtomicBool>,
+    lost_statements: Arc<Mutex<Vec<Vec<String>>>>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -37,6 +44,8 @@ struct Rule {
     lost: Arc<AtomicU64>,
     losing: Arc<AtomicBool>,
     next_commit: Arc<AtomicBool>,
+    /// The statements each lost reply answered.
+    lost_statements: Arc<Mutex<Vec<Vec<String>>>>,
 }
 
 impl Rule {
@@ -72,6 +81,7 @@ impl LossyPostgres {
         let lost = Arc::new(AtomicU64::new(0));
         let losing = Arc::new(AtomicBool::new(false));
         let next_commit = Arc::new(AtomicBool::new(false));
+        let lost_statements = Arc::new(Mutex::new(Vec::new()));
         let rule = Arc::new(Rule {
             every: every.max(1),
             max,
@@ -79,6 +89,7 @@ impl LossyPostgres {
             lost: lost.clone(),
             losing: losing.clone(),
             next_commit: next_commit.clone(),
+            lost_statements: lost_statements.clone(),
         });
         let target = target.to_owned();
         let (down, watch) = tokio::sync::watch::channel(false);
@@ -106,8 +117,15 @@ impl LossyPostgres {
             lost,
             losing,
             next_commit,
+            lost_statements,
             accept,
         }
+    }
+
+    /// What each lost reply answered: the statements run on its connection
+    /// since it was last idle (for a lost `COMMIT`, its whole transaction).
+    pub fn lost_statements(&self) -> Vec<Vec<String>> {
+        self.lost_statements.lock().unwrap().clone()
     }
 
     /// A URL to database `db` through this proxy.
@@ -156,11 +174,10 @@ impl Drop for LossyPostgres {
 /// One client connection: requests pass as they are; replies pass a whole
 /// reply at a time, or the connection is reset instead.
 async fn link(client: TcpStream, server: TcpStream, rule: Arc<Rule>) {
-    let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
-    let requests = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
-    });
+    let (client_read, mut client_write) = client.into_split();
+    let (mut server_read, server_write) = server.into_split();
+    let since_idle = Arc::new(Mutex::new(Vec::new()));
+    let requests = tokio::spawn(requests(client_read, server_write, since_idle.clone()));
     let mut pending: Vec<u8> = Vec::new();
     let mut reply: Vec<u8> = Vec::new();
     let mut completed = false;
@@ -187,7 +204,15 @@ async fn link(client: TcpStream, server: TcpStream, rule: Arc<Rule>) {
                 b'Z' => {
                     let idle = message.get(5) == Some(&b'I');
                     reply.extend_from_slice(&message);
+                    // Taken before the reply goes: the client's next
+                    // statement follows it.
+                    let answered = if idle {
+                        std::mem::take(&mut *since_idle.lock().unwrap())
+                    } else {
+                        Vec::new()
+                    };
                     if idle && completed && rule.lose(commit) {
+                        rule.lost_statements.lock().unwrap().push(answered);
                         break 'read;
                     }
                     if client_write.write_all(&reply).await.is_err() {
@@ -205,4 +230,74 @@ async fn link(client: TcpStream, server: TcpStream, rule: Arc<Rule>) {
     }
     requests.abort();
     let _ = client_write.shutdown().await;
+}
+
+/// Passes the client's bytes on as they come, and notes the text of each
+/// statement it runs (`Query`; `Bind` of a statement its `Parse` named) in
+/// `since_idle`. The first message is the startup message, which has no
+/// type byte.
+async fn requests(
+    mut client: tokio::net::tcp::OwnedReadHalf,
+    mut server: tokio::net::tcp::OwnedWriteHalf,
+    since_idle: Arc<Mutex<Vec<String>>>,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut pending: Vec<u8> = Vec::new();
+    let mut started = false;
+    let mut prepared: HashMap<String, String> = HashMap::new();
+    loop {
+        let n = match client.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if server.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+        pending.extend_from_slice(&buf[..n]);
+        loop {
+            let (at, len) = if started { (1, 1) } else { (0, 0) };
+            if pending.len() < at + 4 {
+                break;
+            }
+            let size = u32::from_be_bytes([
+                pending[at],
+                pending[at + 1],
+                pending[at + 2],
+                pending[at + 3],
+            ]) as usize;
+            if pending.len() < len + size {
+                break;
+            }
+            let message: Vec<u8> = pending.drain(..len + size).collect();
+            if !started {
+                started = true;
+                continue;
+            }
+            let body = &message[5..];
+            match message[0] {
+                b'Q' => since_idle.lock().unwrap().push(text_at(body, 0).0),
+                b'P' => {
+                    let (name, next) = text_at(body, 0);
+                    prepared.insert(name, text_at(body, next).0);
+                }
+                b'B' => {
+                    let (_portal, next) = text_at(body, 0);
+                    if let Some(query) = prepared.get(&text_at(body, next).0) {
+                        since_idle.lock().unwrap().push(query.clone());
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// The NUL-terminated string at `at` in `body`, and where the next begins.
+fn text_at(body: &[u8], at: usize) -> (String, usize) {
+    let rest = body.get(at..).unwrap_or_default();
+    let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
+    (
+        String::from_utf8_lossy(&rest[..end]).into_owned(),
+        at + end + 1,
+    )
 }

@@ -55,6 +55,7 @@ pub(super) async fn claim(
     match claimed {
         Ok(claim) => {
             let busy: BTreeSet<AttemptId> = claim.busy.into_iter().collect();
+            crate::metrics::attempt_claims_held(&provider.name, busy.len());
             let mut started: HashMap<AttemptId, Started> = claim
                 .started
                 .into_iter()
