@@ -73,6 +73,7 @@ pub use qualifications::QualificationRun;
 pub use retention::{Pass, Policy, Pruned};
 pub use settle::{Claim, FailedJob, Finished, NextStep, Resolution, Settled, Started, Verdict};
 pub use tokens::OperatorTokenView;
+pub use turns::HandOut;
 use views::JobRow;
 pub use views::{AttemptView, JobView, TokenView};
 

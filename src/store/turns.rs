@@ -10,29 +10,59 @@
 use super::outbox::{InsertedRow, leased};
 use super::*;
 
-/// The most owners one hand-out looks at; the rest wait for the next.
+/// The most owners one hand-out looks at; the next one goes on after the
+/// last of them (a rotation), so every owner is looked at in turn however
+/// many wait.
 const OWNERS_PER_HAND_OUT: i64 = 1000;
+
+/// What one hand-out did.
+#[derive(Debug, Default)]
+pub struct HandOut {
+    /// The messages to publish now.
+    pub publish: Vec<OutboxMessage>,
+    /// Whether any owner had turns held.
+    pub waiting: bool,
+    /// The last owner it looked at: the next hand-out begins after it.
+    pub looked_to: String,
+}
 
 impl Store {
     /// Hands out the turns held on `provider`: each owner with turns held gets
     /// as many as its share (`share`) and its `max_in_flight` leave room for,
     /// oldest first. Returns the messages to publish now (those the owner's
-    /// rate still holds back are the relay's to publish when due), and
-    /// whether any owner had turns held.
+    /// rate still holds back are the relay's to publish when due), whether
+    /// any owner had turns held, and the last owner looked at.
+    ///
+    /// It looks at [`OWNERS_PER_HAND_OUT`] owners at most, in name order from
+    /// the first after `after` (the last one the previous hand-out looked
+    /// at), round to the start: past that many waiting owners, each hand-out
+    /// goes on where the last stopped, so no owner waits for ever behind
+    /// others whatever its name.
     ///
     /// Owners with `max_in_flight` are locked first ([`owner_lock`] in the
     /// migration), in name order, and their flight counted after the lock,
     /// so that hand-outs on several providers and workers, and hedges, never
     /// both see the same room.
-    pub async fn hand_out_turns(
-        &self,
-        provider: &str,
-        share: i64,
-    ) -> Result<(Vec<OutboxMessage>, bool)> {
-        let waiting = self.owners_waiting(provider).await?;
-        if waiting.is_empty() {
-            return Ok((Vec::new(), false));
+    pub async fn hand_out_turns(&self, provider: &str, share: i64, after: &str) -> Result<HandOut> {
+        let mut waiting = self
+            .owners_waiting(provider, (after, None), OWNERS_PER_HAND_OUT)
+            .await?;
+        let mut looked_to = waiting.last().map(|w| w.owner_id.clone());
+        let room = OWNERS_PER_HAND_OUT - i64::try_from(waiting.len()).unwrap_or(i64::MAX);
+        if room > 0 && !after.is_empty() {
+            // Round to the start: the owners up to `after`, who come first
+            // by name (the locks below are taken in name order).
+            let wrapped = self
+                .owners_waiting(provider, ("", Some(after)), room)
+                .await?;
+            if let Some(w) = wrapped.last() {
+                looked_to = Some(w.owner_id.clone());
+            }
+            waiting.splice(0..0, wrapped);
         }
+        let Some(looked_to) = looked_to else {
+            return Ok(HandOut::default());
+        };
         let owners: Vec<String> = waiting.iter().map(|w| w.owner_id.clone()).collect();
         let limits: Vec<i64> = waiting.iter().map(|w| w.max_in_flight).collect();
         // Already in name order: the skip scan walks the index by owner.
@@ -61,7 +91,11 @@ impl Store {
             tx.commit().await?;
             rows
         };
-        Ok((leased(rows), true))
+        Ok(HandOut {
+            publish: leased(rows),
+            waiting: true,
+            looked_to,
+        })
     }
 
     /// The hand-out itself: each owner's room (its share less its turns
@@ -118,31 +152,44 @@ impl Store {
         .await?)
     }
 
-    /// The owners with turns held on `provider`, each with its
-    /// `max_in_flight`: a skip scan of `turns_held`, one index probe an owner
-    /// however long its backlog.
-    async fn owners_waiting(&self, provider: &str) -> Result<Vec<Waiting>> {
+    /// The owners with turns held on `provider` whose names come after
+    /// `after` (and, with `until`, not after it), in name order, `limit` at
+    /// most, each with its `max_in_flight`: a skip scan of `turns_held`, one
+    /// index probe an owner however long its backlog. Names are compared by
+    /// Postgres, in its collation.
+    async fn owners_waiting(
+        &self,
+        provider: &str,
+        (after, until): (&str, Option<&str>),
+        limit: i64,
+    ) -> Result<Vec<Waiting>> {
         Ok(sqlx::query_as!(
             Waiting,
             r#"WITH RECURSIVE waiting AS (
                    (SELECT owner_id FROM turns
-                    WHERE provider = $1 AND handed_out_at IS NULL
+                    WHERE provider = $1 AND handed_out_at IS NULL AND owner_id > $4
+                      AND ($5::text IS NULL OR owner_id <= $5)
                     ORDER BY owner_id LIMIT 1)
                    UNION ALL
                    SELECT (SELECT t.owner_id FROM turns t
                            WHERE t.provider = $1 AND t.handed_out_at IS NULL
                              AND t.owner_id > w.owner_id
+                             AND ($5::text IS NULL OR t.owner_id <= $5)
                            ORDER BY t.owner_id LIMIT 1)
                    FROM waiting w WHERE w.owner_id IS NOT NULL
+               ), listed AS (
+                   -- The limit stops the walk: the first `$3` by name.
+                   SELECT owner_id FROM waiting WHERE owner_id IS NOT NULL LIMIT $3
                )
-               SELECT w.owner_id AS "owner_id!",
+               SELECT l.owner_id AS "owner_id!",
                       COALESCE(o.max_in_flight, $2) AS "max_in_flight!"
-               FROM waiting w LEFT JOIN owners o USING (owner_id)
-               WHERE w.owner_id IS NOT NULL
-               LIMIT $3"#,
+               FROM listed l LEFT JOIN owners o USING (owner_id)
+               ORDER BY l.owner_id"#,
             provider,
             self.routes.owners.max_in_flight,
-            OWNERS_PER_HAND_OUT,
+            limit,
+            after,
+            until,
         )
         .fetch_all(&self.pool)
         .await?)

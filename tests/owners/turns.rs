@@ -176,3 +176,56 @@ async fn the_flood_ends(env: &TestEnv, flood_jobs: &[onejob::domain::JobId]) {
     })
     .await;
 }
+
+/// Issue 40: a thousand owners ahead of another by name, each at its
+/// `max_in_flight` with more waiting, do not starve it. A hand-out looks at
+/// a thousand owners at most; the next goes on after the last it looked at,
+/// round to the start, so the owner after them gets its turn at the second
+/// look (it never did: every look began at the first name).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn owners_past_the_first_thousand_by_name_get_their_turns() {
+    let text = super::config_with_owners("http://127.0.0.1:9/v1", "max_in_flight = 1");
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let ahead: Vec<_> = (0..1000)
+        .flat_map(|i| {
+            let owner = format!("o-{i:04}");
+            [0, 1].map(|k| common::new_job(&owner, &format!("k{k}"), "x"))
+        })
+        .collect();
+    for batch in ahead.chunks(500) {
+        super::created(&env.store, batch).await;
+    }
+    let last = [0, 1].map(|k| common::new_job("zz-last", &format!("k{k}"), "x"));
+    super::created(&env.store, &last).await;
+
+    // Every turn is held (max_in_flight): the first look hands the first
+    // thousand owners one turn each, which fills their room.
+    let first = env.store.hand_out_turns("primary", 8, "").await.unwrap();
+    assert_eq!(first.publish.len(), 1000);
+    assert_eq!(first.looked_to, "o-0999");
+    let second = env
+        .store
+        .hand_out_turns("primary", 8, &first.looked_to)
+        .await
+        .unwrap();
+    let handed: Vec<String> = second
+        .publish
+        .iter()
+        .map(|m| m.message_id.clone())
+        .collect();
+    assert_eq!(
+        handed,
+        [last[0].attempt_id.to_string()],
+        "zz-last's first turn"
+    );
+    // Round to the start: the owners before it were looked at again, and
+    // none had room; the next look goes on after them.
+    assert_eq!(second.looked_to, "o-0998");
+    let third = env
+        .store
+        .hand_out_turns("primary", 8, &second.looked_to)
+        .await
+        .unwrap();
+    assert!(third.publish.is_empty() && third.waiting);
+}

@@ -82,16 +82,23 @@ pub(super) async fn hand_out(
     // each (a claim or a settlement for every job): the tick finds the first
     // turns held, and from then on every wake looks.
     let mut idle = false;
+    // Where the next look begins: after the last owner this one looked at.
+    let mut after = String::new();
     loop {
         tokio::select! {
             () = shutdown.wait() => return,
             () = wake.notified(), if !idle => {}
             _ = tick.tick() => {}
         }
-        let handed = match ctx.store.hand_out_turns(&provider, share.now()).await {
-            Ok((handed, waiting)) => {
-                idle = !waiting;
-                handed
+        let handed = match ctx
+            .store
+            .hand_out_turns(&provider, share.now(), &after)
+            .await
+        {
+            Ok(out) => {
+                idle = !out.waiting;
+                after = out.looked_to;
+                out.publish
             }
             Err(e) => {
                 if !failing {
