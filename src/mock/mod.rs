@@ -124,10 +124,22 @@ impl Default for MockOptions {
 pub struct Stats {
     requests: AtomicU64,
     work: AtomicU64,
+    /// Work running now, and the most that ever ran at once.
+    running: AtomicU64,
+    most_running: AtomicU64,
     idempotency_keys: Mutex<VecDeque<String>>,
     #[serde(skip)]
     authorizations: Mutex<VecDeque<String>>,
     traces: Mutex<VecDeque<TraceSeen>>,
+}
+
+/// One piece of work counted as running ([`Stats::most_running`]).
+struct Running(Arc<Stats>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// The W3C trace context of a request, with its idempotency key.
@@ -150,6 +162,20 @@ impl Stats {
     /// Completions whose work ran: every request but a replayed key's.
     pub fn work(&self) -> u64 {
         self.work.load(Ordering::SeqCst)
+    }
+
+    /// The most work that ever ran at once. Work whose outcome is kept or
+    /// told runs to its end however soon its client hangs up, as a real
+    /// provider's does; other work ends with its request.
+    pub fn most_running(&self) -> u64 {
+        self.most_running.load(Ordering::SeqCst)
+    }
+
+    /// Counts one piece of work as running until the guard is dropped.
+    fn running(self: &Arc<Self>) -> Running {
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most_running.fetch_max(now, Ordering::SeqCst);
+        Running(self.clone())
     }
 
     /// The `Authorization` header of each request that had one, so tests can check
@@ -314,6 +340,7 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
     let keep = (options.store && request.store).then(|| request.metadata.unwrap_or(json!({})));
     if tell.is_none() && keep.is_none() {
         state.stats.work.fetch_add(1, Ordering::SeqCst);
+        let _running = state.stats.running();
         return answer::work(n, &options, d, &text, &user).await.respond();
     }
     // Work whose outcome is kept or told outlives its request: a client that
@@ -321,7 +348,9 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
     let (stats, evidence) = (state.stats.clone(), state.evidence.clone());
     let task = tokio::spawn(async move {
         stats.work.fetch_add(1, Ordering::SeqCst);
+        let running = stats.running();
         let outcome = answer::work(n, &options, d, &text, &user).await;
+        drop(running);
         if let (Some(metadata), answer::Outcome::Answer(c)) = (keep, &outcome) {
             evidence.store(c.clone(), metadata, options.record_limit);
         }

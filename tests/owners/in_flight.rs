@@ -150,3 +150,42 @@ async fn a_hedge_waits_for_room_under_max_in_flight() {
     producer.close().await;
     fleet.stop().await;
 }
+
+/// Issue 40: a call that timed out may still run at the provider, so its
+/// attempt stays in flight while it is `unknown`, until evidence settles it.
+/// An owner at `max_in_flight = 2` whose every call outlasts its timeout
+/// never has more than two of them running at the provider (it had as many
+/// as its jobs: each timeout handed the next turn out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn calls_that_timed_out_still_count_against_max_in_flight() {
+    let slow = mock(MockOptions {
+        store: true,
+        delay: Duration::from_millis(1500),
+        ..MockOptions::default()
+    })
+    .await;
+    let provider = "timeout = \"500ms\"\nevidence = \"stored\"\nevidence_delay = \"1s\"";
+    let text = common::config_for(&[common::P("primary", &slow.base_url(), provider)], "")
+        + "\n[owners]\nmax_in_flight = 2\n";
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let jobs = flood(&producer, "acct_slow", 6).await;
+    for job in &jobs {
+        wait_for_status(&env, *job, JobStatus::Succeeded).await;
+    }
+    let unknowns: i64 = sqlx::query_scalar("SELECT count(*) FROM audit WHERE actor = 'evidence'")
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(unknowns, 6, "every call timed out, and evidence settled it");
+    assert_eq!(slow.stats.work(), 6, "one call a job");
+    assert_eq!(
+        slow.stats.most_running(),
+        2,
+        "never more than max_in_flight running at the provider"
+    );
+    producer.close().await;
+    fleet.stop().await;
+}

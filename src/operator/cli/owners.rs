@@ -32,7 +32,8 @@ pub(super) enum OwnersCommand {
     Set {
         /// The owner.
         owner: String,
-        /// Attempts `started` at once for this owner, across the fleet.
+        /// Calls that may still run at once for this owner, across the fleet
+        /// (attempts started or unknown until settled, hedges, queued retries).
         #[arg(long, value_name = "N", value_parser = count, allow_negative_numbers = true)]
         max_in_flight: Option<Setting<i64>>,
         /// Intents admitted per second (a token bucket); more wait their turn.

@@ -27,7 +27,8 @@ pub const MAX_DAILY_TOKENS: i64 = 1_000_000_000_000_000;
 /// One owner's limits; 0 means "no limit" for each.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct OwnerLimits {
-    /// Attempts `started` at once for the owner, across the fleet.
+    /// Calls that may still run at once for the owner, across the fleet:
+    /// attempts started or unknown until settled, queued retries, turns handed out.
     pub max_in_flight: i64,
     /// Intents admitted per second, a token bucket.
     pub rate: f64,
