@@ -475,6 +475,10 @@ def check_keda(root, docs, deployments, secrets):
         for t in so["spec"]["triggers"]:
             if t["type"] == "rabbitmq" and t["metadata"]["queueName"] not in consumed:
                 problem(where, f"watches queue {t['metadata']['queueName']}, which its target does not consume ({', '.join(sorted(consumed)) or 'none'})")
+            if t["type"] == "prometheus":
+                waiting = re.search(r'onejob_provider_work_waiting\{provider="([^"]+)"\}', t["metadata"].get("query", ""))
+                if not waiting or attempts_queue(waiting.group(1)) not in consumed:
+                    problem(where, f"queries {t['metadata'].get('query')!r}, not the work waiting for a provider its target consumes ({', '.join(sorted(consumed)) or 'none'})")
             ref = (t.get("authenticationRef") or {}).get("name")
             if ref and ref not in auths:
                 problem(where, f"authenticationRef {ref} is no TriggerAuthentication")

@@ -86,6 +86,37 @@ impl Store {
         out.push_str("# TYPE onejob_outbox_unpublished gauge\n");
         out.push_str(&format!("onejob_outbox_unpublished {backlog}\n"));
         out.push_str(&self.owner_gauges().await?);
+        out.push_str(&self.waiting_gauge().await?);
+        Ok(out)
+    }
+
+    /// The work waiting for each provider: its attempts `queued`, whether
+    /// held in the database (a turn not handed out, a first attempt paced by
+    /// its owner's rate), in its queue, or a retry waiting out its backoff.
+    /// What an autoscaler scales its workers on: the queue's length misses
+    /// the backlog held in the database. Every configured provider has a
+    /// line, 0 when nothing waits. (A provider's name holds no character a
+    /// label value must escape.)
+    async fn waiting_gauge(&self) -> Result<String> {
+        let rows = sqlx::query!(
+            r#"SELECT provider AS "provider!", count(*) AS "n!" FROM attempts
+               WHERE status = 'queued' GROUP BY provider"#
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        let mut waiting: std::collections::BTreeMap<String, i64> = self
+            .routes
+            .shares
+            .iter()
+            .map(|(p, _)| (p.clone(), 0))
+            .collect();
+        waiting.extend(rows.into_iter().map(|r| (r.provider, r.n)));
+        let mut out = String::from("# TYPE onejob_provider_work_waiting gauge\n");
+        for (provider, n) in waiting {
+            out.push_str(&format!(
+                "onejob_provider_work_waiting{{provider=\"{provider}\"}} {n}\n"
+            ));
+        }
         Ok(out)
     }
 

@@ -204,6 +204,12 @@ async fn owners_past_the_first_thousand_by_name_get_their_turns() {
     let first = env.store.hand_out_turns("primary", 8, "").await.unwrap();
     assert_eq!(first.publish.len(), 1000);
     assert_eq!(first.looked_to, "o-0999");
+    // What an autoscaler sees: all the work waiting, held or handed out.
+    let gauges = env.store.gauges().await.unwrap();
+    assert!(
+        gauges.contains("onejob_provider_work_waiting{provider=\"primary\"} 2002\n"),
+        "{gauges}"
+    );
     let second = env
         .store
         .hand_out_turns("primary", 8, &first.looked_to)
