@@ -108,10 +108,10 @@ pub async fn run(ctx: Context, roles: Vec<Role>, shutdown: Shutdown) -> Result<(
 }
 
 /// A role's failure as the worker reports it: one that met the lost
-/// connection first says what was lost.
+/// connection first (closing, closed, errored or recovering) says what was
+/// lost.
 fn as_seen(ctx: &Context, role: &str, e: WorkerError) -> WorkerError {
-    let status = ctx.connection.status();
-    if status.closed() || status.errored() {
+    if !ctx.connection.status().connected() {
         WorkerError::RoleStopped(role.to_owned(), format!("RabbitMQ connection lost: {e}"))
     } else {
         e
