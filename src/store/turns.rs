@@ -44,28 +44,20 @@ impl Store {
     /// so that hand-outs on several providers and workers, and hedges, never
     /// both see the same room.
     pub async fn hand_out_turns(&self, provider: &str, share: i64, after: &str) -> Result<HandOut> {
-        let mut waiting = self
-            .owners_waiting(provider, (after, None), OWNERS_PER_HAND_OUT)
-            .await?;
-        let mut looked_to = waiting.last().map(|w| w.owner_id.clone());
-        let room = OWNERS_PER_HAND_OUT - i64::try_from(waiting.len()).unwrap_or(i64::MAX);
-        if room > 0 && !after.is_empty() {
-            // Round to the start: the owners up to `after`, who come first
-            // by name (the locks below are taken in name order).
-            let wrapped = self
-                .owners_waiting(provider, ("", Some(after)), room)
-                .await?;
-            if let Some(w) = wrapped.last() {
-                looked_to = Some(w.owner_id.clone());
-            }
-            waiting.splice(0..0, wrapped);
-        }
-        let Some(looked_to) = looked_to else {
+        let waiting = self.owners_waiting(provider, after).await?;
+        // The last looked at in the rotation: the last of those round at the
+        // start (named up to `after`, so first by name), else the last.
+        let Some(looked_to) = waiting
+            .iter()
+            .rfind(|w| w.wrapped)
+            .or(waiting.last())
+            .map(|w| w.owner_id.clone())
+        else {
             return Ok(HandOut::default());
         };
         let owners: Vec<String> = waiting.iter().map(|w| w.owner_id.clone()).collect();
         let limits: Vec<i64> = waiting.iter().map(|w| w.max_in_flight).collect();
-        // Already in name order: the skip scan walks the index by owner.
+        // In name order: the statement sorts them.
         let counted: Vec<String> = waiting
             .iter()
             .filter(|w| w.max_in_flight > 0)
@@ -152,44 +144,50 @@ impl Store {
         .await?)
     }
 
-    /// The owners with turns held on `provider` whose names come after
-    /// `after` (and, with `until`, not after it), in name order, `limit` at
-    /// most, each with its `max_in_flight`: a skip scan of `turns_held`, one
-    /// index probe an owner however long its backlog. Names are compared by
-    /// Postgres, in its collation.
-    async fn owners_waiting(
-        &self,
-        provider: &str,
-        (after, until): (&str, Option<&str>),
-        limit: i64,
-    ) -> Result<Vec<Waiting>> {
+    /// The owners with turns held on `provider`, [`OWNERS_PER_HAND_OUT`] at
+    /// most: those named after `after` first, then round to the start (those
+    /// named up to it, `wrapped`); returned in name order, each with its
+    /// `max_in_flight`. One statement: two skip scans of `turns_held`, one
+    /// index probe an owner however long its backlog, the second walked only
+    /// when the first leaves room (the limit stops the walks). Names are
+    /// compared by Postgres, in its collation.
+    async fn owners_waiting(&self, provider: &str, after: &str) -> Result<Vec<Waiting>> {
         Ok(sqlx::query_as!(
             Waiting,
-            r#"WITH RECURSIVE waiting AS (
+            r#"WITH RECURSIVE later AS (
                    (SELECT owner_id FROM turns
                     WHERE provider = $1 AND handed_out_at IS NULL AND owner_id > $4
-                      AND ($5::text IS NULL OR owner_id <= $5)
                     ORDER BY owner_id LIMIT 1)
                    UNION ALL
                    SELECT (SELECT t.owner_id FROM turns t
                            WHERE t.provider = $1 AND t.handed_out_at IS NULL
                              AND t.owner_id > w.owner_id
-                             AND ($5::text IS NULL OR t.owner_id <= $5)
                            ORDER BY t.owner_id LIMIT 1)
-                   FROM waiting w WHERE w.owner_id IS NOT NULL
+                   FROM later w WHERE w.owner_id IS NOT NULL
+               ), earlier AS (
+                   (SELECT owner_id FROM turns
+                    WHERE provider = $1 AND handed_out_at IS NULL AND owner_id <= $4
+                    ORDER BY owner_id LIMIT 1)
+                   UNION ALL
+                   SELECT (SELECT t.owner_id FROM turns t
+                           WHERE t.provider = $1 AND t.handed_out_at IS NULL
+                             AND t.owner_id > w.owner_id AND t.owner_id <= $4
+                           ORDER BY t.owner_id LIMIT 1)
+                   FROM earlier w WHERE w.owner_id IS NOT NULL
                ), listed AS (
-                   -- The limit stops the walk: the first `$3` by name.
-                   SELECT owner_id FROM waiting WHERE owner_id IS NOT NULL LIMIT $3
+                   (SELECT owner_id, false AS wrapped FROM later WHERE owner_id IS NOT NULL)
+                   UNION ALL
+                   (SELECT owner_id, true FROM earlier WHERE owner_id IS NOT NULL)
+                   LIMIT $3
                )
-               SELECT l.owner_id AS "owner_id!",
+               SELECT l.owner_id AS "owner_id!", l.wrapped AS "wrapped!",
                       COALESCE(o.max_in_flight, $2) AS "max_in_flight!"
                FROM listed l LEFT JOIN owners o USING (owner_id)
                ORDER BY l.owner_id"#,
             provider,
             self.routes.owners.max_in_flight,
-            limit,
+            OWNERS_PER_HAND_OUT,
             after,
-            until,
         )
         .fetch_all(&self.pool)
         .await?)
@@ -199,5 +197,7 @@ impl Store {
 /// An owner with turns held, and its `max_in_flight` (0: none).
 struct Waiting {
     owner_id: String,
+    /// Looked at round at the start: named up to the previous look's last.
+    wrapped: bool,
     max_in_flight: i64,
 }

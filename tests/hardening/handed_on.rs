@@ -25,14 +25,7 @@ use crate::common::{self, P, TestEnv, config, config_for, mock, wait_for, wait_f
 /// that was paid for: one call, one job, nothing dead-lettered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_answer_held_when_its_worker_stops_with_postgres_down_is_settled_once_it_is_back() {
-    let slow = mock(MockOptions {
-        delay: Duration::from_secs(2),
-        ..MockOptions::default()
-    })
-    .await;
-    let provider = P("primary", &slow.base_url(), "timeout = \"10s\"");
-    let (config, _file) = config(&config_for(&[provider], ""));
-    let env = TestEnv::new(&config).await;
+    let (slow, config, _file, env) = slow_provider(Duration::from_secs(2)).await;
     let (path, ctx) = behind_a_cuttable_postgres(&env, &config).await;
     let shutdown = onejob::shutdown::Shutdown::new();
     let run = tokio::spawn(onejob::fleet::run(
@@ -87,14 +80,7 @@ async fn an_answer_held_when_its_worker_stops_with_postgres_down_is_settled_once
 /// rows stay held, and keeps it once they are free: settled, one call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_answer_whose_rows_are_held_at_a_stop_is_handed_on_and_settled_once_free() {
-    let slow = mock(MockOptions {
-        delay: Duration::from_secs(1),
-        ..MockOptions::default()
-    })
-    .await;
-    let provider = P("primary", &slow.base_url(), "timeout = \"10s\"");
-    let (config, _file) = config(&config_for(&[provider], ""));
-    let env = TestEnv::new(&config).await;
+    let (slow, config, _file, env) = slow_provider(Duration::from_secs(1)).await;
     let worker = env
         .fleet(config.clone(), vec![Role::Attempts("primary".into())])
         .await;
@@ -138,6 +124,27 @@ async fn an_answer_whose_rows_are_held_at_a_stop_is_handed_on_and_settled_once_f
     assert_eq!(slow.stats.work(), 1);
     taken_and_acked(&env, &ch).await;
     settler.stop().await;
+}
+
+/// A mock provider that takes `delay` over each call, well within the
+/// primary's timeout, and an environment configured for it.
+async fn slow_provider(
+    delay: Duration,
+) -> (
+    onejob::mock::MockHandle,
+    std::sync::Arc<onejob::config::Config>,
+    common::tempfile_path::TempConfig,
+    TestEnv,
+) {
+    let slow = mock(MockOptions {
+        delay,
+        ..MockOptions::default()
+    })
+    .await;
+    let provider = P("primary", &slow.base_url(), "timeout = \"10s\"");
+    let (config, file) = config(&config_for(&[provider], ""));
+    let env = TestEnv::new(&config).await;
+    (slow, config, file, env)
 }
 
 /// What arrives on `onejob.settlements` without the claim its open attempt
