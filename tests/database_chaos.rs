@@ -162,8 +162,22 @@ impl Fleets {
     }
 }
 
-/// Another session that holds open jobs' rows (one queued, one running, one
-/// unknown, picked at random) for 1.5 s at a time, until stopped, counting
+/// The queued job whose claim comes next: a turn handed out, else the next
+/// in line (a random queued job is most likely deep in the owner's held
+/// line, and no claim would meet it while it is held).
+const NEXT_TO_START: &str = "SELECT j.id FROM turns t
+    JOIN attempts a ON a.id = t.attempt_id JOIN jobs j ON j.id = a.job_id
+    WHERE j.status = 'queued'
+    ORDER BY t.handed_out_at IS NULL, t.seq LIMIT 1 FOR UPDATE OF j SKIP LOCKED";
+/// A running job, whose settlement is about to meet it.
+const RANDOM_RUNNING: &str = "SELECT id FROM jobs WHERE status = 'running'
+    ORDER BY random() LIMIT 1 FOR UPDATE SKIP LOCKED";
+/// An unknown job, whose evidence is about to meet it.
+const RANDOM_UNKNOWN: &str = "SELECT id FROM jobs WHERE status = 'unknown'
+    ORDER BY random() LIMIT 1 FOR UPDATE SKIP LOCKED";
+
+/// Another session that holds open jobs' rows (the queued one whose claim
+/// comes next, a running and an unknown one picked at random) for 1.5 s at a time, until stopped, counting
 /// the rows it held.
 struct RowHolder {
     holding: Arc<AtomicBool>,
@@ -187,15 +201,11 @@ impl RowHolder {
                     // queued one's claim, a running one's settlement and an
                     // unknown one's evidence are about to meet it.
                     let mut held = 0;
-                    for status in ["queued", "running", "unknown"] {
-                        let picked: Option<uuid::Uuid> = sqlx::query_scalar(
-                            "SELECT id FROM jobs WHERE status = $1
-                             ORDER BY random() LIMIT 1 FOR UPDATE SKIP LOCKED",
-                        )
-                        .bind(status)
-                        .fetch_optional(&mut conn)
-                        .await
-                        .unwrap();
+                    for pick in [NEXT_TO_START, RANDOM_RUNNING, RANDOM_UNKNOWN] {
+                        let picked: Option<uuid::Uuid> = sqlx::query_scalar(pick)
+                            .fetch_optional(&mut conn)
+                            .await
+                            .unwrap();
                         held += u64::from(picked.is_some());
                     }
                     holds.fetch_add(held, Ordering::SeqCst);
