@@ -454,6 +454,7 @@ async fn the_reconciler_turns_a_vanished_workers_attempt_unknown() {
         intent,
         provider: "primary".into(),
         trace: None,
+        reserve: 0,
     };
     let job_id = new.job_id;
     env.store.admit(&[new]).await.unwrap();

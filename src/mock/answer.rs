@@ -140,11 +140,15 @@ fn dropped() -> Response {
 /// The chat completion: a JSON answer about the last message, or one that
 /// misbehaves as the directives or the server's options ask.
 fn answer(n: u64, options: &MockOptions, d: Directives, text: &str, user: &str) -> Value {
+    // An answer is 12 tokens long, or cut at the request's `max_tokens`.
+    let completion = d.max_tokens.map_or(12, |cap| cap.min(12));
+    let prompt = text.split_whitespace().count() as u64;
     let usage = json!({
-        "prompt_tokens": text.split_whitespace().count(),
-        "completion_tokens": 12,
-        "total_tokens": text.split_whitespace().count() + 12,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     });
+    let finish_reason = if completion < 12 { "length" } else { "stop" };
     let mut gist: String = user.chars().take(80).collect();
     if d.nul {
         gist.push('\0');
@@ -170,21 +174,21 @@ fn answer(n: u64, options: &MockOptions, d: Directives, text: &str, user: &str) 
     } else {
         (format!("chatcmpl-mock-{n}"), usage)
     };
-    let mut completion = json!({
+    let mut answer = json!({
         "id": id,
         "object": "chat.completion",
         "model": "mock-model",
         "choices": [{
             "index": 0,
             "message": { "role": "assistant", "content": content },
-            "finish_reason": "stop",
+            "finish_reason": finish_reason,
         }],
         "usage": usage,
     });
     if d.no_id {
-        completion.as_object_mut().map(|c| c.remove("id"));
+        answer.as_object_mut().map(|c| c.remove("id"));
     }
-    completion
+    answer
 }
 
 /// The answer's text: the JSON object the operation asks for, or prose, an

@@ -16,6 +16,9 @@ pub(super) struct Directives {
     pub(super) nul: bool,
     pub(super) pad: Option<usize>,
     pub(super) no_id: bool,
+    /// Not a directive: the request's own `max_tokens`, the most completion
+    /// tokens the answer may report.
+    pub(super) max_tokens: Option<u64>,
 }
 
 pub(super) fn directives(text: &str) -> Directives {

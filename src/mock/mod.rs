@@ -21,8 +21,9 @@
 //!
 //! Server-wide options add a fixed delay, random latency and a random error rate.
 //! `GET /_mock/stats` reports how many completions were requested, how many of
-//! them ran work (a replayed key runs none), and with which `Idempotency-Key`s
-//! (the latest [`MockOptions::record_limit`]).
+//! them ran work (a replayed key runs none), how many came without
+//! `max_tokens` (an answer reports at most that many completion tokens), and
+//! with which `Idempotency-Key`s (the latest [`MockOptions::record_limit`]).
 //!
 //! It can keep the evidence a real provider keeps (see `evidence`): stored
 //! completions, listed by metadata ([`MockOptions::store`]), and answers
@@ -127,6 +128,8 @@ pub struct Stats {
     /// Work running now, and the most that ever ran at once.
     running: AtomicU64,
     most_running: AtomicU64,
+    /// Completions requested without `max_tokens`.
+    uncapped: AtomicU64,
     idempotency_keys: Mutex<VecDeque<String>>,
     #[serde(skip)]
     authorizations: Mutex<VecDeque<String>>,
@@ -169,6 +172,12 @@ impl Stats {
     /// provider's does; other work ends with its request.
     pub fn most_running(&self) -> u64 {
         self.most_running.load(Ordering::SeqCst)
+    }
+
+    /// Completions requested without `max_tokens` (onejob sends it on every
+    /// call, qualification's included).
+    pub fn uncapped(&self) -> u64 {
+        self.uncapped.load(Ordering::SeqCst)
     }
 
     /// Counts one piece of work as running until the guard is dropped.
@@ -279,6 +288,7 @@ async fn stats_handler(State(state): State<AppState>) -> Json<Value> {
     Json(json!({
         "requests": state.stats.requests(),
         "work": state.stats.work(),
+        "uncapped": state.stats.uncapped(),
         "idempotency_keys": state.stats.idempotency_keys(),
         "traces": state.stats.traces(),
     }))
@@ -292,6 +302,8 @@ struct ChatRequest {
     store: bool,
     #[serde(default)]
     metadata: Option<Value>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -319,11 +331,15 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
         .map(|m| m.content.as_str())
         .collect::<Vec<_>>()
         .join("\n");
-    let d = if options.directives {
+    let mut d = if options.directives {
         directives::directives(&text)
     } else {
         directives::Directives::default()
     };
+    d.max_tokens = request.max_tokens;
+    if request.max_tokens.is_none() {
+        state.stats.uncapped.fetch_add(1, Ordering::SeqCst);
+    }
     let user = request
         .messages
         .last()

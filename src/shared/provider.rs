@@ -124,6 +124,7 @@ impl Client {
         let mut body = json!({
             "model": self.provider.model,
             "temperature": operation.temperature,
+            "max_tokens": operation.max_tokens,
             "messages": [
                 { "role": "system", "content": rendered.system },
                 { "role": "user", "content": rendered.user },

@@ -2,7 +2,6 @@
 //! that attempt's outbox row; identity is decided by the UNIQUE constraint.
 
 use super::outbox::{InsertedRow, OutboxColumns};
-use super::owners::OverBudget;
 use super::*;
 use crate::intent::RejectReason;
 
@@ -40,8 +39,11 @@ impl Store {
             .map(|d| (d.message_id.as_str(), d.job_id.0))
             .collect();
         let limits = self.admission_limits(batch).await?;
+        let (rows, refused) = self
+            .insert_within_budgets(&sorted, &drafts, &limits)
+            .await?;
         let mut publish_by_job: HashMap<Uuid, Option<OutboxMessage>> = HashMap::new();
-        for row in self.insert_new(&sorted, &drafts, &limits).await? {
+        for row in rows {
             let leased = row.leased;
             let message = row.message();
             let job = *job_by_message
@@ -57,15 +59,48 @@ impl Store {
         // After the insert has committed: its snapshot sees every identity,
         // those a concurrent admission committed while the insert waited on
         // the conflict included.
-        let existing = existing_identities(&self.per_job, batch).await?;
+        let batch_refs: Vec<&NewJob> = batch.iter().collect();
+        let existing = existing_identities(&self.per_job, &batch_refs).await?;
         self.recover_unseen(batch, &existing, &mut publish_by_job)
             .await?;
-        receipts(batch, publish_by_job, &existing, &limits.over_budget)
+        receipts(batch, publish_by_job, &existing, refused)
     }
 
-    /// What admission must know of the batch's owners: who is over its daily
-    /// budget (its new identities are refused), and who has a rate (its new
-    /// jobs' first attempts are paced).
+    /// Inserts the new jobs ([`Store::insert_new`]). With no owner of the
+    /// batch under a budget, that is one statement, its own transaction.
+    /// Otherwise the owners' budget locks come first, then what their budgets
+    /// leave is read, and the jobs that fit are inserted with their
+    /// reservations, in one transaction that holds the locks until then; the
+    /// jobs that do not fit are left out, and returned with their refusals.
+    async fn insert_within_budgets(
+        &self,
+        sorted: &[&NewJob],
+        drafts: &[OutboxDraft],
+        limits: &AdmissionLimits,
+    ) -> Result<(Vec<InsertedRow>, HashMap<Uuid, RejectReason>)> {
+        if limits.budgeted.is_empty() {
+            let reserves = vec![0; sorted.len()];
+            let rows = self
+                .insert_new(&self.per_job, sorted, drafts, limits, (&reserves, &[]))
+                .await?;
+            return Ok((rows, HashMap::new()));
+        }
+        let mut tx = self.per_job.begin().await?;
+        let rooms = super::budget::rooms(&mut tx, &limits.budgeted).await?;
+        // Identities that have a job already make none, and reserve nothing.
+        let existing = existing_identities(&mut *tx, sorted).await?;
+        let (reserves, refused) = super::budget::fit(sorted, &rooms, &existing);
+        let left_out: Vec<Uuid> = refused.keys().copied().collect();
+        let rows = self
+            .insert_new(&mut *tx, sorted, drafts, limits, (&reserves, &left_out))
+            .await?;
+        tx.commit().await?;
+        Ok((rows, refused))
+    }
+
+    /// What admission must know of the batch's owners: who has a budget (its
+    /// new jobs reserve), who has a rate (its new jobs' first attempts are
+    /// paced), and who has `max_in_flight`.
     async fn admission_limits(&self, batch: &[NewJob]) -> Result<AdmissionLimits> {
         let owners: Vec<String> = batch
             .iter()
@@ -74,10 +109,9 @@ impl Store {
             .into_iter()
             .collect();
         let mut out = AdmissionLimits::default();
-        for (owner, limits, over) in self.admission_owners(&owners).await? {
-            if let Some(over) = over {
-                out.refused.push(owner.clone());
-                out.over_budget.insert(owner.clone(), over);
+        for (owner, limits) in self.admission_owners(&owners).await? {
+            if limits.daily_tokens > 0 {
+                out.budgeted.push((owner.clone(), limits.daily_tokens));
             }
             if limits.max_in_flight > 0 {
                 out.counted.push(owner.clone());
@@ -143,16 +177,19 @@ impl Store {
     /// The trace context comes from the input, not from `jobs`: a statement does
     /// not see the rows its own parts insert.
     ///
-    /// Intents of owners over their budget (`refused`) are not inserted. The
+    /// Each job reserves `reserves`' tokens (by position, 0 for none), and
+    /// the jobs `left_out` (refused for their budgets) are not inserted. The
     /// new jobs of owners with a rate take their places in the owner's bucket
     /// (`owner_pace_take`, in the migration), and each first attempt gets its
     /// due time: those due now are leased to this worker, the rest are left
     /// to the relay.
     async fn insert_new(
         &self,
+        executor: impl sqlx::PgExecutor<'_>,
         sorted: &[&NewJob],
         drafts: &[OutboxDraft],
         limits: &AdmissionLimits,
+        (reserves, left_out): (&[i64], &[Uuid]),
     ) -> Result<Vec<InsertedRow>> {
         let c = JobColumns::of(sorted);
         let outbox = OutboxColumns::of(drafts);
@@ -177,15 +214,16 @@ impl Store {
             &outbox.message_ids,
             &outbox.bodies,
             self.routes.lease.as_secs_f64(),
-            &limits.refused,
+            left_out,
             &limits.paced,
             &limits.rates,
             &limits.bursts,
             &share_providers,
             &share_sizes,
             &limits.counted,
+            reserves,
         )
-        .fetch_all(&self.per_job)
+        .fetch_all(executor)
         .await?;
         Ok(rows)
     }
@@ -194,10 +232,8 @@ impl Store {
 /// What admission applies of the batch's owners' limits.
 #[derive(Default)]
 struct AdmissionLimits {
-    /// The owners over their daily budget.
-    over_budget: HashMap<String, OverBudget>,
-    /// Their names.
-    refused: Vec<String>,
+    /// The owners with a daily budget, each with its `daily_tokens`.
+    budgeted: Vec<(String, i64)>,
     /// The owners with a rate, each with its rate and its burst.
     paced: Vec<String>,
     rates: Vec<f64>,
@@ -252,9 +288,9 @@ impl JobColumns {
 /// fingerprint)`, read after the insert: a fresh snapshot, so it sees rows
 /// that a concurrent admission committed while the insert waited on the
 /// conflict.
-async fn existing_identities(
-    pool: &PgPool,
-    batch: &[NewJob],
+pub(super) async fn existing_identities(
+    executor: impl sqlx::PgExecutor<'_>,
+    batch: &[&NewJob],
 ) -> Result<HashMap<(String, String), (Uuid, String)>> {
     let owners: Vec<String> = batch.iter().map(|n| n.intent.owner_id.clone()).collect();
     let keys: Vec<String> = batch
@@ -269,7 +305,7 @@ async fn existing_identities(
         &owners,
         &keys,
     )
-    .fetch_all(pool)
+    .fetch_all(executor)
     .await?
     .into_iter()
     .map(|r| {
@@ -288,7 +324,7 @@ fn receipts(
     batch: &[NewJob],
     mut publish_by_job: HashMap<Uuid, Option<OutboxMessage>>,
     existing: &HashMap<(String, String), (Uuid, String)>,
-    over_budget: &HashMap<String, OverBudget>,
+    mut refused: HashMap<Uuid, RejectReason>,
 ) -> Result<Vec<Admission>> {
     batch
         .iter()
@@ -305,19 +341,13 @@ fn receipts(
                     Ok(Admission::Duplicate { job_id: JobId(*id) })
                 }
                 Some(_) => Ok(Admission::Conflict),
-                None if over_budget.contains_key(&n.intent.owner_id) => {
-                    let over = &over_budget[&n.intent.owner_id];
-                    Ok(Admission::Refused(RejectReason::BudgetExceeded {
-                        owner: n.intent.owner_id.clone(),
-                        spent: over.spent,
-                        budget: over.budget,
-                        retry_after: over.retry_after,
-                    }))
-                }
-                None => Err(corrupt(format!(
-                    "job for owner {:?} key {:?} neither inserted nor found",
-                    n.intent.owner_id, n.intent.idempotency_key
-                ))),
+                None => match refused.remove(&n.job_id.0) {
+                    Some(reason) => Ok(Admission::Refused(reason)),
+                    None => Err(corrupt(format!(
+                        "job for owner {:?} key {:?} neither inserted nor found",
+                        n.intent.owner_id, n.intent.idempotency_key
+                    ))),
+                },
             }
         })
         .collect()
@@ -345,6 +375,7 @@ mod tests {
             intent,
             provider: "primary".into(),
             trace: None,
+            reserve: 0,
         }
     }
 
@@ -377,7 +408,7 @@ mod tests {
         ]);
         let published = HashMap::from([(created.job_id.0, Some(message(1)))]);
         let batch = [changed, created.clone(), same];
-        let out = receipts(&batch, published, &existing, &HashMap::new()).unwrap();
+        let out = receipts(&batch, published, &existing, HashMap::new()).unwrap();
         assert_eq!(out[0], Admission::Conflict);
         assert_eq!(
             out[1],
@@ -398,7 +429,7 @@ mod tests {
     fn an_identity_neither_inserted_nor_found_is_an_error_not_a_receipt() {
         let lost = new_job("a", "k", "x");
         assert!(matches!(
-            receipts(&[lost], HashMap::new(), &HashMap::new(), &HashMap::new()),
+            receipts(&[lost], HashMap::new(), &HashMap::new(), HashMap::new()),
             Err(StoreError::Corrupt(_))
         ));
     }

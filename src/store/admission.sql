@@ -1,24 +1,25 @@
 -- Admission (src/store/admission.rs, `Store::insert_new`): the new jobs of a
 -- batch, each with its first attempt, that attempt's turn and its outbox row,
--- in one statement. $1..$15 are the batch's columns, $16 the outbox lease,
--- $17 the owners over their budget (not inserted), $18..$20 the owners with a
--- rate and their buckets, $21..$22 each provider's share, $23 the owners with
--- `max_in_flight`.
+-- in one statement. $1..$15 and $24 are the batch's columns, $16 the outbox
+-- lease, $17 the jobs refused for their owners' budgets (not inserted),
+-- $18..$20 the owners with a rate and their buckets, $21..$22 each provider's
+-- share, $23 the owners with `max_in_flight`, $24 what each first attempt
+-- reserves of its owner's budget (0: nothing; the budget locks are held).
 WITH input AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
                          $6::jsonb[], $7::text[], $8::uuid[], $9::text[],
                          $10::text[], $11::text[], $12::text[], $13::text[],
-                         $14::text[], $15::jsonb[])
+                         $14::text[], $15::jsonb[], $24::int8[])
         WITH ORDINALITY
         AS t(job_id, owner_id, idempotency_key, fingerprint, operation, input,
              pinned, attempt_id, provider, traceparent, tracestate,
-             exchange, routing_key, message_id, body, position)
+             exchange, routing_key, message_id, body, reserve, position)
 ), new_jobs AS (
     INSERT INTO jobs (id, owner_id, idempotency_key, request_fingerprint,
                       operation, input, provider, traceparent, tracestate)
     SELECT job_id, owner_id, idempotency_key, fingerprint, operation, input,
            pinned, traceparent, tracestate
-    FROM input WHERE owner_id <> ALL($17) ORDER BY position
+    FROM input WHERE job_id <> ALL($17::uuid[]) ORDER BY position
     ON CONFLICT (owner_id, idempotency_key) DO NOTHING
     RETURNING id, owner_id
 ), paced AS (
@@ -65,6 +66,11 @@ WITH input AS (
 ), new_attempts AS (
     INSERT INTO attempts (id, job_id, number, provider, not_before)
     SELECT attempt_id, job_id, 1, provider, due FROM turn
+), reserved AS (
+    INSERT INTO reservations (attempt_id, owner_id, tokens)
+    SELECT i.attempt_id, i.owner_id, i.reserve
+    FROM input i JOIN new_jobs n ON n.id = i.job_id
+    WHERE i.reserve > 0
 ), queued AS (
     INSERT INTO outbox (exchange, routing_key, message_id, body, not_before,
                         lease_until, traceparent, tracestate)

@@ -86,6 +86,7 @@ impl Store {
         out.push_str("# TYPE onejob_outbox_unpublished gauge\n");
         out.push_str(&format!("onejob_outbox_unpublished {backlog}\n"));
         out.push_str(&self.owner_gauges().await?);
+        out.push_str(&self.reservation_gauges().await?);
         out.push_str(&self.waiting_gauge().await?);
         Ok(out)
     }
@@ -115,6 +116,46 @@ impl Store {
         for (provider, n) in waiting {
             out.push_str(&format!(
                 "onejob_provider_work_waiting{{provider=\"{provider}\"}} {n}\n"
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Budget reservations (contract section 7, Owners): the tokens held by
+    /// the [`OWNER_GAUGES`] owners that hold most, and, fleet-wide since the
+    /// database was made, the reservations released without a settlement by
+    /// why (`no_call`: the attempt ended before its call; `no_usage`: a call
+    /// was made and no usage was reported for it, so its cost is not in the
+    /// budget). Every worker reports the same fleet-wide count.
+    async fn reservation_gauges(&self) -> Result<String> {
+        let held = sqlx::query!(
+            r#"SELECT owner_id AS "owner_id!", sum(tokens)::int8 AS "tokens!"
+               FROM reservations GROUP BY owner_id ORDER BY 2 DESC, 1 LIMIT $1"#,
+            OWNER_GAUGES,
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        let released: HashMap<String, i64> = sqlx::query!(
+            r#"SELECT why AS "why!", sum(released)::int8 AS "n!"
+               FROM reservations_released GROUP BY why"#
+        )
+        .fetch_all(&self.pool)
+        .await?
+        .into_iter()
+        .map(|r| (r.why, r.n))
+        .collect();
+        let mut out = String::from("# TYPE onejob_owner_reserved_tokens gauge\n");
+        for r in &held {
+            out.push_str(&format!(
+                "onejob_owner_reserved_tokens{{owner=\"{}\"}} {}\n",
+                r.owner_id, r.tokens
+            ));
+        }
+        out.push_str("# TYPE onejob_reservations_released_unsettled_total counter\n");
+        for why in ["no_call", "no_usage"] {
+            let n = released.get(why).copied().unwrap_or(0);
+            out.push_str(&format!(
+                "onejob_reservations_released_unsettled_total{{why=\"{why}\"}} {n}\n"
             ));
         }
         Ok(out)

@@ -40,6 +40,7 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 mod admission;
 mod audit;
+mod budget;
 mod connect;
 mod console;
 mod drafts;
@@ -92,6 +93,10 @@ pub struct NewJob {
     pub provider: String,
     /// The intake's span for it: the trace the job's messages carry.
     pub trace: Option<crate::trace::TraceContext>,
+    /// The tokens its first attempt reserves if its owner has a budget: its
+    /// prompt's tokens plus its operation's `max_tokens`
+    /// ([`crate::runtime::reservation`]).
+    pub reserve: i64,
 }
 
 /// What became of one intent.

@@ -8,7 +8,7 @@ use crate::config::{OwnerLimits, OwnerOverrides};
 
 /// The window a daily budget counts, and how long a minute's spend counts:
 /// the minute is counted while any part of it is within the last 24 hours.
-const WINDOW_SECS: f64 = 24.0 * 3600.0 + 60.0;
+pub(super) const WINDOW_SECS: f64 = 24.0 * 3600.0 + 60.0;
 
 /// One owner as operators see it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -21,6 +21,11 @@ pub struct OwnerView {
     pub limits: OwnerLimits,
     /// Tokens its attempts spent over the last 24 hours, discarded ones included.
     pub spent_24h: i64,
+    /// Tokens its open attempts hold reserved (contract section 7: replaced
+    /// by their usage when they settle).
+    pub reserved: i64,
+    /// What its budget leaves for new reservations, or `None` with no budget.
+    pub left: Option<i64>,
     /// Its jobs whose first attempt waits for its turn: held (past its share
     /// or under its `max_in_flight`) or not yet due under its `rate`.
     pub waiting: i64,
@@ -54,15 +59,6 @@ impl OwnerChange {
     }
 }
 
-/// An owner over its daily budget: what it spent, and in how many seconds
-/// enough of that leaves the window for it to be under the budget again.
-#[derive(Clone, Debug, PartialEq)]
-pub(super) struct OverBudget {
-    pub(super) spent: i64,
-    pub(super) budget: i64,
-    pub(super) retry_after: u64,
-}
-
 impl Store {
     async fn own_settings(
         &self,
@@ -88,45 +84,17 @@ impl Store {
         .collect())
     }
 
-    /// What admission must know of these owners, in one statement: the limits
-    /// that apply to each (its own settings over `[owners]`'s) and, for those
-    /// whose spend over the last 24 hours has reached their budget, that spend
-    /// and how long until enough of it is older.
+    /// The limits that apply to each of these owners (its own settings over
+    /// `[owners]`'s), in one statement.
     pub(super) async fn admission_owners(
         &self,
         owners: &[String],
-    ) -> Result<Vec<(String, OwnerLimits, Option<OverBudget>)>> {
+    ) -> Result<Vec<(String, OwnerLimits)>> {
         let defaults = self.routes.owners;
         let rows = sqlx::query!(
-            r#"WITH own AS (
-                   SELECT i.owner_id, o.max_in_flight, o.rate, o.burst, o.daily_tokens,
-                          COALESCE(o.daily_tokens, $2) AS budget
-                   FROM unnest($1::text[]) AS i(owner_id) LEFT JOIN owners o USING (owner_id)
-               ), minutes AS (
-                   SELECT s.owner_id, s.minute, sum(s.tokens)::int8 AS tokens
-                   FROM owner_spend s JOIN own USING (owner_id)
-                   WHERE own.budget > 0 AND s.minute > now() - make_interval(secs => $3)
-                   GROUP BY s.owner_id, s.minute
-               ), running AS (
-                   SELECT owner_id, minute,
-                          sum(tokens) OVER (PARTITION BY owner_id) AS spent,
-                          sum(tokens) OVER (PARTITION BY owner_id ORDER BY minute) AS through
-                   FROM minutes
-               ), over AS (
-                   SELECT r.owner_id, max(r.spent)::int8 AS spent,
-                          GREATEST(1, ceil(extract(epoch FROM
-                              min(r.minute) FILTER (WHERE r.spent - r.through < own.budget)
-                              + make_interval(secs => $3) - now())))::int8 AS retry_after
-                   FROM running r JOIN own USING (owner_id)
-                   GROUP BY r.owner_id, own.budget
-                   HAVING max(r.spent) >= own.budget
-               )
-               SELECT own.owner_id AS "owner_id!", own.max_in_flight, own.rate, own.burst,
-                      own.daily_tokens, over.spent, over.retry_after
-               FROM own LEFT JOIN over USING (owner_id)"#,
+            r#"SELECT i.owner_id AS "owner_id!", o.max_in_flight, o.rate, o.burst, o.daily_tokens
+               FROM unnest($1::text[]) AS i(owner_id) LEFT JOIN owners o USING (owner_id)"#,
             owners,
-            defaults.daily_tokens,
-            WINDOW_SECS,
         )
         .fetch_all(&self.per_job)
         .await?;
@@ -139,13 +107,7 @@ impl Store {
                     burst: r.burst,
                     daily_tokens: r.daily_tokens,
                 };
-                let limits = defaults.with(&own);
-                let over = r.spent.zip(r.retry_after).map(|(spent, wait)| OverBudget {
-                    spent,
-                    budget: limits.daily_tokens,
-                    retry_after: u64::try_from(wait).unwrap_or(1),
-                });
-                (r.owner_id, limits, over)
+                (r.owner_id, defaults.with(&own))
             })
             .collect())
     }
@@ -159,6 +121,8 @@ impl Store {
             own: OwnerOverrides::default(),
             limits: self.routes.owners,
             spent_24h: 0,
+            reserved: 0,
+            left: budget_left(self.routes.owners.daily_tokens, 0, 0),
             waiting: 0,
             updated_at: None,
         }))
@@ -183,11 +147,13 @@ impl Store {
 
     async fn owner_views(&self, owners: &[String]) -> Result<Vec<OwnerView>> {
         let own = self.own_settings(owners).await?;
-        let figures: HashMap<String, (i64, i64)> = sqlx::query!(
+        let figures: HashMap<String, (i64, i64, i64)> = sqlx::query!(
             r#"SELECT o.owner_id AS "owner_id!",
                       (SELECT COALESCE(sum(s.tokens), 0)::int8 FROM owner_spend s
                        WHERE s.owner_id = o.owner_id
                          AND s.minute > now() - make_interval(secs => $2)) AS "spent!",
+                      (SELECT COALESCE(sum(r.tokens), 0)::int8 FROM reservations r
+                       WHERE r.owner_id = o.owner_id) AS "reserved!",
                       (SELECT count(*) FROM turns t
                        WHERE t.owner_id = o.owner_id
                          AND (t.handed_out_at IS NULL OR t.due_at > now())) AS "waiting!"
@@ -198,7 +164,7 @@ impl Store {
         .fetch_all(&self.pool)
         .await?
         .into_iter()
-        .map(|r| (r.owner_id, (r.spent, r.waiting)))
+        .map(|r| (r.owner_id, (r.spent, r.reserved, r.waiting)))
         .collect();
         Ok(owners
             .iter()
@@ -206,12 +172,15 @@ impl Store {
                 let (mine, updated_at) = own
                     .get(o)
                     .map_or((OwnerOverrides::default(), None), |(s, at)| (*s, Some(*at)));
-                let (spent_24h, waiting) = figures.get(o).copied().unwrap_or_default();
+                let (spent_24h, reserved, waiting) = figures.get(o).copied().unwrap_or_default();
+                let limits = self.routes.owners.with(&mine);
                 OwnerView {
                     owner_id: o.clone(),
                     own: mine,
-                    limits: self.routes.owners.with(&mine),
+                    limits,
                     spent_24h,
+                    reserved,
+                    left: budget_left(limits.daily_tokens, spent_24h, reserved),
                     waiting,
                     updated_at,
                 }
@@ -290,4 +259,10 @@ impl Store {
         .await?;
         Ok(done.rows_affected())
     }
+}
+
+/// What a budget leaves for new reservations (never below 0), or `None` for
+/// no budget.
+fn budget_left(budget: i64, spent: i64, reserved: i64) -> Option<i64> {
+    (budget > 0).then(|| (budget - spent - reserved).max(0))
 }

@@ -1,4 +1,4 @@
-//! An owner over its daily token budget: its new requests are answered 429
+//! An owner whose budget leaves no room: its new requests are answered 429
 //! with `Retry-After` and the `budget_exceeded` receipt, while a retry of an
 //! accepted request still finds its job, and another owner is not touched.
 
@@ -7,15 +7,21 @@ use onejob::store::{Actor, OwnerChange};
 use reqwest::StatusCode;
 
 use super::{SUMMARIZE, Served};
-use crate::common::wait_for_status;
+use crate::common::{self, wait_for_status};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_owner_over_its_budget_is_answered_429_with_retry_after() {
     let s = Served::start().await;
     let token = s.token("acct_budget");
     let other = s.token("acct_other");
+    // A budget of one request's reservation: the first takes it all, and
+    // once it has spent part of it the next does not fit.
+    let one = common::intent("acct_budget", "b-0", "the quick fox");
+    let reserve = onejob::runtime::new_job(&s.config, &serde_json::to_vec(&one).unwrap())
+        .unwrap()
+        .reserve;
     let budget = OwnerChange {
-        daily_tokens: Some(Some(1)),
+        daily_tokens: Some(Some(reserve)),
         ..Default::default()
     };
     s.env
@@ -24,7 +30,8 @@ async fn an_owner_over_its_budget_is_answered_429_with_retry_after() {
         .await
         .unwrap();
 
-    // Under its budget (nothing spent yet): created, and it spends.
+    // Its reservation fits (nothing spent or reserved yet): created, and it
+    // spends.
     let first = s.post(Some(&token), Some("b-0"), SUMMARIZE).await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
     let job = first.job_id();

@@ -1,6 +1,7 @@
-//! The daily token budget: counted from every attempt's reported usage,
-//! discarded ones included, and refusing new identities (never retries of
-//! accepted ones) from the settlement that reaches it.
+//! The daily token budget: spend counted from every attempt's reported
+//! usage, discarded ones included, plus what open attempts hold reserved;
+//! new identities whose reservation does not fit are refused (never retries
+//! of accepted ones).
 
 use std::time::Duration;
 
@@ -13,20 +14,24 @@ use onejob_producer::Producer;
 
 use super::{config_with_owners, created, spend};
 use crate::common::tempfile_path::TempConfig;
-use crate::common::{self, TestEnv, config, mock, submit, wait_for_status};
+use crate::common::{self, RESERVE, TestEnv, config, mock, submit, wait_for_status};
 
-fn refused(a: &Admission) -> (i64, i64, u64) {
+fn refused(a: &Admission) -> (i64, i64, i64, u64) {
     match a {
         Admission::Refused(RejectReason::BudgetExceeded {
             spent,
+            reserved,
             budget,
             retry_after,
             ..
-        }) => (*spent, *budget, *retry_after),
+        }) => (*spent, *reserved, *budget, *retry_after),
         other => panic!("expected budget_exceeded, got {other:?}"),
     }
 }
 
+/// A budget of 100, each new job reserving [`RESERVE`] (20): spend and
+/// reservations together decide what is admitted, and a refusal says which
+/// stands in the way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers_retries() {
     let (config, _file) = config(&config_with_owners(
@@ -36,11 +41,16 @@ async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers
     let env = TestEnv::new(&config).await;
     let store = &env.store;
 
-    // One token under the budget: still admitted.
-    spend(store, "acct_a", "a-1", 99).await;
-    created(store, &[common::new_job("acct_a", "a-2", "x")]).await;
-    // The settlement that reaches it: the next new identity is refused.
-    spend(store, "acct_a", "a-3", 1).await;
+    // Spent 60; two more jobs reserve the 40 left.
+    spend(store, "acct_a", "a-1", 60).await;
+    created(
+        store,
+        &[
+            common::new_job("acct_a", "a-2", "x"),
+            common::new_job("acct_a", "a-3", "x"),
+        ],
+    )
+    .await;
     let after = store
         .admit(&[
             common::new_job("acct_a", "a-4", "x"),
@@ -50,12 +60,9 @@ async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers
         ])
         .await
         .unwrap();
-    let (spent, budget, retry_after) = refused(&after[0]);
-    assert_eq!((spent, budget), (100, 100));
-    assert!(
-        (1..=24 * 3600 + 60).contains(&retry_after),
-        "the spend leaves the window within a day and a minute: {retry_after}"
-    );
+    let (spent, held, budget, retry_after) = refused(&after[0]);
+    assert_eq!((spent, held, budget), (60, 2 * RESERVE, 100));
+    assert_eq!(retry_after, 1, "only reservations stand in the way");
     assert!(
         matches!(after[1], Admission::Created { .. }),
         "another owner has its own budget: {:?}",
@@ -67,9 +74,18 @@ async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers
         after[2]
     );
     assert_eq!(after[3], Admission::Conflict);
+    let view = store.owner("acct_a").await.unwrap();
+    assert_eq!(
+        (view.spent_24h, view.reserved, view.left),
+        (60, 2 * RESERVE, Some(0))
+    );
     let gauges = store.gauges().await.unwrap();
     assert!(
-        gauges.contains("onejob_owner_spent_tokens_24h{owner=\"acct_a\"} 100\n"),
+        gauges.contains("onejob_owner_spent_tokens_24h{owner=\"acct_a\"} 60\n")
+            && gauges.contains(&format!(
+                "onejob_owner_reserved_tokens{{owner=\"acct_a\"}} {}\n",
+                2 * RESERVE
+            )),
         "{gauges}"
     );
     let (jobs,): (i64,) = sqlx::query_as("SELECT count(*) FROM jobs WHERE idempotency_key = 'a-4'")
@@ -78,33 +94,52 @@ async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers
         .unwrap();
     assert_eq!(jobs, 0, "a refused intent makes no job");
 
-    // The owner's own setting lies over [owners]: 0 is no budget for it.
+    // The owner's own setting lies over [owners]: 0 is no budget for it, and
+    // its jobs reserve nothing.
     let actor = Actor::cli(Some("a test lifts the budget"));
     let change = OwnerChange {
         daily_tokens: Some(Some(0)),
         ..Default::default()
     };
     let (view, _) = store.set_owner("acct_a", &change, &actor).await.unwrap();
-    assert_eq!((view.limits.daily_tokens, view.spent_24h), (0, 100));
+    assert_eq!(
+        (view.limits.daily_tokens, view.spent_24h, view.left),
+        (0, 60, None)
+    );
     created(store, &[common::new_job("acct_a", "a-4", "x")]).await;
-    // And one above its spend admits again, while one at it refuses.
-    for (budget, admitted) in [(101, true), (100, false)] {
+    assert_eq!(store.owner("acct_a").await.unwrap().reserved, 2 * RESERVE);
+    each_budget_admits_or_says_how_long_to_wait(store, &actor).await;
+}
+
+/// `acct_a` spent 60 and holds two reservations: budgets set under it admit
+/// or refuse the next job, with the wait each refusal gives.
+async fn each_budget_admits_or_says_how_long_to_wait(store: &onejob::store::Store, actor: &Actor) {
+    // Room for one more reservation admits; where spend alone leaves no room
+    // for it, the wait is until spend leaves the window; a job that needs
+    // more than the whole budget waits a whole window.
+    for (budget, admitted, wait) in [
+        (60 + 3 * RESERVE, true, None),
+        (60 + 3 * RESERVE, false, Some(1..=1)),
+        (60 + RESERVE - 1, false, Some(2..=24 * 3600 + 60)),
+        (RESERVE - 1, false, Some(24 * 3600 + 60..=24 * 3600 + 60)),
+    ] {
         let change = OwnerChange {
             daily_tokens: Some(Some(budget)),
             ..Default::default()
         };
-        store.set_owner("acct_a", &change, &actor).await.unwrap();
-        let key = format!("a-budget-{budget}");
+        store.set_owner("acct_a", &change, actor).await.unwrap();
+        let key = format!("a-budget-{budget}-{admitted}");
         let a = store
             .admit(&[common::new_job("acct_a", &key, "x")])
             .await
             .unwrap();
-        assert_eq!(
-            matches!(a[0], Admission::Created { .. }),
-            admitted,
-            "budget {budget}, spent 100: {:?}",
-            a[0]
-        );
+        match wait {
+            None => assert!(matches!(a[0], Admission::Created { .. }), "{budget}: {a:?}"),
+            Some(wait) => {
+                let (.., retry_after) = refused(&a[0]);
+                assert!(wait.contains(&retry_after), "budget {budget}: {a:?}");
+            }
+        }
     }
 }
 

@@ -88,8 +88,13 @@ async fn the_rate_and_the_budget_hold_across_two_worker_processes() {
     }
     paced_across_both(&env).await;
 
-    // A budget of one token: the owner's first job spends more, and from then
-    // on both workers refuse its new intents.
+    // A budget of one job's reservation: the owner's first job takes it all,
+    // and once it has spent part of it both workers refuse its new intents.
+    let one = common::intent("acct_b", "b-0", "spend");
+    let budget = onejob::runtime::new_job(&config, &serde_json::to_vec(&one).unwrap())
+        .unwrap()
+        .reserve
+        .to_string();
     env.cli_ok(
         &file.path,
         &[
@@ -97,7 +102,7 @@ async fn the_rate_and_the_budget_hold_across_two_worker_processes() {
             "set",
             "acct_b",
             "--daily-tokens",
-            "1",
+            &budget,
             "--reason",
             "test",
         ],

@@ -15,6 +15,7 @@ mod budget;
 mod fleet;
 mod in_flight;
 mod rate;
+mod reservations;
 mod settings;
 mod turns;
 

@@ -100,19 +100,26 @@ pub enum RejectReason {
         "reply_to_refused: {0:?} is neither direct reply-to (amq.rabbitmq.reply-to), a server-named queue (amq.gen-…) nor a queue in worker.reply_queues"
     )]
     ReplyToRefused(String),
-    /// The owner's provider spend over the last 24 hours has reached its
-    /// `daily_tokens` budget: no new job until enough of it is older.
+    /// The job's reservation (its prompt's tokens plus its operation's
+    /// `max_tokens`) does not fit in what the owner's `daily_tokens` leaves
+    /// once its spend over the last 24 hours and its reservations are taken
+    /// off: no new job until enough of them end or leave the window.
     #[error(
-        "budget_exceeded: owner {owner:?} spent {spent} tokens over the last 24 hours, its budget is {budget}; retry after {retry_after} s"
+        "budget_exceeded: owner {owner:?} spent {spent} tokens over the last 24 hours and holds {reserved} reserved, its budget is {budget}; this job would reserve {need}; retry after {retry_after} s"
     )]
     BudgetExceeded {
         /// The owner.
         owner: String,
         /// What it spent over the window.
         spent: i64,
+        /// What its open attempts hold reserved.
+        reserved: i64,
+        /// What this job's attempt would reserve.
+        need: i64,
         /// Its `daily_tokens`.
         budget: i64,
-        /// Seconds until it is under its budget again, if it spends no more.
+        /// Seconds until room may free up: a second while only reservations
+        /// stand in the way, else until its oldest spend leaves the window.
         retry_after: u64,
     },
 }

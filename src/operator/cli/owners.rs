@@ -146,11 +146,18 @@ fn print_one(view: &OwnerView, json: bool, out: &mut impl Write) -> std::io::Res
     }
     writeln!(out, "owner {}", shown(&view.owner_id))?;
     writeln!(out, "  {}", limits_line(view))?;
-    if view.limits.daily_tokens > 0 && view.spent_24h >= view.limits.daily_tokens {
+    if let Some(left) = view.left {
         writeln!(
             out,
-            "  over its daily budget: new intents are rejected (budget_exceeded)"
+            "  budget {}: spent {} + reserved {}, {left} left",
+            view.limits.daily_tokens, view.spent_24h, view.reserved
         )?;
+        if left == 0 {
+            writeln!(
+                out,
+                "  its budget is taken: new intents are rejected (budget_exceeded) until reservations end or spend leaves the window"
+            )?;
+        }
     }
     match view.updated_at {
         Some(at) => writeln!(
@@ -162,13 +169,16 @@ fn print_one(view: &OwnerView, json: bool, out: &mut impl Write) -> std::io::Res
     }
 }
 
-/// An owner's limits, spend and waiting jobs on one line; `*` marks its own
+/// An owner's limits, spend, reservations, what its budget leaves (`-` for
+/// no budget) and waiting jobs on one line; `*` marks its own
 /// settings, and 0 is "no limit".
 pub(super) fn limits_line(v: &OwnerView) -> String {
     format!(
-        "{}  spent_24h {}  waiting {}",
+        "{}  spent_24h {}  reserved {}  left {}  waiting {}",
         settings_line(&v.limits, &v.own),
         v.spent_24h,
+        v.reserved,
+        v.left.map_or_else(|| "-".to_owned(), |n| n.to_string()),
         v.waiting
     )
 }

@@ -58,7 +58,9 @@ fn row(o: &OwnerView) -> minijinja::Value {
         daily_tokens => limit(o.limits.daily_tokens),
         daily_tokens_own => o.own.daily_tokens.is_some(),
         spent => o.spent_24h,
-        over => o.limits.daily_tokens > 0 && o.spent_24h >= o.limits.daily_tokens,
+        reserved => o.reserved,
+        left => o.left.map_or_else(|| "-".to_owned(), |n| n.to_string()),
+        over => o.left == Some(0),
         waiting => o.waiting,
     }
 }

@@ -230,11 +230,12 @@ impl Config {
     }
 
     /// Checks an intent's operation, pinned provider and input against
-    /// configuration, and returns the operation and the first attempt's provider.
-    /// The input must render the operation's prompt (every variable it uses is
-    /// there): an intent no provider could be asked about is rejected at once, as
-    /// `bad_input`, rather than becoming a job that fails.
-    pub fn admit(&self, intent: &Intent) -> Result<(&Operation, String), RejectReason> {
+    /// configuration, and returns the operation, the first attempt's provider
+    /// and the messages rendered. The input must render the operation's prompt
+    /// (every variable it uses is there): an intent no provider could be asked
+    /// about is rejected at once, as `bad_input`, rather than becoming a job
+    /// that fails.
+    pub fn admit(&self, intent: &Intent) -> Result<(&Operation, String, Rendered), RejectReason> {
         let op = self
             .operations
             .get(&intent.operation)
@@ -249,13 +250,13 @@ impl Config {
                 });
             }
         };
-        if let Err(TemplateError(detail)) = self.render(op, &intent.input) {
-            return Err(RejectReason::BadInput {
+        match self.render(op, &intent.input) {
+            Ok(rendered) => Ok((op, provider, rendered)),
+            Err(TemplateError(detail)) => Err(RejectReason::BadInput {
                 operation: op.name.clone(),
                 detail,
-            });
+            }),
         }
-        Ok((op, provider))
     }
 
     /// Renders an operation's messages over an input. Undefined variables are errors.

@@ -22,6 +22,7 @@ pub(super) struct RawOperation {
     route: Vec<String>,
     max_attempts: Option<u32>,
     temperature: Option<f64>,
+    max_tokens: Option<u32>,
     hedge_after: Option<String>,
     retention: Option<RawRetention>,
     #[serde(default)]
@@ -51,6 +52,9 @@ pub struct Operation {
     pub max_attempts: u32,
     /// Sampling temperature sent to the provider.
     pub temperature: f64,
+    /// The output cap sent to the provider on every call, and what a budget
+    /// reserves for each attempt beyond its prompt's tokens.
+    pub max_tokens: u32,
     /// After this much silence, start one parallel attempt (hedging).
     pub hedge_after: Option<Duration>,
     /// How long its jobs are kept once they ended: `[retention]`, with the
@@ -70,6 +74,13 @@ impl std::fmt::Debug for Operation {
             .finish_non_exhaustive()
     }
 }
+
+/// `max_tokens` when an operation does not set it.
+const DEFAULT_MAX_TOKENS: u32 = 1024;
+
+/// The largest `max_tokens`: past any model's output window, and small enough
+/// that a reservation of many of them stays far from overflowing.
+const MAX_MAX_TOKENS: u32 = 1_000_000;
 
 /// The longest contract-violation text kept, in characters: the schema's
 /// message quotes the offending value, which can be megabytes, and the text is
@@ -207,6 +218,20 @@ impl Operation {
                 "must be between 0.0 and 2.0",
             ));
         }
+        let max_tokens = at_least(
+            origin,
+            &at("max_tokens"),
+            o.max_tokens,
+            1,
+            DEFAULT_MAX_TOKENS,
+        )?;
+        if max_tokens > MAX_MAX_TOKENS {
+            return Err(invalid(
+                origin,
+                at("max_tokens"),
+                format!("must be at most {MAX_MAX_TOKENS}"),
+            ));
+        }
         let hedge_after = match &o.hedge_after {
             None => None,
             Some(_) => Some(duration(
@@ -231,6 +256,7 @@ impl Operation {
             route: o.route,
             max_attempts,
             temperature,
+            max_tokens,
             hedge_after,
             retention,
             cases,

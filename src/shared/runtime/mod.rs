@@ -228,7 +228,8 @@ impl Context {
 /// makes the job it would become.
 pub fn new_job(config: &Config, body: &[u8]) -> std::result::Result<NewJob, RejectReason> {
     let intent = Intent::parse(body, config.worker.max_message_bytes)?;
-    let (_, provider) = config.admit(&intent)?;
+    let (operation, provider, rendered) = config.admit(&intent)?;
+    let reserve = reservation(config, operation, &provider, &rendered);
     Ok(NewJob {
         job_id: JobId::new(),
         attempt_id: AttemptId::new(),
@@ -236,7 +237,25 @@ pub fn new_job(config: &Config, body: &[u8]) -> std::result::Result<NewJob, Reje
         intent,
         provider,
         trace: None,
+        reserve,
     })
+}
+
+/// What one attempt of a job reserves of its owner's budget: its prompt's
+/// tokens, counted with the provider's model's encoding (an estimate where
+/// tiktoken does not know the model), plus its operation's `max_tokens`.
+pub fn reservation(
+    config: &Config,
+    operation: &crate::config::Operation,
+    provider: &str,
+    rendered: &crate::config::Rendered,
+) -> i64 {
+    let model = config
+        .providers
+        .get(provider)
+        .map_or("", |p| p.model.as_str());
+    let (prompt, _) = crate::qualify::count_tokens(model, rendered);
+    i64::try_from(prompt).unwrap_or(i64::MAX / 2) + i64::from(operation.max_tokens)
 }
 
 impl WorkerError {

@@ -1,0 +1,151 @@
+//! Budgets as reservations (contract section 7, Owners): the room an owner's
+//! `daily_tokens` leaves (its spend over the last 24 hours and its
+//! reservations taken off), read under the owner's budget lock, and which of
+//! a batch's new jobs fit in it. The reservations themselves are written by
+//! the statement that admits the jobs, in the same transaction, and end by the
+//! trigger of migration 0018.
+
+use super::owners::WINDOW_SECS;
+use super::*;
+use crate::intent::RejectReason;
+
+/// What one owner's budget leaves, read under its budget lock.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Room {
+    /// Its `daily_tokens`.
+    pub(super) budget: i64,
+    /// Tokens its attempts spent over the last 24 hours.
+    pub(super) spent: i64,
+    /// Tokens its open attempts hold reserved.
+    pub(super) reserved: i64,
+    /// Seconds until its oldest spend in the window leaves it.
+    pub(super) spend_leaves_in: u64,
+}
+
+impl Room {
+    /// The tokens a new reservation may still take.
+    fn left(&self) -> i64 {
+        self.budget - self.spent - self.reserved
+    }
+
+    /// Why a reservation of `need` tokens does not fit, with how long to wait:
+    /// a second while only reservations stand in the way (they end with their
+    /// calls), until spend leaves the window when spend does, and a whole
+    /// window when the job needs more than the budget itself.
+    fn refusal(&self, owner: &str, need: i64) -> RejectReason {
+        let retry_after = if need > self.budget {
+            WINDOW_SECS as u64
+        } else if self.spent + need <= self.budget {
+            1
+        } else {
+            self.spend_leaves_in
+        };
+        RejectReason::BudgetExceeded {
+            owner: owner.to_owned(),
+            spent: self.spent,
+            reserved: self.reserved,
+            need,
+            budget: self.budget,
+            retry_after,
+        }
+    }
+}
+
+/// Takes the budget locks of `owners` (in name order, so that two admissions
+/// never wait on each other in a cycle) and reads what each budget leaves.
+/// The read is a statement of its own after the locks: its snapshot sees every
+/// reservation committed before them.
+pub(super) async fn rooms(
+    tx: &mut PgConnection,
+    owners: &[(String, i64)],
+) -> Result<HashMap<String, Room>> {
+    let mut sorted: Vec<&(String, i64)> = owners.iter().collect();
+    sorted.sort();
+    let (names, budgets): (Vec<String>, Vec<i64>) =
+        sorted.into_iter().map(|(o, b)| (o.clone(), *b)).unzip();
+    sqlx::query!(
+        "SELECT owner_budget_lock(o) FROM unnest($1::text[]) AS o",
+        &names,
+    )
+    .execute(&mut *tx)
+    .await?;
+    let rows = sqlx::query!(
+        r#"SELECT o.owner_id AS "owner_id!", o.budget AS "budget!",
+                  COALESCE(s.spent, 0)::int8 AS "spent!",
+                  COALESCE((SELECT sum(r.tokens) FROM reservations r
+                            WHERE r.owner_id = o.owner_id), 0)::int8 AS "reserved!",
+                  GREATEST(1, ceil(extract(epoch FROM
+                      s.oldest + make_interval(secs => $3) - now())))::int8 AS leaves_in
+           FROM unnest($1::text[], $2::int8[]) AS o(owner_id, budget)
+           LEFT JOIN LATERAL (
+               SELECT sum(tokens) AS spent, min(minute) AS oldest FROM owner_spend
+               WHERE owner_id = o.owner_id AND minute > now() - make_interval(secs => $3)
+           ) s ON true"#,
+        &names,
+        &budgets,
+        WINDOW_SECS,
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| {
+            let room = Room {
+                budget: r.budget,
+                spent: r.spent,
+                reserved: r.reserved,
+                spend_leaves_in: r.leaves_in.and_then(|s| u64::try_from(s).ok()).unwrap_or(1),
+            };
+            (r.owner_id, room)
+        })
+        .collect())
+}
+
+/// Which of the batch's jobs reserve what, in `sorted`'s order: each new
+/// identity of an owner with a budget reserves its `reserve` while it fits
+/// in the owner's room, and is refused once it does not. Identities that
+/// already have a job (`existing`) and the batch's repeats of one reserve
+/// nothing: they make no job. Returns each job's reservation (0 for none)
+/// and the refusals by job.
+pub(super) fn fit(
+    sorted: &[&NewJob],
+    rooms: &HashMap<String, Room>,
+    existing: &HashMap<(String, String), (Uuid, String)>,
+) -> (Vec<i64>, HashMap<Uuid, RejectReason>) {
+    let mut left: HashMap<&str, i64> = rooms.iter().map(|(o, r)| (o.as_str(), r.left())).collect();
+    // The first intent of each identity in the batch, and its refusal if it
+    // had one: a repeat of a refused identity is refused with it (left in,
+    // it would make the job without a reservation).
+    let mut first: HashMap<(&str, &str), Option<RejectReason>> = HashMap::new();
+    let mut reserves = Vec::with_capacity(sorted.len());
+    let mut refused = HashMap::new();
+    for n in sorted {
+        reserves.push(0);
+        let owner = n.intent.owner_id.as_str();
+        let identity = (owner, n.intent.idempotency_key.as_str());
+        if let Some(earlier) = first.get(&identity) {
+            if let Some(reason) = earlier {
+                refused.insert(n.job_id.0, reason.clone());
+            }
+            continue;
+        }
+        let (Some(room), Some(left)) = (rooms.get(owner), left.get_mut(owner)) else {
+            first.insert(identity, None);
+            continue;
+        };
+        let reason = if existing.contains_key(&(owner.to_owned(), identity.1.to_owned())) {
+            None
+        } else if n.reserve <= *left {
+            *left -= n.reserve;
+            *reserves.last_mut().expect("pushed above") = n.reserve;
+            None
+        } else {
+            Some(room.refusal(owner, n.reserve))
+        };
+        if let Some(reason) = &reason {
+            refused.insert(n.job_id.0, reason.clone());
+        }
+        first.insert(identity, reason);
+    }
+    (reserves, refused)
+}
