@@ -1,9 +1,10 @@
 //! Budgets as reservations (contract section 7, Owners): the room an owner's
 //! `daily_tokens` leaves (its spend over the last 24 hours and its
-//! reservations taken off), read under the owner's budget lock, and which of
-//! a batch's new jobs fit in it. The reservations themselves are written by
-//! the statement that admits the jobs, in the same transaction, and end by the
-//! trigger of migration 0018.
+//! reservations taken off), read under the owner's budget lock; which of a
+//! batch's new jobs fit in it (their reservations are written by the
+//! statement that admits them, in the same transaction); and the
+//! reservations of attempts that start without one (retries, hedges). They
+//! end by the trigger of migration 0018.
 
 use super::owners::WINDOW_SECS;
 use super::*;
@@ -148,4 +149,90 @@ pub(super) fn fit(
         first.insert(identity, reason);
     }
     (reserves, refused)
+}
+
+/// One attempt's reservation to take before it starts.
+#[derive(Clone, Debug)]
+pub struct Reservation {
+    /// The attempt, still `queued`.
+    pub attempt_id: AttemptId,
+    /// Its job's owner.
+    pub owner_id: String,
+    /// What it reserves: its prompt's tokens plus its operation's `max_tokens`.
+    pub tokens: i64,
+}
+
+impl Store {
+    /// Reserves for queued attempts that hold no reservation (a retry, a
+    /// hedge, a job admitted before its owner had a budget), in `wanted`'s
+    /// order, under their owners' budget locks: each that fits in what its
+    /// owner's budget leaves takes its reservation; each that does not is
+    /// returned with its refusal, to be failed before its call. An attempt
+    /// whose owner has no budget any more reserves nothing, and one that left
+    /// `queued` meanwhile takes none (its row is read under a share lock, so
+    /// it cannot end until the reservation has committed, and its ending then
+    /// releases it).
+    pub async fn reserve(
+        &self,
+        wanted: &[Reservation],
+    ) -> Result<HashMap<AttemptId, RejectReason>> {
+        let owners: Vec<String> = wanted
+            .iter()
+            .map(|w| w.owner_id.clone())
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let budgeted: Vec<(String, i64)> = self
+            .admission_owners(&owners)
+            .await?
+            .into_iter()
+            .filter(|(_, limits)| limits.daily_tokens > 0)
+            .map(|(owner, limits)| (owner, limits.daily_tokens))
+            .collect();
+        if budgeted.is_empty() {
+            return Ok(HashMap::new());
+        }
+        self.retrying(|| async {
+            let mut tx = self.per_job.begin().await?;
+            let rooms = rooms(&mut tx, &budgeted).await?;
+            let mut left: HashMap<&str, i64> =
+                rooms.iter().map(|(o, r)| (o.as_str(), r.left())).collect();
+            let (mut ids, mut owners, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+            let mut refused = HashMap::new();
+            for w in wanted {
+                let (Some(room), Some(left)) =
+                    (rooms.get(&w.owner_id), left.get_mut(w.owner_id.as_str()))
+                else {
+                    continue;
+                };
+                if w.tokens <= *left {
+                    *left -= w.tokens;
+                    ids.push(w.attempt_id.0);
+                    owners.push(w.owner_id.clone());
+                    tokens.push(w.tokens);
+                } else {
+                    refused.insert(w.attempt_id, room.refusal(&w.owner_id, w.tokens));
+                }
+            }
+            sqlx::query!(
+                "WITH queued AS (
+                     SELECT id FROM attempts WHERE id = ANY($1) AND status = 'queued'
+                     ORDER BY id FOR SHARE
+                 )
+                 INSERT INTO reservations (attempt_id, owner_id, tokens)
+                 SELECT t.attempt_id, t.owner_id, t.tokens
+                 FROM unnest($1::uuid[], $2::text[], $3::int8[]) AS t(attempt_id, owner_id, tokens)
+                 JOIN queued q ON q.id = t.attempt_id
+                 ON CONFLICT (attempt_id) DO NOTHING",
+                &ids,
+                &owners,
+                &tokens,
+            )
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            Ok(refused)
+        })
+        .await
+    }
 }

@@ -61,6 +61,7 @@ mod turns;
 mod views;
 
 pub use audit::{Action, Actor, AuditEntry};
+pub use budget::Reservation;
 pub use console::{JobFilter, JobLine, JobMessage, Overview, Session, Unknown};
 use drafts::Ended;
 pub use drafts::{OutboxDraft, OutboxMessage, Routes};
@@ -72,7 +73,9 @@ pub use kept::{HandedOn, KeptWaiting};
 pub use owners::{OwnerChange, OwnerView};
 pub use qualifications::QualificationRun;
 pub use retention::{Pass, Policy, Pruned};
-pub use settle::{Claim, FailedJob, Finished, NextStep, Resolution, Settled, Started, Verdict};
+pub use settle::{
+    Claim, FailedJob, Finished, NextStep, Resolution, Settled, Started, Unreserved, Verdict,
+};
 pub use tokens::OperatorTokenView;
 pub use turns::HandOut;
 use views::JobRow;

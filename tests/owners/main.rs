@@ -16,6 +16,7 @@ mod fleet;
 mod in_flight;
 mod rate;
 mod reservations;
+mod retries;
 mod settings;
 mod turns;
 

@@ -39,21 +39,12 @@ pub(super) async fn claim(
     // time-ordered: it is the secret a settlement handed on through the
     // broker proves its origin by.
     let token = uuid::Uuid::new_v4();
-    let claimed = with_retries(shutdown, "starting attempts", || async {
-        Ok(ctx
-            .store
-            .claim(
-                &provider.name,
-                provider.evidence.kind.as_str(),
-                &ids,
-                provider.timeout,
-                token,
-            )
-            .await?)
-    })
-    .await;
+    let claimed = claim_under(ctx, shutdown, client, &ids, token).await;
     match claimed {
-        Ok(claim) => {
+        Ok(mut claim) => {
+            if !claim.unreserved.is_empty() {
+                super::reserve::reserve_then_claim(ctx, shutdown, client, &mut claim, token).await;
+            }
             let busy: BTreeSet<AttemptId> = claim.busy.into_iter().collect();
             crate::metrics::attempt_claims_held(&provider.name, busy.len());
             let mut started: HashMap<AttemptId, Started> = claim
@@ -85,6 +76,31 @@ pub(super) async fn claim(
             ids.iter().map(|_| Err(why.clone())).collect()
         }
     }
+}
+
+/// One claim of `ids` under `token` ([`crate::store::Store::claim`]), its
+/// transient failures tried again.
+pub(super) async fn claim_under(
+    ctx: &Context,
+    shutdown: &Shutdown,
+    client: &Client,
+    ids: &[AttemptId],
+    token: uuid::Uuid,
+) -> Result<crate::store::Claim, crate::runtime::WorkerError> {
+    let provider = client.provider();
+    with_retries(shutdown, "starting attempts", || async {
+        Ok(ctx
+            .store
+            .claim(
+                &provider.name,
+                provider.evidence.kind.as_str(),
+                ids,
+                provider.timeout,
+                token,
+            )
+            .await?)
+    })
+    .await
 }
 
 /// What becomes of a claim whose handler was cut off while its flush ran

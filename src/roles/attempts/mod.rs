@@ -29,6 +29,7 @@
 mod call;
 mod claim;
 mod consumer;
+mod reserve;
 mod settle;
 #[cfg(test)]
 mod tests;

@@ -294,7 +294,7 @@ async fn lost_once(ctx: &Context) -> Result<()> {
             w.max_republish
         );
         let lost: Vec<_> = lost.into_iter().map(|a| (a, error.clone())).collect();
-        let (_, publish) = ctx.store.fail_queued(&lost, &plan).await?;
+        let (_, publish) = ctx.store.fail_queued(&lost, true, &plan).await?;
         ctx.publish_outbox(&publish).await?;
     }
     Ok(())
@@ -363,7 +363,7 @@ pub(crate) async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
     }
     let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
     let plan = |f: &FailedJob| planner.plan(f);
-    let (settled, publish) = ctx.store.fail_queued(&dead, &plan).await?;
+    let (settled, publish) = ctx.store.fail_queued(&dead, true, &plan).await?;
     for (attempt, _) in &settled {
         tracing::warn!(attempt_id = %attempt, "attempt's message was dead-lettered: attempt marked failed");
     }

@@ -66,59 +66,15 @@ impl Store {
         let ids: Vec<Uuid> = ids.iter().map(|a| a.0).collect();
         let rows = self
             .retrying(|| {
-                sqlx::query_as!(
+                sqlx::query_file_as!(
                     ClaimRow,
-                    r#"WITH candidates AS (
-                         SELECT id, job_id, (status = 'started') AS ours FROM attempts
-                         WHERE id = ANY($1) AND provider = $2
-                           AND ((status = 'queued') IS TRUE
-                                OR (status = 'started' AND claim = $4) IS TRUE)
-                     ), claimed AS (
-                         SELECT j.id FROM jobs j
-                         WHERE j.id IN (SELECT job_id FROM candidates WHERE NOT ours)
-                           AND j.status IN ('queued', 'running')
-                         ORDER BY j.id
-                         FOR UPDATE SKIP LOCKED
-                     ), started AS (
-                         UPDATE attempts a
-                         SET status = 'started', claim = $4, evidence = $5,
-                             started_at = COALESCE(a.started_at, now()),
-                             deadline_at = COALESCE(a.deadline_at, now() + make_interval(secs => $3))
-                         FROM claimed c
-                         WHERE a.id = ANY($1) AND a.job_id = c.id AND a.provider = $2
-                           AND (a.status = 'queued') IS TRUE
-                         RETURNING a.id, a.job_id, a.number
-                     ), running AS (
-                         UPDATE jobs j SET status = 'running', updated_at = now()
-                         FROM (SELECT DISTINCT job_id FROM started) s
-                         WHERE j.id = s.job_id
-                         RETURNING j.id, j.version, j.operation, j.input
-                     )
-                     SELECT s.id AS "attempt_id!: AttemptId", s.job_id AS "job_id!: JobId",
-                            s.number AS "number!", r.version AS "version!",
-                            r.operation AS "operation!", r.input AS "input!",
-                            false AS "busy!"
-                     FROM started s JOIN running r ON r.id = s.job_id
-                     UNION ALL
-                     -- Attempts this claim started in a try whose reply was lost:
-                     -- already its own, their jobs already running, so no lock
-                     -- is needed (a held job row does not make them wait).
-                     SELECT a.id, a.job_id, a.number, j.version, j.operation, j.input, false
-                     FROM candidates c
-                     JOIN attempts a ON a.id = c.id
-                     JOIN jobs j ON j.id = c.job_id
-                     WHERE c.ours AND j.status IN ('queued', 'running')
-                     UNION ALL
-                     -- Queued attempts of open jobs that the lock skipped.
-                     SELECT c.id, c.job_id, 0, 0, '', '{}'::jsonb, true
-                     FROM candidates c JOIN jobs j ON j.id = c.job_id
-                     WHERE NOT c.ours AND j.status IN ('queued', 'running')
-                       AND c.job_id NOT IN (SELECT id FROM claimed)"#,
+                    "src/store/settle/claim.sql",
                     &ids,
                     provider,
                     timeout.as_secs_f64(),
                     token,
                     evidence,
+                    self.routes.owners.daily_tokens,
                 )
                 .fetch_all(&self.per_job)
                 .map_err(StoreError::from)
@@ -169,8 +125,9 @@ impl Store {
     }
 }
 
-/// A row of [`Store::claim`]: an attempt that left `queued`, with its job, or
-/// (`busy`) a queued attempt whose job row was held.
+/// A row of [`Store::claim`]: an attempt that left `queued`, with its job
+/// (`started`), a queued attempt whose job row was held (`busy`), or one that
+/// must reserve of its owner's budget before it starts (`unreserved`).
 struct ClaimRow {
     attempt_id: AttemptId,
     job_id: JobId,
@@ -178,7 +135,8 @@ struct ClaimRow {
     version: i64,
     operation: String,
     input: Value,
-    busy: bool,
+    owner_id: String,
+    kind: String,
 }
 
 /// What a claim's rows say: the attempts it started, each with its job's
@@ -186,7 +144,7 @@ struct ClaimRow {
 fn claim_of(rows: Vec<ClaimRow>, token: Uuid) -> Result<Claim> {
     let mut claim = Claim::default();
     for r in rows {
-        if r.busy {
+        if r.kind == "busy" {
             claim.busy.push(r.attempt_id);
             continue;
         }
@@ -194,6 +152,16 @@ fn claim_of(rows: Vec<ClaimRow>, token: Uuid) -> Result<Claim> {
             Value::Object(m) => m,
             other => return Err(corrupt(format!("job input is not an object: {other}"))),
         };
+        if r.kind == "unreserved" {
+            claim.unreserved.push(Unreserved {
+                attempt_id: r.attempt_id,
+                job_id: r.job_id,
+                owner_id: r.owner_id,
+                operation: r.operation,
+                input,
+            });
+            continue;
+        }
         claim.started.push(Started {
             attempt_id: r.attempt_id,
             job_id: r.job_id,

@@ -1,14 +1,18 @@
-//! Attempts whose message was lost for good: failed while still `queued`, and
-//! what follows planned as for any definite failure.
+//! Attempts that never start (their message was lost for good, or their
+//! reservation did not fit): failed while still `queued`, and what follows
+//! planned as for any definite failure.
 
 use super::*;
 
 impl Store {
-    /// Fails attempts that are still `queued` (their message was lost for good), and
-    /// plans what follows each, as for any definite failure.
+    /// Fails attempts that are still `queued` (their message was lost for
+    /// good, or their reservation did not fit), and plans what follows each,
+    /// as for any definite failure; `retryable` false when no other attempt
+    /// could do better.
     pub async fn fail_queued(
         &self,
         attempts: &[(AttemptId, String)],
+        retryable: bool,
         plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
     ) -> Result<(Vec<(AttemptId, Settled)>, Vec<OutboxMessage>)> {
         if attempts.is_empty() {
@@ -21,7 +25,7 @@ impl Store {
                 .map(|(id, error)| Failure {
                     attempt_id: *id,
                     error: error.clone(),
-                    retryable: true,
+                    retryable,
                     retry_after: None,
                     usage: None,
                     request_id: None,

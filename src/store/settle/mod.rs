@@ -134,6 +134,25 @@ pub struct Claim {
     /// Queued attempts whose job row was held under someone else's lock: not
     /// started, to be claimed again later.
     pub busy: Vec<AttemptId>,
+    /// Queued attempts of owners with a budget that hold no reservation: not
+    /// started; they reserve ([`Store::reserve`]) and are claimed again.
+    pub unreserved: Vec<Unreserved>,
+}
+
+/// A queued attempt that must reserve of its owner's budget before it starts,
+/// with what its reservation is counted from.
+#[derive(Clone, Debug)]
+pub struct Unreserved {
+    /// The attempt.
+    pub attempt_id: AttemptId,
+    /// Its job.
+    pub job_id: JobId,
+    /// The job's owner.
+    pub owner_id: String,
+    /// The job's operation.
+    pub operation: String,
+    /// The job's input.
+    pub input: serde_json::Map<String, Value>,
 }
 
 /// A job whose attempt just failed definitely, for the caller to plan what follows.
