@@ -70,6 +70,17 @@ pub(super) async fn rooms(
     )
     .execute(&mut *tx)
     .await?;
+    read_rooms(&mut *tx, &names, &budgets).await
+}
+
+/// What each owner's budget (`names` with their `budgets`) leaves, read
+/// with no lock: under the budget locks ([`rooms`]) it decides; without them
+/// it only tells.
+async fn read_rooms(
+    executor: impl sqlx::PgExecutor<'_>,
+    names: &[String],
+    budgets: &[i64],
+) -> Result<HashMap<String, Room>> {
     let rows = sqlx::query!(
         r#"SELECT o.owner_id AS "owner_id!", o.budget AS "budget!",
                   COALESCE(s.spent, 0)::int8 AS "spent!",
@@ -82,11 +93,11 @@ pub(super) async fn rooms(
                SELECT sum(tokens) AS spent, min(minute) AS oldest FROM owner_spend
                WHERE owner_id = o.owner_id AND minute > now() - make_interval(secs => $3)
            ) s ON true"#,
-        &names,
-        &budgets,
+        names,
+        budgets,
         WINDOW_SECS,
     )
-    .fetch_all(&mut *tx)
+    .fetch_all(executor)
     .await?;
     Ok(rows
         .into_iter()
@@ -163,6 +174,43 @@ pub struct Reservation {
 }
 
 impl Store {
+    /// Whether a new identity of `owner` (`key`) reserving `need` tokens would
+    /// be refused for its budget now, and why: what the gateway asks before
+    /// it publishes, so that an intent admission would refuse is answered
+    /// `429` at once instead of being published and dead-lettered. Nothing is
+    /// reserved and no lock is taken: admission decides. An identity that
+    /// has a job already is never refused (its answer is `duplicate` or
+    /// `conflict`).
+    pub async fn budget_refusal(
+        &self,
+        owner: &str,
+        key: &str,
+        need: i64,
+    ) -> Result<Option<RejectReason>> {
+        let owners = [owner.to_owned()];
+        let Some((_, limits)) = self.admission_owners(&owners).await?.pop() else {
+            return Ok(None);
+        };
+        if limits.daily_tokens <= 0 {
+            return Ok(None);
+        }
+        let known = sqlx::query_scalar!(
+            r#"SELECT EXISTS (SELECT 1 FROM jobs WHERE owner_id = $1 AND idempotency_key = $2) AS "known!""#,
+            owner,
+            key,
+        )
+        .fetch_one(&self.per_job)
+        .await?;
+        if known {
+            return Ok(None);
+        }
+        let rooms = read_rooms(&self.per_job, &owners, &[limits.daily_tokens]).await?;
+        Ok(rooms
+            .get(owner)
+            .filter(|room| room.left() < need)
+            .map(|room| room.refusal(owner, need)))
+    }
+
     /// Reserves for queued attempts that hold no reservation (a retry, a
     /// hedge, a job admitted before its owner had a budget), in `wanted`'s
     /// order, under their owners' budget locks: each that fits in what its

@@ -1,5 +1,6 @@
 //! An owner whose budget leaves no room: its new requests are answered 429
-//! with `Retry-After` and the `budget_exceeded` receipt, while a retry of an
+//! with `Retry-After` and the `budget_exceeded` receipt before anything is
+//! published, while a retry of an
 //! accepted request still finds its job, and another owner is not touched.
 
 use onejob::domain::JobStatus;
@@ -55,6 +56,12 @@ async fn an_owner_over_its_budget_is_answered_429_with_retry_after() {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no Retry-After: {refused:?}"));
     assert!((1..=24 * 3600 + 60).contains(&retry_after), "{retry_after}");
+    // Answered before publishing: intake never saw it, so nothing was
+    // dead-lettered (the whole body was, before).
+    let amqp = s.env.amqp().await;
+    let ch = amqp.create_channel().await.unwrap();
+    let dlq = onejob::broker::dead_letter_queue(onejob::broker::INTENTS_QUEUE);
+    assert_eq!(common::depth(&ch, &dlq).await, 0, "nothing dead-lettered");
 
     // A retry of the accepted request is still its job; another owner is
     // not touched.

@@ -8,7 +8,7 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::Response;
-use onejob::intent::{Intent, RejectReason};
+use onejob::intent::{Intent, Receipt, RejectReason};
 use onejob::trace::TraceContext;
 use tracing::Instrument;
 
@@ -68,6 +68,23 @@ async fn read_body(body: Body, limit: usize, timeout: Duration) -> Result<Vec<u8
     }
 }
 
+/// The request's `Idempotency-Key`, or the answer to a request without a
+/// usable one.
+fn idempotency_key(headers: &HeaderMap) -> Result<&str, Box<Response>> {
+    let Some(key) = headers.get("idempotency-key") else {
+        return Err(Box::new(problem(
+            StatusCode::BAD_REQUEST,
+            "missing_idempotency_key: send an `Idempotency-Key` header, the same on every retry of one intention".into(),
+        )));
+    };
+    key.to_str().map_err(|_| {
+        Box::new(rejected(&RejectReason::BadCharacters {
+            field: "idempotency_key",
+            allowed: "printable ASCII",
+        }))
+    })
+}
+
 pub(super) async fn create_job(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
     let Ok(_permit) = gateway.in_flight.try_acquire() else {
         return overloaded();
@@ -77,17 +94,9 @@ pub(super) async fn create_job(State(gateway): State<Arc<Gateway>>, request: Req
         Ok(o) => o,
         Err(response) => return response,
     };
-    let Some(key) = parts.headers.get("idempotency-key") else {
-        return problem(
-            StatusCode::BAD_REQUEST,
-            "missing_idempotency_key: send an `Idempotency-Key` header, the same on every retry of one intention".into(),
-        );
-    };
-    let Ok(key) = key.to_str() else {
-        return rejected(&RejectReason::BadCharacters {
-            field: "idempotency_key",
-            allowed: "printable ASCII",
-        });
+    let key = match idempotency_key(&parts.headers) {
+        Ok(key) => key,
+        Err(response) => return *response,
     };
     let limit = gateway.config.worker.max_message_bytes;
     // What this owner holds is bounded, so that it cannot hold the gateway's
@@ -108,8 +117,12 @@ pub(super) async fn create_job(State(gateway): State<Arc<Gateway>>, request: Req
         Ok(i) => i,
         Err(reason) => return rejected(&reason),
     };
-    if let Err(reason) = gateway.config.admit(&intent) {
-        return rejected(&reason);
+    let (operation, provider, rendered) = match gateway.config.admit(&intent) {
+        Ok(admitted) => admitted,
+        Err(reason) => return rejected(&reason),
+    };
+    if let Some(refused) = over_budget(&gateway, &intent, (operation, &provider, &rendered)).await {
+        return refused;
     }
     // The message carries the owner and key as well: it must fit the limit that
     // intake applies, or it would only be rejected there.
@@ -142,6 +155,33 @@ pub(super) async fn create_job(State(gateway): State<Arc<Gateway>>, request: Req
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("unavailable: the intent was not published ({e}); retry with the same key"),
             )
+        }
+    }
+}
+
+/// The answer for a new identity whose reservation would not fit in its
+/// owner's budget, given before anything is published (admission would
+/// refuse it, and dead-letter the whole body); `None` to publish. Admission
+/// still decides what fits; a budget that cannot be read is left to it.
+async fn over_budget(
+    gateway: &Gateway,
+    intent: &Intent,
+    (operation, provider, rendered): (&onejob::config::Operation, &str, &onejob::config::Rendered),
+) -> Option<Response> {
+    let need = onejob::runtime::reservation(&gateway.config, operation, provider, rendered);
+    match gateway
+        .store
+        .budget_refusal(&intent.owner_id, &intent.idempotency_key, need)
+        .await
+    {
+        Ok(None) => None,
+        Ok(Some(reason)) => {
+            onejob::metrics::owner_refused(&intent.owner_id, "budget_exceeded");
+            Some(answer(Receipt::rejected(&reason), &intent.idempotency_key))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "the owner's budget could not be read; publishing, and admission decides");
+            None
         }
     }
 }

@@ -15,7 +15,7 @@
 //! | `duplicate` | 200 | the same job; `Idempotent-Replayed: true` |
 //! | `conflict` | 422 | the key was used for a different request |
 //! | `rejected` | 400 (413 when too large) | `error` says why |
-//! | `rejected` with `budget_exceeded` | 429 | `Retry-After`: when the owner is under its daily budget again |
+//! | `rejected` with `budget_exceeded` | 429 | `Retry-After`: when the job's reservation may fit in its owner's budget again; a new identity that would not fit is answered before anything is published |
 //!
 //! No receipt in time (504) or a broker that refused the publish (503) leaves the
 //! request safe to retry with the same key: the database keeps one job per key.
