@@ -118,6 +118,36 @@ impl Store {
                 "onejob_provider_work_waiting{{provider=\"{provider}\"}} {n}\n"
             ));
         }
+        out.push_str(&self.held_gauge().await?);
+        Ok(out)
+    }
+
+    /// The turns held for each provider, and how long the oldest has
+    /// waited: every configured provider has a line (0 when none waits), and
+    /// so does a provider no longer configured whose turns are still held
+    /// (they move on along their routes once `stuck_after` has passed).
+    async fn held_gauge(&self) -> Result<String> {
+        let mut held: std::collections::BTreeMap<String, (i64, f64)> = self
+            .routes
+            .shares
+            .iter()
+            .map(|(p, _)| (p.clone(), (0, 0.0)))
+            .collect();
+        for h in self.held_turns().await? {
+            held.insert(h.provider, (h.held, h.oldest_seconds));
+        }
+        let mut out = String::from("# TYPE onejob_turns_held gauge\n");
+        for (provider, (n, _)) in &held {
+            out.push_str(&format!(
+                "onejob_turns_held{{provider=\"{provider}\"}} {n}\n"
+            ));
+        }
+        out.push_str("# TYPE onejob_oldest_held_turn_seconds gauge\n");
+        for (provider, (_, oldest)) in &held {
+            out.push_str(&format!(
+                "onejob_oldest_held_turn_seconds{{provider=\"{provider}\"}} {oldest}\n"
+            ));
+        }
         Ok(out)
     }
 

@@ -19,6 +19,7 @@ mod reservations;
 mod retries;
 mod settings;
 mod turns;
+mod unserved;
 
 use std::time::Duration;
 

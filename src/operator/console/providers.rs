@@ -84,14 +84,41 @@ pub(super) async fn page(
             }
         })
         .collect();
+    let held = match held_turns(&app).await {
+        Ok(h) => h,
+        Err(e) => return app.message(Some(&who), e.into()),
+    };
     let done = done_banner(&app, q.done).await;
     app.render(
         "providers.html",
         context! {
             title => "Providers", operator => who.name, csrf => who.csrf,
-            providers => rows, done,
+            providers => rows, held, done,
+            stuck_after => humantime::format_duration(config.worker.stuck_after).to_string(),
         },
     )
+}
+
+/// The turns held for each provider, the longest-waiting first, each marked
+/// when its provider is no longer configured (those move on along their
+/// routes once `stuck_after` has passed).
+async fn held_turns(app: &Console) -> crate::store::Result<Vec<minijinja::Value>> {
+    let config = &app.0.config;
+    Ok(app
+        .0
+        .store
+        .held_turns()
+        .await?
+        .into_iter()
+        .map(|h| {
+            context! {
+                configured => config.providers.contains_key(&h.provider),
+                provider => h.provider,
+                held => h.held,
+                oldest => age(h.oldest_seconds),
+            }
+        })
+        .collect())
 }
 
 /// The provider and operation a qualify request names, if both are
