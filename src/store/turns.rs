@@ -44,7 +44,7 @@ impl Store {
     /// so that hand-outs on several providers and workers, and hedges, never
     /// both see the same room.
     pub async fn hand_out_turns(&self, provider: &str, share: i64, after: &str) -> Result<HandOut> {
-        let waiting = self.owners_waiting(provider, after).await?;
+        let waiting = self.owners_waiting(provider, after, share).await?;
         // The last looked at in the rotation: the last of those round at the
         // start (named up to `after`, so first by name), else the last.
         let Some(looked_to) = waiting
@@ -53,7 +53,12 @@ impl Store {
             .or(waiting.last())
             .map(|w| w.owner_id.clone())
         else {
-            return Ok(HandOut::default());
+            // No owner with room: whether any waits at all.
+            return Ok(HandOut {
+                waiting: self.any_held(provider).await?,
+                looked_to: after.to_owned(),
+                ..HandOut::default()
+            });
         };
         let owners: Vec<String> = waiting.iter().map(|w| w.owner_id.clone()).collect();
         let limits: Vec<i64> = waiting.iter().map(|w| w.max_in_flight).collect();
@@ -144,14 +149,20 @@ impl Store {
         .await?)
     }
 
-    /// The owners with turns held on `provider`, [`OWNERS_PER_HAND_OUT`] at
-    /// most: those named after `after` first, then round to the start (those
-    /// named up to it, `wrapped`); returned in name order, each with its
-    /// `max_in_flight`. One statement: two skip scans of `turns_held`, one
+    /// The owners with turns held on `provider` and room for one (under
+    /// their `share` of its queue and their `max_in_flight`: an owner with
+    /// no room takes no place), [`OWNERS_PER_HAND_OUT`] at most: those named
+    /// after `after` first, then round to the start (those named up to it,
+    /// `wrapped`); returned in name order, each with its `max_in_flight`. One statement: two skip scans of `turns_held`, one
     /// index probe an owner however long its backlog, the second walked only
     /// when the first leaves room (the limit stops the walks). Names are
     /// compared by Postgres, in its collation.
-    async fn owners_waiting(&self, provider: &str, after: &str) -> Result<Vec<Waiting>> {
+    async fn owners_waiting(
+        &self,
+        provider: &str,
+        after: &str,
+        share: i64,
+    ) -> Result<Vec<Waiting>> {
         Ok(sqlx::query_as!(
             Waiting,
             r#"WITH RECURSIVE later AS (
@@ -175,9 +186,20 @@ impl Store {
                            ORDER BY t.owner_id LIMIT 1)
                    FROM earlier w WHERE w.owner_id IS NOT NULL
                ), listed AS (
-                   (SELECT owner_id, false AS wrapped FROM later WHERE owner_id IS NOT NULL)
-                   UNION ALL
-                   (SELECT owner_id, true FROM earlier WHERE owner_id IS NOT NULL)
+                   -- Only owners with room take a place: under their share
+                   -- of the queue, and under their max_in_flight (read
+                   -- without the owner's lock: the hand-out counts again
+                   -- under it).
+                   SELECT w.owner_id, w.wrapped FROM (
+                       (SELECT owner_id, false AS wrapped FROM later WHERE owner_id IS NOT NULL)
+                       UNION ALL
+                       (SELECT owner_id, true FROM earlier WHERE owner_id IS NOT NULL)
+                   ) w LEFT JOIN owners o USING (owner_id)
+                   WHERE (SELECT count(*) FROM turns t
+                          WHERE t.owner_id = w.owner_id AND t.provider = $1
+                            AND t.handed_out_at IS NOT NULL) < $5
+                     AND (COALESCE(o.max_in_flight, $2) = 0
+                          OR owner_in_flight(w.owner_id) < COALESCE(o.max_in_flight, $2))
                    LIMIT $3
                )
                SELECT l.owner_id AS "owner_id!", l.wrapped AS "wrapped!",
@@ -188,8 +210,20 @@ impl Store {
             self.routes.owners.max_in_flight,
             OWNERS_PER_HAND_OUT,
             after,
+            share,
         )
         .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// Whether any owner has turns held on `provider`, room or not.
+    async fn any_held(&self, provider: &str) -> Result<bool> {
+        Ok(sqlx::query_scalar!(
+            r#"SELECT EXISTS (SELECT 1 FROM turns
+                              WHERE provider = $1 AND handed_out_at IS NULL) AS "held!""#,
+            provider,
+        )
+        .fetch_one(&self.pool)
         .await?)
     }
 }

@@ -179,9 +179,11 @@ async fn the_flood_ends(env: &TestEnv, flood_jobs: &[onejob::domain::JobId]) {
 
 /// Issue 40: a thousand owners ahead of another by name, each at its
 /// `max_in_flight` with more waiting, do not starve it. A hand-out looks at
-/// a thousand owners at most; the next goes on after the last it looked at,
-/// round to the start, so the owner after them gets its turn at the second
-/// look (it never did: every look began at the first name).
+/// a thousand owners with room at most (the next goes on after the last it
+/// looked at, round to the start), and an owner with no room takes no place:
+/// the owner after them gets its turn at the next look, even one from the
+/// first name (it never did: every look began at the first name, and owners
+/// at their limit filled it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn owners_past_the_first_thousand_by_name_get_their_turns() {
     let text = super::config_with_owners("http://127.0.0.1:9/v1", "max_in_flight = 1");
@@ -210,11 +212,10 @@ async fn owners_past_the_first_thousand_by_name_get_their_turns() {
         gauges.contains("onejob_provider_work_waiting{provider=\"primary\"} 2002\n"),
         "{gauges}"
     );
-    let second = env
-        .store
-        .hand_out_turns("primary", 8, &first.looked_to)
-        .await
-        .unwrap();
+    // A look from the start: the thousand owners ahead have no room, and
+    // take no place in it (each took one before, and zz-last waited for the
+    // next look).
+    let second = env.store.hand_out_turns("primary", 8, "").await.unwrap();
     let handed: Vec<String> = second
         .publish
         .iter()
@@ -225,13 +226,14 @@ async fn owners_past_the_first_thousand_by_name_get_their_turns() {
         [last[0].attempt_id.to_string()],
         "zz-last's first turn"
     );
-    // Round to the start: the owners before it were looked at again, and
-    // none had room; the next look goes on after them.
-    assert_eq!(second.looked_to, "o-0998");
+    assert_eq!(second.looked_to, "zz-last");
+    // Now no owner has room: nothing is handed out, the rotation stays
+    // where it was, and turns are still held.
     let third = env
         .store
         .hand_out_turns("primary", 8, &second.looked_to)
         .await
         .unwrap();
-    assert!(third.publish.is_empty() && third.waiting);
+    assert!(third.publish.is_empty() && third.waiting, "{third:?}");
+    assert_eq!(third.looked_to, "zz-last");
 }
