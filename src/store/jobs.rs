@@ -102,9 +102,10 @@ impl Store {
         Ok(Some(job.with(attempts)))
     }
 
-    /// Cancels a job: the version is bumped, queued and unknown attempts are
-    /// cancelled, and an attempt still in flight is left to finish, so that its late
-    /// result is `discarded` by the compare-and-swap. Refused on a terminal job.
+    /// Cancels a job: the version is bumped, queued attempts are cancelled,
+    /// unknown ones `discarded` (their calls may have run: evidence looks for
+    /// what they cost), and an attempt still in flight is left to finish, so
+    /// that its late result is `discarded` by the compare-and-swap. Refused on a terminal job.
     /// The cancellation is recorded in the audit table, in its transaction.
     pub async fn cancel_job(
         &self,
@@ -180,10 +181,20 @@ impl Store {
         else {
             return Ok(None);
         };
+        // An unknown attempt of a cancelled job may have been run, and paid
+        // for: it is `discarded`, and evidence looks for what it cost (the
+        // attempt an operator resolves as cancelled is taken at their word).
         sqlx::query!(
-            "UPDATE attempts SET status = 'cancelled', finished_at = now(),
-                    error = CASE WHEN id = $2 THEN 'cancelled: resolved as cancelled by an operator'
-                                 ELSE 'cancelled: its job was cancelled' END
+            "UPDATE attempts
+             SET status = CASE WHEN status = 'unknown' AND id IS DISTINCT FROM $2
+                               THEN 'discarded' ELSE 'cancelled' END,
+                 finished_at = now(),
+                 evidence_next_at = CASE WHEN status = 'unknown' AND id IS DISTINCT FROM $2
+                                         THEN now() ELSE evidence_next_at END,
+                 error = CASE WHEN id = $2 THEN 'cancelled: resolved as cancelled by an operator'
+                              WHEN status = 'unknown'
+                              THEN 'discarded: its outcome was still unknown when its job was cancelled'
+                              ELSE 'cancelled: its job was cancelled' END
              WHERE job_id = $1
                AND (status IN ('queued', 'unknown') OR (id = $2 AND status = 'started'))",
             job.0,

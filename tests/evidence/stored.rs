@@ -273,3 +273,47 @@ async fn evidence_found_after_the_job_ended_is_discarded_with_its_usage() {
     producer.close().await;
     fleet.stop().await;
 }
+
+/// Issue 40, item 6: a job cancelled while its attempt is `unknown`. The call
+/// may have run, and been paid for: the attempt is `discarded` (not
+/// `cancelled`, which no evidence looks at), and the answer its provider
+/// stored, found later, tells what it cost; the usage is kept on it and
+/// counted against the owner. The job stays cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unknown_whose_job_is_cancelled_has_its_cost_found() {
+    let primary = mock(MockOptions {
+        store: true,
+        delay: Duration::from_secs(2),
+        ..MockOptions::default()
+    })
+    .await;
+    let (config, file) = config(&super::stored_config(&primary.base_url(), ""));
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let receipt = producer
+        .submit(&intent("acct_cancel", "k", "cancelled unknown"))
+        .await
+        .unwrap();
+    let job_id = receipt.job_id.unwrap();
+    wait_for_status(&env, job_id, JobStatus::Unknown).await;
+    env.cli_ok(&file.path, &["jobs", "cancel", &job_id.to_string()]);
+    let job = env.store.job(job_id).await.unwrap().unwrap();
+    assert_eq!(job.status, JobStatus::Cancelled);
+    assert_eq!(job.attempts[0].status, AttemptStatus::Discarded, "{job:?}");
+    let job = wait_for(
+        "the evidence of its cost",
+        Duration::from_secs(30),
+        || async {
+            let j = env.store.job(job_id).await.unwrap().unwrap();
+            j.attempts[0].usage.is_some().then_some(j)
+        },
+    )
+    .await;
+    assert_eq!(job.status, JobStatus::Cancelled);
+    assert_eq!(job.attempts[0].status, AttemptStatus::Discarded);
+    let spent = env.store.owner("acct_cancel").await.unwrap().spent_24h;
+    assert!(spent > 0, "its cost counts against the owner: {spent}");
+    producer.close().await;
+    fleet.stop().await;
+}
