@@ -317,3 +317,51 @@ async fn an_unknown_whose_job_is_cancelled_has_its_cost_found() {
     producer.close().await;
     fleet.stop().await;
 }
+
+/// Issue 40, item 6: a call that times out after its job was cancelled. Its
+/// attempt is `discarded` (nothing is blocked any more), and evidence looks
+/// for what the call cost, as for any discarded attempt whose outcome was
+/// not known: the stored answer found later puts its usage on the attempt,
+/// counted against the owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_timeout_after_its_job_was_cancelled_has_its_cost_found() {
+    let primary = mock(MockOptions {
+        store: true,
+        delay: Duration::from_secs(3),
+        ..MockOptions::default()
+    })
+    .await;
+    let provider = "timeout = \"2s\"\nevidence = \"stored\"\nevidence_delay = \"1s\"";
+    let text = crate::common::config_for(&[P("primary", &primary.base_url(), provider)], "");
+    let (config, file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let receipt = producer
+        .submit(&intent("acct_late", "k", "cancelled mid-call"))
+        .await
+        .unwrap();
+    let job_id = receipt.job_id.unwrap();
+    wait_for_status(&env, job_id, JobStatus::Running).await;
+    env.cli_ok(&file.path, &["jobs", "cancel", &job_id.to_string()]);
+    let job = wait_for("the timeout", Duration::from_secs(20), || async {
+        let j = env.store.job(job_id).await.unwrap().unwrap();
+        (j.attempts[0].status == AttemptStatus::Discarded).then_some(j)
+    })
+    .await;
+    let error = job.attempts[0].error.clone().unwrap_or_default();
+    assert!(error.contains("after its job had ended"), "{error}");
+    wait_for(
+        "the evidence of its cost",
+        Duration::from_secs(30),
+        || async {
+            let j = env.store.job(job_id).await.unwrap().unwrap();
+            j.attempts[0].usage.is_some().then_some(())
+        },
+    )
+    .await;
+    let spent = env.store.owner("acct_late").await.unwrap().spent_24h;
+    assert!(spent > 0, "its cost counts against the owner: {spent}");
+    producer.close().await;
+    fleet.stop().await;
+}

@@ -6,7 +6,8 @@ use super::*;
 /// Timeouts: each still-`started` attempt becomes `unknown` and blocks its job,
 /// unless the job has already ended (another attempt won, or it was cancelled):
 /// then nothing is blocked any more, and the attempt is `discarded` with the
-/// reason. Attempts are locked first, then their jobs, as everywhere.
+/// reason, and evidence looks for what its call cost (it may have run, and
+/// been paid for). Attempts are locked first, then their jobs, as everywhere.
 pub(in crate::store) async fn mark_unknown(
     tx: &mut PgConnection,
     unknowns: &[(AttemptId, String)],
@@ -67,7 +68,8 @@ pub(in crate::store) async fn mark_unknown(
         "WITH marked AS (
              UPDATE attempts a
              SET status = i.status, error = i.error,
-                 finished_at = CASE WHEN i.status = 'discarded' THEN now() END
+                 finished_at = CASE WHEN i.status = 'discarded' THEN now() END,
+                 evidence_next_at = CASE WHEN i.status = 'discarded' THEN now() END
              FROM unnest($1::uuid[], $2::text[], $3::text[]) AS i(attempt_id, status, error)
              WHERE a.id = i.attempt_id
              RETURNING a.job_id, a.status
