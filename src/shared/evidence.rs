@@ -55,9 +55,6 @@ const MAX_PAUSE: Duration = Duration::from_secs(60);
 /// The longest one look at stored completions may take: a provider that does
 /// not answer in time is asked again later.
 const LOOK_TIMEOUT: Duration = Duration::from_secs(10);
-/// The pause of an unknown that waits for an operator: no more looks.
-const NEVER: Duration = Duration::from_secs(100 * 366 * 24 * 3600);
-
 /// What one look came to.
 #[derive(Debug, Default, Serialize)]
 pub(crate) struct Look {
@@ -223,7 +220,7 @@ impl Looker<'_> {
     ) -> Result<Look> {
         let next = pause(client.provider().evidence.delay, unknown.looks);
         self.store
-            .note_evidence(unknown.attempt_id, &found, next)
+            .note_evidence(unknown.attempt_id, &found, Some(next))
             .await?;
         Ok(Look {
             found,
@@ -284,7 +281,7 @@ impl Looker<'_> {
         outcome: &'static str,
     ) -> Result<Look> {
         self.store
-            .note_evidence(unknown.attempt_id, &found, NEVER)
+            .note_evidence(unknown.attempt_id, &found, None)
             .await?;
         Ok(Look {
             found,
@@ -367,7 +364,7 @@ impl Looker<'_> {
         }
         // Settled, and the kept answer cleared with it: no more looks.
         self.store
-            .note_evidence(unknown.attempt_id, &found, NEVER)
+            .note_evidence(unknown.attempt_id, &found, None)
             .await?;
         let settled = format!("{settled:?}");
         tracing::info!(attempt_id = %unknown.attempt_id, job_id = %unknown.job_id, evidence = what, %settled, "evidence: an unknown attempt was settled");

@@ -127,23 +127,31 @@ impl Store {
         .await
     }
 
-    /// Writes what a look found, and when the next may come (only an
-    /// attempt still `unknown`, or discarded with its cost not known, is
-    /// looked at again; a settled one keeps the note of what settled it).
+    /// Writes what a look found, and when the next may come, `None` for no
+    /// more looks (only an attempt still `unknown`, or discarded with its
+    /// cost not known, is looked at again; a settled one keeps the note of
+    /// what settled it).
     pub async fn note_evidence(
         &self,
         attempt: AttemptId,
         note: &str,
-        next_in: Duration,
+        next_in: Option<Duration>,
     ) -> Result<()> {
+        // No more looks: a discarded attempt's next look is NULL (it is looked
+        // at only while it has one, and counts in its owner's flight until
+        // then); an unknown one's is a century away (NULL would make it due).
+        let next_in = next_in.map(|d| d.as_secs_f64());
         self.retrying(|| async {
             sqlx::query!(
                 "UPDATE attempts SET evidence_note = $2, evidence_last_at = now(),
-                     evidence_next_at = now() + make_interval(secs => $3)
+                     evidence_next_at = CASE
+                         WHEN $3::float8 IS NOT NULL THEN now() + make_interval(secs => $3)
+                         WHEN status = 'discarded' THEN NULL
+                         ELSE now() + interval '100 years' END
                  WHERE id = $1",
                 attempt.0,
                 note,
-                next_in.as_secs_f64(),
+                next_in,
             )
             .execute(&self.pool)
             .await?;

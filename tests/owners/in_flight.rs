@@ -189,3 +189,46 @@ async fn calls_that_timed_out_still_count_against_max_in_flight() {
     producer.close().await;
     fleet.stop().await;
 }
+
+/// Issue 40, item 2: a call discarded while its outcome was unknown (here its
+/// job was cancelled) may still be running at the provider, so it counts in
+/// its owner's flight while evidence looks for what it cost. An owner at
+/// `max_in_flight = 1` never has two calls running at the provider: the next
+/// job starts once the first call's cost was found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_discarded_while_unknown_counts_until_its_cost_is_found() {
+    let primary = mock(MockOptions {
+        store: true,
+        delay: Duration::from_secs(2),
+        ..MockOptions::default()
+    })
+    .await;
+    let provider = "timeout = \"500ms\"\nevidence = \"stored\"\nevidence_delay = \"1s\"";
+    let text = common::config_for(&[common::P("primary", &primary.base_url(), provider)], "")
+        + "\n[owners]\nmax_in_flight = 1\n";
+    let (config, file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let first = submit(&producer, "acct_disc", "k1", "first").await;
+    wait_for_status(&env, first, JobStatus::Unknown).await;
+    let second = submit(&producer, "acct_disc", "k2", "second").await;
+    env.cli_ok(&file.path, &["jobs", "cancel", &first.to_string()]);
+    wait_for_status(&env, second, JobStatus::Succeeded).await;
+    let first = env.store.job(first).await.unwrap().unwrap();
+    assert_eq!(
+        first.attempts[0].status,
+        onejob::domain::AttemptStatus::Discarded
+    );
+    assert!(
+        first.attempts[0].usage.is_some(),
+        "its cost was found: {first:?}"
+    );
+    assert_eq!(
+        primary.stats.most_running(),
+        1,
+        "the second call waited for the first to end"
+    );
+    producer.close().await;
+    fleet.stop().await;
+}

@@ -94,7 +94,7 @@ async fn provider_once(ctx: &Context, client: &Client) -> Result<()> {
                 let note = format!("the look failed ({e}); looking again shortly");
                 let again = provider.evidence.delay.max(Duration::from_secs(1));
                 ctx.store
-                    .note_evidence(unknown.attempt_id, &note, again)
+                    .note_evidence(unknown.attempt_id, &note, Some(again))
                     .await?;
                 continue;
             }
