@@ -1,119 +1,80 @@
-//! The owners benchmark's last step: how soon an owner over its budget is
-//! refused, when what crossed the budget was a discarded answer's spend.
+//! The owners benchmark's last step: whether a budget binds. Owner C, with a
+//! budget of ten jobs' reservations, publishes a burst of intents at once;
+//! what its calls spent is set against its budget (the overshoot, goal 0),
+//! and what a job reserved against what its call spent (the estimate's
+//! error, on the safe side when the reservation is larger).
 
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-use onejob::domain::{AttemptStatus, JobId, JobStatus};
+use futures_util::future::join_all;
+use onejob::domain::{JobId, JobStatus};
 use onejob::intent::Outcome;
 use onejob::store::{Actor, OwnerChange};
 use onejob_producer::Producer;
 
 use crate::common::{TestEnv, intent};
 
-/// How often a probe intent is sent while waiting for the refusal.
-const PROBE_EVERY: Duration = Duration::from_millis(10);
+/// The burst C publishes at once.
+const BURST: usize = 200;
+/// C's budget, in jobs' reservations.
+const JOBS: i64 = 10;
 
-/// Owner C: one job to learn what a call costs; a budget of two calls less a
-/// token; a job cancelled while its call is in flight, whose answer is then
-/// discarded and whose spend crosses the budget; and probe intents every
-/// [`PROBE_EVERY`] until one is refused. Reports how many probes were admitted
-/// after the crossing settlement, and how long after it the first refusal came.
-pub(crate) async fn budget(env: &TestEnv, producer: &Producer) {
-    let actor = Actor::cli(Some("bench"));
-    let first = created(producer, "c-0").await;
-    let each = tokens(&wait_for(env, first, |j| j.status == JobStatus::Succeeded).await);
-    let budget = 2 * each - 1;
+/// Owner C: a budget of [`JOBS`] reservations and a burst of [`BURST`]
+/// intents at once; then every job it was admitted runs to its end. Reports
+/// how many were created and refused, what was spent against the budget,
+/// and what one job reserved against what its call spent.
+pub(crate) async fn budget(env: &TestEnv, producer: &Producer, config: &onejob::config::Config) {
+    let probe = intent("acct_c", "c-0", "c");
+    let reserve = onejob::runtime::new_job(config, &serde_json::to_vec(&probe).expect("json"))
+        .expect("a valid intent")
+        .reserve;
+    let budget = JOBS * reserve;
     let change = OwnerChange {
         daily_tokens: Some(Some(budget)),
         ..OwnerChange::default()
     };
     env.store
-        .set_owner("acct_c", &change, &actor)
+        .set_owner("acct_c", &change, &Actor::cli(Some("bench")))
         .await
         .expect("set the budget");
-    let cancelled = created(producer, "c-1").await;
-    wait_for(env, cancelled, |j| {
-        j.attempts
-            .first()
-            .is_some_and(|a| a.status == AttemptStatus::Started)
-    })
-    .await;
-    env.store
-        .cancel_job(cancelled, &actor)
-        .await
-        .expect("cancel")
-        .expect("cancellable");
-    let mut probes: Vec<Option<JobId>> = Vec::new();
-    loop {
-        let r = producer
-            .submit(&intent("acct_c", &format!("probe-{}", probes.len()), "c"))
-            .await
-            .expect("probe");
-        if r.outcome == Outcome::Rejected {
-            break;
-        }
-        probes.push(r.job_id);
-        tokio::time::sleep(PROBE_EVERY).await;
+    let intents: Vec<_> = (0..BURST)
+        .map(|i| intent("acct_c", &format!("c-{i}"), "c"))
+        .collect();
+    let receipts = join_all(intents.iter().map(|i| producer.submit(i))).await;
+    let created: Vec<JobId> = receipts
+        .iter()
+        .filter_map(|r| r.as_ref().ok())
+        .filter(|r| r.outcome == Outcome::Created)
+        .filter_map(|r| r.job_id)
+        .collect();
+    let refused = receipts
+        .iter()
+        .filter_map(|r| r.as_ref().ok())
+        .filter(|r| r.outcome == Outcome::Rejected)
+        .count();
+    for job in &created {
+        ended(env, *job).await;
     }
-    let refused_at = Utc::now();
-    let job = wait_for(env, cancelled, |j| {
-        j.attempts
-            .first()
-            .is_some_and(|a| a.status == AttemptStatus::Discarded)
-    })
-    .await;
-    let discarded = &job.attempts[0];
-    let crossed: DateTime<Utc> = discarded.finished_at.expect("finished");
-    let mut after = 0;
-    for id in probes.iter().flatten() {
-        let j = env.store.job(*id).await.expect("read").expect("probe job");
-        if j.created_at > crossed {
-            after += 1;
-        }
-    }
+    let spent = env.store.owner("acct_c").await.expect("owner").spent_24h;
+    let each = spent as f64 / created.len().max(1) as f64;
     println!(
-        "budget: a call costs {each} tokens, the budget is {budget}; the cancelled job's discarded answer ({} tokens) crossed it",
-        tokens(&job)
-    );
-    println!(
-        "budget: {} probes admitted before the crossing settlement, {after} after it (goal: 0); the refusal seen {:.0} ms after it (probes every {} ms, each waiting for its receipt)",
-        probes.len() - after,
-        (refused_at - crossed).num_microseconds().unwrap_or(0) as f64 / 1000.0,
-        PROBE_EVERY.as_millis()
+        "budget: {BURST} intents at once against {budget} tokens ({JOBS} reservations of {reserve}): {} created, {refused} refused; spent {spent} tokens, overshoot {} (goal: 0); a job reserved {reserve} and its call spent {each:.1} on average (the estimate's error: {:.1} tokens, on the safe side)",
+        created.len(),
+        (spent - budget).max(0),
+        reserve as f64 - each,
     );
 }
 
-/// Publishes one of C's intents; its job, created.
-async fn created(producer: &Producer, key: &str) -> JobId {
-    let r = producer
-        .submit(&intent("acct_c", key, "c"))
-        .await
-        .expect("C's intent");
-    assert_eq!(r.outcome, Outcome::Created, "{r:?}");
-    r.job_id.expect("job")
-}
-
-/// What the job's first attempt reported it spent.
-fn tokens(job: &onejob::store::JobView) -> i64 {
-    job.attempts[0]
-        .usage
-        .as_ref()
-        .and_then(|u| u["total_tokens"].as_i64())
-        .expect("the mock reports usage")
-}
-
-/// Polls the job until `done` holds.
-async fn wait_for(
-    env: &TestEnv,
-    job: JobId,
-    done: impl Fn(&onejob::store::JobView) -> bool,
-) -> onejob::store::JobView {
+/// Polls the job until it has ended.
+async fn ended(env: &TestEnv, job: JobId) {
     loop {
         let j = env.store.job(job).await.expect("read job").expect("job");
-        if done(&j) {
-            return j;
+        if matches!(
+            j.status,
+            JobStatus::Succeeded | JobStatus::Failed | JobStatus::Cancelled
+        ) {
+            return;
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -6,10 +6,10 @@
 //! 2. **flood**: owner A publishes `ONEJOB_BENCH_FLOOD` intents at once
 //!    (10,000 by default) while B goes on; B's latency again, and A's
 //!    throughput against the provider's capacity;
-//! 3. **budget**: owner C's daily budget is crossed by a discarded answer's
-//!    spend (a job cancelled while its call was in flight); how many of its
-//!    intents are admitted after that settlement, and how soon they are
-//!    refused (`budget.rs`).
+//! 3. **budget**: owner C, with a budget of ten jobs' reservations, sends a
+//!    burst of 200 intents at once; what its calls spent against its budget
+//!    (the overshoot, goal 0), and what a job reserved against what its call
+//!    spent (the estimate's error) (`budget.rs`).
 //!
 //! B's latency is reported twice: from publishing to the job's success (what
 //! B sees: A's flood passes through intake first, which admits it at its own
@@ -63,7 +63,11 @@ async fn main() {
     })
     .await;
     let text = config_text(&provider.base_url(), None, "")
-        .replace("concurrency = 8", &format!("concurrency = {SLOTS}"));
+        .replace("concurrency = 8", &format!("concurrency = {SLOTS}"))
+        .replace(
+            "temperature = 0.0\n",
+            "temperature = 0.0\nmax_tokens = 16\n",
+        );
     let (config, _file) = config(&text);
     let env = TestEnv::new(&config).await;
     let fleet = env.fleet(config.clone(), vec![]).await;
@@ -106,7 +110,7 @@ async fn main() {
         a_done.as_secs_f64(),
         a_rate / capacity
     );
-    budget::budget(&env, &producer).await;
+    budget::budget(&env, &producer, &config).await;
     producer.close().await;
     fleet.stop().await;
 }

@@ -1,7 +1,8 @@
-//! Retries take a reservation of their own before they start (contract
-//! section 7, Owners): a retry whose reservation does not fit in what the
-//! owner's budget leaves never starts, and its job fails `budget_exceeded`;
-//! one that fits runs.
+//! Retries and hedges take a reservation of their own before they start
+//! (contract section 7, Owners): a retry whose reservation does not fit in
+//! what the owner's budget leaves never starts, and its job fails
+//! `budget_exceeded`; one that fits runs; a hedge that does not fit never
+//! starts, and its job carries on with the attempt it hedged.
 
 use onejob::domain::{AttemptStatus, JobStatus};
 use onejob::mock::{Misbehaviour, MockHandle, MockOptions};
@@ -91,4 +92,66 @@ async fn a_retry_whose_reservation_fits_runs() {
     assert_eq!((primary, fallback), (1, 1), "{job:?}");
     assert_eq!(job.attempts.len(), 2);
     assert!(spent > 0);
+}
+
+/// A hedge reserves before it starts too. With room for one job's
+/// reservation, the owner's hedge does not fit: it fails `budget_exceeded`
+/// before its call, and the job carries on with the attempt it hedged (whose
+/// call may already be paid for), which wins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hedge_whose_reservation_does_not_fit_never_starts() {
+    let primary = mock(MockOptions {
+        delay: std::time::Duration::from_secs(2),
+        ..MockOptions::default()
+    })
+    .await;
+    let fallback = mock(MockOptions::default()).await;
+    let (config, file) = config(&common::hedged_config(
+        &primary.base_url(),
+        &fallback.base_url(),
+    ));
+    let env = TestEnv::new(&config).await;
+    env.cli_ok(&file.path, &["providers", "qualify", "fallback"]);
+    let qualifying = fallback.stats.requests();
+    let one = common::intent("acct_hedge", "k", "hedge me");
+    let reserve = onejob::runtime::new_job(&config, &serde_json::to_vec(&one).unwrap())
+        .unwrap()
+        .reserve;
+    env.cli_ok(
+        &file.path,
+        &[
+            "owners",
+            "set",
+            "acct_hedge",
+            "--daily-tokens",
+            &reserve.to_string(),
+            "--reason",
+            "test",
+        ],
+    );
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let job_id = submit(&producer, "acct_hedge", "k", "hedge me").await;
+    let job = wait_for_status(&env, job_id, JobStatus::Succeeded).await;
+    producer.close().await;
+    fleet.stop().await;
+    assert_eq!(
+        fallback.stats.requests() - qualifying,
+        0,
+        "the hedge was never sent"
+    );
+    let hedge = job
+        .attempts
+        .iter()
+        .find(|a| a.provider == "fallback")
+        .unwrap();
+    assert_eq!(hedge.status, AttemptStatus::Failed);
+    let error = hedge.error.clone().unwrap_or_default();
+    assert!(error.starts_with("budget_exceeded:"), "{error}");
+    let winner = job
+        .attempts
+        .iter()
+        .find(|a| Some(a.id) == job.completed_by)
+        .unwrap();
+    assert_eq!(winner.provider, "primary");
 }
