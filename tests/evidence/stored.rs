@@ -281,9 +281,24 @@ async fn evidence_found_after_the_job_ended_is_discarded_with_its_usage() {
 /// counted against the owner. The job stays cancelled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_unknown_whose_job_is_cancelled_has_its_cost_found() {
+    cancelled_unknown_costs(None).await;
+}
+
+/// Issue 40, item 6: the same, where the answer the provider stored breaks
+/// the output contract: it was paid for all the same, and its usage counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stored_answer_that_breaks_the_contract_still_tells_its_cost() {
+    cancelled_unknown_costs(Some(onejob::mock::Misbehaviour::Prose)).await;
+}
+
+/// A job cancelled while its attempt is `unknown`, against a provider that
+/// stores its completions (answering as `misbehave` says): the attempt is
+/// discarded, and the cost evidence finds is kept and counted.
+async fn cancelled_unknown_costs(misbehave: Option<onejob::mock::Misbehaviour>) {
     let primary = mock(MockOptions {
         store: true,
         delay: Duration::from_secs(2),
+        misbehave,
         ..MockOptions::default()
     })
     .await;
