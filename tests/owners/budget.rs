@@ -237,3 +237,54 @@ async fn the_dead_letter_says_why(env: &TestEnv) {
     let reason = broker::header_str(&headers, broker::ERROR_HEADER).unwrap_or_default();
     assert!(reason.starts_with("budget_exceeded:"), "{reason}");
 }
+
+/// Issue 40, item 6: a late failed answer with usage. The hedge wins; the
+/// primary's answer comes after, and breaks the output contract: its attempt
+/// fails, and what the call cost is kept on it and counted against the owner
+/// with the winner's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_late_failed_answer_still_counts_its_cost() {
+    let primary = mock(MockOptions {
+        delay: Duration::from_secs(2),
+        misbehave: Some(onejob::mock::Misbehaviour::Prose),
+        ..MockOptions::default()
+    })
+    .await;
+    let fallback = mock(MockOptions::default()).await;
+    let (config, file) = config(&common::hedged_config(
+        &primary.base_url(),
+        &fallback.base_url(),
+    ));
+    let env = TestEnv::new(&config).await;
+    env.cli_ok(&file.path, &["providers", "qualify", "fallback"]);
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let job_id = submit(&producer, "acct_late", "k", "late failure").await;
+    wait_for_status(&env, job_id, JobStatus::Succeeded).await;
+    let job = common::wait_for_attempt(&env, job_id, AttemptStatus::Failed).await;
+    producer.close().await;
+    fleet.stop().await;
+    let late = job
+        .attempts
+        .iter()
+        .find(|a| a.status == AttemptStatus::Failed)
+        .unwrap();
+    assert_eq!(late.provider, "primary");
+    assert!(
+        late.error
+            .as_deref()
+            .unwrap_or("")
+            .starts_with("contract_violation"),
+        "{late:?}"
+    );
+    let tokens = |u: &Option<serde_json::Value>| {
+        u.as_ref()
+            .map_or(0, |u| u["total_tokens"].as_i64().unwrap())
+    };
+    let all: i64 = job.attempts.iter().map(|a| tokens(&a.usage)).sum();
+    assert!(
+        tokens(&late.usage) > 0,
+        "the late failure's usage is kept: {late:?}"
+    );
+    assert_eq!(env.store.owner("acct_late").await.unwrap().spent_24h, all);
+}
