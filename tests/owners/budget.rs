@@ -288,3 +288,66 @@ async fn a_late_failed_answer_still_counts_its_cost() {
     );
     assert_eq!(env.store.owner("acct_late").await.unwrap().spent_24h, all);
 }
+
+/// Issue 40, item 6: an answer for an attempt already closed while its call
+/// ran (an operator resolved it as cancelled) settles nothing, but what the
+/// call cost is kept on the attempt and counted against the owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_answer_for_an_attempt_closed_meanwhile_still_counts_its_cost() {
+    closed_meanwhile(None).await;
+}
+
+/// The same for a failed answer with usage (one that breaks the contract).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_answer_for_an_attempt_closed_meanwhile_still_counts_its_cost() {
+    closed_meanwhile(Some(onejob::mock::Misbehaviour::Prose)).await;
+}
+
+/// A job whose attempt an operator resolves as cancelled while its call runs,
+/// against a provider that answers as `misbehave` says: the job ends
+/// cancelled, and the late answer's cost is kept and counted.
+async fn closed_meanwhile(misbehave: Option<onejob::mock::Misbehaviour>) {
+    let primary = mock(MockOptions {
+        delay: Duration::from_secs(2),
+        misbehave,
+        ..MockOptions::default()
+    })
+    .await;
+    let (config, file) = config(&common::config_for(
+        &[common::P(
+            "primary",
+            &primary.base_url(),
+            "timeout = \"10s\"",
+        )],
+        "",
+    ));
+    let env = TestEnv::new(&config).await;
+    let fleet = env.fleet(config.clone(), vec![]).await;
+    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let job_id = submit(&producer, "acct_closed", "k", "closed meanwhile").await;
+    let job = common::wait_for_attempt(&env, job_id, AttemptStatus::Started).await;
+    let attempt = job.attempts[0].id.to_string();
+    env.cli_ok(
+        &file.path,
+        &[
+            "attempts",
+            "resolve",
+            &attempt,
+            "--as",
+            "cancelled",
+            "--reason",
+            "test",
+        ],
+    );
+    let job = common::wait_for("the call's cost", Duration::from_secs(20), || async {
+        let j = env.store.job(job_id).await.unwrap().unwrap();
+        j.attempts[0].usage.is_some().then_some(j)
+    })
+    .await;
+    producer.close().await;
+    fleet.stop().await;
+    assert_eq!(job.status, JobStatus::Cancelled);
+    assert_eq!(job.attempts[0].status, AttemptStatus::Cancelled);
+    let spent = env.store.owner("acct_closed").await.unwrap().spent_24h;
+    assert!(spent > 0, "the call's cost counts: {spent}");
+}

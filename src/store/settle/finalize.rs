@@ -130,6 +130,7 @@ impl Store {
                 .await?;
             settled.extend(outcomes);
             drafts.extend(more);
+            keep_costs(&mut tx, &failures, &settled).await?;
         }
 
         // The won jobs' other attempts are closed by the statement that writes
@@ -178,6 +179,42 @@ const SETTLEMENT_LOCK_PATIENCE: Duration = Duration::from_secs(1);
 /// `attempts_answer_closed`; this clears one whose attempt stays open (a kept
 /// timeout, now `unknown`, or one already settled). No round trip when none
 /// of the settlement's attempts had one.
+/// A failure whose attempt was closed before it was reported settles nothing
+/// (`settled` has no outcome for it); this keeps on the attempt the usage and
+/// request id it reports, where it has no usage yet: a call that answered
+/// was paid for, whatever became of its attempt (the spend trigger counts it
+/// against the owner).
+async fn keep_costs(
+    tx: &mut PgConnection,
+    failures: &[Failure],
+    settled: &HashMap<AttemptId, Settled>,
+) -> Result<()> {
+    let paid: Vec<&Failure> = failures
+        .iter()
+        .filter(|f| f.usage.is_some() && !settled.contains_key(&f.attempt_id))
+        .collect();
+    if paid.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<Uuid> = paid.iter().map(|f| f.attempt_id.0).collect();
+    let usages: Vec<Option<Value>> = paid.iter().map(|f| f.usage.clone()).collect();
+    let request_ids: Vec<Option<String>> = paid.iter().map(|f| f.request_id.clone()).collect();
+    sqlx::query!(
+        "UPDATE attempts a
+         SET usage = i.usage,
+             provider_request_id = COALESCE(a.provider_request_id, i.request_id)
+         FROM unnest($1::uuid[], $2::jsonb[], $3::text[]) AS i(attempt_id, usage, request_id)
+         WHERE a.id = i.attempt_id AND a.usage IS NULL
+           AND a.status IN ('succeeded', 'failed', 'discarded', 'cancelled')",
+        &ids,
+        &usages as &[Option<Value>],
+        &request_ids as &[Option<String>],
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
 async fn clear_kept(tx: &mut PgConnection, kept: &[Uuid]) -> Result<()> {
     if kept.is_empty() {
         return Ok(());
