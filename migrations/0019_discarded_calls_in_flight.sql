@@ -1,17 +1,20 @@
 -- max_in_flight counts every call that may still run (contract section 7,
 -- Owners). An attempt `discarded` while its outcome was unknown (another
 -- attempt won, its job was cancelled, or its call timed out after its job
--- ended) may still be running at the provider: it counts while evidence still
--- looks for what it cost (its next look set, its usage not known), and for a
--- day after its call started at most (a provider removed from the
--- configuration is looked at by no one, and its discarded attempts must not
--- hold their owner's flight for ever). Once the evidence found its cost or
--- gave up, its next look is NULL.
+-- ended) may still be running at the provider: when its call asked for
+-- stored evidence (the only kind that can tell what a discarded call cost),
+-- it counts while evidence still looks for its cost (its next look set, its
+-- usage not known), and for a day after its call started at most (a provider
+-- removed from the configuration is looked at by no one, and its discarded
+-- attempts must not hold their owner's flight for ever). Once the evidence
+-- found its cost or gave up, its next look is NULL. Its budget reservation
+-- is kept as long (the trigger below), and released then.
 UPDATE attempts SET evidence_next_at = NULL
 WHERE status = 'discarded' AND evidence_next_at > now() + interval '50 years';
 
 CREATE INDEX IF NOT EXISTS attempts_discarded_looked_at ON attempts (job_id)
-    WHERE status = 'discarded' AND usage IS NULL AND evidence_next_at IS NOT NULL;
+    WHERE status = 'discarded' AND usage IS NULL AND evidence_next_at IS NOT NULL
+      AND evidence = 'stored';
 
 CREATE OR REPLACE FUNCTION owner_in_flight(owner text) RETURNS bigint
 LANGUAGE sql STABLE AS $$
@@ -19,10 +22,47 @@ LANGUAGE sql STABLE AS $$
             WHERE a.status IN ('started', 'unknown') AND j.owner_id = owner)
          + (SELECT count(*) FROM attempts a JOIN jobs j ON j.id = a.job_id
             WHERE a.status = 'discarded' AND a.usage IS NULL
-              AND a.evidence_next_at IS NOT NULL AND j.owner_id = owner
+              AND a.evidence_next_at IS NOT NULL AND a.evidence = 'stored'
+              AND j.owner_id = owner
               AND a.started_at > now() - interval '1 day')
          + (SELECT count(*) FROM jobs j JOIN attempts a ON a.job_id = j.id
             WHERE j.status = 'running' AND j.owner_id = owner AND a.status = 'queued')
          + (SELECT count(*) FROM turns t
             WHERE t.owner_id = owner AND t.handed_out_at IS NOT NULL)
 $$;
+
+-- A reservation lasts while the attempt may still cost something it has not
+-- reported: a discarded attempt whose cost stored evidence still looks for
+-- keeps it, and releases it when the look is over (its next look NULL) with
+-- no usage found; usage recorded replaces it, as before.
+CREATE OR REPLACE FUNCTION attempts_reservation_ends() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.usage IS NOT NULL THEN
+        DELETE FROM reservations WHERE attempt_id = NEW.id;
+    ELSIF NEW.status = 'discarded' AND NEW.evidence = 'stored'
+          AND NEW.evidence_next_at IS NOT NULL THEN
+        NULL;
+    ELSIF NEW.status IN ('succeeded', 'failed', 'discarded', 'cancelled') THEN
+        DELETE FROM reservations WHERE attempt_id = NEW.id;
+        IF FOUND THEN
+            INSERT INTO reservations_released (why, stripe, released)
+            VALUES (CASE WHEN NEW.started_at IS NULL THEN 'no_call' ELSE 'no_usage' END,
+                    pg_backend_pid() % 4, 1)
+            ON CONFLICT (why, stripe)
+            DO UPDATE SET released = reservations_released.released + 1;
+        END IF;
+    END IF;
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS attempts_reservation_ends ON attempts;
+CREATE TRIGGER attempts_reservation_ends
+    AFTER UPDATE OF status, usage, evidence_next_at ON attempts
+    FOR EACH ROW
+    WHEN ((OLD.usage IS NULL AND NEW.usage IS NOT NULL)
+          OR (OLD.status IN ('queued', 'started', 'unknown')
+              AND NEW.status IN ('succeeded', 'failed', 'discarded', 'cancelled'))
+          OR (NEW.status = 'discarded' AND OLD.evidence_next_at IS NOT NULL
+              AND NEW.evidence_next_at IS NULL))
+    EXECUTE FUNCTION attempts_reservation_ends();

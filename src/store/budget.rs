@@ -243,11 +243,23 @@ impl Store {
         self.retrying(|| async {
             let mut tx = self.per_job.begin().await?;
             let rooms = rooms(&mut tx, &budgeted).await?;
+            // An attempt that holds its reservation already (a try whose
+            // commit went through unseen, a second delivery) is not weighed
+            // again: the room counts it.
+            let asked: Vec<Uuid> = wanted.iter().map(|w| w.attempt_id.0).collect();
+            let holding: BTreeSet<Uuid> = sqlx::query_scalar!(
+                "SELECT attempt_id FROM reservations WHERE attempt_id = ANY($1)",
+                &asked,
+            )
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .collect();
             let mut left: HashMap<&str, i64> =
                 rooms.iter().map(|(o, r)| (o.as_str(), r.left())).collect();
             let (mut ids, mut owners, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
             let mut refused = HashMap::new();
-            for w in wanted {
+            for w in wanted.iter().filter(|w| !holding.contains(&w.attempt_id.0)) {
                 let (Some(room), Some(left)) =
                     (rooms.get(&w.owner_id), left.get_mut(w.owner_id.as_str()))
                 else {

@@ -177,7 +177,7 @@ impl Store {
                 "UPDATE attempts SET usage = COALESCE(usage, $2),
                      provider_request_id = COALESCE(provider_request_id, $3),
                      evidence_note = $4, evidence_last_at = now(),
-                     evidence_next_at = now() + interval '100 years'
+                     evidence_next_at = NULL
                  WHERE id = $1 AND status = 'discarded'",
                 attempt.0,
                 usage,

@@ -304,6 +304,19 @@ async fn cancelled_unknown_costs(misbehave: Option<onejob::mock::Misbehaviour>) 
     .await;
     let (config, file) = config(&super::stored_config(&primary.base_url(), ""));
     let env = TestEnv::new(&config).await;
+    // A budget: the call's reservation lasts while its cost may still come.
+    env.cli_ok(
+        &file.path,
+        &[
+            "owners",
+            "set",
+            "acct_cancel",
+            "--daily-tokens",
+            "100000",
+            "--reason",
+            "test",
+        ],
+    );
     let fleet = env.fleet(config.clone(), vec![]).await;
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
     let receipt = producer
@@ -316,6 +329,8 @@ async fn cancelled_unknown_costs(misbehave: Option<onejob::mock::Misbehaviour>) 
     let job = env.store.job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Cancelled);
     assert_eq!(job.attempts[0].status, AttemptStatus::Discarded, "{job:?}");
+    let held = env.store.owner("acct_cancel").await.unwrap().reserved;
+    assert!(held > 0, "discarded, its call still holds its reservation");
     let job = wait_for(
         "the evidence of its cost",
         Duration::from_secs(30),
@@ -327,8 +342,12 @@ async fn cancelled_unknown_costs(misbehave: Option<onejob::mock::Misbehaviour>) 
     .await;
     assert_eq!(job.status, JobStatus::Cancelled);
     assert_eq!(job.attempts[0].status, AttemptStatus::Discarded);
-    let spent = env.store.owner("acct_cancel").await.unwrap().spent_24h;
-    assert!(spent > 0, "its cost counts against the owner: {spent}");
+    let owner = env.store.owner("acct_cancel").await.unwrap();
+    assert!(
+        owner.spent_24h > 0,
+        "its cost counts against the owner: {owner:?}"
+    );
+    assert_eq!(owner.reserved, 0, "its usage replaced its reservation");
     producer.close().await;
     fleet.stop().await;
 }

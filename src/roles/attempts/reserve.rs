@@ -59,7 +59,16 @@ pub(super) async fn reserve_then_claim(
                 .extend(second.unreserved.iter().map(|u| u.attempt_id));
         }
         Err(e) => {
+            // Whether a try took effect is not known: what it may have
+            // started under the token goes back to `queued` (one by one: the
+            // first claim's attempts started under it too), so none is left
+            // started with no call.
             tracing::warn!(error = %e, "reserved attempts were not claimed; claimed again later");
+            for id in &again {
+                if let Err(e) = ctx.store.unclaim_attempt(*id, token).await {
+                    tracing::error!(attempt_id = %id, error = %e, "a failed claim could not be handed back; the vanished sweep will find its attempt");
+                }
+            }
             claim.busy.extend(again);
         }
     }

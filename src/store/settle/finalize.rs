@@ -174,11 +174,6 @@ impl Failure {
 /// later. A shorter `lock_timeout` set on the role or database is kept.
 const SETTLEMENT_LOCK_PATIENCE: Duration = Duration::from_secs(1);
 
-/// An answer kept on an attempt ends with its settlement, in its
-/// transaction: one that closed its attempt was cleared by the trigger
-/// `attempts_answer_closed`; this clears one whose attempt stays open (a kept
-/// timeout, now `unknown`, or one already settled). No round trip when none
-/// of the settlement's attempts had one.
 /// A failure whose attempt was closed before it was reported settles nothing
 /// (`settled` has no outcome for it); this keeps on the attempt the usage and
 /// request id it reports, where it has no usage yet: a call that answered
@@ -215,6 +210,11 @@ async fn keep_costs(
     Ok(())
 }
 
+/// An answer kept on an attempt ends with its settlement, in its
+/// transaction: one that closed its attempt was cleared by the trigger
+/// `attempts_answer_closed`; this clears one whose attempt stays open (a kept
+/// timeout, now `unknown`, or one already settled). No round trip when none
+/// of the settlement's attempts had one.
 async fn clear_kept(tx: &mut PgConnection, kept: &[Uuid]) -> Result<()> {
     if kept.is_empty() {
         return Ok(());
