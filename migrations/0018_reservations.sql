@@ -6,7 +6,9 @@
 -- A reservation lasts while its attempt may still cost something it has not
 -- reported: it is replaced by the usage when the usage is recorded (the spend
 -- trigger of 0014 counts it, in the same transaction), kept while the
--- attempt is `unknown`, and released when the attempt ends with no usage
+-- attempt is `unknown` or `discarded` with stored evidence still looking for
+-- what its call cost (its next look set; 0019), and released when the
+-- attempt ends, or that look is over, with no usage
 -- (a call never made, or one whose cost was never reported: those are
 -- counted in `reservations_released`). Pruning an attempt removes it.
 CREATE TABLE IF NOT EXISTS reservations (
@@ -35,6 +37,9 @@ LANGUAGE plpgsql AS $$
 BEGIN
     IF NEW.usage IS NOT NULL THEN
         DELETE FROM reservations WHERE attempt_id = NEW.id;
+    ELSIF NEW.status = 'discarded' AND NEW.evidence = 'stored'
+          AND NEW.evidence_next_at IS NOT NULL THEN
+        NULL;
     ELSIF NEW.status IN ('succeeded', 'failed', 'discarded', 'cancelled') THEN
         DELETE FROM reservations WHERE attempt_id = NEW.id;
         IF FOUND THEN
@@ -50,11 +55,13 @@ END $$;
 
 DROP TRIGGER IF EXISTS attempts_reservation_ends ON attempts;
 CREATE TRIGGER attempts_reservation_ends
-    AFTER UPDATE OF status, usage ON attempts
+    AFTER UPDATE OF status, usage, evidence_next_at ON attempts
     FOR EACH ROW
     WHEN ((OLD.usage IS NULL AND NEW.usage IS NOT NULL)
           OR (OLD.status IN ('queued', 'started', 'unknown')
-              AND NEW.status IN ('succeeded', 'failed', 'discarded', 'cancelled')))
+              AND NEW.status IN ('succeeded', 'failed', 'discarded', 'cancelled'))
+          OR (NEW.status = 'discarded' AND OLD.evidence_next_at IS NOT NULL
+              AND NEW.evidence_next_at IS NULL))
     EXECUTE FUNCTION attempts_reservation_ends();
 
 -- The lock that makes one owner's reservations take turns: a reservation

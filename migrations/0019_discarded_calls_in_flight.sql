@@ -8,7 +8,7 @@
 -- removed from the configuration is looked at by no one, and its discarded
 -- attempts must not hold their owner's flight for ever). Once the evidence
 -- found its cost or gave up, its next look is NULL. Its budget reservation
--- is kept as long (the trigger below), and released then.
+-- is kept as long (the trigger of 0018), and released then.
 UPDATE attempts SET evidence_next_at = NULL
 WHERE status = 'discarded' AND evidence_next_at > now() + interval '50 years';
 
@@ -30,39 +30,3 @@ LANGUAGE sql STABLE AS $$
          + (SELECT count(*) FROM turns t
             WHERE t.owner_id = owner AND t.handed_out_at IS NOT NULL)
 $$;
-
--- A reservation lasts while the attempt may still cost something it has not
--- reported: a discarded attempt whose cost stored evidence still looks for
--- keeps it, and releases it when the look is over (its next look NULL) with
--- no usage found; usage recorded replaces it, as before.
-CREATE OR REPLACE FUNCTION attempts_reservation_ends() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-    IF NEW.usage IS NOT NULL THEN
-        DELETE FROM reservations WHERE attempt_id = NEW.id;
-    ELSIF NEW.status = 'discarded' AND NEW.evidence = 'stored'
-          AND NEW.evidence_next_at IS NOT NULL THEN
-        NULL;
-    ELSIF NEW.status IN ('succeeded', 'failed', 'discarded', 'cancelled') THEN
-        DELETE FROM reservations WHERE attempt_id = NEW.id;
-        IF FOUND THEN
-            INSERT INTO reservations_released (why, stripe, released)
-            VALUES (CASE WHEN NEW.started_at IS NULL THEN 'no_call' ELSE 'no_usage' END,
-                    pg_backend_pid() % 4, 1)
-            ON CONFLICT (why, stripe)
-            DO UPDATE SET released = reservations_released.released + 1;
-        END IF;
-    END IF;
-    RETURN NULL;
-END $$;
-
-DROP TRIGGER IF EXISTS attempts_reservation_ends ON attempts;
-CREATE TRIGGER attempts_reservation_ends
-    AFTER UPDATE OF status, usage, evidence_next_at ON attempts
-    FOR EACH ROW
-    WHEN ((OLD.usage IS NULL AND NEW.usage IS NOT NULL)
-          OR (OLD.status IN ('queued', 'started', 'unknown')
-              AND NEW.status IN ('succeeded', 'failed', 'discarded', 'cancelled'))
-          OR (NEW.status = 'discarded' AND OLD.evidence_next_at IS NOT NULL
-              AND NEW.evidence_next_at IS NULL))
-    EXECUTE FUNCTION attempts_reservation_ends();
