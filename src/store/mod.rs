@@ -50,6 +50,7 @@ mod gauges;
 mod held;
 mod jobs;
 mod kept;
+mod next_turns;
 mod outbox;
 mod owners;
 mod qualifications;

@@ -26,8 +26,9 @@ pub struct OwnerView {
     pub reserved: i64,
     /// What its budget leaves for new reservations, or `None` with no budget.
     pub left: Option<i64>,
-    /// Its jobs whose first attempt waits for its turn: held (past its share
-    /// or under its `max_in_flight`) or not yet due under its `rate`.
+    /// Its attempts (first ones, retries, hedges) waiting for their turn:
+    /// held (past its share or under its `max_in_flight`) or not yet due
+    /// under its `rate` or a retry's backoff.
     pub waiting: i64,
     /// When its own settings last changed, if it has any.
     pub updated_at: Option<DateTime<Utc>>,

@@ -3,6 +3,7 @@
 
 use super::settle::{mark_unknown, take_rows};
 use super::*;
+use crate::store::next_turns::NextTurn;
 
 impl Store {
     /// Queued attempts that never started although their message was published
@@ -11,8 +12,14 @@ impl Store {
     /// Returns the messages to publish now, and the attempts already republished
     /// `max_republish` times, for the caller to fail.
     ///
-    /// Attempts of the providers in `backlogged` are left alone: their queue still
-    /// holds messages, so theirs is most likely waiting there behind the others.
+    /// Attempts of the providers in `backlogged` (their queue still holds
+    /// messages) are left alone while their message may be waiting there:
+    /// only one the queue has moved past is taken, that is one whose last
+    /// message was published over a second before that of an attempt of the
+    /// provider now `started`. (A queue is first in, first out; a message a
+    /// busy worker holds unacked is the exception, and a duplicate of it is
+    /// harmless.) So a message lost from a queue that other owners keep busy
+    /// is sent again, and its turn does not keep its owner's place for ever.
     pub async fn stuck_queued(
         &self,
         stuck_after: Duration,
@@ -21,14 +28,27 @@ impl Store {
     ) -> Result<(Vec<OutboxMessage>, Vec<AttemptId>)> {
         let mut tx = self.pool.begin().await?;
         let stuck = sqlx::query!(
-            r#"SELECT a.id AS "id: AttemptId", a.job_id AS "job_id: JobId", a.provider,
+            r#"WITH moved AS (
+                   -- How far each backlogged provider's queue has moved: the
+                   -- newest message among its attempts now started.
+                   SELECT b.provider, max(o.published_at) AS past
+                   FROM attempts b JOIN outbox o ON o.message_id = b.id::text
+                   WHERE b.status = 'started' AND b.provider = ANY($2)
+                   GROUP BY b.provider
+               )
+               SELECT a.id AS "id: AttemptId", a.job_id AS "job_id: JobId", a.provider,
                       a.republished
                FROM attempts a
                JOIN jobs j ON j.id = a.job_id
+               LEFT JOIN moved m ON m.provider = a.provider
                WHERE a.status = 'queued' AND a.not_before < now() - make_interval(secs => $1)
-                 AND j.status <> 'unknown' AND a.provider <> ALL($2)
+                 AND j.status <> 'unknown'
                  AND NOT EXISTS (SELECT 1 FROM outbox o
                                  WHERE o.message_id = a.id::text AND o.published_at IS NULL)
+                 AND (a.provider <> ALL($2)
+                      OR COALESCE((SELECT max(o.published_at) FROM outbox o
+                                   WHERE o.message_id = a.id::text), a.not_before)
+                         < m.past - interval '1 second')
                ORDER BY a.id
                LIMIT 100
                FOR UPDATE OF a SKIP LOCKED"#,
@@ -144,14 +164,11 @@ impl Store {
     /// Starts a hedge: one parallel attempt on `provider` beside a job's running
     /// attempt. Guarded in one statement under the job's row lock: the job must be
     /// `running` with exactly one open attempt, `started`, in the main lane, and no
-    /// attempt `unknown`. Returns the new attempt and its message to publish, or
-    /// `None` when the guard refused or the job row is held under someone
-    /// else's lock (the next pass looks again).
-    pub async fn hedge(
-        &self,
-        job: JobId,
-        provider: &str,
-    ) -> Result<Option<(AttemptId, Vec<OutboxMessage>)>> {
+    /// attempt `unknown`. The hedge takes its turn on `provider` as a first
+    /// attempt does: held, and handed out by that provider's hand-out.
+    /// Returns the new attempt, or `None` when the guard refused or the job
+    /// row is held under someone else's lock (the next pass looks again).
+    pub async fn hedge(&self, job: JobId, provider: &str) -> Result<Option<AttemptId>> {
         let id = AttemptId::new();
         let mut tx = self.pool.begin().await?;
         let locked = sqlx::query_scalar!(
@@ -206,10 +223,17 @@ impl Store {
         if inserted.rows_affected() == 0 {
             return Ok(None);
         }
-        let draft = self.routes.attempt_draft(id, job, provider, None);
-        let publish = self.insert_outbox(&mut tx, &[draft]).await?;
+        // It takes its turn on its provider as a first attempt does: held,
+        // for the provider's hand-out.
+        let turn = NextTurn {
+            attempt: id,
+            job,
+            provider,
+            due: None,
+        };
+        self.hold_turns(&mut tx, &[turn]).await?;
         tx.commit().await?;
-        Ok(Some((id, publish)))
+        Ok(Some(id))
     }
 
     /// Analyzes the busy tables whose statistics are missing or far behind:

@@ -1,4 +1,5 @@
-//! Turns: every job's first attempt takes one. Admission hands it out at once
+//! Turns: every job's first attempt takes one (and so does a retry or a
+//! hedge: `next_turns.rs`). Admission hands it out at once
 //! (its message goes to the provider's queue) while its owner has fewer than
 //! the provider's share handed out and not yet started, and holds it in
 //! Postgres past that; [`Store::hand_out_turns`] hands held turns out as the

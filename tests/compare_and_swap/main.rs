@@ -36,7 +36,7 @@ async fn two_started_attempts(store: &Store, key: &str) -> (JobId, Started, Star
         .await
         .unwrap()
         .remove(0);
-    let (hedge, _) = store
+    let hedge = store
         .hedge(job_id, "fallback")
         .await
         .unwrap()

@@ -150,8 +150,11 @@ async fn a_hedge_turned_away_by_an_unknown_runs_once_the_unknown_is_resolved() {
         .await
         .unwrap()
         .remove(0);
-    let (hedge, publish) = env.store.hedge(job_id, "fallback").await.unwrap().unwrap();
-    ctx.publish_outbox(&publish).await.unwrap();
+    let hedge = env.store.hedge(job_id, "fallback").await.unwrap().unwrap();
+    // The hedge takes its turn: handed out, its message goes to the queue.
+    let handed = env.store.hand_out_turns("fallback", 1, "").await.unwrap();
+    assert_eq!(handed.publish.len(), 1);
+    ctx.publish_outbox(&handed.publish).await.unwrap();
     let (settled, _) = env
         .store
         .finalize(&[timed_out(&primary)], &common::give_up)

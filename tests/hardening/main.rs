@@ -18,6 +18,7 @@ mod broker_faults;
 mod dead_letters;
 mod handed_on;
 mod late_outcomes;
+mod moved_past;
 mod outages;
 mod provider_answers;
 mod races;
@@ -47,7 +48,7 @@ async fn started(store: &Store, key: &str) -> (JobId, Started) {
 
 /// Hedges the job on the fallback, and starts the hedge.
 async fn started_hedge(store: &Store, job_id: JobId) -> Started {
-    let (hedge, _) = store.hedge(job_id, "fallback").await.unwrap().unwrap();
+    let hedge = store.hedge(job_id, "fallback").await.unwrap().unwrap();
     store
         .start("fallback", &[hedge], Duration::from_secs(30))
         .await

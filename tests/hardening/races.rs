@@ -27,7 +27,7 @@ async fn a_start_never_overwrites_unknown() {
         let mut pairs = Vec::new();
         for i in 0..16 {
             let (job_id, primary) = started(&store, &format!("race-{round}-{i}")).await;
-            let (hedge, _) = store.hedge(job_id, "fallback").await.unwrap().unwrap();
+            let hedge = store.hedge(job_id, "fallback").await.unwrap().unwrap();
             pairs.push((job_id, primary, hedge));
         }
         let barrier = Arc::new(tokio::sync::Barrier::new(pairs.len() * 2));

@@ -14,6 +14,7 @@ mod common;
 mod budget;
 mod fleet;
 mod in_flight;
+mod next_turns;
 mod rate;
 mod reservations;
 mod retries;

@@ -15,9 +15,10 @@ use crate::store::{Actor, OwnerChange, OwnerView, StoreError};
 pub(super) enum OwnersCommand {
     /// List the owners with settings of their own or spend over the last 24
     /// hours: their limits (`*` marks an owner's own setting; 0 is no limit),
-    /// their spend and their jobs waiting (first attempts not yet sent to the
-    /// provider's queue: held past the owner's share or under its
-    /// `max_in_flight`, or not yet due under its rate).
+    /// their spend and their attempts waiting (first attempts, retries and
+    /// hedges not yet sent to the provider's queue: held past the owner's
+    /// share or under its `max_in_flight`, or not yet due under its rate or a
+    /// retry's backoff).
     List,
     /// Show one owner's limits, spend and waiting jobs. An owner onejob has not
     /// seen has `[owners]`'s limits.

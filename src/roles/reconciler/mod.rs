@@ -334,7 +334,8 @@ async fn unserved_once(ctx: &Context) -> Result<()> {
 
 /// The providers whose attempts queue holds messages now. An attempt of theirs
 /// that has not started may simply be waiting in that backlog, so the stuck
-/// sweep leaves it alone until the queue has drained.
+/// sweep leaves it alone until the queue has drained, or has moved past it
+/// ([`crate::store::Store::stuck_queued`]).
 async fn backlogged(ctx: &Context) -> Vec<String> {
     let mut out = Vec::new();
     for provider in ctx.config.providers.keys() {
@@ -473,9 +474,8 @@ pub(crate) async fn hedge_once(ctx: &Context) -> Result<()> {
         );
         match target {
             Ok(provider) => {
-                if let Some((attempt, publish)) = ctx.store.hedge(job, provider).await? {
-                    tracing::info!(job_id = %job, attempt_id = %attempt, %provider, "hedging: started a parallel attempt");
-                    ctx.publish_outbox(&publish).await?;
+                if let Some(attempt) = ctx.store.hedge(job, provider).await? {
+                    tracing::info!(job_id = %job, attempt_id = %attempt, %provider, "hedging: a parallel attempt takes its turn");
                 }
             }
             Err(GiveUp::AttemptsSpent { .. } | GiveUp::NoEligibleProvider) => {

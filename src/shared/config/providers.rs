@@ -145,7 +145,7 @@ fn base_url(origin: &str, at: &str, text: &str) -> Result<reqwest::Url> {
 }
 
 impl Provider {
-    /// How many of one owner's first attempts may wait in this provider's
+    /// How many of one owner's attempts (first ones, retries, hedges) may wait in this provider's
     /// queue (handed out, not yet started), at least: half a worker's call
     /// slots, at least one. (A worker's hand-outs raise it on a fast
     /// provider, to 100 ms of its recent starts.) Another owner's job waits behind at most this many of a

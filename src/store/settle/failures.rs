@@ -6,6 +6,7 @@ use super::plan::{
     AttemptCounts, FailedAttempt, FailurePlan, JobState, NextAttempt, plan_failures,
 };
 use super::*;
+use crate::store::next_turns::NextTurn;
 
 impl Store {
     /// Definite failures: mark the attempts `failed`, then, per job, either create
@@ -48,7 +49,7 @@ impl Store {
     }
 
     /// Writes a failure plan: jobs unblocked (their waiting attempts published
-    /// again), next attempts created, jobs failed. Returns the outbox rows to
+    /// again), next attempts created (each with its turn held), jobs failed. Returns the outbox rows to
     /// write and the jobs that failed.
     async fn apply_failure_plan(
         &self,
@@ -79,12 +80,18 @@ impl Store {
             .await?;
         }
         insert_next_attempts(tx, &next_attempts).await?;
-        for n in &next_attempts {
-            drafts.push(
-                self.routes
-                    .attempt_draft(n.id, n.job, &n.provider, n.not_before),
-            );
-        }
+        // A retry takes its turn as a first attempt does: held, for the
+        // provider's hand-out.
+        let turns: Vec<NextTurn<'_>> = next_attempts
+            .iter()
+            .map(|n| NextTurn {
+                attempt: n.id,
+                job: n.job,
+                provider: &n.provider,
+                due: n.not_before,
+            })
+            .collect();
+        self.hold_turns(tx, &turns).await?;
         let mut failed_jobs = BTreeSet::new();
         if !give_up.is_empty() {
             let jobs: Vec<Uuid> = give_up.iter().map(|g| g.0).collect();
@@ -191,13 +198,16 @@ async fn lock_jobs(tx: &mut PgConnection, job_ids: &[Uuid]) -> Result<HashMap<Uu
     .collect();
     let mut counts: HashMap<Uuid, AttemptCounts> = sqlx::query_as!(
         AttemptCounts,
-        r#"SELECT job_id, count(*) AS "made!", max(number) AS "max_number!",
-                  bool_or(status IN ('queued', 'started', 'unknown')) AS "open!",
-                  bool_or(status = 'unknown') AS "unknown!",
-                  COALESCE(array_agg(id) FILTER (WHERE status = 'queued'), '{}') AS "queued!",
-                  COALESCE(array_agg(provider) FILTER (WHERE status = 'queued'), '{}')
+        r#"SELECT a.job_id, count(*) AS "made!", max(a.number) AS "max_number!",
+                  bool_or(a.status IN ('queued', 'started', 'unknown')) AS "open!",
+                  bool_or(a.status = 'unknown') AS "unknown!",
+                  COALESCE(array_agg(a.id) FILTER (WHERE a.status = 'queued' AND h.attempt_id IS NULL), '{}')
+                      AS "queued!",
+                  COALESCE(array_agg(a.provider) FILTER (WHERE a.status = 'queued' AND h.attempt_id IS NULL), '{}')
                       AS "queued_providers!"
-           FROM attempts WHERE job_id = ANY($1) GROUP BY job_id"#,
+           FROM attempts a
+           LEFT JOIN turns h ON h.attempt_id = a.id AND h.handed_out_at IS NULL
+           WHERE a.job_id = ANY($1) GROUP BY a.job_id"#,
         job_ids
     )
     .fetch_all(&mut *tx)

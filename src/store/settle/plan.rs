@@ -25,7 +25,8 @@ pub(super) struct AttemptCounts {
     pub(super) open: bool,
     /// Some attempt is `unknown`.
     pub(super) unknown: bool,
-    /// The `queued` attempts, and their providers.
+    /// The `queued` attempts, and their providers; not those whose turn is
+    /// still held (their provider's hand-out publishes them).
     pub(super) queued: Vec<Uuid>,
     pub(super) queued_providers: Vec<String>,
 }

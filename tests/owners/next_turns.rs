@@ -1,0 +1,207 @@
+//! Retries and hedges take their turn like first attempts (issue 40, item
+//! 5): the attempt a failure or the hedge sweep creates is held in Postgres
+//! behind its owner's turns already waiting on its provider, and handed out
+//! by the provider's hand-out under the owner's share and `max_in_flight`;
+//! it never goes straight to the provider's queue ahead of other owners'
+//! first attempts. A turn counts once in its owner's flight.
+
+use std::time::Duration;
+
+use onejob::domain::AttemptId;
+use onejob::store::{Finished, NextStep, Resolution, Settled, Store, Verdict};
+
+use crate::common::{self, TestEnv, config};
+
+/// Two call slots on each provider: a share of one.
+fn two_slots(fallback: bool) -> String {
+    let fallback = fallback.then_some("http://127.0.0.1:9/v1");
+    common::config_text("http://127.0.0.1:9/v1", fallback, "")
+        .replace("concurrency = 8", "concurrency = 2")
+}
+
+/// Whether `attempt`'s turn is held (`Some(true)`), handed out
+/// (`Some(false)`), or it has none.
+async fn turn(store: &Store, attempt: AttemptId) -> Option<bool> {
+    sqlx::query_scalar("SELECT handed_out_at IS NULL FROM turns WHERE attempt_id = $1")
+        .bind(attempt.0)
+        .fetch_optional(store.pool())
+        .await
+        .unwrap()
+}
+
+/// The message ids the hand-out on `provider` publishes now.
+async fn handed_out(store: &Store, provider: &str) -> Vec<String> {
+    let out = store.hand_out_turns(provider, 1, "").await.unwrap();
+    out.publish.into_iter().map(|m| m.message_id).collect()
+}
+
+fn failed(s: &onejob::store::Started) -> Finished {
+    Finished {
+        attempt_id: s.attempt_id,
+        job_id: s.job_id,
+        version: s.version,
+        provider_request_id: None,
+        usage: None,
+        verdict: Verdict::Failed {
+            error: "provider_error: HTTP 500".into(),
+            retryable: true,
+            retry_after: None,
+        },
+    }
+}
+
+fn retry_on(provider: &'static str) -> impl Fn(&onejob::store::FailedJob) -> NextStep + Sync {
+    move |_| NextStep::Retry {
+        provider: provider.into(),
+        delay: Duration::ZERO,
+    }
+}
+
+/// An owner's first job fails while its second waits its turn: the retry is
+/// held behind the second (it went straight to the provider's queue before,
+/// seen failing), and each is handed out as the one before it starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retry_waits_behind_its_owners_held_turns() {
+    let (config, _file) = config(&two_slots(false));
+    let env = TestEnv::new(&config).await;
+    let batch: Vec<_> = (0..2)
+        .map(|i| common::new_job("acct_r", &format!("r-{i}"), "x"))
+        .collect();
+    super::created(&env.store, &batch).await;
+    assert_eq!(turn(&env.store, batch[1].attempt_id).await, Some(true));
+    let first = env
+        .store
+        .start("primary", &[batch[0].attempt_id], Duration::from_secs(30))
+        .await
+        .unwrap()
+        .remove(0);
+    let (settled, publish) = env
+        .store
+        .finalize(&[failed(&first)], &retry_on("primary"))
+        .await
+        .unwrap();
+    let Settled::Failed {
+        next: Some(retry), ..
+    } = settled[0]
+    else {
+        panic!("a retry: {settled:?}");
+    };
+    assert!(
+        publish.iter().all(|m| m.message_id != retry.to_string()),
+        "the retry went straight to the provider's queue"
+    );
+    assert_eq!(
+        turn(&env.store, retry).await,
+        Some(true),
+        "its turn is held"
+    );
+    assert_eq!(
+        handed_out(&env.store, "primary").await,
+        [batch[1].attempt_id.to_string()],
+        "the owner's turn taken first goes first"
+    );
+    assert!(
+        handed_out(&env.store, "primary").await.is_empty(),
+        "a share of one"
+    );
+    env.store
+        .start("primary", &[batch[1].attempt_id], Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(handed_out(&env.store, "primary").await, [retry.to_string()]);
+    assert_eq!(turn(&env.store, retry).await, Some(false));
+    let started = env
+        .store
+        .start("primary", &[retry], Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(started.len(), 1, "the retry starts");
+    assert_eq!(turn(&env.store, retry).await, None, "its turn ended");
+}
+
+/// A hedge takes a turn on its provider, handed out by that provider's
+/// hand-out (the hedge sweep published it at once before, seen failing);
+/// handed out, it counts once in its owner's flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hedge_takes_its_turn_and_counts_once_in_flight() {
+    let (config, _file) = config(&two_slots(true));
+    let env = TestEnv::new(&config).await;
+    let new = common::new_job("acct_h", "h", "x");
+    let (job, first) = (new.job_id, new.attempt_id);
+    super::created(&env.store, &[new]).await;
+    env.store
+        .start("primary", &[first], Duration::from_secs(30))
+        .await
+        .unwrap();
+    let hedge = env.store.hedge(job, "fallback").await.unwrap().unwrap();
+    assert_eq!(
+        turn(&env.store, hedge).await,
+        Some(true),
+        "the hedge went straight to the queue"
+    );
+    let in_flight = || async {
+        sqlx::query_scalar::<_, i64>("SELECT owner_in_flight('acct_h')")
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap()
+    };
+    assert_eq!(in_flight().await, 1, "a held hedge is not in flight");
+    assert_eq!(
+        handed_out(&env.store, "fallback").await,
+        [hedge.to_string()]
+    );
+    assert_eq!(in_flight().await, 2, "the hedge handed out counts once");
+}
+
+/// A hedge held while its job is blocked by the unknown it hedged: lifting
+/// the block leaves the held hedge to its hand-out, and publishes nothing
+/// for it (a second message would pass its owner's turn).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lifted_block_leaves_a_held_hedge_to_its_turn() {
+    let (config, _file) = config(&two_slots(true));
+    let env = TestEnv::new(&config).await;
+    let new = common::new_job("acct_b", "b", "x");
+    let (job, first) = (new.job_id, new.attempt_id);
+    super::created(&env.store, &[new]).await;
+    let primary = env
+        .store
+        .start("primary", &[first], Duration::from_secs(30))
+        .await
+        .unwrap()
+        .remove(0);
+    let hedge = env.store.hedge(job, "fallback").await.unwrap().unwrap();
+    let mut timed_out = failed(&primary);
+    timed_out.verdict = Verdict::Unknown {
+        error: "timeout: no answer".into(),
+    };
+    let (settled, _) = env
+        .store
+        .finalize(&[timed_out], &common::give_up)
+        .await
+        .unwrap();
+    assert_eq!(settled, [Settled::Unknown]);
+    let actor = onejob::store::Actor {
+        name: "cli:test".into(),
+        reason: "test".into(),
+    };
+    let (_, publish) = env
+        .store
+        .resolve(first, Resolution::Failed, &common::give_up, &actor)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        publish.iter().all(|m| m.message_id != hedge.to_string()),
+        "the held hedge was published past its turn"
+    );
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE message_id = $1")
+        .bind(hedge.to_string())
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 1, "one message for the hedge, its turn's");
+    assert_eq!(
+        handed_out(&env.store, "fallback").await,
+        [hedge.to_string()]
+    );
+}
