@@ -6,8 +6,8 @@ use super::*;
 use crate::store::next_turns::NextTurn;
 
 impl Store {
-    /// Queued attempts that never started although their message was published
-    /// `stuck_after` ago (it was dead-lettered, or its queue purged): republishes each
+    /// Queued attempts that never started although their message was last
+    /// published `stuck_after` ago (it was dead-lettered, or its queue purged): republishes each
     /// (a duplicate is harmless: `queued → started` is guarded) and counts it.
     /// Returns the messages to publish now, and the attempts already republished
     /// `max_republish` times, for the caller to fail.
@@ -35,20 +35,35 @@ impl Store {
                    FROM attempts b JOIN outbox o ON o.message_id = b.id::text
                    WHERE b.status = 'started' AND b.provider = ANY($2)
                    GROUP BY b.provider
+               ), candidates AS (
+                   -- Providers whose queue is empty: any queued attempt
+                   -- not held (a held one's message is not sent yet)...
+                   SELECT a.id FROM attempts a
+                   WHERE a.status = 'queued' AND a.provider <> ALL($2)
+                     AND a.not_before < now() - make_interval(secs => $1)
+                     AND NOT EXISTS (SELECT 1 FROM turns h
+                                     WHERE h.attempt_id = a.id AND h.handed_out_at IS NULL)
+                   UNION ALL
+                   -- ...and, of a backlogged provider whose queue has moved,
+                   -- the attempts handed out.
+                   SELECT t.attempt_id FROM turns t JOIN moved m ON m.provider = t.provider
+                   WHERE t.handed_out_at IS NOT NULL
                )
                SELECT a.id AS "id: AttemptId", a.job_id AS "job_id: JobId", a.provider,
                       a.republished
-               FROM attempts a
+               FROM candidates c
+               JOIN attempts a ON a.id = c.id
                JOIN jobs j ON j.id = a.job_id
                LEFT JOIN moved m ON m.provider = a.provider
-               WHERE a.status = 'queued' AND a.not_before < now() - make_interval(secs => $1)
-                 AND j.status <> 'unknown'
-                 AND NOT EXISTS (SELECT 1 FROM outbox o
-                                 WHERE o.message_id = a.id::text AND o.published_at IS NULL)
-                 AND (a.provider <> ALL($2)
-                      OR COALESCE((SELECT max(o.published_at) FROM outbox o
-                                   WHERE o.message_id = a.id::text), a.not_before)
-                         < m.past - interval '1 second')
+               CROSS JOIN LATERAL (
+                   SELECT bool_or(o.published_at IS NULL) AS pending,
+                          COALESCE(max(o.published_at), a.not_before) AS sent
+                   FROM outbox o WHERE o.message_id = a.id::text
+               ) o
+               WHERE a.status = 'queued' AND j.status <> 'unknown'
+                 AND NOT COALESCE(o.pending, false)
+                 AND o.sent < now() - make_interval(secs => $1)
+                 AND (a.provider <> ALL($2) OR o.sent < m.past - interval '1 second')
                ORDER BY a.id
                LIMIT 100
                FOR UPDATE OF a SKIP LOCKED"#,

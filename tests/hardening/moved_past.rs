@@ -68,6 +68,42 @@ async fn the_stuck_sweep_republishes_what_a_busy_queue_has_moved_past() {
     let _ = ctx.connection.close(200, "done".into()).await;
 }
 
+/// A turn held past `stuck_after` and handed out just now is not stuck: the
+/// wait is counted from its message's last publish, not from when its
+/// attempt was queued (it was republished at the first sweep after its
+/// hand-out, seen failing, each time one more step towards `attempt_lost`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_turn_handed_out_after_a_long_hold_is_not_stuck_at_once() {
+    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
+    let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
+    let (job, publish) = env.admit(&ctx, "acct_held", "held", "held").await;
+    ctx.publish_outbox(&[publish]).await.unwrap();
+    let attempt = attempt_of(&env, job).await;
+    // Queued ten minutes ago (its turn was held), published just now.
+    sent(&env, attempt, 0).await;
+    sqlx::query("UPDATE attempts SET not_before = now() - interval '10 minutes' WHERE id = $1")
+        .bind(attempt.0)
+        .execute(env.store.pool())
+        .await
+        .unwrap();
+    let (republish, _) = env
+        .store
+        .stuck_queued(Duration::from_secs(60), 3, &[])
+        .await
+        .unwrap();
+    assert!(republish.is_empty(), "{republish:?}");
+    // Once its message has waited `stuck_after`, it is.
+    sent(&env, attempt, 2).await;
+    let (republish, _) = env
+        .store
+        .stuck_queued(Duration::from_secs(60), 3, &[])
+        .await
+        .unwrap();
+    assert_eq!(republish.len(), 1, "{republish:?}");
+    let _ = ctx.connection.close(200, "done".into()).await;
+}
+
 async fn attempt_of(env: &TestEnv, job: JobId) -> AttemptId {
     env.store.job(job).await.unwrap().unwrap().attempts[0].id
 }

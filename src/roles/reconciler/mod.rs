@@ -343,7 +343,8 @@ async fn backlogged(ctx: &Context) -> Vec<String> {
         match crate::broker::depth(&ctx.connection, &queue).await {
             Ok(0) => {}
             Ok(_) => out.push(provider.clone()),
-            // Not knowing, leave its attempts alone this pass; the rest goes on.
+            // Not knowing, take it for backlogged: only what its queue has
+            // moved past is taken this pass; the rest goes on.
             Err(e) => {
                 tracing::warn!(%queue, error = %e, "cannot read the queue's depth");
                 out.push(provider.clone());
