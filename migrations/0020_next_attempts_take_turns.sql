@@ -23,3 +23,19 @@ LANGUAGE sql STABLE AS $$
          + (SELECT count(*) FROM turns t
             WHERE t.owner_id = owner AND t.handed_out_at IS NOT NULL)
 $$;
+
+-- Attempts queued before they took turns (first attempts before 0015,
+-- retries and hedges before this migration) get one now, as handed out:
+-- their message went to the queue as they were made. So the stuck sweep,
+-- which reads the turns handed out rather than every queued attempt, finds
+-- them too, and they count in their owner's share and flight as handed-out
+-- turns (in flight they counted already, as queued attempts of running
+-- jobs). A turn handed out never uses its outbox_id (only a held one's row
+-- is made due); 0 stands in where the outbox row was pruned.
+INSERT INTO turns (attempt_id, owner_id, provider, outbox_id, due_at, handed_out_at)
+SELECT a.id, j.owner_id, a.provider,
+       COALESCE((SELECT max(o.id) FROM outbox o WHERE o.message_id = a.id::text), 0),
+       a.not_before, now()
+FROM attempts a JOIN jobs j ON j.id = a.job_id
+WHERE a.status = 'queued' AND NOT EXISTS (SELECT 1 FROM turns t WHERE t.attempt_id = a.id)
+ON CONFLICT (attempt_id) DO NOTHING;

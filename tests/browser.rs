@@ -40,6 +40,7 @@ async fn sign_in(browser: &Browser, served: &Served, store: &Store, name: &str) 
 async fn an_operator_resolves_an_unknown_and_sees_the_next_attempt() {
     let (config, _file) = config(&two_providers());
     let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
     let served = serve(&env, config, false).await;
     let (job_id, s) = unknown_job(&env.store, "browser-resolve").await;
     let browser = Browser::start().await;
@@ -96,6 +97,9 @@ async fn an_operator_resolves_an_unknown_and_sees_the_next_attempt() {
         job.attempts.iter().map(|a| a.status).collect::<Vec<_>>(),
         [AttemptStatus::Failed, AttemptStatus::Queued]
     );
+    // Attempt #2 takes its turn: the primary's workers hand it out (here,
+    // the test does, as no attempt consumer runs).
+    assert_eq!(env.hand_out(&ctx, "primary").await, 1);
     let amqp = env.amqp().await;
     let ch = amqp.create_channel().await.unwrap();
     common::wait_for_depth(

@@ -315,8 +315,9 @@ pub struct JobMessage {
     pub routing_key: String,
     /// When it was written.
     pub created_at: DateTime<Utc>,
-    /// Not published before this (an attempt's backoff).
-    pub not_before: DateTime<Utc>,
+    /// Not published before this (an attempt's backoff, or its owner's
+    /// rate); `None` while its turn is held: it is not due until handed out.
+    pub not_before: Option<DateTime<Utc>>,
     /// When the broker confirmed it; `None` while it waits.
     pub published_at: Option<DateTime<Utc>>,
 }
@@ -332,8 +333,11 @@ impl Store {
         ids.extend(((job.version - 999).max(1)..=job.version).map(|v| format!("{}:{v}", job.id)));
         Ok(sqlx::query_as!(
             JobMessage,
-            "SELECT message_id, exchange, routing_key, created_at, not_before, published_at
-             FROM outbox WHERE message_id = ANY($1) ORDER BY id",
+            // A held turn's row is not due ('infinity', which no
+            // DateTime holds): None.
+            r#"SELECT message_id, exchange, routing_key, created_at,
+                      NULLIF(not_before, 'infinity') AS not_before, published_at
+               FROM outbox WHERE message_id = ANY($1) ORDER BY id"#,
             &ids
         )
         .fetch_all(&self.pool)

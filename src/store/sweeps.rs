@@ -35,19 +35,20 @@ impl Store {
                    FROM attempts b JOIN outbox o ON o.message_id = b.id::text
                    WHERE b.status = 'started' AND b.provider = ANY($2)
                    GROUP BY b.provider
-               ), candidates AS (
-                   -- Providers whose queue is empty: any queued attempt
-                   -- not held (a held one's message is not sent yet)...
-                   SELECT a.id FROM attempts a
-                   WHERE a.status = 'queued' AND a.provider <> ALL($2)
-                     AND a.not_before < now() - make_interval(secs => $1)
-                     AND NOT EXISTS (SELECT 1 FROM turns h
-                                     WHERE h.attempt_id = a.id AND h.handed_out_at IS NULL)
-                   UNION ALL
-                   -- ...and, of a backlogged provider whose queue has moved,
-                   -- the attempts handed out.
-                   SELECT t.attempt_id FROM turns t JOIN moved m ON m.provider = t.provider
+               ), candidates AS MATERIALIZED (
+                   -- What may be stuck, read where it is few: the turns
+                   -- handed out (a held one's message is not sent yet)...
+                   SELECT t.attempt_id AS id FROM turns t
                    WHERE t.handed_out_at IS NOT NULL
+                     AND (t.provider <> ALL($2) OR t.provider IN (SELECT provider FROM moved))
+                   UNION ALL
+                   -- ...and the queued attempts with no turn, handed back
+                   -- by a claim cut off at a stop (or made before attempts
+                   -- took turns): of running jobs, which are few.
+                   SELECT a.id FROM jobs j JOIN attempts a ON a.job_id = j.id
+                   WHERE j.status = 'running' AND a.status = 'queued'
+                     AND (a.provider <> ALL($2) OR a.provider IN (SELECT provider FROM moved))
+                     AND NOT EXISTS (SELECT 1 FROM turns t WHERE t.attempt_id = a.id)
                )
                SELECT a.id AS "id: AttemptId", a.job_id AS "job_id: JobId", a.provider,
                       a.republished

@@ -150,6 +150,21 @@ impl TestEnv {
             .expect("worker context")
     }
 
+    /// Hands out the turns held on `provider` that have room, and publishes
+    /// their messages, as the provider's workers do (for tests that run no
+    /// attempt consumer): returns how many went.
+    pub async fn hand_out(&self, ctx: &Context, provider: &str) -> usize {
+        let handed = self
+            .store
+            .hand_out_turns(provider, 1, "")
+            .await
+            .expect("hand out turns");
+        ctx.publish_outbox(&handed.publish)
+            .await
+            .expect("publish what was handed out");
+        handed.publish.len()
+    }
+
     /// Starts the roles in-process.
     pub async fn fleet(&self, config: Arc<Config>, roles: Vec<Role>) -> Fleet {
         let ctx = self.context(config).await;

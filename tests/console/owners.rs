@@ -80,3 +80,28 @@ async fn an_operator_sets_an_owners_limits_with_a_reason() {
     let owner = env.store.owner("acct_1").await.unwrap();
     assert_eq!((owner.limits.rate, owner.limits.daily_tokens), (2.5, 5000));
 }
+
+/// A held job's page: its attempt's outbox row is not due ('infinity'
+/// in Postgres, which chrono cannot hold), and reading it panicked the
+/// page's handler (seen failing: the connection closed with no answer). The
+/// page says the attempt waits its turn, and its message waits, held.
+#[tokio::test]
+async fn a_held_jobs_page_says_it_waits_its_turn() {
+    let text =
+        common::config_text("http://127.0.0.1:9/v1", None, "") + "\n[owners]\nmax_in_flight = 1\n";
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let served = serve(&env, config, false).await;
+    let session = served.sign_in(&env.store, "ada").await;
+    let new = common::new_job("acct_h", "held-1", "x");
+    let job = new.job_id;
+    env.store.admit(&[new]).await.unwrap();
+
+    let (status, page) = served.get(&session.cookie, &format!("/jobs/{job}")).await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    assert!(page.contains("held: waits its turn"), "{page}");
+    assert!(
+        page.contains("held in the outbox until its turn is handed out"),
+        "{page}"
+    );
+}

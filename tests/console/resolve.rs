@@ -15,6 +15,7 @@ use reqwest::header::LOCATION;
 async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appears() {
     let (config, _file) = config(&two_providers());
     let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
     let served = serve(&env, config, false).await;
     let (job_id, s) = unknown_job(&env.store, "resolve-1").await;
     let session = served.sign_in(&env.store, "ada").await;
@@ -60,7 +61,7 @@ async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appe
         format!("/jobs/{job_id}").as_str()
     );
 
-    let (job, _conn) = the_job_runs_again(&env, job_id).await;
+    let (job, _conn) = the_job_runs_again(&env, &ctx, job_id).await;
 
     // The job's page shows both attempts and the audit row.
     let (status, page) = served
@@ -93,13 +94,20 @@ async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appe
 
 /// The job runs again: attempt #2 is queued, and its message is on the
 /// primary's queue. The job, and the connection that saw the message.
-async fn the_job_runs_again(env: &TestEnv, job_id: JobId) -> (JobView, lapin::Connection) {
+async fn the_job_runs_again(
+    env: &TestEnv,
+    ctx: &onejob::runtime::Context,
+    job_id: JobId,
+) -> (JobView, lapin::Connection) {
     let job = env.store.job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Running, "no longer blocked");
     assert_eq!(job.attempts.len(), 2);
     assert_eq!(job.attempts[0].status, AttemptStatus::Failed);
     assert_eq!(job.attempts[1].status, AttemptStatus::Queued);
     assert_eq!(job.attempts[1].provider, "primary");
+    // The next attempt takes its turn: the primary's workers hand it out
+    // (here, the test does, as no attempt consumer runs).
+    assert_eq!(env.hand_out(ctx, "primary").await, 1);
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.unwrap();
     common::wait_for_depth(

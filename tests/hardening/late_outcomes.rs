@@ -152,9 +152,7 @@ async fn a_hedge_turned_away_by_an_unknown_runs_once_the_unknown_is_resolved() {
         .remove(0);
     let hedge = env.store.hedge(job_id, "fallback").await.unwrap().unwrap();
     // The hedge takes its turn: handed out, its message goes to the queue.
-    let handed = env.store.hand_out_turns("fallback", 1, "").await.unwrap();
-    assert_eq!(handed.publish.len(), 1);
-    ctx.publish_outbox(&handed.publish).await.unwrap();
+    assert_eq!(env.hand_out(&ctx, "fallback").await, 1);
     let (settled, _) = env
         .store
         .finalize(&[timed_out(&primary)], &common::give_up)

@@ -104,6 +104,47 @@ async fn a_turn_handed_out_after_a_long_hold_is_not_stuck_at_once() {
     let _ = ctx.connection.close(200, "done".into()).await;
 }
 
+/// An attempt handed back by a claim cut off at a stop is `queued` with no
+/// turn (its turn ended when it started): the sweep reads the handed-out
+/// turns and, for these, the running jobs' turnless attempts, so its message
+/// lost is still sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_attempt_handed_back_by_a_claim_is_still_swept() {
+    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
+    let env = TestEnv::new(&config).await;
+    let ctx = env.context(config.clone()).await;
+    let (job, publish) = env.admit(&ctx, "acct_back", "back", "back").await;
+    ctx.publish_outbox(&[publish]).await.unwrap();
+    let attempt = attempt_of(&env, job).await;
+    let token = uuid::Uuid::new_v4();
+    env.store
+        .claim(
+            "primary",
+            "none",
+            &[attempt],
+            Duration::from_secs(30),
+            token,
+        )
+        .await
+        .unwrap();
+    assert_eq!(env.store.unclaim(token).await.unwrap(), 1);
+    let turns: i64 = sqlx::query_scalar("SELECT count(*) FROM turns WHERE attempt_id = $1")
+        .bind(attempt.0)
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(turns, 0, "its turn ended when it started");
+    sent(&env, attempt, 5).await;
+    let (republish, _) = env
+        .store
+        .stuck_queued(Duration::from_secs(60), 3, &[])
+        .await
+        .unwrap();
+    let ids: Vec<&str> = republish.iter().map(|m| m.message_id.as_str()).collect();
+    assert_eq!(ids, [attempt.to_string()]);
+    let _ = ctx.connection.close(200, "done".into()).await;
+}
+
 async fn attempt_of(env: &TestEnv, job: JobId) -> AttemptId {
     env.store.job(job).await.unwrap().unwrap().attempts[0].id
 }

@@ -42,9 +42,10 @@ pub(super) fn events(
         } else {
             format!("message to {} for attempt {}", m.routing_key, m.message_id)
         };
-        let state = match m.published_at {
-            Some(t) => format!("published at {}", t.format("%H:%M:%S%.3f")),
-            None => "waiting in the outbox".into(),
+        let state = match (m.published_at, m.not_before) {
+            (Some(t), _) => format!("published at {}", t.format("%H:%M:%S%.3f")),
+            (None, None) => "held in the outbox until its turn is handed out".into(),
+            (None, Some(_)) => "waiting in the outbox".into(),
         };
         events.push((
             m.created_at,
