@@ -169,9 +169,12 @@ const NEXT_TO_START: &str = "SELECT j.id FROM turns t
     JOIN attempts a ON a.id = t.attempt_id JOIN jobs j ON j.id = a.job_id
     WHERE j.status = 'queued'
     ORDER BY t.handed_out_at IS NULL, t.seq LIMIT 1 FOR UPDATE OF j SKIP LOCKED";
-/// A running job, whose settlement is about to meet it.
-const RANDOM_RUNNING: &str = "SELECT id FROM jobs WHERE status = 'running'
-    ORDER BY random() LIMIT 1 FOR UPDATE SKIP LOCKED";
+/// A running job with a call in flight, whose settlement is about to meet
+/// it (a running job whose next attempt waits its turn has none: retries
+/// take turns, and an owner's wait for room under `max_in_flight`).
+const RANDOM_RUNNING: &str = "SELECT j.id FROM jobs j WHERE j.status = 'running'
+      AND EXISTS (SELECT 1 FROM attempts a WHERE a.job_id = j.id AND a.status = 'started')
+    ORDER BY random() LIMIT 1 FOR UPDATE OF j SKIP LOCKED";
 /// An unknown job, whose evidence is about to meet it.
 const RANDOM_UNKNOWN: &str = "SELECT id FROM jobs WHERE status = 'unknown'
     ORDER BY random() LIMIT 1 FOR UPDATE SKIP LOCKED";

@@ -77,6 +77,18 @@ pub fn success(s: &Started) -> Finished {
     }
 }
 
+/// `s`'s outcome, with `verdict`, no request id and no usage.
+pub fn finished(s: &Started, verdict: Verdict) -> Finished {
+    Finished {
+        attempt_id: s.attempt_id,
+        job_id: s.job_id,
+        version: s.version,
+        provider_request_id: None,
+        usage: None,
+        verdict,
+    }
+}
+
 pub fn give_up(f: &onejob::store::FailedJob) -> onejob::store::NextStep {
     super::give_up(f)
 }

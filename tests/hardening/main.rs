@@ -26,6 +26,7 @@ mod upkeep;
 
 use std::time::Duration;
 
+use common::database::finished;
 use common::{P, TestEnv, config, config_for, mock};
 use onejob::domain::JobId;
 use onejob::mock::MockOptions;
@@ -54,17 +55,6 @@ async fn started_hedge(store: &Store, job_id: JobId) -> Started {
         .await
         .unwrap()
         .remove(0)
-}
-
-fn finished(s: &Started, verdict: Verdict) -> Finished {
-    Finished {
-        attempt_id: s.attempt_id,
-        job_id: s.job_id,
-        version: s.version,
-        provider_request_id: None,
-        usage: None,
-        verdict,
-    }
 }
 
 fn timed_out(s: &Started) -> Finished {

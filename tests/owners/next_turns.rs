@@ -36,18 +36,14 @@ async fn handed_out(store: &Store, provider: &str) -> Vec<String> {
 }
 
 fn failed(s: &onejob::store::Started) -> Finished {
-    Finished {
-        attempt_id: s.attempt_id,
-        job_id: s.job_id,
-        version: s.version,
-        provider_request_id: None,
-        usage: None,
-        verdict: Verdict::Failed {
+    common::database::finished(
+        s,
+        Verdict::Failed {
             error: "provider_error: HTTP 500".into(),
             retryable: true,
             retry_after: None,
         },
-    }
+    )
 }
 
 fn retry_on(provider: &'static str) -> impl Fn(&onejob::store::FailedJob) -> NextStep + Sync {
@@ -204,4 +200,83 @@ async fn a_lifted_block_leaves_a_held_hedge_to_its_turn() {
         handed_out(&env.store, "fallback").await,
         [hedge.to_string()]
     );
+}
+
+/// A worker stopped between reserving for a retry and claiming it again
+/// (the retry holds its reservation, still `queued`; its message goes back
+/// to the queue): the worker that takes the message next claims it at once,
+/// and the retry holds one reservation, not two, released when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_stopped_between_reserving_and_claiming_reserves_once() {
+    let text = two_slots(false) + "\n[owners]\ndaily_tokens = 100000\n";
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let new = common::new_job("acct_s", "s-1", "x");
+    super::created(&env.store, std::slice::from_ref(&new)).await;
+    let first = env
+        .store
+        .start("primary", &[new.attempt_id], Duration::from_secs(30))
+        .await
+        .unwrap()
+        .remove(0);
+    let (settled, _) = env
+        .store
+        .finalize(&[failed(&first)], &retry_on("primary"))
+        .await
+        .unwrap();
+    let Settled::Failed {
+        next: Some(retry), ..
+    } = settled[0]
+    else {
+        panic!("a retry: {settled:?}");
+    };
+    assert_eq!(handed_out(&env.store, "primary").await, [retry.to_string()]);
+    // The stopping worker's claim leaves the retry to reserve, and it does...
+    let timeout = Duration::from_secs(30);
+    let first_claim = env
+        .store
+        .claim("primary", "none", &[retry], timeout, uuid::Uuid::new_v4())
+        .await
+        .unwrap();
+    assert!(first_claim.started.is_empty());
+    let [unreserved] = &first_claim.unreserved[..] else {
+        panic!("the retry holds no reservation: {first_claim:?}");
+    };
+    let wanted = onejob::store::Reservation {
+        attempt_id: retry,
+        owner_id: unreserved.owner_id.clone(),
+        tokens: 40,
+    };
+    let refused = env
+        .store
+        .reserve(std::slice::from_ref(&wanted))
+        .await
+        .unwrap();
+    assert!(refused.is_empty(), "{refused:?}");
+    // ...then stops before its second claim. The next worker's claim starts
+    // it, and weighs nothing again: the same reservation, once.
+    let next = env
+        .store
+        .claim("primary", "none", &[retry], timeout, uuid::Uuid::new_v4())
+        .await
+        .unwrap();
+    assert_eq!(next.started.len(), 1, "{next:?}");
+    assert!(next.unreserved.is_empty(), "{next:?}");
+    assert_eq!(env.store.reserve(&[wanted]).await.unwrap().len(), 0);
+    let held: (i64, i64) = sqlx::query_as(
+        "SELECT count(*), COALESCE(sum(tokens), 0)::int8 FROM reservations WHERE attempt_id = $1",
+    )
+    .bind(retry.0)
+    .fetch_one(env.store.pool())
+    .await
+    .unwrap();
+    assert_eq!(held, (1, 40), "one reservation");
+    assert_eq!(env.store.owner("acct_s").await.unwrap().reserved, 40);
+    // Its ending releases it.
+    let started = &next.started[0];
+    env.store
+        .finalize(&[failed(started)], &common::give_up)
+        .await
+        .unwrap();
+    assert_eq!(env.store.owner("acct_s").await.unwrap().reserved, 0);
 }
