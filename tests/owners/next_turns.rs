@@ -53,6 +53,30 @@ fn retry_on(provider: &'static str) -> impl Fn(&onejob::store::FailedJob) -> Nex
     }
 }
 
+/// Starts `attempt` on the primary and fails it, retryable: the retry the
+/// settlement made, and what the settlement gave to publish.
+async fn failed_into_a_retry(
+    store: &Store,
+    attempt: AttemptId,
+) -> (AttemptId, Vec<onejob::store::OutboxMessage>) {
+    let first = store
+        .start("primary", &[attempt], Duration::from_secs(30))
+        .await
+        .unwrap()
+        .remove(0);
+    let (settled, publish) = store
+        .finalize(&[failed(&first)], &retry_on("primary"))
+        .await
+        .unwrap();
+    let Settled::Failed {
+        next: Some(retry), ..
+    } = settled[0]
+    else {
+        panic!("a retry: {settled:?}");
+    };
+    (retry, publish)
+}
+
 /// An owner's first job fails while its second waits its turn: the retry is
 /// held behind the second (it went straight to the provider's queue before,
 /// seen failing), and each is handed out as the one before it starts.
@@ -65,23 +89,7 @@ async fn a_retry_waits_behind_its_owners_held_turns() {
         .collect();
     super::created(&env.store, &batch).await;
     assert_eq!(turn(&env.store, batch[1].attempt_id).await, Some(true));
-    let first = env
-        .store
-        .start("primary", &[batch[0].attempt_id], Duration::from_secs(30))
-        .await
-        .unwrap()
-        .remove(0);
-    let (settled, publish) = env
-        .store
-        .finalize(&[failed(&first)], &retry_on("primary"))
-        .await
-        .unwrap();
-    let Settled::Failed {
-        next: Some(retry), ..
-    } = settled[0]
-    else {
-        panic!("a retry: {settled:?}");
-    };
+    let (retry, publish) = failed_into_a_retry(&env.store, batch[0].attempt_id).await;
     assert!(
         publish.iter().all(|m| m.message_id != retry.to_string()),
         "the retry went straight to the provider's queue"
@@ -213,23 +221,7 @@ async fn a_worker_stopped_between_reserving_and_claiming_reserves_once() {
     let env = TestEnv::new(&config).await;
     let new = common::new_job("acct_s", "s-1", "x");
     super::created(&env.store, std::slice::from_ref(&new)).await;
-    let first = env
-        .store
-        .start("primary", &[new.attempt_id], Duration::from_secs(30))
-        .await
-        .unwrap()
-        .remove(0);
-    let (settled, _) = env
-        .store
-        .finalize(&[failed(&first)], &retry_on("primary"))
-        .await
-        .unwrap();
-    let Settled::Failed {
-        next: Some(retry), ..
-    } = settled[0]
-    else {
-        panic!("a retry: {settled:?}");
-    };
+    let (retry, _) = failed_into_a_retry(&env.store, new.attempt_id).await;
     assert_eq!(handed_out(&env.store, "primary").await, [retry.to_string()]);
     // The stopping worker's claim leaves the retry to reserve, and it does...
     let timeout = Duration::from_secs(30);
