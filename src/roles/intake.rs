@@ -271,6 +271,10 @@ async fn admit(
             }
         }));
     }
+    // The first attempts this worker's own consumers have a free call slot
+    // for are claimed and called at once (runtime::own_consumers); their
+    // messages are published all the same.
+    ctx.own_consumers.offer(&publish);
     // If this publish fails the outbox rows stay, and the relay publishes them
     // when their lease runs out: nothing is lost.
     if !publish.is_empty() {

@@ -280,7 +280,7 @@ impl Store {
 
     /// Runs `command` (`ANALYZE`, `VACUUM (…)`: commands that take a table's
     /// name last and cannot run in a transaction) on each of `tables` that is
-    /// one of onejob's busy tables, one simple query each.
+    /// one of onejob's busy tables (or `turns`), one simple query each.
     pub(super) async fn on_busy_tables(&self, command: &str, tables: &[String]) -> Result<()> {
         for table in tables {
             // Only these three fixed identifiers are ever spliced in.
@@ -288,6 +288,7 @@ impl Store {
                 "jobs" => "jobs",
                 "attempts" => "attempts",
                 "outbox" => "outbox",
+                "turns" => "turns",
                 _ => continue,
             };
             sqlx::raw_sql(sqlx::AssertSqlSafe(format!("{command} {table}")))

@@ -16,6 +16,10 @@ use super::*;
 /// many wait.
 const OWNERS_PER_HAND_OUT: i64 = 1000;
 
+/// The fewest dead rows of `turns` worth a vacuum: about one second of a
+/// provider's jobs at a thousand a second.
+const TURNS_DEAD_LEAST: f64 = 2000.0;
+
 /// What one hand-out did.
 #[derive(Debug, Default)]
 pub struct HandOut {
@@ -215,6 +219,34 @@ impl Store {
         )
         .fetch_all(&self.pool)
         .await?)
+    }
+
+    /// Vacuums `turns` once its dead rows pass autovacuum's threshold for it
+    /// (with a floor of [`TURNS_DEAD_LEAST`]), whether or not the server runs
+    /// autovacuum. Every job writes a turn, hands it out and deletes it, and
+    /// the hand-outs and admissions read `turns` by index: they walk every
+    /// dead entry of a churned index until a vacuum removes it, and
+    /// autovacuum looks only once an `autovacuum_naptime` (a minute by
+    /// default), in which a busy provider leaves tens of thousands. The table
+    /// holds only the turns waiting and handed out, so its vacuum takes
+    /// milliseconds. True when it vacuumed.
+    pub async fn vacuum_turns_if_due(&self) -> Result<bool> {
+        let due = sqlx::query_scalar!(
+            r#"SELECT EXISTS (
+                   SELECT 1 FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
+                   WHERE s.schemaname = current_schema() AND s.relname = 'turns'
+                     AND s.n_dead_tup > $1::float8
+                         + current_setting('autovacuum_vacuum_scale_factor')::float8
+                           * greatest(c.reltuples, 0)) AS "due!""#,
+            TURNS_DEAD_LEAST,
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        if due {
+            self.on_busy_tables("VACUUM (SKIP_LOCKED)", &["turns".to_owned()])
+                .await?;
+        }
+        Ok(due)
     }
 
     /// Whether any owner has turns held on `provider`, room or not.

@@ -3,12 +3,14 @@
 //! ack is a redelivery that comes out as a `duplicate` of the same job.
 //!
 //! One binary, its tests by topic: what intake refuses (`rejects`), crashes and
-//! redeliveries (`redelivery`), and admission in batches (`batches`).
+//! redeliveries (`redelivery`), admission in batches (`batches`), and the
+//! jobs a worker calls as soon as it admits them (`on_admission`).
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod batches;
+mod on_admission;
 mod redelivery;
 mod rejects;
 

@@ -5,8 +5,10 @@
 //! (`rate`); `max_in_flight` bounds an owner's attempts started at once,
 //! hedges included (`in_flight`); an owner's backlog waits in the database,
 //! holding another owner's job behind its share only (`turns`); the limits
-//! hold across two worker processes (`fleet`); and `onejob owners` sets,
-//! shows and audits each owner's own settings (`settings`).
+//! hold across two worker processes (`fleet`); `onejob owners` sets,
+//! shows and audits each owner's own settings (`settings`); and the spend
+//! ledger and `turns`, which every job writes, hold at their edges
+//! (`ledgers`).
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -14,6 +16,7 @@ mod common;
 mod budget;
 mod fleet;
 mod in_flight;
+mod ledgers;
 mod next_turns;
 mod rate;
 mod reservations;

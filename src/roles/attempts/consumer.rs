@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use lapin::message::Delivery;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
 
 use super::call::call;
@@ -32,6 +32,10 @@ pub(super) struct Consumer {
     pub(super) calls: Arc<Semaphore>,
     pub(super) claims: GroupCommit<AttemptId, Claimed>,
     pub(super) settlements: GroupCommit<(Started, Finished), Committed>,
+    /// The attempts started on admission whose deliveries have not come.
+    pub(super) taken: super::admitted::Taken,
+    /// The tasks of the attempts taken on admission.
+    pub(super) local: std::sync::Mutex<tokio::task::JoinSet<()>>,
 }
 
 impl Consumer {
@@ -50,6 +54,18 @@ impl Consumer {
     }
 
     async fn work(&self, delivery: &Delivery) -> Result<()> {
+        let message: AttemptMessage = match serde_json::from_slice(&delivery.data) {
+            Ok(m) => m,
+            Err(e) => {
+                let reason = format!("malformed_attempt_message: {e}");
+                return self.dead_letter(delivery, &reason).await;
+            }
+        };
+        // Started by this worker on admission: its call is under way here.
+        if self.taken.take(message.attempt_id) {
+            tracing::debug!(attempt_id = %message.attempt_id, "attempt started on admission: its delivery is dropped");
+            return Ok(());
+        }
         let waiting =
             crate::metrics::timed("attempt_slot_wait", self.calls.clone().acquire_owned());
         let Ok(slot) = waiting.await else {
@@ -61,21 +77,24 @@ impl Consumer {
                 "the worker is stopping before this attempt started".into(),
             ));
         }
-        let message: AttemptMessage = match serde_json::from_slice(&delivery.data) {
-            Ok(m) => m,
-            Err(e) => {
-                drop(slot);
-                let reason = format!("malformed_attempt_message: {e}");
-                return self.dead_letter(delivery, &reason).await;
-            }
-        };
         let Some(started) = self.claim(message.attempt_id).await? else {
             drop(slot);
             return self.not_started(delivery, &message).await;
         };
-        // The attempt's span: a child of the job's, as its message names it.
         let parent = TraceContext::from_headers(delivery.properties.headers().as_ref());
-        let (span, trace) = crate::telemetry::hop(parent.as_ref(), || {
+        self.call_and_settle(started, parent.as_ref(), slot).await
+    }
+
+    /// Calls a started attempt's provider under its call slot (`slot`, freed
+    /// once the call is over), and settles what it said.
+    pub(super) async fn call_and_settle(
+        &self,
+        started: Started,
+        parent: Option<&TraceContext>,
+        slot: OwnedSemaphorePermit,
+    ) -> Result<()> {
+        // The attempt's span: a child of the job's, as its message names it.
+        let (span, trace) = crate::telemetry::hop(parent, || {
             tracing::info_span!(
                 "attempt",
                 otel.kind = "client",

@@ -24,8 +24,14 @@
 //! Held first attempts are handed to the queue by `turns`, woken by the
 //! claims and settlements that free their owners' places.
 //!
-//! The rooms: `consumer` (slots, pauses), `claim`, `call`, `settle`, `turns`.
+//! A job this worker's own intake has just admitted is taken at once while a
+//! call slot is free (`admitted`), its message's delivery dropped when it
+//! comes.
+//!
+//! The rooms: `consumer` (slots, pauses), `admitted`, `claim`, `call`,
+//! `settle`, `turns`.
 
+mod admitted;
 mod call;
 mod claim;
 mod consumer;
@@ -87,22 +93,46 @@ pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> R
         calls: Arc::new(Semaphore::new(concurrency)),
         claims,
         settlements,
+        taken: admitted::Taken::default(),
+        local: std::sync::Mutex::new(tokio::task::JoinSet::new()),
     };
     let queue = consumer.queue.clone();
     let consumer = Arc::new(consumer);
-    let outcome = runtime::consume(
-        &ctx,
-        &queue,
-        worker.attempt_prefetch,
-        &shutdown,
-        |delivery| {
-            let consumer = consumer.clone();
-            async move { consumer.handle(delivery).await }
-        },
-    )
-    .await;
-    // The handlers are done or cut off: the group commits finish what they were
-    // handed, then stop.
+    // The attempts this worker's intake admits, taken while a slot is free.
+    let taking = consumer.clone();
+    let registered = ctx.own_consumers.register(
+        &broker::attempts_routing_key(&provider),
+        Arc::new(move |attempt, parent| taking.take_admitted(attempt, parent)),
+    );
+    // The attempts taken on admission finish within the grace, beside the
+    // deliveries: from the stop, or from the consumer's end.
+    let (consumed, consumer_done) = tokio::sync::oneshot::channel::<()>();
+    let consuming = async {
+        let outcome = runtime::consume(
+            &ctx,
+            &queue,
+            worker.attempt_prefetch,
+            &shutdown,
+            |delivery| {
+                let consumer = consumer.clone();
+                async move { consumer.handle(delivery).await }
+            },
+        )
+        .await;
+        let _ = consumed.send(());
+        outcome
+    };
+    let finishing = async {
+        tokio::select! {
+            () = shutdown.wait() => {}
+            _ = consumer_done => {}
+        }
+        drop(registered);
+        consumer.finish_admitted(worker.shutdown_grace).await;
+    };
+    let (outcome, ()) = tokio::join!(consuming, finishing);
+    // The handlers are done or cut off, and so are the attempts taken on
+    // admission: the group commits finish what they were handed, then stop.
     drop(consumer);
     // A hand-out cut off mid-way rolls back: its turns stay held.
     dispatcher.abort();

@@ -26,6 +26,9 @@
 //! - **Pruning**: published outbox rows past `outbox_retention` are deleted;
 //!   ended jobs past their retention are deleted with their attempts, in a loop
 //!   of its own so that a large backlog of them never holds up the relay.
+//! - **Turns**: `turns` is vacuumed whenever its dead rows pass autovacuum's
+//!   threshold, every second, whether or not autovacuum runs: every job
+//!   churns a row of it, and its readers walk the dead index entries.
 //! - **Statistics**: the busy tables are analyzed when their statistics are
 //!   missing or far behind, as on a fresh database taking a backlog
 //!   ([`crate::store::Store::refresh_statistics`]).
@@ -62,10 +65,15 @@ const PRUNE_BATCH: i64 = 1000;
 /// large first prune spreads over several passes.
 const PRUNE_BATCHES: usize = 100;
 
+/// How often the dead rows of `turns` are looked at
+/// ([`crate::store::Store::vacuum_turns_if_due`]).
+const TURNS_VACUUM_EVERY: Duration = Duration::from_secs(1);
+
 /// Runs every pass, and takes the settlements handed on, until shutdown. A
 /// failure of the settlements' consumer stops the role as a pass's would.
 pub(crate) async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
     let pruner = tokio::spawn(prune_loop(ctx.clone(), shutdown.clone()));
+    let turns = tokio::spawn(vacuum_turns_loop(ctx.clone(), shutdown.clone()));
     let evidence = tokio::spawn(evidence::evidence_loop(ctx.clone(), shutdown.clone()));
     let mut handed_on = tokio::spawn(handed_on::consume(ctx.clone(), shutdown.clone()));
     let passes = passes(ctx, shutdown.clone());
@@ -86,7 +94,7 @@ pub(crate) async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
             Err(e) => Err(WorkerError::RoleStopped("reconciler".into(), e.to_string())),
         },
     };
-    for task in [pruner, evidence] {
+    for task in [pruner, turns, evidence] {
         task.abort();
         let _ = task.await;
     }
@@ -125,6 +133,32 @@ async fn prune_loop(ctx: Context, shutdown: Shutdown) {
         tokio::select! {
             () = shutdown.wait() => return,
             () = tokio::time::sleep(PRUNE_EVERY) => {}
+        }
+    }
+}
+
+/// Vacuums `turns` when its dead rows are due, every [`TURNS_VACUUM_EVERY`],
+/// until shutdown.
+async fn vacuum_turns_loop(ctx: Context, shutdown: Shutdown) {
+    let mut failing = false;
+    loop {
+        match ctx.store.vacuum_turns_if_due().await {
+            Ok(vacuumed) => {
+                if vacuumed {
+                    crate::metrics::vacuumed("turns");
+                }
+                failing = false;
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(error = %e, "vacuuming turns failed; will retry");
+                }
+                failing = true;
+            }
+        }
+        tokio::select! {
+            () = shutdown.wait() => return,
+            () = tokio::time::sleep(TURNS_VACUUM_EVERY) => {}
         }
     }
 }

@@ -15,6 +15,7 @@ mod consume;
 mod delivery;
 mod group_commit;
 mod health;
+pub mod own_consumers;
 mod publish;
 #[cfg(test)]
 mod tests;
@@ -82,6 +83,9 @@ pub struct Context {
     pub publisher: Publisher,
     /// Marks published outbox rows in batches.
     pub marks: Marks,
+    /// This process's attempt consumers, for its intake to hand the attempts
+    /// it admits to.
+    pub own_consumers: own_consumers::OwnConsumers,
 }
 
 /// The outbox routes for a configuration.
@@ -151,6 +155,7 @@ impl Context {
             store,
             connection: Arc::new(connection),
             publisher,
+            own_consumers: own_consumers::OwnConsumers::default(),
         })
     }
 
