@@ -62,7 +62,7 @@ impl Consumer {
             }
         };
         // Started by this worker on admission: its call is under way here.
-        if self.taken.take(message.attempt_id) {
+        if self.taken.started_here(message.attempt_id).await {
             tracing::debug!(attempt_id = %message.attempt_id, "attempt started on admission: its delivery is dropped");
             return Ok(());
         }
