@@ -28,22 +28,20 @@ async fn attempt_statuses(env: &TestEnv, job: onejob::domain::JobId) -> Vec<Stri
         .unwrap()
 }
 
+/// One worker process with every role, logging the attempts started on
+/// admission; and a producer.
+async fn one_worker(env: &TestEnv, config: &std::path::Path) -> (Workers, Producer) {
+    let url = env.amqp_url.clone();
+    let workers = Workers::start_logging(1, env, config, move |_| url.clone(), LOG);
+    (workers, Producer::connect(&env.amqp_url).await.unwrap())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_calls_a_job_it_admitted_before_its_message_comes_back() {
     let provider = mock(MockOptions::default()).await;
     let (cfg, file) = config(&config_for(&[P("primary", &provider.base_url(), "")], ""));
     let env = TestEnv::new(&cfg).await;
-    let workers = Workers::start_logging(
-        1,
-        &env,
-        &file.path,
-        {
-            let url = env.amqp_url.clone();
-            move |_| url.clone()
-        },
-        LOG,
-    );
-    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let (workers, producer) = one_worker(&env, &file.path).await;
     // One at a time: each finds the worker's call slots free.
     let mut jobs = Vec::new();
     for i in 0..10 {
@@ -93,17 +91,7 @@ async fn a_worker_killed_during_a_call_it_started_on_admission_leaves_it_unknown
     .await;
     let (cfg, file) = config(&config_for(&[P("primary", &provider.base_url(), "")], ""));
     let env = TestEnv::new(&cfg).await;
-    let mut workers = Workers::start_logging(
-        1,
-        &env,
-        &file.path,
-        {
-            let url = env.amqp_url.clone();
-            move |_| url.clone()
-        },
-        LOG,
-    );
-    let producer = Producer::connect(&env.amqp_url).await.unwrap();
+    let (mut workers, producer) = one_worker(&env, &file.path).await;
     let job = common::submit(&producer, "acct_kill", "k-0", "text").await;
     // The call is at the provider: the chosen instant.
     wait_for(

@@ -72,7 +72,6 @@ pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> R
     let concurrency = usize::try_from(settings.concurrency)
         .unwrap_or(usize::MAX)
         .min(Semaphore::MAX_PERMITS);
-    let worker = &ctx.config.worker;
     // Claims and settlements free turns: each wakes the hand-out.
     let freed = Arc::new(Notify::new());
     let share = Arc::new(turns::Share::new(settings.share()));
@@ -96,23 +95,39 @@ pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> R
         taken: admitted::Taken::default(),
         local: std::sync::Mutex::new(tokio::task::JoinSet::new()),
     };
-    let queue = consumer.queue.clone();
     let consumer = Arc::new(consumer);
-    // The attempts this worker's intake admits, taken while a slot is free.
+    let outcome = consume(&ctx, &consumer, &provider, &shutdown).await;
+    // The handlers are done or cut off, and so are the attempts taken on
+    // admission: the group commits finish what they were handed, then stop.
+    drop(consumer);
+    // A hand-out cut off mid-way rolls back: its turns stay held.
+    dispatcher.abort();
+    let _ = tokio::join!(claimer, completer);
+    outcome
+}
+
+/// Consumes the provider's queue, and takes the attempts this worker's
+/// intake admits while a call slot is free, until shutdown or the consumer's
+/// end. The attempts taken on admission finish within the grace, beside the
+/// deliveries: from the stop, or from the consumer's end.
+async fn consume(
+    ctx: &Context,
+    consumer: &Arc<Consumer>,
+    provider: &str,
+    shutdown: &Shutdown,
+) -> Result<()> {
     let taking = consumer.clone();
     let registered = ctx.own_consumers.register(
-        &broker::attempts_routing_key(&provider),
+        &broker::attempts_routing_key(provider),
         Arc::new(move |attempt, parent| taking.take_admitted(attempt, parent)),
     );
-    // The attempts taken on admission finish within the grace, beside the
-    // deliveries: from the stop, or from the consumer's end.
     let (consumed, consumer_done) = tokio::sync::oneshot::channel::<()>();
     let consuming = async {
         let outcome = runtime::consume(
-            &ctx,
-            &queue,
-            worker.attempt_prefetch,
-            &shutdown,
+            ctx,
+            &consumer.queue,
+            ctx.config.worker.attempt_prefetch,
+            shutdown,
             |delivery| {
                 let consumer = consumer.clone();
                 async move { consumer.handle(delivery).await }
@@ -128,15 +143,11 @@ pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> R
             _ = consumer_done => {}
         }
         drop(registered);
-        consumer.finish_admitted(worker.shutdown_grace).await;
+        consumer
+            .finish_admitted(ctx.config.worker.shutdown_grace)
+            .await;
     };
     let (outcome, ()) = tokio::join!(consuming, finishing);
-    // The handlers are done or cut off, and so are the attempts taken on
-    // admission: the group commits finish what they were handed, then stop.
-    drop(consumer);
-    // A hand-out cut off mid-way rolls back: its turns stay held.
-    dispatcher.abort();
-    let _ = tokio::join!(claimer, completer);
     outcome
 }
 
