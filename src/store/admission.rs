@@ -148,9 +148,17 @@ impl Store {
         if !unseen.is_empty() {
             let by_attempt: HashMap<String, InsertedRow> = sqlx::query_as!(
                 InsertedRow,
-                r#"SELECT id, exchange, routing_key, message_id, body, traceparent, tracestate,
+                r#"SELECT id AS "id!", exchange AS "exchange!", routing_key AS "routing_key!",
+                          message_id AS "message_id!", body AS "body!", traceparent, tracestate,
                           not_before <= now() AS "leased!"
-                   FROM outbox WHERE message_id = ANY($1)"#,
+                   FROM outbox WHERE message_id = ANY($1)
+                   UNION ALL
+                   -- Held with its message (no outbox row yet): the relay's
+                   -- once it is handed out.
+                   SELECT 0, exchange, routing_key, attempt_id::text, body, NULL, NULL, false
+                   FROM turns
+                   WHERE attempt_id::text = ANY($1) AND body IS NOT NULL
+                     AND handed_out_at IS NULL"#,
                 &unseen,
             )
             .fetch_all(&self.pool)

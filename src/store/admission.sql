@@ -1,6 +1,6 @@
 -- Admission (src/store/admission.rs, `Store::insert_new`): the new jobs of a
--- batch, each with its first attempt, that attempt's turn and its outbox row,
--- in one statement. $1..$15 and $24 are the batch's columns, $16 the outbox
+-- batch, each with its first attempt, that attempt's turn and, when the turn
+-- is handed out at once, its outbox row, in one statement. $1..$15 and $24 are the batch's columns, $16 the outbox
 -- lease, $17 the jobs refused for their owners' budgets (not inserted),
 -- $18..$20 the owners with a rate and their buckets, $21..$22 each provider's
 -- share, $23 the owners with `max_in_flight`, $24 what each first attempt
@@ -72,25 +72,37 @@ WITH input AS (
     FROM input i JOIN new_jobs n ON n.id = i.job_id
     WHERE i.reserve > 0
 ), queued AS (
+    -- An outbox row only for a turn handed out now: a held one keeps its
+    -- message on the turn until it is handed out (migration 0022).
     INSERT INTO outbox (exchange, routing_key, message_id, body, not_before,
                         lease_until, traceparent, tracestate)
-    SELECT i.exchange, i.routing_key, i.message_id, i.body,
-           CASE WHEN t.handed THEN t.due ELSE 'infinity' END,
-           CASE WHEN t.handed AND t.due <= now()
-                THEN now() + make_interval(secs => $16) END,
+    SELECT i.exchange, i.routing_key, i.message_id, i.body, t.due,
+           CASE WHEN t.due <= now() THEN now() + make_interval(secs => $16) END,
            i.traceparent, i.tracestate
     FROM input i JOIN turn t ON t.job_id = i.job_id
+    WHERE t.handed
     ORDER BY i.position
     RETURNING id, exchange, routing_key, message_id, body, traceparent,
               tracestate, lease_until IS NOT NULL AS leased
 ), taken AS (
     INSERT INTO turns (attempt_id, owner_id, provider, outbox_id, due_at,
-                       handed_out_at)
+                       handed_out_at, exchange, routing_key, body)
     SELECT t.attempt_id, t.owner_id, t.provider, q.id, t.due,
-           CASE WHEN t.handed THEN now() END
-    FROM turn t JOIN queued q ON q.message_id = t.attempt_id::text
+           CASE WHEN t.handed THEN now() END,
+           CASE WHEN NOT t.handed THEN i.exchange END,
+           CASE WHEN NOT t.handed THEN i.routing_key END,
+           CASE WHEN NOT t.handed THEN i.body END
+    FROM turn t JOIN input i ON i.job_id = t.job_id
+    LEFT JOIN queued q ON q.message_id = t.attempt_id::text
 )
+-- A row for every new job: its outbox row, or (held) its message with no
+-- row yet (id 0, not leased).
 SELECT id AS "id!", exchange AS "exchange!", routing_key AS "routing_key!",
        message_id AS "message_id!", body AS "body!", traceparent, tracestate,
        leased AS "leased!"
 FROM queued
+UNION ALL
+SELECT 0, i.exchange, i.routing_key, i.message_id, i.body, i.traceparent,
+       i.tracestate, false
+FROM input i JOIN turn t ON t.job_id = i.job_id
+WHERE NOT t.handed

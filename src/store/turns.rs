@@ -102,7 +102,9 @@ impl Store {
 
     /// The hand-out itself: each owner's room (its share less its turns
     /// handed out, and under `max_in_flight` its room in flight), and that
-    /// many of its held turns, oldest first, made due.
+    /// many of its held turns, oldest first, made due: the outbox row of a
+    /// turn that carries its message is written now, that of one written
+    /// with its turn is made due.
     async fn hand_out<'e>(
         &self,
         on: impl sqlx::PgExecutor<'e>,
@@ -123,9 +125,12 @@ impl Store {
                                      ELSE $3 END) AS room
                    FROM unnest($1::text[], $2::int8[]) AS o(owner_id, max_in_flight)
                ), picked AS (
-                   SELECT p.attempt_id, p.outbox_id, p.due_at
+                   SELECT p.attempt_id, p.outbox_id, p.due_at, p.exchange, p.routing_key,
+                          p.body
                    FROM room r CROSS JOIN LATERAL (
-                       SELECT t.attempt_id, t.outbox_id, t.due_at FROM turns t
+                       SELECT t.attempt_id, t.outbox_id, t.due_at, t.exchange, t.routing_key,
+                              t.body
+                       FROM turns t
                        WHERE t.provider = $4 AND t.owner_id = r.owner_id
                          AND t.handed_out_at IS NULL
                        ORDER BY t.seq
@@ -134,16 +139,39 @@ impl Store {
                ), marked AS (
                    UPDATE turns t SET handed_out_at = now()
                    FROM picked p WHERE t.attempt_id = p.attempt_id
+               ), made AS (
+                   -- A turn that carries its message: its outbox row now.
+                   INSERT INTO outbox (exchange, routing_key, message_id, body, not_before,
+                                       lease_until, traceparent, tracestate)
+                   SELECT p.exchange, p.routing_key, p.attempt_id::text, p.body,
+                          GREATEST(p.due_at, now()),
+                          CASE WHEN p.due_at <= now()
+                               THEN now() + make_interval(secs => $5) END,
+                          j.traceparent, j.tracestate
+                   FROM picked p JOIN attempts a ON a.id = p.attempt_id
+                   JOIN jobs j ON j.id = a.job_id
+                   WHERE p.body IS NOT NULL
+                   RETURNING id, exchange, routing_key, message_id, body, traceparent,
+                             tracestate, lease_until IS NOT NULL AS leased
+               ), made_due AS (
+                   -- A turn whose outbox row was written with it: made due.
+                   UPDATE outbox ob
+                   SET not_before = GREATEST(p.due_at, now()),
+                       lease_until = CASE WHEN p.due_at <= now()
+                                          THEN now() + make_interval(secs => $5) END
+                   FROM picked p
+                   WHERE p.body IS NULL AND ob.id = p.outbox_id AND ob.published_at IS NULL
+                   RETURNING ob.id, ob.exchange, ob.routing_key, ob.message_id, ob.body,
+                             ob.traceparent, ob.tracestate, ob.lease_until IS NOT NULL AS leased
                )
-               UPDATE outbox ob
-               SET not_before = GREATEST(p.due_at, now()),
-                   lease_until = CASE WHEN p.due_at <= now()
-                                      THEN now() + make_interval(secs => $5) END
-               FROM picked p
-               WHERE ob.id = p.outbox_id AND ob.published_at IS NULL
-               RETURNING ob.id, ob.exchange, ob.routing_key, ob.message_id, ob.body,
-                         ob.traceparent, ob.tracestate,
-                         ob.lease_until IS NOT NULL AS "leased!""#,
+               SELECT id AS "id!", exchange AS "exchange!", routing_key AS "routing_key!",
+                      message_id AS "message_id!", body AS "body!", traceparent, tracestate,
+                      leased AS "leased!"
+               FROM made
+               UNION ALL
+               SELECT id, exchange, routing_key, message_id, body, traceparent, tracestate,
+                      leased
+               FROM made_due"#,
             owners,
             limits,
             share,

@@ -237,3 +237,66 @@ async fn owners_past_the_first_thousand_by_name_get_their_turns() {
     assert!(third.publish.is_empty() && third.waiting, "{third:?}");
     assert_eq!(third.looked_to, "zz-last");
 }
+
+/// A first attempt held at admission keeps its message on its turn: no
+/// outbox row until the turn is handed out, then one, leased, with the
+/// message admission would have written. An admission run again after a
+/// lost reply finds each job it made, held or handed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_turn_writes_its_outbox_row_only_when_handed_out() {
+    let text = super::config_with_owners("http://127.0.0.1:9/v1", "max_in_flight = 1");
+    let (config, _file) = config(&text);
+    let env = TestEnv::new(&config).await;
+    let news: Vec<_> = (0..3)
+        .map(|k| common::new_job("acct_h", &format!("k{k}"), "x"))
+        .collect();
+    super::created(&env.store, &news).await;
+    let rows = |sql: &'static str| {
+        let pool = env.store.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .bind("acct_h")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let in_outbox = "SELECT count(*) FROM outbox o JOIN attempts a ON o.message_id = a.id::text
+                     JOIN jobs j ON j.id = a.job_id WHERE j.owner_id = $1";
+    let carried = "SELECT count(*) FROM turns
+                   WHERE owner_id = $1 AND handed_out_at IS NULL AND body IS NOT NULL";
+    assert_eq!((rows(in_outbox).await, rows(carried).await), (0, 3));
+
+    // max_in_flight = 1: one is handed out, with the message it carried.
+    let out = env.store.hand_out_turns("primary", 8, "").await.unwrap();
+    assert_eq!(out.publish.len(), 1, "{out:?}");
+    let m = &out.publish[0];
+    let first = &news[0];
+    assert_eq!(
+        (
+            m.exchange.as_str(),
+            m.routing_key.as_str(),
+            m.message_id.clone()
+        ),
+        ("onejob", "attempts.primary", first.attempt_id.to_string())
+    );
+    assert_eq!(
+        m.body,
+        serde_json::json!({"attempt_id": first.attempt_id, "job_id": first.job_id})
+    );
+    assert_eq!((rows(in_outbox).await, rows(carried).await), (1, 2));
+
+    // The same batch again, as after a reply lost with its commit: every job
+    // is found as created; only the one handed out has a message to publish.
+    let again = env.store.admit(&news).await.unwrap();
+    let publish: Vec<Option<String>> = again
+        .iter()
+        .map(|a| match a {
+            onejob::store::Admission::Created { publish, .. } => {
+                publish.as_ref().map(|m| m.message_id.clone())
+            }
+            other => panic!("expected created, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(publish, [Some(first.attempt_id.to_string()), None, None]);
+}
