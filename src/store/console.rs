@@ -324,7 +324,8 @@ pub struct JobMessage {
 
 impl Store {
     /// The outbox rows still kept for `job`: its attempts' messages and its
-    /// events (published ones go after `outbox_retention`). Found by message
+    /// events (published ones go after `outbox_retention`), and the message
+    /// a held turn carries until it is handed out. Found by message
     /// id, through the `outbox_message_id` index.
     pub async fn job_messages(&self, job: &JobView) -> Result<Vec<JobMessage>> {
         let mut ids: Vec<String> = job.attempts.iter().map(|a| a.id.to_string()).collect();
@@ -334,10 +335,21 @@ impl Store {
         Ok(sqlx::query_as!(
             JobMessage,
             // A held turn's row is not due ('infinity', which no
-            // DateTime holds): None.
-            r#"SELECT message_id, exchange, routing_key, created_at,
-                      NULLIF(not_before, 'infinity') AS not_before, published_at
-               FROM outbox WHERE message_id = ANY($1) ORDER BY id"#,
+            // DateTime holds): None. A turn held at admission carries its
+            // message until it is handed out (no row yet): shown as held.
+            r#"SELECT message_id AS "message_id!", exchange AS "exchange!",
+                      routing_key AS "routing_key!", created_at AS "created_at!",
+                      not_before, published_at
+               FROM (SELECT id, message_id, exchange, routing_key, created_at,
+                            NULLIF(not_before, 'infinity') AS not_before, published_at
+                     FROM outbox WHERE message_id = ANY($1)
+                     UNION ALL
+                     SELECT 0, t.attempt_id::text, t.exchange, t.routing_key, a.created_at,
+                            NULL, NULL
+                     FROM turns t JOIN attempts a ON a.id = t.attempt_id
+                     WHERE t.attempt_id::text = ANY($1) AND t.body IS NOT NULL
+                       AND t.handed_out_at IS NULL) m
+               ORDER BY created_at, id"#,
             &ids
         )
         .fetch_all(&self.pool)

@@ -101,7 +101,7 @@ async fn a_held_jobs_page_says_it_waits_its_turn() {
     assert_eq!(status, StatusCode::OK, "{page}");
     assert!(page.contains("held: waits its turn"), "{page}");
     assert!(
-        page.contains("held in the outbox until its turn is handed out"),
+        page.contains("held until its turn is handed out"),
         "{page}"
     );
 }

@@ -44,7 +44,7 @@ pub(super) fn events(
         };
         let state = match (m.published_at, m.not_before) {
             (Some(t), _) => format!("published at {}", t.format("%H:%M:%S%.3f")),
-            (None, None) => "held in the outbox until its turn is handed out".into(),
+            (None, None) => "held until its turn is handed out".into(),
             (None, Some(_)) => "waiting in the outbox".into(),
         };
         events.push((
