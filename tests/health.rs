@@ -128,8 +128,10 @@ const WORK_SAMPLES: &[(&str, f64)] = &[
     (r#"onejob_stage_seconds_count{stage="intake_admit"}"#, 2.0),
     (r#"onejob_stage_seconds_count{stage="intake_publish"}"#, 1.0),
     (r#"onejob_stage_seconds_count{stage="intake_answer"}"#, 3.0),
+    // The job is called as soon as it is admitted (a call slot is free): its
+    // message's delivery is dropped before it would wait for a slot.
     (
-        r#"onejob_stage_seconds_count{stage="attempt_slot_wait"}"#,
+        r#"onejob_attempts_claimed_on_admission_total{provider="primary"}"#,
         1.0,
     ),
     (r#"onejob_stage_seconds_count{stage="claim_wait"}"#, 1.0),

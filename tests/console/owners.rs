@@ -100,8 +100,5 @@ async fn a_held_jobs_page_says_it_waits_its_turn() {
     let (status, page) = served.get(&session.cookie, &format!("/jobs/{job}")).await;
     assert_eq!(status, StatusCode::OK, "{page}");
     assert!(page.contains("held: waits its turn"), "{page}");
-    assert!(
-        page.contains("held until its turn is handed out"),
-        "{page}"
-    );
+    assert!(page.contains("held until its turn is handed out"), "{page}");
 }
