@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::{TestEnv, config, config_text, new_job, settle_with};
 use onejob::domain::{AttemptId, JobId};
-use onejob::store::{Actor, Admission, Finished, NextStep, Started, Store, Verdict};
+use onejob::store::{Actor, Admission, NextStep, Started, Store, Verdict};
 use serde_json::{Value, json};
 
 /// The jobs a test made, by the name it gave each, as the CLI prints ids.
@@ -47,15 +47,7 @@ async fn settle(
     verdict: Verdict,
     plan: &(dyn Fn(&onejob::store::FailedJob) -> NextStep + Sync),
 ) {
-    let finished = Finished {
-        attempt_id: s.attempt_id,
-        job_id: s.job_id,
-        version: s.version,
-        provider_request_id: None,
-        usage: None,
-        verdict,
-    };
-    settle_with(store, &[finished], plan).await;
+    settle_with(store, &[common::database::finished(s, verdict)], plan).await;
 }
 
 /// Two owners' jobs, one or more in every status; `b-retried` failed on the
