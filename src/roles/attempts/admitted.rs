@@ -150,6 +150,7 @@ impl Consumer {
             attempt,
             told: false,
         };
+        tracing::debug!(attempt_id = %attempt, "attempt taken on admission: claiming it");
         local.spawn(async move {
             let consumer = claiming.consumer.clone();
             let claimed = consumer.claims.submit(attempt).await;
