@@ -107,26 +107,28 @@ impl Evidence {
 /// `409` while the first request is still being processed; once it has
 /// ended, its outcome again (its answer, or its error). A first request
 /// whose answer was lost mid-body (`mock:drop`) is answered as failed.
-pub(super) fn replayed(first: &watch::Receiver<Option<Outcome>>) -> Response {
+pub(super) fn replayed(first: &watch::Receiver<Option<Outcome>>) -> Outcome {
     let outcome = first.borrow().clone();
+    let failure = |status: u16, message: &str, kind: &str| Outcome::Failure {
+        status,
+        body: json!({"error": {"message": message, "type": kind}})
+            .to_string()
+            .into_bytes(),
+        json: true,
+        retry_after: None,
+    };
     match outcome {
-        None => (
-            StatusCode::CONFLICT,
-            Json(json!({"error": {
-                "message": "a request with this Idempotency-Key is still being processed",
-                "type": "idempotency_error",
-            }})),
-        )
-            .into_response(),
-        Some(Outcome::Dropped) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            Json(json!({"error": {
-                "message": "the first request with this Idempotency-Key failed: its answer was lost",
-                "type": "server_error",
-            }})),
-        )
-            .into_response(),
-        Some(outcome) => outcome.respond(),
+        None => failure(
+            409,
+            "a request with this Idempotency-Key is still being processed",
+            "idempotency_error",
+        ),
+        Some(Outcome::Dropped) => failure(
+            500,
+            "the first request with this Idempotency-Key failed: its answer was lost",
+            "server_error",
+        ),
+        Some(outcome) => outcome,
     }
 }
 

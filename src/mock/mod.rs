@@ -1,6 +1,8 @@
-//! The bundled OpenAI-compatible mock provider, for tests, the quick start and
-//! compose. It serves `POST /v1/chat/completions` and answers with a JSON object
-//! `{"<field>": "..."}` (the field is `summary` unless configured otherwise).
+//! The bundled mock provider, for tests, the quick start and compose. It
+//! speaks both kinds' wire formats: OpenAI's (`POST /v1/chat/completions`)
+//! and Anthropic's Messages API (`POST /v1/messages`), and answers either
+//! with a JSON object `{"<field>": "..."}` (the field is `summary` unless
+//! configured otherwise), in that format's shape (see `format`).
 //!
 //! Started with directives allowed ([`MockOptions::directives`],
 //! `onejob-mock-provider --directives`), each request can steer it with
@@ -32,6 +34,7 @@
 mod answer;
 mod directives;
 mod evidence;
+mod format;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -45,7 +48,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::{Deserialize, Serialize};
+use format::Format;
+use serde::Serialize;
 use serde_json::{Value, json};
 
 /// Server-wide behaviour.
@@ -276,6 +280,7 @@ fn router(options: Arc<RwLock<MockOptions>>, stats: Arc<Stats>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(complete).get(evidence::list))
         .route("/v1/chat/completions/{id}", get(evidence::read))
+        .route("/v1/messages", post(messages))
         .route("/_mock/stats", get(stats_handler))
         .with_state(AppState {
             options,
@@ -294,70 +299,64 @@ async fn stats_handler(State(state): State<AppState>) -> Json<Value> {
     }))
 }
 
-#[derive(Deserialize)]
-struct ChatRequest {
-    #[serde(default)]
-    messages: Vec<ChatMessage>,
-    #[serde(default)]
-    store: bool,
-    #[serde(default)]
-    metadata: Option<Value>,
-    #[serde(default)]
+/// What a request asks, whatever its wire format.
+struct Asked {
+    /// All its messages' text (the system prompt's included), where
+    /// directives are looked for.
+    text: String,
+    /// The last message's text, which the answer is about.
+    user: String,
     max_tokens: Option<u64>,
-}
-
-#[derive(Deserialize)]
-struct ChatMessage {
-    #[serde(default)]
-    content: String,
+    /// The metadata to keep it with, when it asked to be stored.
+    stored: Option<Value>,
 }
 
 async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    match format::OpenAi::asked(&body) {
+        Ok(asked) => serve(state, &headers, asked, Format::OpenAi).await,
+        Err(e) => Format::OpenAi.refuse(&e),
+    }
+}
+
+async fn messages(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    match format::Anthropic::asked(&headers, &body) {
+        Ok(asked) => serve(state, &headers, asked, Format::Anthropic).await,
+        Err(e) => Format::Anthropic.refuse(&e),
+    }
+}
+
+/// Answers what a request asks, in its wire format.
+async fn serve(state: AppState, headers: &HeaderMap, asked: Asked, format: Format) -> Response {
     let options = state.options.read().map(|o| o.clone()).unwrap_or_default();
-    let n = state.stats.record(&headers, options.record_limit);
-    let request: ChatRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            return (
-                StatusCode::BAD_REQUEST,
-                Json(json!({"error": {"message": format!("bad request: {e}")}})),
-            )
-                .into_response();
-        }
-    };
-    let text: String = request
-        .messages
-        .iter()
-        .map(|m| m.content.as_str())
-        .collect::<Vec<_>>()
-        .join("\n");
+    let n = state.stats.record(headers, options.record_limit);
+    let Asked {
+        text,
+        user,
+        max_tokens,
+        stored,
+    } = asked;
     let mut d = if options.directives {
         directives::directives(&text)
     } else {
         directives::Directives::default()
     };
-    d.max_tokens = request.max_tokens;
-    if request.max_tokens.is_none() {
+    d.max_tokens = max_tokens;
+    if max_tokens.is_none() {
         state.stats.uncapped.fetch_add(1, Ordering::SeqCst);
     }
-    let user = request
-        .messages
-        .last()
-        .map(|m| m.content.clone())
-        .unwrap_or_default();
     let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
     let tell = match key.filter(|_| options.replay) {
         Some(key) => match state.evidence.key(key, options.record_limit) {
-            evidence::Seen::Again(first) => return evidence::replayed(&first),
+            evidence::Seen::Again(first) => return format.respond(&evidence::replayed(&first)),
             evidence::Seen::First(tell) => Some(tell),
         },
         None => None,
     };
-    let keep = (options.store && request.store).then(|| request.metadata.unwrap_or(json!({})));
+    let keep = stored.filter(|_| options.store);
     if tell.is_none() && keep.is_none() {
         state.stats.work.fetch_add(1, Ordering::SeqCst);
         let _running = state.stats.running();
-        return answer::work(n, &options, d, &text, &user).await.respond();
+        return format.respond(&answer::work(n, &options, d, &text, &user).await);
     }
     // Work whose outcome is kept or told outlives its request: a client that
     // hangs up does not stop it, as a real provider's does not stop.
@@ -376,7 +375,7 @@ async fn complete(State(state): State<AppState>, headers: HeaderMap, body: Bytes
         outcome
     });
     match task.await {
-        Ok(outcome) => outcome.respond(),
+        Ok(outcome) => format.respond(&outcome),
         Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     }
 }
@@ -398,6 +397,7 @@ impl Stats {
         };
         keep(&self.idempotency_keys, "idempotency-key");
         keep(&self.authorizations, "authorization");
+        keep(&self.authorizations, "x-api-key");
         let text = |name: &str| {
             headers
                 .get(name)

@@ -43,7 +43,8 @@ use serde_json::json;
 use crate::config::{Config, EvidenceKind, Provider};
 use crate::domain::AttemptStatus;
 use crate::policy::Planner;
-use crate::provider::{Answer, CallError, Client, verdict};
+use crate::provider::Client;
+use crate::provider::answer::{Answer, CallError, verdict};
 use crate::runtime::Result;
 use crate::store::{
     Action, Actor, EvidenceClaim, EvidenceDue, FailedJob, Finished, OutboxMessage, Settled, Store,

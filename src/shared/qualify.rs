@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::config::{Config, EvidenceKind, Operation, Provider, Rendered};
+use crate::config::{Config, EvidenceKind, Operation, Provider, ProviderKind, Rendered};
 use crate::domain::AttemptId;
 pub(crate) use crate::domain::{CaseResult, Qualification};
 use crate::provider::Client;
@@ -34,13 +34,19 @@ pub(crate) enum State {
 
 /// The contract hash of `operation` through `provider`.
 pub(crate) fn contract_hash(operation: &Operation, provider: &Provider) -> String {
-    let contract = serde_json::json!({
+    let mut contract = serde_json::json!({
         "system": operation.system,
         "prompt": operation.prompt,
         "output_schema": operation.output_schema,
         "model": provider.model,
         "temperature": operation.temperature,
     });
+    // The wire format is part of what was qualified: a provider whose kind
+    // changes is qualified again. OpenAI's, the first kind, adds nothing, so
+    // qualifications recorded before there were kinds stay current.
+    if provider.kind != ProviderKind::OpenAi {
+        contract["kind"] = serde_json::json!(provider.kind.as_str());
+    }
     crate::domain::canonical_sha256(&contract)
 }
 
@@ -409,7 +415,7 @@ async fn check_stored(client: &Client, attempt: AttemptId, first_id: &str) -> (b
 /// Whether the test call sent again with its key came back as the first
 /// answer (id `first_id`, text `first_content`), with no new work.
 fn check_replayed(
-    again: Result<crate::provider::Answer, crate::provider::CallError>,
+    again: Result<crate::provider::answer::Answer, crate::provider::answer::CallError>,
     first_id: &str,
     first_content: &str,
 ) -> (bool, String) {

@@ -20,7 +20,8 @@ pub async fn mock(options: MockOptions) -> MockHandle {
         .expect("start mock provider")
 }
 
-/// One provider of a test configuration: its name, base URL, and extra TOML lines.
+/// One provider of a test configuration: its name, base URL, and extra TOML
+/// lines (its kind is `openai` unless they name one).
 pub struct P<'a>(pub &'a str, pub &'a str, pub &'a str);
 
 /// A configuration for tests: short timeouts and backoff so conditions settle
@@ -44,8 +45,13 @@ shutdown_grace = "5s"
         } else {
             "timeout = \"1s\"\n"
         };
+        let kind = if extra.contains("kind =") {
+            ""
+        } else {
+            "kind = \"openai\"\n"
+        };
         text.push_str(&format!(
-            "\n[providers.{name}]\nkind = \"openai\"\nbase_url = \"{url}\"\nmodel = \"mock-model\"\n{timeout}concurrency = 8\n{extra}\n"
+            "\n[providers.{name}]\n{kind}base_url = \"{url}\"\nmodel = \"mock-model\"\n{timeout}concurrency = 8\n{extra}\n"
         ));
     }
     let route: Vec<String> = providers.iter().map(|p| format!("{:?}", p.0)).collect();

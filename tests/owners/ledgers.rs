@@ -1,6 +1,6 @@
 //! The tables fair sharing and budgets write for every job, at their edges:
 //! the spend ledger counts each attempt's usage once whatever statement
-//! records it, and `turns`, which every job churns, is vacuumed once its dead
+//! records it whatever its provider's kind names its tokens, and `turns`, which every job churns, is vacuumed once its dead
 //! rows are due whether or not the server runs autovacuum.
 
 use std::time::Duration;
@@ -136,4 +136,41 @@ async fn turns_are_vacuumed_once_their_dead_rows_are_due() {
     )
     .await;
     assert!(!store.vacuum_turns_if_due().await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_usage_report_counts_whatever_its_kind_names_its_tokens() {
+    let (cfg, _file) = config(&config_with_owners("http://127.0.0.1:9/v1", ""));
+    let env = TestEnv::new(&cfg).await;
+    let cases = [
+        // OpenAI's: the total, else its parts.
+        (
+            r#"{"total_tokens": 21, "prompt_tokens": 9, "completion_tokens": 12}"#,
+            21,
+        ),
+        (r#"{"prompt_tokens": 9, "completion_tokens": 12}"#, 21),
+        // Anthropic's: input and output, and the prompt cache's input.
+        (r#"{"input_tokens": 9, "output_tokens": 12}"#, 21),
+        (
+            r#"{"input_tokens": 3, "output_tokens": 12, "cache_creation_input_tokens": 4,
+                "cache_read_input_tokens": 2}"#,
+            21,
+        ),
+        // Outside text: what is not a number counts nothing, and the sum is held.
+        (
+            r#"{"input_tokens": "9", "output_tokens": 12, "note": 5}"#,
+            12,
+        ),
+        (r#"{"input_tokens": 1e30}"#, 1_000_000_000_000_000),
+        (r#"{"output_tokens": -40}"#, 0),
+        (r#"[1, 2]"#, 0),
+    ];
+    for (usage, want) in cases {
+        let got: i64 = sqlx::query_scalar("SELECT usage_tokens($1::jsonb)")
+            .bind(usage)
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap();
+        assert_eq!(got, want, "{usage}");
+    }
 }

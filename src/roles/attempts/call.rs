@@ -2,7 +2,8 @@
 //! its answer against the operation's output contract.
 
 use crate::config::Config;
-use crate::provider::{CallError, Client, verdict};
+use crate::provider::Client;
+use crate::provider::answer::{CallError, verdict};
 use crate::store::{Finished, Started, Verdict};
 use crate::trace::TraceContext;
 

@@ -2,8 +2,8 @@
 
 use crate::config::{Config, Operation};
 use crate::domain::{AttemptId, JobId};
-use crate::provider::verdict as judge;
-use crate::provider::{Answer, CallError};
+use crate::provider::answer::verdict as judge;
+use crate::provider::answer::{Answer, CallError};
 use crate::store::{Finished, Verdict};
 
 fn blank() -> Finished {

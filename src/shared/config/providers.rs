@@ -30,8 +30,62 @@ pub(super) struct RawProvider {
 /// The kind of API a provider speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProviderKind {
-    /// Any OpenAI-compatible `/chat/completions` endpoint.
+    /// Any OpenAI-compatible `/chat/completions` endpoint (`kind = "openai"`).
     OpenAi,
+    /// Anthropic's Messages API, `/messages` (`kind = "anthropic"`).
+    Anthropic,
+}
+
+impl ProviderKind {
+    /// The kind as configuration spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProviderKind::OpenAi => "openai",
+            ProviderKind::Anthropic => "anthropic",
+        }
+    }
+
+    /// `kind`.
+    fn parse(origin: &str, at: &str, text: &str) -> Result<ProviderKind> {
+        match text {
+            "openai" => Ok(ProviderKind::OpenAi),
+            "anthropic" => Ok(ProviderKind::Anthropic),
+            other => Err(invalid(
+                origin,
+                at,
+                format!("{other:?} is not a known kind (expected \"openai\" or \"anthropic\")"),
+            )),
+        }
+    }
+
+    /// Refuses evidence this kind's API cannot give.
+    fn check_evidence(self, origin: &str, at: &str, evidence: EvidenceKind) -> Result<()> {
+        if self.evidence().contains(&evidence) {
+            return Ok(());
+        }
+        Err(invalid(
+            origin,
+            at,
+            format!(
+                "a provider of kind {:?} cannot have evidence {:?}: its API keeps no listing of the calls it completed (use \"none\", or \"idempotency_key\" behind a gateway that honours the key)",
+                self.as_str(),
+                evidence.as_str()
+            ),
+        ))
+    }
+
+    /// The evidence a provider of this kind can be configured with: stored
+    /// calls only where the API lists them (OpenAI's stored completions).
+    pub fn evidence(self) -> &'static [EvidenceKind] {
+        match self {
+            ProviderKind::OpenAi => &[
+                EvidenceKind::None,
+                EvidenceKind::Stored,
+                EvidenceKind::IdempotencyKey,
+            ],
+            ProviderKind::Anthropic => &[EvidenceKind::None, EvidenceKind::IdempotencyKey],
+        }
+    }
 }
 
 /// One configured provider.
@@ -160,16 +214,7 @@ impl Provider {
     pub(super) fn parse(origin: &str, name: String, p: RawProvider) -> Result<Provider> {
         let at = |field: &str| format!("providers.{name}.{field}");
         check_name(origin, &format!("providers.{name}"), &name)?;
-        let kind = match p.kind.as_str() {
-            "openai" => ProviderKind::OpenAi,
-            other => {
-                return Err(invalid(
-                    origin,
-                    at("kind"),
-                    format!("{other:?} is not a known kind (expected \"openai\")"),
-                ));
-            }
-        };
+        let kind = ProviderKind::parse(origin, &at("kind"), &p.kind)?;
         let base_url = base_url(origin, &at("base_url"), &p.base_url)?;
         if p.model.is_empty() {
             return Err(invalid(origin, at("model"), "must not be empty"));
@@ -183,6 +228,7 @@ impl Provider {
             DEFAULT_MAX_RETRY_AFTER,
         )?;
         let evidence = Evidence::parse(origin, &name, &p, timeout)?;
+        kind.check_evidence(origin, &at("evidence"), evidence.kind)?;
         let idempotency_header = idempotency_header(origin, &at("idempotency_header"), &p)?;
         let unknown_statuses = p
             .unknown_statuses
@@ -298,6 +344,8 @@ fn idempotency_header(
         "host",
         "transfer-encoding",
         "connection",
+        "x-api-key",
+        "anthropic-version",
     ];
     if taken.contains(&name.as_str()) {
         return Err(invalid(

@@ -487,6 +487,11 @@ fn evidence_settings_that_cannot_work_are_named() {
             "idempotency_header",
             "needs for something else",
         ),
+        (
+            "idempotency_header = \"X-Api-Key\"",
+            "idempotency_header",
+            "needs for something else",
+        ),
     ] {
         let err = Config::parse(&with_primary(extra), "t")
             .unwrap_err()
@@ -496,4 +501,43 @@ fn evidence_settings_that_cannot_work_are_named() {
             "{extra}: {err}"
         );
     }
+}
+
+/// `kind`: each kind parses, and evidence its API cannot give is refused,
+/// naming the setting and why.
+#[test]
+fn each_kind_parses_and_takes_only_the_evidence_its_api_gives() {
+    let anthropic = |extra: &str| {
+        EMBEDDED_DEFAULT.replace(
+            "kind = \"openai\"",
+            &format!("kind = \"anthropic\"\n{extra}"),
+        )
+    };
+    let c = Config::parse(&anthropic(""), "t").unwrap();
+    let p = &c.providers["primary"];
+    assert_eq!(p.kind, ProviderKind::Anthropic);
+    assert_eq!(p.evidence.kind, EvidenceKind::None);
+    let c = Config::parse(&anthropic("evidence = \"idempotency_key\""), "t").unwrap();
+    assert_eq!(
+        c.providers["primary"].evidence.kind,
+        EvidenceKind::IdempotencyKey
+    );
+    let err = Config::parse(&anthropic("evidence = \"stored\""), "t")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("providers.primary.evidence")
+            && err.contains("kind \"anthropic\" cannot have evidence \"stored\""),
+        "{err}"
+    );
+    let err = Config::parse(
+        &EMBEDDED_DEFAULT.replace("kind = \"openai\"", "kind = \"Anthropic\""),
+        "t",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("expected \"openai\" or \"anthropic\""),
+        "{err}"
+    );
 }
