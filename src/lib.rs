@@ -22,7 +22,7 @@
 //! src/shared/      what roles and tools share: runtime, policy, qualify, evidence, handed_on, dlq, provider,
 //!                  metrics, gauges, config, token, http, shutdown, telemetry
 //! src/store/       all SQL, one file per aggregate: the one seam to Postgres
-//! src/mock/        the bundled OpenAI-compatible mock provider (not part of a pod)
+//! src/mock/        the bundled mock provider, in both kinds' wire formats (not part of a pod)
 //! ```
 //!
 //! Each module is re-exported here under its own name (`crate::runtime` is
@@ -37,7 +37,7 @@
 //! | composition | [`fleet`] (the one module that names the roles: start, supervise, stop) · [`console`] (the operator console: HTML over the store) |
 //! | roles | [`intake`] · `attempts` · `reconciler` (one maintenance pass per function, each a bounded batch) |
 //! | shared by the roles | [`runtime`] (context, consume, ack, retries, health) · `policy` (what follows a failure: planned once) · `qualify` · `evidence` (one look at an unknown's evidence) · `handed_on` (settlements handed on through the broker) · [`dlq`] |
-//! | edges | [`store`] (all SQL, one file per aggregate) · `provider` (HTTP to providers) · [`metrics`] · `gauges` (the table gauges, read by a timer) · [`telemetry`] (logs, and spans over OTLP) |
+//! | edges | [`store`] (all SQL, one file per aggregate) · `provider` (HTTP to providers: one transport, a wire format per kind) · [`metrics`] · `gauges` (the table gauges, read by a timer) · [`telemetry`] (logs, and spans over OTLP) |
 //! | core | [`broker`] (AMQP topology, confirms, dead letters) · [`config`] · [`token`] · [`intent`] (parsing, fingerprint, receipts) · [`trace`] (W3C trace context) · [`domain`] (ids, states, transitions, the route rule: pure) |
 //! | apart | [`mock`] (the bundled provider) · [`shutdown`] · [`http`] (serving untrusted clients) · `terminal` (plain output, escaped) · `throttle` (a per-client allowance) |
 //!

@@ -1,4 +1,5 @@
-//! `onejob-mock-provider`: the bundled OpenAI-compatible mock provider. Requests
+//! `onejob-mock-provider`: the bundled mock provider, in OpenAI's and
+//! Anthropic's wire formats. Requests
 //! steer it with `mock:` directives in their text (see the `onejob::mock` docs).
 
 use std::net::SocketAddr;
@@ -7,7 +8,8 @@ use std::time::Duration;
 
 use clap::Parser;
 
-/// An OpenAI-compatible mock provider for tests, the quick start and compose.
+/// A mock provider for tests, the quick start and compose: OpenAI's
+/// /v1/chat/completions and Anthropic's /v1/messages.
 /// With --directives, requests steer it with directives in their text:
 /// mock:delay=MS, mock:status=CODE, mock:retry_after=S, mock:prose,
 /// mock:extra_key, mock:wrong_type, mock:drop, mock:nul, mock:pad=BYTES.

@@ -1,23 +1,9 @@
 //! Judging answers and labelling settlements.
 
 use crate::config::{Config, Operation};
-use crate::domain::{AttemptId, JobId};
 use crate::provider::answer::verdict as judge;
 use crate::provider::answer::{Answer, CallError};
 use crate::store::{Finished, Verdict};
-
-fn blank() -> Finished {
-    Finished {
-        attempt_id: AttemptId::new(),
-        job_id: JobId::new(),
-        version: 1,
-        provider_request_id: None,
-        usage: None,
-        verdict: Verdict::Unknown {
-            error: String::new(),
-        },
-    }
-}
 
 fn summarize() -> Operation {
     let config = Config::parse(crate::config::EMBEDDED_DEFAULT, "embedded defaults").unwrap();
@@ -35,14 +21,14 @@ fn answer(content: &str) -> Answer {
 #[test]
 fn only_an_answer_that_meets_the_contract_succeeds_and_usage_is_kept_either_way() {
     let op = summarize();
-    let mut f = blank();
+    let mut f = Finished::blank();
     let verdict = judge(&op, Ok(answer(r#"{"summary":"ok"}"#)), &mut f);
     assert_eq!(
         verdict,
         Verdict::Succeeded(serde_json::json!({"summary": "ok"}))
     );
     assert_eq!(f.provider_request_id.as_deref(), Some("chatcmpl-1"));
-    let mut f = blank();
+    let mut f = Finished::blank();
     let verdict = judge(&op, Ok(answer("Sure! Here is a summary.")), &mut f);
     assert!(
         matches!(&verdict, Verdict::Failed { retryable: true, retry_after: None, error } if error.starts_with("contract_violation")),
@@ -54,7 +40,7 @@ fn only_an_answer_that_meets_the_contract_succeeds_and_usage_is_kept_either_way(
 #[test]
 fn errors_are_definite_failures_and_timeouts_are_unknown() {
     let op = summarize();
-    let mut f = blank();
+    let mut f = Finished::blank();
     let rejected = CallError::Rejected {
         message: "HTTP 429".into(),
         retry_after: Some(std::time::Duration::from_secs(7)),
@@ -69,7 +55,11 @@ fn errors_are_definite_failures_and_timeouts_are_unknown() {
         }
     );
     assert_eq!(f.usage, Some(serde_json::json!({"total_tokens": 1})));
-    let refused = judge(&op, Err(CallError::Refused("connect".into())), &mut blank());
+    let refused = judge(
+        &op,
+        Err(CallError::Refused("connect".into())),
+        &mut Finished::blank(),
+    );
     assert!(matches!(
         refused,
         Verdict::Failed {
@@ -82,7 +72,7 @@ fn errors_are_definite_failures_and_timeouts_are_unknown() {
         judge(
             &op,
             Err(CallError::Unknown("timed out".into())),
-            &mut blank()
+            &mut Finished::blank()
         ),
         Verdict::Unknown {
             error: "outcome_unknown: timed out".into()

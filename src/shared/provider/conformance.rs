@@ -110,7 +110,7 @@ pub(super) async fn an_answer_is_judged_with_its_usage_and_id(kind: ProviderKind
     // The mock counts the prompt's words and 12 answer tokens.
     let usage = answer.usage.clone().unwrap();
     assert_eq!(tokens(&usage), 6 + 4 + 12, "{usage}");
-    let mut finished = finished();
+    let mut finished = Finished::blank();
     let v = verdict(&operation, Ok(answer), &mut finished);
     assert!(matches!(v, Verdict::Succeeded(_)), "{v:?}");
     assert_eq!(finished.usage, Some(usage));
@@ -243,7 +243,7 @@ pub(super) async fn provider_text_is_made_storable_and_escaped(kind: ProviderKin
     let usage = answer.usage.clone().unwrap().to_string();
     assert!(!usage.contains("\\u0000"), "{usage}");
     // The answer's own NUL breaks the output contract: failed, not stored raw.
-    let v = verdict(&operation, Ok(answer), &mut finished());
+    let v = verdict(&operation, Ok(answer), &mut Finished::blank());
     assert!(matches!(v, Verdict::Failed { .. }), "{v:?}");
     // An error body with a raw NUL byte and control characters.
     let e = call(&client, &operation, "mock:status=500 mock:nul")
@@ -259,25 +259,11 @@ pub(super) async fn an_answer_that_breaks_the_contract_fails(kind: ProviderKind)
     for text in ["mock:prose", "mock:extra_key", "mock:wrong_type"] {
         let answer = call(&client, &operation, text).await.unwrap();
         assert!(answer.usage.is_some(), "{text}: usage kept");
-        let v = verdict(&operation, Ok(answer), &mut finished());
+        let v = verdict(&operation, Ok(answer), &mut Finished::blank());
         assert!(
             matches!(&v, Verdict::Failed { error, .. } if error.starts_with("contract_violation")),
             "{text}: {v:?}"
         );
-    }
-}
-
-/// A settlement to fill in.
-fn finished() -> Finished {
-    Finished {
-        attempt_id: AttemptId::new(),
-        job_id: JobId::new(),
-        version: 1,
-        provider_request_id: None,
-        usage: None,
-        verdict: Verdict::Unknown {
-            error: String::new(),
-        },
     }
 }
 

@@ -90,6 +90,24 @@ pub struct Finished {
     pub verdict: Verdict,
 }
 
+#[cfg(test)]
+impl Finished {
+    /// A finished call of a new attempt, to be filled in: no answer, its
+    /// outcome not yet known.
+    pub(crate) fn blank() -> Finished {
+        Finished {
+            attempt_id: AttemptId::new(),
+            job_id: JobId::new(),
+            version: 1,
+            provider_request_id: None,
+            usage: None,
+            verdict: Verdict::Unknown {
+                error: String::new(),
+            },
+        }
+    }
+}
+
 /// What settling one finished attempt did.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Settled {
