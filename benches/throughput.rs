@@ -21,13 +21,13 @@ use std::time::{Duration, Instant};
 
 use common::{TestEnv, config, config_text, intent, mock};
 use futures_util::StreamExt;
-use onejob::config::Config;
 use onejob::domain::{JobId, JobStatus};
 use onejob::fleet::Role;
 use onejob::intent::{Outcome, Receipt};
 use onejob::mock::MockOptions;
-use onejob::runtime;
-use onejob::shutdown::Shutdown;
+use onejob::shared::config::Config;
+use onejob::shared::runtime;
+use onejob::shared::shutdown::Shutdown;
 use onejob::store::NewJob;
 use onejob_producer::{Producer, ProducerOptions};
 

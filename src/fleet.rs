@@ -3,8 +3,8 @@
 //! supervisor, stops them all when one fails or shutdown is asked for, and
 //! reports the first failure.
 
-use crate::runtime::{Context, Result, WorkerError, supervise_connection};
-use crate::shutdown::Shutdown;
+use crate::shared::runtime::{Context, Result, WorkerError, supervise_connection};
+use crate::shared::shutdown::Shutdown;
 
 /// A role the worker can run.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -43,7 +43,7 @@ pub async fn run(ctx: Context, roles: Vec<Role>, shutdown: Shutdown) -> Result<(
     } else {
         roles
     };
-    if let Err(e) = crate::qualify::warn_stale(&ctx.config, &ctx.store).await {
+    if let Err(e) = crate::shared::qualify::warn_stale(&ctx.config, &ctx.store).await {
         tracing::warn!(error = %e, "could not read provider qualifications");
     }
     for role in &roles {
@@ -68,9 +68,9 @@ pub async fn run(ctx: Context, roles: Vec<Role>, shutdown: Shutdown) -> Result<(
         tasks.spawn(async move {
             let name = role.to_string();
             let result = match role {
-                Role::Intake => crate::intake::run(ctx, shutdown).await,
-                Role::Attempts(p) => crate::attempts::run(ctx, p, shutdown).await,
-                Role::Reconciler => crate::reconciler::run(ctx, shutdown).await,
+                Role::Intake => crate::roles::intake::run(ctx, shutdown).await,
+                Role::Attempts(p) => crate::roles::attempts::run(ctx, p, shutdown).await,
+                Role::Reconciler => crate::roles::reconciler::run(ctx, shutdown).await,
             };
             (name, result)
         });

@@ -25,7 +25,8 @@
 //! src/mock/        the bundled mock provider, in both kinds' wire formats (not part of a pod)
 //! ```
 //!
-//! Each module is re-exported here under its own name (`crate::runtime` is
+//! Nothing of this crate's is re-exported under a flatter name: an import
+//! path says where a module lives (`crate::shared::runtime` is
 //! `src/shared/runtime/`). Imports go one way, down these layers;
 //! `tests/layering.rs` holds the same table and fails the build on an upward
 //! import, a cycle, a module with no layer, or a module other than the fleet
@@ -33,36 +34,33 @@
 //!
 //! | layer | modules |
 //! |---|---|
-//! | operator CLI | [`cli`] (the `onejob` command, the console's among them) |
-//! | composition | [`fleet`] (the one module that names the roles: start, supervise, stop) · [`console`] (the operator console: HTML over the store) |
-//! | roles | [`intake`] · `attempts` · `reconciler` (one maintenance pass per function, each a bounded batch) |
-//! | shared by the roles | [`runtime`] (context, consume, ack, retries, health) · `policy` (what follows a failure: planned once) · `qualify` · `evidence` (one look at an unknown's evidence) · `handed_on` (settlements handed on through the broker) · [`dlq`] |
-//! | edges | [`store`] (all SQL, one file per aggregate) · `provider` (HTTP to providers: one transport, a wire format per kind) · [`metrics`] · `gauges` (the table gauges, read by a timer) · [`telemetry`] (logs, and spans over OTLP) |
-//! | core | [`broker`] (AMQP topology, confirms, dead letters) · [`config`] · [`token`] · [`intent`] (parsing, fingerprint, receipts) · [`trace`] (W3C trace context) · [`domain`] (ids, states, transitions, the route rule: pure) |
-//! | apart | [`mock`] (the bundled provider) · [`shutdown`] · [`http`] (serving untrusted clients) · `terminal` (plain output, escaped) · `throttle` (a per-client allowance) |
+//! | operator CLI | [`operator::cli`] (the `onejob` command, the console's among them) |
+//! | composition | [`fleet`] (the one module that names the roles: start, supervise, stop) · [`operator::console`] (the operator console: HTML over the store) |
+//! | roles | [`roles::intake`] · `roles::attempts` · `roles::reconciler` (one maintenance pass per function, each a bounded batch) |
+//! | shared by the roles | [`shared::runtime`] (context, consume, ack, retries, health) · `shared::policy` (what follows a failure: planned once) · `shared::qualify` · `shared::evidence` (one look at an unknown's evidence) · `shared::handed_on` (settlements handed on through the broker) · [`shared::dlq`] |
+//! | edges | [`store`] (all SQL, one file per aggregate) · `shared::provider` (HTTP to providers: one transport, a wire format per kind) · [`shared::metrics`] · `shared::gauges` (the table gauges, read by a timer) · [`shared::telemetry`] (logs, and spans over OTLP) |
+//! | core | [`broker`] (AMQP topology, confirms, dead letters) · [`shared::config`] · [`shared::token`] · [`intent`] (parsing, fingerprint, receipts) · [`trace`] (W3C trace context) · [`domain`] (ids, states, transitions, the route rule: pure) |
+//! | apart | [`mock`] (the bundled provider) · [`shared::shutdown`] · [`shared::http`] (serving untrusted clients) · `operator::terminal` (plain output, escaped) · `operator::throttle` (a per-client allowance) |
+//!
+//! The core crate's modules ([`broker`], [`domain`], [`intent`], [`trace`])
+//! are re-exported whole, under the names they have there: they are another
+//! crate's, which a producer uses without this one.
 //!
 //! # Public surface
 //!
 //! Modules are private unless a binary or a black-box test needs them: `attempts`,
 //! `reconciler`, `policy`, `qualify`, `evidence`, `handed_on`, `provider`, `gauges`,
 //! `terminal` and `throttle` are internal. [`fleet::run`]
-//! starts the roles; [`store::Store`] is the one seam to Postgres; [`cli::main`] is
-//! the operator CLI; [`intake::validate`] and [`intake::admit_rows`] are public so
-//! that tests drive admission without a broker; [`dlq::describe`] reads a dead
+//! starts the roles; [`store::Store`] is the one seam to Postgres; [`operator::cli::main`] is
+//! the operator CLI; [`roles::intake::validate`] and [`roles::intake::admit_rows`] are public so
+//! that tests drive admission without a broker; [`shared::dlq::describe`] reads a dead
 //! letter as the CLI lists it.
 
 pub use onejob_core::{broker, domain, intent, trace};
 
 pub mod fleet;
 pub mod mock;
-mod operator;
-mod roles;
-mod shared;
+pub mod operator;
+pub mod roles;
+pub mod shared;
 pub mod store;
-
-pub use operator::{cli, console};
-pub(crate) use operator::{terminal, throttle};
-pub use roles::intake;
-pub(crate) use roles::{attempts, reconciler};
-pub use shared::{config, dlq, http, metrics, runtime, shutdown, telemetry, token};
-pub(crate) use shared::{evidence, gauges, handed_on, policy, provider, qualify};

@@ -14,11 +14,11 @@ use std::time::Duration;
 use common::browser::Browser;
 use common::console::{Served, dead_letter_intent, serve, two_providers, unknown_job};
 use common::{TestEnv, config, mock, submit, wait_for, wait_for_status};
-use onejob::config::Config;
 use onejob::domain::{AttemptStatus, JobId, JobStatus};
 use onejob::mock::MockOptions;
+use onejob::shared::config::Config;
+use onejob::shared::token::Token;
 use onejob::store::Store;
-use onejob::token::Token;
 use serde_json::json;
 
 /// Signs `name` in through the sign-in form, with a new operator token.
@@ -50,7 +50,7 @@ async fn an_operator_resolves_an_unknown_and_sees_the_next_attempt() {
     let cookies = browser.cookies().await;
     let cookie = cookies
         .iter()
-        .find(|c| c["name"] == onejob::console::COOKIE)
+        .find(|c| c["name"] == onejob::operator::console::COOKIE)
         .unwrap_or_else(|| panic!("no session cookie in {cookies:?}"));
     assert_eq!(cookie["httpOnly"], true, "{cookie}");
     assert_eq!(cookie["sameSite"], "Strict", "{cookie}");
@@ -204,7 +204,9 @@ async fn a_tenant_token_does_not_sign_in() {
     assert!(page.contains("That is a tenant's gateway token"), "{page}");
     let cookies = browser.cookies().await;
     assert!(
-        cookies.iter().all(|c| c["name"] != onejob::console::COOKIE),
+        cookies
+            .iter()
+            .all(|c| c["name"] != onejob::operator::console::COOKIE),
         "no session cookie: {cookies:?}"
     );
 

@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 use common::chaos::{Invariants, Sent, Workers, env_or, settle, start_producers};
 use common::throwaway::{Nodes, OwnRabbit};
 use common::{P, Servers, TestEnv, config, config_for, mock};
-use onejob::config::Config;
 use onejob::mock::MockOptions;
-use onejob::shutdown::Shutdown;
+use onejob::shared::config::Config;
+use onejob::shared::shutdown::Shutdown;
 
 /// Worker processes, one per node.
 const WORKERS: usize = 3;
@@ -321,7 +321,7 @@ async fn moved(
 /// would restart it, goes on taking intents.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_postgres_outage_past_the_consumer_timeout_loses_nothing() {
-    onejob::telemetry::init_quiet();
+    onejob::shared::telemetry::init_quiet();
     let cluster = OwnRabbit::start(3);
     cluster.script(&["consumer-timeout", "3000"]);
 
@@ -421,7 +421,9 @@ fn supervised_worker(
             // Each run has its own shutdown: a worker that stops a failed
             // role stops the rest of itself, not the test.
             let run = Shutdown::new();
-            match onejob::runtime::Context::connect(config.clone(), &database_url, &amqp).await {
+            match onejob::shared::runtime::Context::connect(config.clone(), &database_url, &amqp)
+                .await
+            {
                 Ok(ctx) => {
                     let worker = onejob::fleet::run(ctx, vec![], run.clone());
                     tokio::pin!(worker);

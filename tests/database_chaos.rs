@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use common::{P, TestEnv, config, config_for, mock, wait_for};
-use onejob::config::Config;
 use onejob::mock::MockOptions;
-use onejob::shutdown::Shutdown;
+use onejob::shared::config::Config;
+use onejob::shared::shutdown::Shutdown;
 use sqlx::{Connection, Executor, PgConnection};
 use tokio::task::JoinHandle;
 
@@ -114,7 +114,7 @@ impl Lost {
 /// another session's lock, by their own counters (the workers run in this
 /// process): `(claims, settlements)`.
 fn collisions() -> (u64, u64) {
-    let text = onejob::metrics::render();
+    let text = onejob::shared::metrics::render();
     let sum = |name: &str, label: &str| -> u64 {
         text.lines()
             .filter(|l| l.starts_with(name) && l.contains(label))
@@ -132,7 +132,7 @@ fn collisions() -> (u64, u64) {
 struct Fleets(
     Vec<(
         Shutdown,
-        JoinHandle<Result<(), onejob::runtime::WorkerError>>,
+        JoinHandle<Result<(), onejob::shared::runtime::WorkerError>>,
     )>,
 );
 
@@ -140,9 +140,10 @@ impl Fleets {
     async fn start(config: &Arc<Config>, database_url: &str, amqp_url: &str) -> Fleets {
         let mut fleets = Vec::new();
         for _ in 0..3 {
-            let ctx = onejob::runtime::Context::connect(config.clone(), database_url, amqp_url)
-                .await
-                .expect("worker context");
+            let ctx =
+                onejob::shared::runtime::Context::connect(config.clone(), database_url, amqp_url)
+                    .await
+                    .expect("worker context");
             let shutdown = Shutdown::new();
             let task = tokio::spawn(onejob::fleet::run(ctx, vec![], shutdown.clone()));
             fleets.push((shutdown, task));

@@ -537,7 +537,7 @@ async fn listings_and_replays_racing_the_reconcilers_scans_lose_nothing() {
     let dlq = broker::dead_letter_queue(broker::INTENTS_QUEUE);
     let mut short = 0;
     for _ in 0..40 {
-        let seen = onejob::dlq::browse(&conn, &dlq, 100).await.unwrap();
+        let seen = onejob::shared::dlq::browse(&conn, &dlq, 100).await.unwrap();
         if seen.len() != N {
             short += 1;
         }

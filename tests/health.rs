@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{TestEnv, config, config_text, mock, submit, wait_for_status};
-use onejob::config::Config;
 use onejob::domain::{JobId, JobStatus};
 use onejob::intent::Outcome;
 use onejob::mock::MockOptions;
-use onejob::shutdown::Shutdown;
+use onejob::shared::config::Config;
+use onejob::shared::shutdown::Shutdown;
 use onejob_producer::Producer;
 use reqwest::StatusCode;
 use sqlx::Connection;
@@ -55,7 +55,11 @@ async fn readiness_follows_connectivity_and_metrics_follow_the_work() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let server = tokio::spawn(
-        axum::serve(listener, onejob::runtime::health_router(ctx.clone())).into_future(),
+        axum::serve(
+            listener,
+            onejob::shared::runtime::health_router(ctx.clone()),
+        )
+        .into_future(),
     );
     let http = reqwest::Client::new();
     let get = |path: &'static str| {
@@ -187,7 +191,7 @@ async fn the_gateway_counts_its_answers(
     job_id: JobId,
 ) {
     let (public_url, probes_url, stop, serving) = gateway_with_probes(config, env).await;
-    let token = onejob::token::Token::generate();
+    let token = onejob::shared::token::Token::generate();
     env.store
         .create_token("acct_m", &token, &onejob::store::Actor::cli(None))
         .await
@@ -301,7 +305,11 @@ async fn metrics_are_served_from_a_cache_not_the_tables() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let server = tokio::spawn(
-        axum::serve(listener, onejob::runtime::health_router(ctx.clone())).into_future(),
+        axum::serve(
+            listener,
+            onejob::shared::runtime::health_router(ctx.clone()),
+        )
+        .into_future(),
     );
     let http = reqwest::Client::new();
     let scrape = || {

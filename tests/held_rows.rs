@@ -365,7 +365,7 @@ async fn a_cancelled_job_whose_calls_are_in_flight_is_not_pruned() {
         .execute(env.store.pool())
         .await
         .unwrap();
-    let policy = onejob::store::Policy::uniform(onejob::config::Retention {
+    let policy = onejob::store::Policy::uniform(onejob::shared::config::Retention {
         succeeded: Duration::from_secs(1),
         failed: Duration::from_secs(1),
         cancelled: Duration::from_secs(1),

@@ -141,7 +141,7 @@ fn listed_ids(env: &TestEnv, file: &Path, args: &[&str]) -> BTreeSet<String> {
 
 /// A primary and a fallback (neither ever called), and the file the CLI reads.
 fn two_providers() -> (
-    std::sync::Arc<onejob::config::Config>,
+    std::sync::Arc<onejob::shared::config::Config>,
     common::tempfile_path::TempConfig,
 ) {
     config(&config_text(

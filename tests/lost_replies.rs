@@ -145,11 +145,14 @@ async fn replies_lost_after_commits_leave_no_attempt_without_its_call() {
     let server = common::database::pg_server();
     // One committed reply in 8 is lost, 50 in all.
     let lossy = common::lossy::LossyPostgres::to(&server, 8, 50).await;
-    let ctx =
-        onejob::runtime::Context::connect(config.clone(), &lossy.url(&env.name), &env.amqp_url)
-            .await
-            .expect("worker context through the lossy path");
-    let shutdown = onejob::shutdown::Shutdown::new();
+    let ctx = onejob::shared::runtime::Context::connect(
+        config.clone(),
+        &lossy.url(&env.name),
+        &env.amqp_url,
+    )
+    .await
+    .expect("worker context through the lossy path");
+    let shutdown = onejob::shared::shutdown::Shutdown::new();
     let fleet = tokio::spawn(onejob::fleet::run(ctx, vec![], shutdown.clone()));
     lossy.start_losing();
     let producer = Arc::new(Producer::connect(&env.amqp_url).await.unwrap());
@@ -214,7 +217,8 @@ async fn a_worker_starts_through_replies_lost_at_its_start() {
     let lossy = common::lossy::LossyPostgres::to(&server, 2, 8).await;
     lossy.start_losing();
     let ctx =
-        onejob::runtime::Context::connect(config.clone(), &lossy.url(&name), &env.amqp_url).await;
+        onejob::shared::runtime::Context::connect(config.clone(), &lossy.url(&name), &env.amqp_url)
+            .await;
     let lost = lossy.lost();
     let ctx = ctx.expect("the worker starts through lost replies");
     assert!(
@@ -302,7 +306,7 @@ async fn sessions_end_idle_transactions_and_probe_silent_peers() {
         }
         out
     };
-    let routes = onejob::runtime::routes(&config);
+    let routes = onejob::shared::runtime::routes(&config);
     let store = Store::connect(&env.database_url, 2, routes.clone(), Duration::from_secs(5))
         .await
         .unwrap();
@@ -390,7 +394,7 @@ async fn store_through(lossy: &common::lossy::LossyPostgres, env: &TestEnv) -> S
     Store::connect(
         &lossy.url(&env.name),
         2,
-        onejob::runtime::routes(&config),
+        onejob::shared::runtime::routes(&config),
         Duration::from_secs(5),
     )
     .await

@@ -337,7 +337,7 @@ async fn the_reconciler_prunes_on_its_own() {
     .await;
     assert!(exists(store, kept).await.0);
     // The worker context installed the recorder: the pass is counted.
-    let metrics = onejob::metrics::render();
+    let metrics = onejob::shared::metrics::render();
     fleet.stop().await;
     assert!(
         metrics.contains("onejob_pruned_total{table=\"jobs\"} 1"),
@@ -531,7 +531,7 @@ async fn a_pruning_batch_reads_no_table_whole() {
     let store = Store::connect(
         &env.database_url,
         1,
-        onejob::runtime::routes(&config),
+        onejob::shared::runtime::routes(&config),
         Duration::from_secs(10),
     )
     .await

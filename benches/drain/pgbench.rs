@@ -40,7 +40,7 @@ UPDATE attempts SET status = 'succeeded', finished_at = now() FROM won WHERE att
 /// B_pg1, in jobs per second.
 pub(super) async fn pgbench(
     env: &TestEnv,
-    config: &onejob::config::Config,
+    config: &onejob::shared::config::Config,
     options: &Options,
 ) -> f64 {
     super::say(&format!(
@@ -59,7 +59,7 @@ pub(super) async fn pgbench(
     let store = onejob::store::Store::connect(
         &url,
         1,
-        onejob::runtime::routes(config),
+        onejob::shared::runtime::routes(config),
         Duration::from_secs(10),
     )
     .await

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use onejob::config::Config;
+use onejob::shared::config::Config;
 use onejob_producer::Producer;
 use sqlx::{Connection, PgConnection};
 

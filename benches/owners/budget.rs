@@ -23,11 +23,16 @@ const JOBS: i64 = 10;
 /// intents at once; then every job it was admitted runs to its end. Reports
 /// how many were created and refused, what was spent against the budget,
 /// and what one job reserved against what its call spent.
-pub(crate) async fn budget(env: &TestEnv, producer: &Producer, config: &onejob::config::Config) {
+pub(crate) async fn budget(
+    env: &TestEnv,
+    producer: &Producer,
+    config: &onejob::shared::config::Config,
+) {
     let probe = intent("acct_c", "c-0", "c");
-    let reserve = onejob::runtime::new_job(config, &serde_json::to_vec(&probe).expect("json"))
-        .expect("a valid intent")
-        .reserve;
+    let reserve =
+        onejob::shared::runtime::new_job(config, &serde_json::to_vec(&probe).expect("json"))
+            .expect("a valid intent")
+            .reserve;
     let budget = JOBS * reserve;
     let change = OwnerChange {
         daily_tokens: Some(Some(budget)),

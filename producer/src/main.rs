@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use std::sync::Arc;
 
-use onejob::shutdown::Shutdown;
+use onejob::shared::shutdown::Shutdown;
 use onejob_producer::gateway::{Gateway, GatewayOptions};
 use onejob_producer::{Intent, Outcome, Producer, ProducerOptions};
 
@@ -15,7 +15,7 @@ use onejob_producer::{Intent, Outcome, Producer, ProducerOptions};
 #[command(name = "onejob-producer", version, about)]
 struct Args {
     /// RabbitMQ URL, or the comma-separated URLs of a cluster's nodes (the first that answers is used).
-    #[arg(long, env = "AMQP_URL", default_value = onejob::cli::DEFAULT_AMQP_URL, hide_env_values = true, global = true)]
+    #[arg(long, env = "AMQP_URL", default_value = onejob::operator::cli::DEFAULT_AMQP_URL, hide_env_values = true, global = true)]
     amqp_url: String,
     /// The fleet's configuration, for the queue arguments the producer declares
     /// (`worker.delivery_limit`) [default: ./onejob.toml if it exists, else the
@@ -66,7 +66,7 @@ enum Command {
         #[arg(long)]
         http: Option<std::net::SocketAddr>,
         /// Postgres URL (tokens and jobs).
-        #[arg(long, env = "DATABASE_URL", default_value = onejob::cli::DEFAULT_DATABASE_URL, hide_env_values = true)]
+        #[arg(long, env = "DATABASE_URL", default_value = onejob::operator::cli::DEFAULT_DATABASE_URL, hide_env_values = true)]
         database_url: String,
         /// How long a request waits for the fleet's receipt before answering 504
         /// (retrying with the same key is then safe).
@@ -104,15 +104,15 @@ async fn main() -> ExitCode {
     let args = Args::parse();
     // Spans are exported (when configured) until the end of main.
     let _telemetry = match args.command {
-        Command::Serve { .. } => Some(onejob::telemetry::init()),
+        Command::Serve { .. } => Some(onejob::shared::telemetry::init()),
         _ => {
-            onejob::telemetry::init_quiet();
+            onejob::shared::telemetry::init_quiet();
             None
         }
     };
     // The fleet's configuration: the producer's queue declarations must carry the
     // same delivery limit, and the gateway checks operations and sizes with it.
-    let config = match onejob::config::Config::load(args.config.as_deref()) {
+    let config = match onejob::shared::config::Config::load(args.config.as_deref()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("onejob-producer: {e}");
@@ -254,7 +254,7 @@ async fn publish(
 }
 
 async fn serve(
-    config: onejob::config::Config,
+    config: onejob::shared::config::Config,
     database_url: &str,
     amqp_url: &str,
     (listen, http): (std::net::SocketAddr, Option<std::net::SocketAddr>),
@@ -291,7 +291,7 @@ async fn serve(
     let shutdown = Shutdown::new();
     let signals = shutdown.clone();
     tokio::spawn(async move {
-        onejob::shutdown::wait_for_signal().await;
+        onejob::shared::shutdown::wait_for_signal().await;
         // Stop first, then say so: a log sink that fails must not keep a
         // program from stopping.
         signals.trigger();

@@ -6,5 +6,5 @@ use clap::Parser;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    onejob::cli::main(onejob::cli::Cli::parse()).await
+    onejob::operator::cli::main(onejob::operator::cli::Cli::parse()).await
 }

@@ -18,7 +18,7 @@ use lapin::{BasicProperties, Connection};
 use serde::Serialize;
 
 use crate::broker::{self, BrokerError, Publisher, short};
-use crate::config::Config;
+use crate::shared::config::Config;
 
 /// How many dead letters one browse takes at most by default.
 pub const DEFAULT_LIMIT: usize = 100;

@@ -17,8 +17,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use uuid::Uuid;
 
-use crate::config::Config;
 use crate::domain::{AttemptId, JobId};
+use crate::shared::config::Config;
 use crate::store::{Finished, Started, Verdict};
 
 /// One settlement handed on: a finished attempt's answer and the claim it
@@ -90,6 +90,6 @@ pub(crate) fn limit(config: &Config) -> usize {
         .values()
         .map(|p| p.max_response_bytes)
         .max()
-        .unwrap_or(crate::config::DEFAULT_MAX_RESPONSE_BYTES);
+        .unwrap_or(crate::shared::config::DEFAULT_MAX_RESPONSE_BYTES);
     largest.saturating_mul(6).saturating_add(64 * 1024)
 }

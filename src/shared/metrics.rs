@@ -199,7 +199,7 @@ pub fn evidence_look(provider: &str, outcome: &'static str) {
     .increment(1);
 }
 
-/// A settlement handed on through the broker ([`crate::handed_on`]): by the
+/// A settlement handed on through the broker ([`crate::shared::handed_on`]): by the
 /// worker that could not settle it (`published`, `lost`), or by the worker
 /// that took it (`kept`, `settled_already`, `refused`).
 pub fn settlement_handed_on(outcome: &'static str) {

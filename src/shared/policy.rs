@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 
-use crate::config::Config;
 use crate::domain::{self, GiveUp};
+use crate::shared::config::Config;
 use crate::store::{FailedJob, NextStep, Store, StoreError};
 
 /// Plans what follows definite failures, with the eligible providers of some
@@ -34,7 +34,7 @@ impl<'a> Planner<'a> {
         for op in operations {
             eligible.insert(
                 op.to_owned(),
-                crate::qualify::eligible(config, store, op).await?,
+                crate::shared::qualify::eligible(config, store, op).await?,
             );
         }
         Ok(Planner { config, eligible })

@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::config::{Config, EvidenceKind, Operation, Provider, ProviderKind, Rendered};
 use crate::domain::AttemptId;
 pub(crate) use crate::domain::{CaseResult, Qualification};
-use crate::provider::Client;
+use crate::shared::config::{Config, EvidenceKind, Operation, Provider, ProviderKind, Rendered};
+use crate::shared::provider::Client;
 use crate::store::{Action, QualificationRun, Store, StoreError};
 
 /// Where a provider stands for one operation.
@@ -415,7 +415,10 @@ async fn check_stored(client: &Client, attempt: AttemptId, first_id: &str) -> (b
 /// Whether the test call sent again with its key came back as the first
 /// answer (id `first_id`, text `first_content`), with no new work.
 fn check_replayed(
-    again: Result<crate::provider::answer::Answer, crate::provider::answer::CallError>,
+    again: Result<
+        crate::shared::provider::answer::Answer,
+        crate::shared::provider::answer::CallError,
+    >,
     first_id: &str,
     first_content: &str,
 ) -> (bool, String) {

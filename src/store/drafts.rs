@@ -79,9 +79,9 @@ pub struct Routes {
     pub lease: Duration,
     /// `[owners]`: the limits admission applies where an owner has none of
     /// its own.
-    pub owners: crate::config::OwnerLimits,
+    pub owners: crate::shared::config::OwnerLimits,
     /// Each provider's share: how many of one owner's turns may be handed
-    /// out to its queue and not yet started ([`crate::config::Provider::share`]).
+    /// out to its queue and not yet started ([`crate::shared::config::Provider::share`]).
     pub shares: Vec<(String, i64)>,
 }
 

@@ -33,7 +33,7 @@ use uuid::Uuid;
 
 use crate::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
 use crate::intent::{Fingerprint, Intent};
-use crate::token::Token;
+use crate::shared::token::Token;
 
 /// The migrations, embedded in every binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -101,7 +101,7 @@ pub struct NewJob {
     pub trace: Option<crate::trace::TraceContext>,
     /// The tokens its first attempt reserves if its owner has a budget: its
     /// prompt's tokens plus its operation's `max_tokens`
-    /// ([`crate::runtime::reservation`]).
+    /// ([`crate::shared::runtime::reservation`]).
     pub reserve: i64,
 }
 

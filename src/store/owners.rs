@@ -4,7 +4,7 @@
 
 use super::audit::record;
 use super::*;
-use crate::config::{OwnerLimits, OwnerOverrides};
+use crate::shared::config::{OwnerLimits, OwnerOverrides};
 
 /// The window a daily budget counts, and how long a minute's spend counts:
 /// the minute is counted while any part of it is within the last 24 hours.

@@ -21,7 +21,7 @@
 use std::time::Duration;
 
 use super::{Result, Store};
-use crate::config::{Config, Retention};
+use crate::shared::config::{Config, Retention};
 
 /// How long each kind of ended job is kept: the `[retention]` defaults, and each
 /// configured operation's own.
@@ -205,7 +205,7 @@ impl Store {
         let mut total = Pass::default();
         for n in 0..max_batches {
             let pass = self.prune_jobs(policy, batch, false).await?;
-            crate::metrics::pruned(pass.pruned.jobs, pass.pruned.attempts);
+            crate::shared::metrics::pruned(pass.pruned.jobs, pass.pruned.attempts);
             if n == 0 {
                 total.oldest = pass.oldest;
             }

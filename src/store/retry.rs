@@ -32,7 +32,7 @@ impl Store {
         )
         .when(when)
         .notify(|e, d| {
-            crate::metrics::db_retry(&e.retry_code());
+            crate::shared::metrics::db_retry(&e.retry_code());
             tracing::debug!(error = %e, retry_in = ?d, "transient database error; retrying")
         })
         .await

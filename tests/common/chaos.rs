@@ -51,7 +51,7 @@ impl Workers {
             env,
             config,
             amqp_url,
-            "warn,onejob_core::broker=info,onejob::intake=info",
+            "warn,onejob_core::broker=info,onejob::roles::intake=info",
         )
     }
 
@@ -253,11 +253,11 @@ async fn publish_until_confirmed(
 }
 
 /// A small pool on `env`'s database for the checks.
-pub async fn store(env: &TestEnv, config: &onejob::config::Config) -> onejob::store::Store {
+pub async fn store(env: &TestEnv, config: &onejob::shared::config::Config) -> onejob::store::Store {
     onejob::store::Store::connect(
         &env.database_url,
         4,
-        onejob::runtime::routes(config),
+        onejob::shared::runtime::routes(config),
         Duration::from_secs(30),
     )
     .await
@@ -493,7 +493,7 @@ async fn dead_letters(env: &TestEnv) -> (usize, BTreeMap<String, usize>, Vec<Str
     let _ = amqp.close(200, "checked".into()).await;
     let mut dead_reasons: BTreeMap<String, usize> = BTreeMap::new();
     for d in &letters {
-        let letter = onejob::dlq::describe("onejob.intents.dlq", 0, &d.properties, &d.data);
+        let letter = onejob::shared::dlq::describe("onejob.intents.dlq", 0, &d.properties, &d.data);
         *dead_reasons.entry(letter.reason).or_default() += 1;
     }
     let dead_valid: Vec<String> = letters

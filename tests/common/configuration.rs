@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use onejob::config::Config;
 use onejob::mock::{MockHandle, MockOptions};
+use onejob::shared::config::Config;
 
 use super::tempfile_path;
 

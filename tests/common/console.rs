@@ -5,11 +5,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use onejob::config::Config;
-use onejob::console::{Console, Options};
 use onejob::domain::{JobId, JobStatus};
+use onejob::operator::console::{Console, Options};
+use onejob::shared::config::Config;
+use onejob::shared::token::Token;
 use onejob::store::{Admission, Finished, Started, Store, Verdict};
-use onejob::token::Token;
 use reqwest::StatusCode;
 use reqwest::header::{CONTENT_TYPE, COOKIE, SET_COOKIE};
 
@@ -47,7 +47,7 @@ pub async fn serve_with(
     };
     change(&mut options);
     let console = Console::new(env.store.clone(), config, options);
-    let task = tokio::spawn(onejob::console::serve(
+    let task = tokio::spawn(onejob::operator::console::serve(
         listener,
         console,
         std::future::pending(),
@@ -172,7 +172,7 @@ pub fn session_set(answer: &reqwest::Response) -> Option<String> {
         .get_all(SET_COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .find(|v| v.starts_with(&format!("{}=", onejob::console::COOKIE)))
+        .find(|v| v.starts_with(&format!("{}=", onejob::operator::console::COOKIE)))
         .map(str::to_owned)
 }
 

@@ -123,7 +123,7 @@ pub async fn with_lock_timeout(env: &TestEnv) -> Store {
     Store::connect(
         &env.database_url,
         4,
-        onejob::runtime::routes(&config),
+        onejob::shared::runtime::routes(&config),
         Duration::from_secs(5),
     )
     .await

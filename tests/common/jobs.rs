@@ -38,7 +38,7 @@ pub fn new_job(owner: &str, key: &str, text: &str) -> onejob::store::NewJob {
 
 /// What a test intent made by [`new_job`] reserves of a budget: tests that
 /// admit through the store directly fix it (a worker counts the prompt's
-/// tokens, [`onejob::runtime::reservation`]).
+/// tokens, [`onejob::shared::runtime::reservation`]).
 pub const RESERVE: i64 = 20;
 
 /// An intent for the `summarize` operation.

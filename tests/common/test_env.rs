@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use onejob::config::Config;
 use onejob::fleet::{self, Role};
-use onejob::runtime::{self, Context};
-use onejob::shutdown::Shutdown;
+use onejob::shared::config::Config;
+use onejob::shared::runtime::{self, Context};
+use onejob::shared::shutdown::Shutdown;
 use onejob::store::Store;
 use sqlx::{Connection, Executor, PgConnection};
 
@@ -210,7 +210,7 @@ impl TestEnv {
         text: &str,
     ) -> (onejob::domain::JobId, onejob::store::OutboxMessage) {
         let body = serde_json::to_vec(&intent(owner, key, text)).expect("intent json");
-        let new = onejob::intake::validate(ctx, &body).expect("valid intent");
+        let new = onejob::roles::intake::validate(ctx, &body).expect("valid intent");
         let job_id = new.job_id;
         match self.store.admit(&[new]).await.expect("admit").remove(0) {
             onejob::store::Admission::Created {

@@ -96,7 +96,7 @@ async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appe
 /// primary's queue. The job, and the connection that saw the message.
 async fn the_job_runs_again(
     env: &TestEnv,
-    ctx: &onejob::runtime::Context,
+    ctx: &onejob::shared::runtime::Context,
     job_id: JobId,
 ) -> (JobView, lapin::Connection) {
     let job = env.store.job(job_id).await.unwrap().unwrap();

@@ -7,7 +7,7 @@ use crate::common::console::{
 };
 use crate::common::{TestEnv, config};
 use onejob::domain::JobStatus;
-use onejob::token::Token;
+use onejob::shared::token::Token;
 use reqwest::StatusCode;
 use reqwest::header::{CONTENT_TYPE, LOCATION, SET_COOKIE};
 

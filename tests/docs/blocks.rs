@@ -3,7 +3,7 @@
 //! JSON, and every command line runs a command and flags that exist.
 
 use clap::Parser;
-use onejob::config::{Config, EMBEDDED_DEFAULT};
+use onejob::shared::config::{Config, EMBEDDED_DEFAULT};
 use toml::{Table, Value};
 
 use super::markdown::{Block, blocks, prose};
@@ -135,7 +135,7 @@ fn check_command(words: &[String]) -> Result<(), String> {
     }
     if program == "onejob" {
         // The CLI's own parser, required arguments and conflicts included.
-        return match onejob::cli::Cli::try_parse_from(words) {
+        return match onejob::operator::cli::Cli::try_parse_from(words) {
             Ok(_) => Ok(()),
             Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => Ok(()),
             Err(e) => Err(e.to_string()),

@@ -18,7 +18,7 @@ async fn an_owner_over_its_budget_is_answered_429_with_retry_after() {
     // A budget of one request's reservation: the first takes it all, and
     // once it has spent part of it the next does not fit.
     let one = common::intent("acct_budget", "b-0", "the quick fox");
-    let reserve = onejob::runtime::new_job(&s.config, &serde_json::to_vec(&one).unwrap())
+    let reserve = onejob::shared::runtime::new_job(&s.config, &serde_json::to_vec(&one).unwrap())
         .unwrap()
         .reserve;
     let budget = OwnerChange {

@@ -26,7 +26,7 @@ use std::time::Duration;
 use common::{TestEnv, config, config_text, mock, tempfile_path::TempConfig};
 use onejob::domain::JobId;
 use onejob::mock::MockOptions;
-use onejob::shutdown::Shutdown;
+use onejob::shared::shutdown::Shutdown;
 use onejob_producer::gateway::{Gateway, GatewayOptions, OPENAPI};
 use reqwest::StatusCode;
 use serde_json::Value;
@@ -34,7 +34,7 @@ use serde_json::Value;
 /// A gateway on a free port, with or without a fleet behind it, on one test env.
 struct Served {
     env: TestEnv,
-    config: Arc<onejob::config::Config>,
+    config: Arc<onejob::shared::config::Config>,
     file: TempConfig,
     base: String,
     http: reqwest::Client,

@@ -1,6 +1,7 @@
 //! Tokens: shown once, kept only as digests, revoked one at a time, and the
 //! bearer scheme read case-insensitively.
 
+use onejob::shared::token::Token;
 use reqwest::StatusCode;
 use serde_json::Value;
 
@@ -23,7 +24,7 @@ async fn tokens_are_shown_once_and_only_their_digest_is_kept() {
     assert_eq!(keys, ["owner_id", "token"], "the contract's shape exactly");
     assert_eq!(created["owner_id"], "acct_1");
     let token = created["token"].as_str().unwrap().to_owned();
-    assert!(onejob::token::Token::parse(&token).is_some(), "{token}");
+    assert!(Token::parse(&token).is_some(), "{token}");
 
     // The database holds no trace of the token itself.
     let rows: Vec<(String, String)> =
@@ -38,7 +39,7 @@ async fn tokens_are_shown_once_and_only_their_digest_is_kept() {
 
     // Text mode prints the token alone on stdout; listing never shows it.
     let second = s.token("acct_1");
-    assert!(onejob::token::Token::parse(&second).is_some(), "{second}");
+    assert!(Token::parse(&second).is_some(), "{second}");
     let out = s.env.cli_ok(&s.file.path, &["tokens", "list", "--json"]);
     let listed = String::from_utf8(out.stdout).unwrap();
     assert!(!listed.contains(&token[4..]) && !listed.contains(&second[4..]));

@@ -27,7 +27,7 @@ use crate::common::{self, P, TestEnv, config, config_for, mock, wait_for, wait_f
 async fn an_answer_held_when_its_worker_stops_with_postgres_down_is_settled_once_it_is_back() {
     let (slow, config, _file, env) = slow_provider(Duration::from_secs(2)).await;
     let (path, ctx) = behind_a_cuttable_postgres(&env, &config).await;
-    let shutdown = onejob::shutdown::Shutdown::new();
+    let shutdown = onejob::shared::shutdown::Shutdown::new();
     let run = tokio::spawn(onejob::fleet::run(
         ctx.clone(),
         vec![Role::Attempts("primary".into())],
@@ -132,7 +132,7 @@ async fn slow_provider(
     delay: Duration,
 ) -> (
     onejob::mock::MockHandle,
-    std::sync::Arc<onejob::config::Config>,
+    std::sync::Arc<onejob::shared::config::Config>,
     common::tempfile_path::TempConfig,
     TestEnv,
 ) {

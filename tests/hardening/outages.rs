@@ -16,13 +16,13 @@ use crate::common::{
 /// can cut and restore.
 pub(super) async fn behind_a_cuttable_postgres(
     env: &TestEnv,
-    config: &std::sync::Arc<onejob::config::Config>,
-) -> (common::Cuttable, onejob::runtime::Context) {
+    config: &std::sync::Arc<onejob::shared::config::Config>,
+) -> (common::Cuttable, onejob::shared::runtime::Context) {
     let path = common::Cuttable::to("127.0.0.1:5432").await;
     let proxied = env
         .database_url
         .replace("127.0.0.1:5432", &path.addr.to_string());
-    let ctx = onejob::runtime::Context::connect(config.clone(), &proxied, &env.amqp_url)
+    let ctx = onejob::shared::runtime::Context::connect(config.clone(), &proxied, &env.amqp_url)
         .await
         .unwrap();
     (path, ctx)
@@ -40,7 +40,7 @@ async fn a_database_outage_costs_no_delivery_and_loses_nothing() {
     let (config, _file) = config(&text);
     let env = TestEnv::new(&config).await;
     let (path, ctx) = behind_a_cuttable_postgres(&env, &config).await;
-    let shutdown = onejob::shutdown::Shutdown::new();
+    let shutdown = onejob::shared::shutdown::Shutdown::new();
     let run = tokio::spawn(onejob::fleet::run(ctx.clone(), vec![], shutdown.clone()));
     let producer = Producer::connect_with(
         &env.amqp_url,
@@ -145,7 +145,7 @@ async fn an_attempt_not_claimed_when_the_worker_stops_goes_back_to_its_queue() {
     let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
     let env = TestEnv::new(&config).await;
     let (path, ctx) = behind_a_cuttable_postgres(&env, &config).await;
-    let shutdown = onejob::shutdown::Shutdown::new();
+    let shutdown = onejob::shared::shutdown::Shutdown::new();
     let run = tokio::spawn(onejob::fleet::run(
         ctx.clone(),
         vec![onejob::fleet::Role::Attempts("primary".into())],
@@ -154,7 +154,7 @@ async fn an_attempt_not_claimed_when_the_worker_stops_goes_back_to_its_queue() {
     let (job_id, message) = env.admit(&ctx, "acct_r", "requeue", "x").await;
 
     path.cut();
-    onejob::runtime::publish_outbox(&ctx.publisher, &env.store, &[message])
+    onejob::shared::runtime::publish_outbox(&ctx.publisher, &env.store, &[message])
         .await
         .unwrap();
     let queue = onejob::broker::attempts_queue("primary");

@@ -123,12 +123,12 @@ async fn the_stuck_sweep_leaves_attempts_waiting_in_a_backlog() {
 /// fallback, through validation as intake admits it.
 async fn admitted_to_the_fallback(
     env: &TestEnv,
-    ctx: &onejob::runtime::Context,
+    ctx: &onejob::shared::runtime::Context,
 ) -> (JobId, onejob::store::OutboxMessage) {
     let mut pinned = common::intent("acct_b", "lost", "lost");
     pinned.provider = Some("fallback".into());
     let body = serde_json::to_vec(&pinned).unwrap();
-    let new = onejob::intake::validate(ctx, &body).expect("valid intent");
+    let new = onejob::roles::intake::validate(ctx, &body).expect("valid intent");
     let control = new.job_id;
     match env.store.admit(&[new]).await.unwrap().remove(0) {
         onejob::store::Admission::Created {

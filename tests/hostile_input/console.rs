@@ -93,7 +93,7 @@ async fn every_console_answer_forbids_framing_caching_and_inline_code() {
 #[tokio::test]
 async fn sign_in_is_throttled_per_client() {
     use common::console::{serve_with, two_providers};
-    use onejob::token::Token;
+    use onejob::shared::token::Token;
 
     let (config, _file) = config(&two_providers());
     let env = TestEnv::new(&config).await;

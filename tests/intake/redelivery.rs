@@ -41,7 +41,7 @@ async fn a_crash_between_commit_and_ack_is_a_duplicate_of_the_same_job() {
     let ch = doomed.create_channel().await.unwrap();
     let got = taken(&ch, "the intent to arrive").await;
     assert!(!got.delivery.redelivered);
-    let new_job = onejob::intake::validate(&ctx, &got.delivery.data).expect("valid intent");
+    let new_job = onejob::roles::intake::validate(&ctx, &got.delivery.data).expect("valid intent");
     let created = match ctx.store.admit(&[new_job]).await.unwrap().remove(0) {
         Admission::Created { job_id, .. } => job_id,
         other => panic!("expected created, got {other:?}"),
@@ -84,7 +84,7 @@ async fn a_crash_between_commit_and_ack_is_a_duplicate_of_the_same_job() {
 /// A malformed attempt message is dead-lettered with its reason, not looped.
 async fn a_malformed_attempt_message_is_dead_lettered(
     env: &TestEnv,
-    ctx: &onejob::runtime::Context,
+    ctx: &onejob::shared::runtime::Context,
 ) {
     let ch = ctx.connection.create_channel().await.unwrap();
     ch.confirm_select(Default::default()).await.unwrap();
@@ -181,9 +181,9 @@ async fn a_valid_intent_at_its_delivery_limit_is_handed_on_not_dead_lettered() {
     let ch = amqp.create_channel().await.unwrap();
     let at_limit = taken(&ch, "the redelivery").await;
     assert!(
-        onejob::intake::hand_on_if_at_limit(
+        onejob::roles::intake::hand_on_if_at_limit(
             &ctx,
-            &onejob::shutdown::Shutdown::new(),
+            &onejob::shared::shutdown::Shutdown::new(),
             &at_limit.delivery
         )
         .await

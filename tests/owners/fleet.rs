@@ -91,7 +91,7 @@ async fn the_rate_and_the_budget_hold_across_two_worker_processes() {
     // A budget of one job's reservation: the owner's first job takes it all,
     // and once it has spent part of it both workers refuse its new intents.
     let one = common::intent("acct_b", "b-0", "spend");
-    let budget = onejob::runtime::new_job(&config, &serde_json::to_vec(&one).unwrap())
+    let budget = onejob::shared::runtime::new_job(&config, &serde_json::to_vec(&one).unwrap())
         .unwrap()
         .reserve
         .to_string();

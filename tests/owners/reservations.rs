@@ -51,7 +51,8 @@ async fn a_burst_spends_at_most_its_budget() {
         .collect();
     let reserve = {
         let new =
-            onejob::runtime::new_job(&config, &serde_json::to_vec(&intents[0]).unwrap()).unwrap();
+            onejob::shared::runtime::new_job(&config, &serde_json::to_vec(&intents[0]).unwrap())
+                .unwrap();
         new.reserve
     };
     let jobs = created_or_refused(&receipts, reserve);

@@ -34,7 +34,7 @@ async fn retried_under(budgets: i64) -> (onejob::store::JobView, u64, u64, i64) 
     env.cli_ok(&file.path, &["providers", "qualify", "fallback"]);
     let qualifying = fallback.stats.requests();
     let one = common::intent("acct_retry", "k", "retry me");
-    let reserve = onejob::runtime::new_job(&config, &serde_json::to_vec(&one).unwrap())
+    let reserve = onejob::shared::runtime::new_job(&config, &serde_json::to_vec(&one).unwrap())
         .unwrap()
         .reserve;
     let budget = (budgets * reserve).to_string();
@@ -114,7 +114,7 @@ async fn a_hedge_whose_reservation_does_not_fit_never_starts() {
     env.cli_ok(&file.path, &["providers", "qualify", "fallback"]);
     let qualifying = fallback.stats.requests();
     let one = common::intent("acct_hedge", "k", "hedge me");
-    let reserve = onejob::runtime::new_job(&config, &serde_json::to_vec(&one).unwrap())
+    let reserve = onejob::shared::runtime::new_job(&config, &serde_json::to_vec(&one).unwrap())
         .unwrap()
         .reserve;
     env.cli_ok(

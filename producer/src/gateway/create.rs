@@ -166,9 +166,13 @@ pub(super) async fn create_job(State(gateway): State<Arc<Gateway>>, request: Req
 async fn over_budget(
     gateway: &Gateway,
     intent: &Intent,
-    (operation, provider, rendered): (&onejob::config::Operation, &str, &onejob::config::Rendered),
+    (operation, provider, rendered): (
+        &onejob::shared::config::Operation,
+        &str,
+        &onejob::shared::config::Rendered,
+    ),
 ) -> Option<Response> {
-    let need = onejob::runtime::reservation(&gateway.config, operation, provider, rendered);
+    let need = onejob::shared::runtime::reservation(&gateway.config, operation, provider, rendered);
     match gateway
         .store
         .budget_refusal(&intent.owner_id, &intent.idempotency_key, need)
@@ -176,7 +180,7 @@ async fn over_budget(
     {
         Ok(None) => None,
         Ok(Some(reason)) => {
-            onejob::metrics::owner_refused(&intent.owner_id, "budget_exceeded");
+            onejob::shared::metrics::owner_refused(&intent.owner_id, "budget_exceeded");
             Some(answer(Receipt::rejected(&reason), &intent.idempotency_key))
         }
         Err(e) => {
@@ -201,7 +205,7 @@ fn gateway_span(headers: &HeaderMap, intent: &Intent) -> (tracing::Span, TraceCo
         .get(onejob::trace::TRACEPARENT)
         .and_then(|v| v.to_str().ok())
         .and_then(|p| TraceContext::parse(p, state.as_deref()));
-    onejob::telemetry::hop(parent.as_ref(), || {
+    onejob::shared::telemetry::hop(parent.as_ref(), || {
         tracing::info_span!(
             "create job",
             otel.kind = "server",

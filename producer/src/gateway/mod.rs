@@ -42,7 +42,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use onejob::config::Config;
+use onejob::shared::config::Config;
 use onejob::store::Store;
 use tokio::sync::Semaphore;
 
@@ -137,12 +137,12 @@ impl Gateway {
         amqp_url: &str,
         options: GatewayOptions,
     ) -> Result<Gateway> {
-        onejob::metrics::install();
+        onejob::shared::metrics::install();
         Store::ensure_database(database_url).await?;
         let store = Store::connect(
             database_url,
             8,
-            onejob::runtime::routes(&config),
+            onejob::shared::runtime::routes(&config),
             Duration::from_secs(60),
         )
         .await?;

@@ -8,7 +8,7 @@ use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::Response;
 use axum::routing::{get, post};
-use onejob::shutdown::Shutdown;
+use onejob::shared::shutdown::Shutdown;
 
 use super::create::create_job;
 use super::show::show_job;
@@ -33,7 +33,10 @@ impl Gateway {
     /// The probes listener's routes: `/healthz`, `/readyz` and `/metrics`.
     pub fn probes_router(self: Arc<Self>) -> axum::Router {
         probes()
-            .route("/metrics", get(|| async { onejob::metrics::render() }))
+            .route(
+                "/metrics",
+                get(|| async { onejob::shared::metrics::render() }),
+            )
             .with_state(self)
     }
 
@@ -62,21 +65,24 @@ impl Gateway {
                 }
             }
         };
-        let limits = onejob::http::ClientLimits {
+        let limits = onejob::shared::http::ClientLimits {
             header_timeout: self.options.header_timeout,
             max_connections: self.options.max_connections,
         };
         let stop = shutdown.clone();
-        let server = onejob::http::serve(listener, self.clone().router(), limits, async move {
-            stop.wait().await
-        });
+        let server =
+            onejob::shared::http::serve(listener, self.clone().router(), limits, async move {
+                stop.wait().await
+            });
         let stop = shutdown.clone();
         let probes_router = self.clone().probes_router();
         let probes = async move {
             match probes {
                 Some(l) => {
-                    onejob::http::serve(l, probes_router, limits, async move { stop.wait().await })
-                        .await
+                    onejob::shared::http::serve(l, probes_router, limits, async move {
+                        stop.wait().await
+                    })
+                    .await
                 }
                 None => Ok(()),
             }
@@ -96,7 +102,7 @@ async fn count_answers(
 ) -> Response {
     let route = route.as_str().to_owned();
     let response = next.run(request).await;
-    onejob::metrics::gateway_answer(&route, response.status().as_u16());
+    onejob::shared::metrics::gateway_answer(&route, response.status().as_u16());
     response
 }
 
@@ -109,5 +115,5 @@ fn probes() -> axum::Router<Arc<Gateway>> {
 }
 
 async fn ready(State(gateway): State<Arc<Gateway>>) -> (StatusCode, String) {
-    onejob::runtime::readiness(gateway.store.ping().await, gateway.producer.is_connected())
+    onejob::shared::runtime::readiness(gateway.store.ping().await, gateway.producer.is_connected())
 }

@@ -9,11 +9,11 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::{Connections, Failure, Outcome, publish_now, shown, store};
-use crate::config::EvidenceKind;
 use crate::domain::{AttemptId, AttemptStatus};
-use crate::evidence::Looker;
-use crate::policy::Planner;
-use crate::provider::Client;
+use crate::shared::config::EvidenceKind;
+use crate::shared::evidence::Looker;
+use crate::shared::policy::Planner;
+use crate::shared::provider::Client;
 use crate::store::{Action, Actor, Refusal, Resolution, Settled};
 
 #[derive(Subcommand, Debug)]
@@ -235,10 +235,10 @@ async fn evidence(
 /// The job and provider of `attempt`, which an operator's look may look up:
 /// it is `unknown`, and its provider keeps evidence that is not off.
 async fn look_target(
-    config: &crate::config::Config,
+    config: &crate::shared::config::Config,
     store: &crate::store::Store,
     attempt: AttemptId,
-) -> Result<(crate::domain::JobId, crate::config::Provider), Failure> {
+) -> Result<(crate::domain::JobId, crate::shared::config::Provider), Failure> {
     let attempt_id = attempt.0;
     let job = match store.attempt_job(attempt).await? {
         Some(job) => store.job(job).await?,
@@ -268,7 +268,7 @@ async fn look_target(
         )));
     }
     if let Some(claim) = store.latest_claims().await?.get(&provider.name)
-        && !crate::evidence::claim_holds(&provider, Some(claim))
+        && !crate::shared::evidence::claim_holds(&provider, Some(claim))
     {
         return Err(Failure(format!(
             "evidence is off for provider {}: its qualification on {} found the claim false ({}); resolve the attempt with `onejob attempts resolve`, or qualify the provider again",

@@ -10,7 +10,7 @@ use super::{Connections, Failure, Outcome, store};
 pub(super) struct ConsoleArgs {
     /// The address to listen on. Put it behind TLS (and --secure-cookies) when
     /// it is reachable beyond this machine.
-    #[arg(long, default_value = crate::console::DEFAULT_LISTEN)]
+    #[arg(long, default_value = crate::operator::console::DEFAULT_LISTEN)]
     listen: std::net::SocketAddr,
     /// Mark the session cookie Secure (the console is served over TLS). A
     /// request with `X-Forwarded-Proto: https` gets it anyway.
@@ -29,19 +29,25 @@ pub(super) struct ConsoleArgs {
 pub(super) async fn run(c: &Connections, args: ConsoleArgs) -> Outcome {
     let config = Arc::new(c.load_config()?);
     let store = store(c, &config).await?;
-    let listener = crate::console::bind(args.listen).await.map_err(Failure)?;
-    let options = crate::console::Options {
+    let listener = crate::operator::console::bind(args.listen)
+        .await
+        .map_err(Failure)?;
+    let options = crate::operator::console::Options {
         amqp_url: c.amqp_url.clone(),
         secure_cookies: args.secure_cookies,
         session_ttl: args.session_ttl,
         sign_ins_per_minute: args.sign_ins_per_minute,
-        ..crate::console::Options::default()
+        ..crate::operator::console::Options::default()
     };
     let addr = listener.local_addr().unwrap_or(args.listen);
     eprintln!("onejob console listening on http://{addr}/ (sign in with an operator token)");
-    let console = crate::console::Console::new(store, config, options);
-    crate::console::serve(listener, console, crate::shutdown::wait_for_signal())
-        .await
-        .map_err(|e| Failure(format!("the console stopped: {e}")))?;
+    let console = crate::operator::console::Console::new(store, config, options);
+    crate::operator::console::serve(
+        listener,
+        console,
+        crate::shared::shutdown::wait_for_signal(),
+    )
+    .await
+    .map_err(|e| Failure(format!("the console stopped: {e}")))?;
     Ok(())
 }

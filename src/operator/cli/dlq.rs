@@ -8,8 +8,8 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::{Connections, Failure, Outcome, broker_connection, shown, store};
-use crate::config::Config;
-use crate::dlq;
+use crate::shared::config::Config;
+use crate::shared::dlq;
 use crate::store::{Action, Actor, Store};
 
 #[derive(Subcommand, Debug)]
@@ -21,7 +21,7 @@ pub(super) enum DlqCommand {
         queue: Option<String>,
         /// Show at most this many per queue (at most 10000: a listing keeps
         /// about a kilobyte of each, and one letter's body at a time).
-        #[arg(long, default_value_t = crate::dlq::DEFAULT_LIMIT,
+        #[arg(long, default_value_t = crate::shared::dlq::DEFAULT_LIMIT,
               value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=10_000))]
         limit: usize,
     },
@@ -328,12 +328,17 @@ async fn dlq_purge(
 }
 
 /// One line per dead letter a replay looked at, as it happens.
-fn report_replay(out: &mut impl Write, r: &crate::dlq::ReplayReport) -> std::io::Result<()> {
+fn report_replay(
+    out: &mut impl Write,
+    r: &crate::shared::dlq::ReplayReport,
+) -> std::io::Result<()> {
     let d = &r.letter;
     let id = shown(d.message_id.as_deref().unwrap_or("-"));
     match &r.outcome {
-        crate::dlq::ReplayOutcome::Replayed => writeln!(out, "replayed {id} to {}", origin(d)),
-        crate::dlq::ReplayOutcome::Skipped { reason } => {
+        crate::shared::dlq::ReplayOutcome::Replayed => {
+            writeln!(out, "replayed {id} to {}", origin(d))
+        }
+        crate::shared::dlq::ReplayOutcome::Skipped { reason } => {
             writeln!(
                 out,
                 "skipped  {id} (#{} in {}): {}",

@@ -7,8 +7,8 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::{Connections, Failure, Outcome, publish_now, shown, store};
-use crate::config::Config;
 use crate::domain::{AttemptStatus, JobId, JobStatus};
+use crate::shared::config::Config;
 use crate::store::{Actor, AuditEntry, JobQuery, JobSummary, JobView, OwnerView, Store};
 
 #[derive(Subcommand, Debug)]

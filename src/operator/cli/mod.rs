@@ -25,11 +25,11 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::config::Config;
-use crate::runtime;
+use crate::shared::config::Config;
+use crate::shared::runtime;
 use crate::store::Store;
 
-pub use crate::config::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
+pub use crate::shared::config::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 
 /// Connection and configuration settings every program shares.
 #[derive(Args, Clone, Debug)]
@@ -48,7 +48,7 @@ pub struct Connections {
 
 impl Connections {
     /// Loads the configuration these settings name.
-    pub fn load_config(&self) -> Result<Config, crate::config::ConfigError> {
+    pub fn load_config(&self) -> Result<Config, crate::shared::config::ConfigError> {
         Config::load(self.config.as_deref())
     }
 }
@@ -121,7 +121,7 @@ pub async fn main(cli: Cli) -> ExitCode {
     let mut out: &mut dyn Write = if cli.json {
         &mut stdout
     } else {
-        plain = crate::terminal::Terminal::new(&mut stdout);
+        plain = crate::operator::terminal::Terminal::new(&mut stdout);
         &mut plain
     };
     let outcome = run(cli, &mut out).await;
@@ -129,7 +129,7 @@ pub async fn main(cli: Cli) -> ExitCode {
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure(message)) => {
-            eprintln!("onejob: {}", crate::terminal::escape(&message));
+            eprintln!("onejob: {}", crate::operator::terminal::escape(&message));
             ExitCode::from(1)
         }
     }

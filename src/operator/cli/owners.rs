@@ -6,7 +6,7 @@ use std::io::Write;
 use clap::Subcommand;
 
 use super::{Connections, Failure, Outcome, shown, store};
-use crate::config::{
+use crate::shared::config::{
     MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, OwnerLimits, OwnerOverrides, parse_limit,
 };
 use crate::store::{Actor, OwnerChange, OwnerView, StoreError};

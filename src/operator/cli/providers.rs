@@ -57,7 +57,7 @@ pub(super) async fn run(
 async fn list(c: &Connections, json: bool, out: &mut impl Write) -> Outcome {
     let config = c.load_config()?;
     let store = store(c, &config).await?;
-    let states = crate::qualify::states(&config, &store).await?;
+    let states = crate::shared::qualify::states(&config, &store).await?;
     let claims = store.latest_claims().await?;
     let rows: Vec<_> = config
         .providers
@@ -71,13 +71,13 @@ async fn list(c: &Connections, json: bool, out: &mut impl Write) -> Outcome {
                         let state = states
                             .get(&(p.name.clone(), o.name.clone()))
                             .copied()
-                            .unwrap_or(crate::qualify::State::NeverQualified);
+                            .unwrap_or(crate::shared::qualify::State::NeverQualified);
                         json!({
                             "operation": o.name,
                             "position": i,
                             "role": if i == 0 { "primary" } else { "failover" },
                             "qualification": state,
-                            "eligible": i == 0 || state == crate::qualify::State::Qualified,
+                            "eligible": i == 0 || state == crate::shared::qualify::State::Qualified,
                         })
                     })
                 })
@@ -90,7 +90,7 @@ async fn list(c: &Connections, json: bool, out: &mut impl Write) -> Outcome {
                 "timeout": humantime::format_duration(p.timeout).to_string(),
                 "concurrency": p.concurrency,
                 "operations": routes,
-                "evidence": crate::evidence::standing(p, claims.get(&p.name)),
+                "evidence": crate::shared::evidence::standing(p, claims.get(&p.name)),
             })
         })
         .collect();
@@ -139,14 +139,15 @@ async fn qualify(
     for op in operations {
         // Recorded first: the provider bills the calls, so none goes unrecorded.
         let audit = store
-            .audit_begin(actor, &crate::qualify::action(p, op))
+            .audit_begin(actor, &crate::shared::qualify::action(p, op))
             .await
             .map_err(|e| {
                 Failure(format!(
                     "{e}: nothing was done, the run could not be recorded first"
                 ))
             })?;
-        let (report, recorded) = crate::qualify::run_audited(&store, &config, p, op, audit).await;
+        let (report, recorded) =
+            crate::shared::qualify::run_audited(&store, &config, p, op, audit).await;
         recorded?;
         reports.push(report);
     }
@@ -157,9 +158,9 @@ async fn qualify(
         for r in &reports {
             write_report(out, r)?;
         }
-        if p.evidence.kind != crate::config::EvidenceKind::None {
+        if p.evidence.kind != crate::shared::config::EvidenceKind::None {
             let claims = store.latest_claims().await?;
-            let standing = crate::evidence::standing(p, claims.get(&p.name));
+            let standing = crate::shared::evidence::standing(p, claims.get(&p.name));
             let why = standing["why"].as_str().unwrap_or_default();
             writeln!(
                 out,

@@ -8,8 +8,8 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::{Connections, Failure, Outcome, shown, store};
+use crate::shared::token::Token;
 use crate::store::{Actor, Store};
-use crate::token::Token;
 
 #[derive(Subcommand, Debug)]
 pub(super) enum TokensCommand {

@@ -15,7 +15,7 @@ use super::overview::broker_connection;
 use super::page::{Failure, age, given};
 use super::session::Operator;
 use crate::broker;
-use crate::dlq;
+use crate::shared::dlq;
 use crate::store::Action;
 
 /// A broker connection for one page or action, or the page that says why

@@ -40,7 +40,7 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use minijinja::Environment;
 
-use crate::config::Config;
+use crate::shared::config::Config;
 use crate::store::Store;
 
 pub use session::LOGIN_COOKIE;
@@ -74,7 +74,7 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Options {
-            amqp_url: crate::config::DEFAULT_AMQP_URL.to_owned(),
+            amqp_url: crate::shared::config::DEFAULT_AMQP_URL.to_owned(),
             secure_cookies: false,
             session_ttl: Duration::from_secs(8 * 3600),
             sign_ins_per_minute: 10,
@@ -88,7 +88,7 @@ struct Inner {
     config: Arc<Config>,
     options: Options,
     pages: Environment<'static>,
-    sign_ins: crate::throttle::Throttle,
+    sign_ins: crate::operator::throttle::Throttle,
 }
 
 /// The console's state, shared by its handlers.
@@ -101,7 +101,7 @@ impl Console {
         Console(Arc::new(Inner {
             store,
             config,
-            sign_ins: crate::throttle::Throttle::new(options.sign_ins_per_minute),
+            sign_ins: crate::operator::throttle::Throttle::new(options.sign_ins_per_minute),
             options,
             pages: page::templates(),
         }))
@@ -172,10 +172,10 @@ pub async fn serve(
         console.0.store.clone(),
         console.0.options.session_sweep,
     ));
-    let served = crate::http::serve(
+    let served = crate::shared::http::serve(
         listener,
         console.router(),
-        crate::http::ClientLimits::default(),
+        crate::shared::http::ClientLimits::default(),
         shutdown,
     )
     .await;

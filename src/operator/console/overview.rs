@@ -12,8 +12,8 @@ use super::Console;
 use super::page::age;
 use super::session::Operator;
 use crate::broker;
-use crate::dlq;
-use crate::runtime;
+use crate::shared::dlq;
+use crate::shared::runtime;
 
 pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response {
     let o = match app.0.store.overview().await {

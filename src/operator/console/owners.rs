@@ -13,7 +13,7 @@ use super::Console;
 use super::action::{authorised, done_banner};
 use super::page::Failure;
 use super::session::Operator;
-use crate::config::{MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, parse_limit};
+use crate::shared::config::{MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, parse_limit};
 use crate::store::{Actor, OwnerChange, OwnerView};
 
 #[derive(Deserialize, Default)]
@@ -69,7 +69,7 @@ fn limit(n: i64) -> String {
     if n == 0 { "none".into() } else { n.to_string() }
 }
 
-fn rate(l: &crate::config::OwnerLimits) -> String {
+fn rate(l: &crate::shared::config::OwnerLimits) -> String {
     match l.bucket() {
         Some((r, b)) => format!("{r}/s, burst {b}"),
         None => "none".into(),

@@ -27,7 +27,7 @@ pub(super) async fn page(
     Query(q): Query<ProvidersQuery>,
 ) -> Response {
     let config = &app.0.config;
-    let standing = match crate::qualify::standing_of_routes(config, &app.0.store).await {
+    let standing = match crate::shared::qualify::standing_of_routes(config, &app.0.store).await {
         Ok(s) => s,
         Err(e) => return app.message(Some(&who), e.into()),
     };
@@ -46,7 +46,7 @@ pub(super) async fn page(
                     let position = o.route.iter().position(|r| *r == p.name)?;
                     let (state, run) = standing
                         .get(&(p.name.clone(), o.name.clone()))
-                        .map_or((crate::qualify::State::NeverQualified, None), |(s, r)| {
+                        .map_or((crate::shared::qualify::State::NeverQualified, None), |(s, r)| {
                             (*s, r.as_ref())
                         });
                     let mut link = url::form_urlencoded::Serializer::new(String::new());
@@ -58,7 +58,7 @@ pub(super) async fn page(
                         position => position + 1,
                         state => serde_json::to_value(state).ok()
                             .and_then(|v| v.as_str().map(|s| s.replace('_', " "))),
-                        eligible => position == 0 || state == crate::qualify::State::Qualified,
+                        eligible => position == 0 || state == crate::shared::qualify::State::Qualified,
                         cases => o.cases.len(),
                         last_run => run.map(|r| context! {
                             at => r.at.to_rfc3339(),
@@ -79,7 +79,7 @@ pub(super) async fn page(
                 concurrency => p.concurrency,
                 operations,
                 evidence => minijinja::Value::from(minijinja::value::Serde(
-                    crate::evidence::standing(p, claims.get(&p.name))
+                    crate::shared::evidence::standing(p, claims.get(&p.name))
                 )),
             }
         })
@@ -127,7 +127,13 @@ pub(super) fn qualify_pair<'a>(
     app: &'a Console,
     provider: Option<&str>,
     operation: Option<&str>,
-) -> Result<(&'a crate::config::Provider, &'a crate::config::Operation), Failure> {
+) -> Result<
+    (
+        &'a crate::shared::config::Provider,
+        &'a crate::shared::config::Operation,
+    ),
+    Failure,
+> {
     let bad = |text: String| Failure(StatusCode::BAD_REQUEST, text);
     let config = &app.0.config;
     let provider = provider.map(str::trim).unwrap_or_default();
@@ -174,7 +180,7 @@ pub(super) async fn confirm_qualify(
             p.name,
             p.model,
             crate::broker::redact_url(p.base_url.as_str()),
-            &crate::qualify::contract_hash(o, p)[..12],
+            &crate::shared::qualify::contract_hash(o, p)[..12],
             p.name,
             o.name
         )
@@ -211,7 +217,8 @@ pub(super) async fn qualify(
         Err(f) => return app.message(Some(&who), f),
     };
     // Recorded first: the provider bills these calls, so none goes unrecorded.
-    let audit = match begin_action(&app, &who, reason, &crate::qualify::action(p, o)).await {
+    let audit = match begin_action(&app, &who, reason, &crate::shared::qualify::action(p, o)).await
+    {
         Ok(a) => a,
         Err(page) => return *page,
     };
@@ -221,7 +228,8 @@ pub(super) async fn qualify(
     let (config, provider, operation) = (app.0.config.clone(), p.name.clone(), o.name.clone());
     let run = tokio::spawn(async move {
         let (p, o) = (&config.providers[&provider], &config.operations[&operation]);
-        let (report, recorded) = crate::qualify::run_audited(&store, &config, p, o, audit).await;
+        let (report, recorded) =
+            crate::shared::qualify::run_audited(&store, &config, p, o, audit).await;
         tracing::info!(%provider, %operation, qualified = report.passed, "console: qualified a provider");
         recorded.map(|_| ())
     });

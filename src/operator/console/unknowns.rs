@@ -17,8 +17,8 @@ use super::action::authorised;
 use super::page::{Failure, age};
 use super::session::Operator;
 use crate::domain::{AttemptId, AttemptStatus};
-use crate::policy::Planner;
-use crate::runtime;
+use crate::shared::policy::Planner;
+use crate::shared::runtime;
 use crate::store::{Actor, EvidenceClaim, FailedJob, NextStep, Refusal, Resolution};
 
 pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response {
@@ -67,7 +67,7 @@ fn evidence_state(
         .config
         .providers
         .get(&u.provider)
-        .map(|p| crate::evidence::standing(p, claims.get(&p.name)));
+        .map(|p| crate::shared::evidence::standing(p, claims.get(&p.name)));
     let kind = match &standing {
         Some(s) => format!(
             "{}: {}",

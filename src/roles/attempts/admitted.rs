@@ -1,5 +1,5 @@
 //! Attempts this worker's own intake has just admitted
-//! ([`crate::runtime::own_consumers`]): taken while a call slot is free,
+//! ([`crate::shared::runtime::own_consumers`]): taken while a call slot is free,
 //! claimed through the same claim group commit as a delivery, called and
 //! settled. An attempt that does not start here (its job row held, blocked,
 //! taken by a delivery first, a claim that failed) is left to its message.
@@ -160,7 +160,7 @@ impl Consumer {
             };
             claiming.tell(true);
             tracing::debug!(attempt_id = %attempt, "attempt started on admission");
-            crate::metrics::attempt_claimed_on_admission(&consumer.client.provider().name);
+            crate::shared::metrics::attempt_claimed_on_admission(&consumer.client.provider().name);
             if let Err(e) = consumer
                 .call_and_settle(started, parent.as_ref(), slot)
                 .await

@@ -1,9 +1,9 @@
 //! Calling the provider with the attempt id as `Idempotency-Key`, and judging
 //! its answer against the operation's output contract.
 
-use crate::config::Config;
-use crate::provider::Client;
-use crate::provider::answer::{CallError, verdict};
+use crate::shared::config::Config;
+use crate::shared::provider::Client;
+use crate::shared::provider::answer::{CallError, verdict};
 use crate::store::{Finished, Started, Verdict};
 use crate::trace::TraceContext;
 
@@ -58,7 +58,7 @@ pub(crate) async fn call(
             &rendered,
         )
         .await;
-    crate::metrics::provider_call(
+    crate::shared::metrics::provider_call(
         &client.provider().name,
         match &answer {
             Ok(_) => "answered",

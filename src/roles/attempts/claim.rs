@@ -5,10 +5,10 @@
 use std::collections::{BTreeSet, HashMap};
 
 use crate::domain::AttemptId;
-use crate::provider::Client;
-use crate::runtime::Unheard;
-use crate::runtime::{Context, with_retries};
-use crate::shutdown::Shutdown;
+use crate::shared::provider::Client;
+use crate::shared::runtime::Unheard;
+use crate::shared::runtime::{Context, with_retries};
+use crate::shared::shutdown::Shutdown;
 use crate::store::Started;
 
 /// A claim's answer, or why the claim was not made.
@@ -33,7 +33,7 @@ pub(super) async fn claim(
     ids: Vec<AttemptId>,
 ) -> Vec<Claimed> {
     let provider = client.provider();
-    crate::metrics::attempt_batch(&provider.name, "claim", ids.len());
+    crate::shared::metrics::attempt_batch(&provider.name, "claim", ids.len());
     // One token for every try of this claim: a try whose commit took effect
     // unseen is found again by the next (Store::claim). Random, not
     // time-ordered: it is the secret a settlement handed on through the
@@ -46,7 +46,7 @@ pub(super) async fn claim(
                 super::reserve::reserve_then_claim(ctx, shutdown, client, &mut claim, token).await;
             }
             let busy: BTreeSet<AttemptId> = claim.busy.into_iter().collect();
-            crate::metrics::attempt_claims_held(&provider.name, busy.len());
+            crate::shared::metrics::attempt_claims_held(&provider.name, busy.len());
             let mut started: HashMap<AttemptId, Started> = claim
                 .started
                 .into_iter()
@@ -86,7 +86,7 @@ pub(super) async fn claim_under(
     client: &Client,
     ids: &[AttemptId],
     token: uuid::Uuid,
-) -> Result<crate::store::Claim, crate::runtime::WorkerError> {
+) -> Result<crate::store::Claim, crate::shared::runtime::WorkerError> {
     let provider = client.provider();
     with_retries(shutdown, "starting attempts", || async {
         Ok(ctx

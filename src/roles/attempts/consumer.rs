@@ -12,9 +12,9 @@ use super::call::call;
 use super::claim::{ClaimAnswer, Claimed};
 use super::settle::Committed;
 use crate::domain::{AttemptId, AttemptMessage, AttemptStatus, JobStatus};
-use crate::provider::Client;
-use crate::runtime::{self, Context, GroupCommit, Result, WorkerError, with_retries};
-use crate::shutdown::Shutdown;
+use crate::shared::provider::Client;
+use crate::shared::runtime::{self, Context, GroupCommit, Result, WorkerError, with_retries};
+use crate::shared::shutdown::Shutdown;
 use crate::store::{Finished, Started};
 use crate::trace::TraceContext;
 
@@ -44,7 +44,7 @@ impl Consumer {
         // The ack only once the work is done: a delivery whose work failed is
         // returned, never acked.
         let done = match self.work(&delivery).await {
-            Ok(()) => crate::metrics::timed("attempt_ack", runtime::ack(&delivery)).await,
+            Ok(()) => crate::shared::metrics::timed("attempt_ack", runtime::ack(&delivery)).await,
             Err(e) => Err(e),
         };
         if let Err(e) = done {
@@ -67,7 +67,7 @@ impl Consumer {
             return Ok(());
         }
         let waiting =
-            crate::metrics::timed("attempt_slot_wait", self.calls.clone().acquire_owned());
+            crate::shared::metrics::timed("attempt_slot_wait", self.calls.clone().acquire_owned());
         let Ok(slot) = waiting.await else {
             return Err(WorkerError::Unsettled("the call slots closed".into()));
         };
@@ -94,7 +94,7 @@ impl Consumer {
         slot: OwnedSemaphorePermit,
     ) -> Result<()> {
         // The attempt's span: a child of the job's, as its message names it.
-        let (span, trace) = crate::telemetry::hop(parent, || {
+        let (span, trace) = crate::shared::telemetry::hop(parent, || {
             tracing::info_span!(
                 "attempt",
                 otel.kind = "client",
@@ -103,7 +103,7 @@ impl Consumer {
                 provider = %self.client.provider().name,
             )
         });
-        let finished = crate::metrics::timed(
+        let finished = crate::shared::metrics::timed(
             "attempt_call",
             call(&self.ctx.config, &self.client, &started, &trace).instrument(span),
         )
@@ -148,7 +148,7 @@ impl Consumer {
     ///
     /// At a stop it settles once more: that flush, seeing the stop, hands an
     /// answer it can neither settle nor keep on through the broker
-    /// ([`crate::handed_on`]).
+    /// ([`crate::shared::handed_on`]).
     async fn settle(&self, started: Started, finished: Finished) -> Result<()> {
         let mut pause = HELD_PAUSE_MIN;
         let mut stopping = false;

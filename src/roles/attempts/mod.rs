@@ -53,9 +53,9 @@ use crate::domain::AttemptId;
 use crate::store::{Finished, Started};
 
 use crate::broker;
-use crate::provider::Client;
-use crate::runtime::{self, Abandoned, Context, GroupCommit, Result, Stages, WorkerError};
-use crate::shutdown::Shutdown;
+use crate::shared::provider::Client;
+use crate::shared::runtime::{self, Abandoned, Context, GroupCommit, Result, Stages, WorkerError};
+use crate::shared::shutdown::Shutdown;
 
 /// Runs the consumer for `provider` until shutdown.
 pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> Result<()> {

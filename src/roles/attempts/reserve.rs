@@ -9,10 +9,10 @@
 use std::collections::HashMap;
 
 use crate::domain::AttemptId;
-use crate::policy::Planner;
-use crate::provider::Client;
-use crate::runtime::{Context, with_retries};
-use crate::shutdown::Shutdown;
+use crate::shared::policy::Planner;
+use crate::shared::provider::Client;
+use crate::shared::runtime::{Context, with_retries};
+use crate::shared::shutdown::Shutdown;
 use crate::store::{Claim, FailedJob, Reservation, Unreserved};
 
 /// Reserves for `claim`'s unreserved attempts and claims again, under the
@@ -85,7 +85,9 @@ fn reservation(ctx: &Context, u: &Unreserved) -> Reservation {
             .operations
             .get(&u.operation)
             .map_or(0, |op| match config.render(op, &u.input) {
-                Ok(rendered) => crate::runtime::reservation(config, op, &op.route[0], &rendered),
+                Ok(rendered) => {
+                    crate::shared::runtime::reservation(config, op, &op.route[0], &rendered)
+                }
                 Err(_) => i64::from(op.max_tokens),
             });
     Reservation {

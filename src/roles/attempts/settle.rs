@@ -4,9 +4,9 @@
 
 use std::collections::BTreeSet;
 
-use crate::policy::Planner;
-use crate::runtime::{Context, Result, with_retries};
-use crate::shutdown::Shutdown;
+use crate::shared::policy::Planner;
+use crate::shared::runtime::{Context, Result, with_retries};
+use crate::shared::shutdown::Shutdown;
 use crate::store::{FailedJob, Finished, OutboxMessage, Settled, Started, Verdict};
 
 /// A settlement's answer: `Ok(false)` when its rows were held under someone
@@ -22,7 +22,7 @@ pub(super) async fn settle(
     provider: &str,
     batch: Vec<(Started, Finished)>,
 ) -> Vec<Committed> {
-    crate::metrics::attempt_batch(provider, "settle", batch.len());
+    crate::shared::metrics::attempt_batch(provider, "settle", batch.len());
     let (started, finished): (Vec<Started>, Vec<Finished>) = batch.into_iter().unzip();
     let failing: BTreeSet<String> = started
         .iter()
@@ -50,7 +50,7 @@ pub(super) async fn settle(
     let mut answers = Vec::with_capacity(finished.len());
     for ((started, finished), outcome) in started.iter().zip(&finished).zip(outcomes) {
         log_settled(started, finished, &outcome);
-        crate::metrics::attempt_settled(provider, settled_label(&outcome));
+        crate::shared::metrics::attempt_settled(provider, settled_label(&outcome));
         answers.push(match outcome {
             Settled::Refused { error } => {
                 keep(ctx, finished).await;
@@ -80,7 +80,8 @@ pub(super) async fn settle(
     }
     let ctx = ctx.clone();
     tokio::spawn(async move {
-        let published = crate::metrics::timed("settle_publish", ctx.publish_outbox(&publish));
+        let published =
+            crate::shared::metrics::timed("settle_publish", ctx.publish_outbox(&publish));
         if let Err(e) = published.await {
             tracing::warn!(error = %e, "publish after settling failed; the relay will retry");
         }
@@ -142,12 +143,12 @@ enum Unsettled {
 /// Keeps an answer that could not be settled on its attempt, or, when that
 /// cannot be done (Postgres unreachable, or the attempt row held), hands it
 /// on to `onejob.settlements` with a confirm, for any worker to settle once
-/// it can ([`crate::handed_on`]).
+/// it can ([`crate::shared::handed_on`]).
 async fn keep_or_hand_on(ctx: &Context, started: &Started, finished: &Finished) -> Unsettled {
     if keep(ctx, finished).await {
         return Unsettled::Kept;
     }
-    let settlement = crate::handed_on::Settlement::of(started, finished);
+    let settlement = crate::shared::handed_on::Settlement::of(started, finished);
     let handed = async {
         let body = serde_json::to_vec(&settlement).map_err(|e| e.to_string())?;
         let properties = crate::broker::json_properties()
@@ -166,12 +167,12 @@ async fn keep_or_hand_on(ctx: &Context, started: &Started, finished: &Finished) 
     match handed.await {
         Ok(()) => {
             tracing::warn!(attempt_id = %finished.attempt_id, job_id = %finished.job_id, "an answer that could be neither settled nor kept was handed on to {} for any worker to settle", crate::broker::SETTLEMENTS_QUEUE);
-            crate::metrics::settlement_handed_on("published");
+            crate::shared::metrics::settlement_handed_on("published");
             Unsettled::HandedOn
         }
         Err(e) => {
             tracing::error!(attempt_id = %finished.attempt_id, job_id = %finished.job_id, error = %e, "an answer could be neither settled, kept nor handed on: its attempt becomes unknown at its deadline");
-            crate::metrics::settlement_handed_on("lost");
+            crate::shared::metrics::settlement_handed_on("lost");
             Unsettled::Lost
         }
     }

@@ -1,12 +1,13 @@
 //! Judging answers and labelling settlements.
 
-use crate::config::{Config, Operation};
-use crate::provider::answer::verdict as judge;
-use crate::provider::answer::{Answer, CallError};
+use crate::shared::config::{Config, Operation};
+use crate::shared::provider::answer::verdict as judge;
+use crate::shared::provider::answer::{Answer, CallError};
 use crate::store::{Finished, Verdict};
 
 fn summarize() -> Operation {
-    let config = Config::parse(crate::config::EMBEDDED_DEFAULT, "embedded defaults").unwrap();
+    let config =
+        Config::parse(crate::shared::config::EMBEDDED_DEFAULT, "embedded defaults").unwrap();
     config.operations["summarize"].clone()
 }
 

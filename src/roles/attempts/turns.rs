@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use crate::runtime::Context;
-use crate::shutdown::Shutdown;
+use crate::shared::runtime::Context;
+use crate::shared::shutdown::Shutdown;
 
 /// How often a hand-out looks without being woken: what other workers'
 /// claims and settlements freed waits at most this long.
@@ -115,7 +115,7 @@ pub(super) async fn hand_out(
         if handed.is_empty() {
             continue;
         }
-        crate::metrics::turns_handed_out(&provider, handed.len());
+        crate::shared::metrics::turns_handed_out(&provider, handed.len());
         // A publish that fails is the relay's: the rows are in the outbox.
         if let Err(e) = ctx.publish_outbox(&handed).await {
             tracing::warn!(error = %e, %provider, "publishing handed-out turns failed; the relay will retry");

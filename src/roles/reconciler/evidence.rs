@@ -1,15 +1,15 @@
 //! The evidence pass: every second, for each provider that keeps evidence
 //! apart, its `unknown` attempts that are due for a look are taken (one pod
-//! at a time, under a lease) and looked up ([`crate::evidence`]), and what
+//! at a time, under a lease) and looked up ([`crate::shared::evidence`]), and what
 //! their resolutions wrote is published.
 
 use std::time::Duration;
 
-use crate::config::{EvidenceKind, Provider};
-use crate::evidence::Looker;
-use crate::provider::Client;
-use crate::runtime::{Context, Result};
-use crate::shutdown::Shutdown;
+use crate::shared::config::{EvidenceKind, Provider};
+use crate::shared::evidence::Looker;
+use crate::shared::provider::Client;
+use crate::shared::runtime::{Context, Result};
+use crate::shared::shutdown::Shutdown;
 
 /// How long a pod holds an unknown it is looking up before another may, on
 /// top of its provider's `timeout`.
@@ -71,7 +71,7 @@ async fn provider_loop(ctx: Context, provider: Provider, shutdown: Shutdown) {
 async fn provider_once(ctx: &Context, client: &Client) -> Result<()> {
     let provider = client.provider();
     let claims = ctx.store.latest_claims().await?;
-    if !crate::evidence::claim_holds(provider, claims.get(&provider.name)) {
+    if !crate::shared::evidence::claim_holds(provider, claims.get(&provider.name)) {
         return Ok(());
     }
     let delays = [(provider.name.clone(), provider.evidence.delay)];

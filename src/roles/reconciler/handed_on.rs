@@ -1,4 +1,4 @@
-//! Settlements handed on through the broker ([`crate::handed_on`]): each one
+//! Settlements handed on through the broker ([`crate::shared::handed_on`]): each one
 //! that names the claim its open attempt was started under is kept on that
 //! attempt, for the kept-answer pass to settle by the same compare-and-swap
 //! as a live answer; one whose attempt was settled meanwhile (a duplicate)
@@ -12,9 +12,9 @@ use std::time::Duration;
 use lapin::message::Delivery;
 
 use crate::broker::{SETTLEMENTS_QUEUE, escape_controls};
-use crate::handed_on::Settlement;
-use crate::runtime::{self, Context, Result, WorkerError, with_retries};
-use crate::shutdown::Shutdown;
+use crate::shared::handed_on::Settlement;
+use crate::shared::runtime::{self, Context, Result, WorkerError, with_retries};
+use crate::shared::shutdown::Shutdown;
 use crate::store::HandedOn;
 
 /// Settlements taken at once.
@@ -24,7 +24,7 @@ const HELD_PAUSE: Duration = Duration::from_millis(200);
 
 /// Takes handed-on settlements until shutdown.
 pub(super) async fn consume(ctx: Context, shutdown: Shutdown) -> Result<()> {
-    let limit = crate::handed_on::limit(&ctx.config);
+    let limit = crate::shared::handed_on::limit(&ctx.config);
     runtime::consume(&ctx, SETTLEMENTS_QUEUE, PREFETCH, &shutdown, |delivery| {
         let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
         async move { handle(&ctx, &shutdown, delivery, limit).await }
@@ -62,12 +62,12 @@ async fn take(ctx: &Context, shutdown: &Shutdown, delivery: &Delivery, limit: us
         match kept {
             Ok(HandedOn::Kept) => {
                 tracing::info!(attempt_id = %settlement.attempt_id, job_id = %settlement.job_id, "a handed-on settlement is kept on its attempt, for the kept-answer pass to settle");
-                crate::metrics::settlement_handed_on("kept");
+                crate::shared::metrics::settlement_handed_on("kept");
                 return Ok(());
             }
             Ok(HandedOn::Settled) => {
                 tracing::info!(attempt_id = %settlement.attempt_id, "a handed-on settlement's attempt was settled already: it settles nothing");
-                crate::metrics::settlement_handed_on("settled_already");
+                crate::shared::metrics::settlement_handed_on("settled_already");
                 return Ok(());
             }
             Ok(HandedOn::NoSuchClaim) => {
@@ -101,7 +101,7 @@ async fn refuse(
     reason: &str,
 ) -> Result<()> {
     tracing::warn!(reason = %escape_controls(reason), "a message on {SETTLEMENTS_QUEUE} settles nothing: dead-lettered");
-    crate::metrics::settlement_handed_on("refused");
+    crate::shared::metrics::settlement_handed_on("refused");
     with_retries(shutdown, "dead-lettering a settlement", || {
         ctx.publish_dead_letter(SETTLEMENTS_QUEUE, delivery, reason)
     })

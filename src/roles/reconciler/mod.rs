@@ -35,7 +35,7 @@
 //! - **Evidence**: an `unknown` attempt of a provider that keeps evidence is
 //!   settled from it (a stored completion, or the answer to its request sent
 //!   again with its key), or failed when there is none (`evidence`; one look
-//!   is [`crate::evidence`]).
+//!   is [`crate::shared::evidence`]).
 //! - **Hedging**: for operations with `hedge_after`, a job whose attempt has been
 //!   silent that long gets one parallel attempt on the next qualified provider.
 //!
@@ -48,9 +48,9 @@ mod handed_on;
 use std::time::Duration;
 
 use crate::domain::{self, GiveUp};
-use crate::policy::Planner;
-use crate::runtime::{Context, Result, WorkerError};
-use crate::shutdown::Shutdown;
+use crate::shared::policy::Planner;
+use crate::shared::runtime::{Context, Result, WorkerError};
+use crate::shared::shutdown::Shutdown;
 use crate::store::{FailedJob, Settled};
 use crate::trace::TraceContext;
 
@@ -124,7 +124,7 @@ async fn prune_loop(ctx: Context, shutdown: Shutdown) {
         match ctx.store.vacuum_if_due().await {
             Ok(tables) => {
                 for table in tables {
-                    crate::metrics::vacuumed(&table);
+                    crate::shared::metrics::vacuumed(&table);
                     tracing::info!(%table, "vacuumed (the server runs no autovacuum)");
                 }
             }
@@ -145,7 +145,7 @@ async fn vacuum_turns_loop(ctx: Context, shutdown: Shutdown) {
         match ctx.store.vacuum_turns_if_due().await {
             Ok(vacuumed) => {
                 if vacuumed {
-                    crate::metrics::vacuumed("turns");
+                    crate::shared::metrics::vacuumed("turns");
                 }
                 failing = false;
             }
@@ -179,7 +179,7 @@ pub(crate) async fn prune_jobs(
             || shutdown.is_triggered(),
         )
         .await?;
-    crate::metrics::oldest_prunable(pass.oldest);
+    crate::shared::metrics::oldest_prunable(pass.oldest);
     Ok(pass.pruned)
 }
 
@@ -414,7 +414,7 @@ pub(crate) async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
     let mut dead = Vec::new();
     for provider in ctx.config.providers.keys() {
         let queue = crate::broker::dead_letter_queue(&crate::broker::attempts_queue(provider));
-        crate::dlq::visit(&ctx.connection, &queue, 256, |letter, delivery| {
+        crate::shared::dlq::visit(&ctx.connection, &queue, 256, |letter, delivery| {
             if let Ok(message) =
                 serde_json::from_slice::<crate::domain::AttemptMessage>(&delivery.data)
             {
@@ -450,9 +450,9 @@ pub(crate) async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
 pub(crate) async fn reflect_dead_intents(ctx: &Context) -> Result<()> {
     let queue = crate::broker::dead_letter_queue(crate::broker::INTENTS_QUEUE);
     let mut valid: Vec<crate::store::NewJob> = Vec::new();
-    crate::dlq::visit(&ctx.connection, &queue, 256, |letter, delivery| {
+    crate::shared::dlq::visit(&ctx.connection, &queue, 256, |letter, delivery| {
         if letter.reason == "delivery_limit"
-            && let Ok(mut new) = crate::runtime::new_job(&ctx.config, &delivery.data)
+            && let Ok(mut new) = crate::shared::runtime::new_job(&ctx.config, &delivery.data)
         {
             // The publisher's trace continues here as it would have at intake.
             let parent = TraceContext::from_headers(delivery.properties.headers().as_ref());

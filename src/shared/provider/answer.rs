@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::wire::Wire;
-use crate::config::{Operation, Provider};
+use crate::shared::config::{Operation, Provider};
 use crate::store::{Finished, Verdict};
 
 /// An answer from the provider.
@@ -184,12 +184,12 @@ mod tests {
 
     use super::*;
     use crate::intent::has_nul;
-    use crate::provider::wire::openai::OpenAi;
+    use crate::shared::provider::wire::openai::OpenAi;
 
     const OPENAI: OpenAi = OpenAi;
 
     fn provider() -> Provider {
-        crate::config::Config::parse(crate::config::EMBEDDED_DEFAULT, "t")
+        crate::shared::config::Config::parse(crate::shared::config::EMBEDDED_DEFAULT, "t")
             .unwrap()
             .providers["primary"]
             .clone()

@@ -10,9 +10,9 @@ use serde_json::Value;
 
 use super::Client;
 use super::answer::{Answer, CallError, verdict};
-use crate::config::{Config, Operation, ProviderKind, Rendered};
 use crate::domain::{AttemptId, JobId};
 use crate::mock::{MockHandle, MockOptions};
+use crate::shared::config::{Config, Operation, ProviderKind, Rendered};
 use crate::store::{Finished, Verdict};
 
 /// A mock obeying directives, and a client of `kind` for it, with `extra`
@@ -271,7 +271,7 @@ pub(super) async fn an_answer_that_breaks_the_contract_fails(kind: ProviderKind)
 macro_rules! conformance {
     ($name:ident, $kind:expr) => {
         mod $name {
-            use crate::config::ProviderKind;
+            use crate::shared::config::ProviderKind;
 
             const KIND: ProviderKind = $kind;
 

@@ -23,8 +23,8 @@ use answer::{Answer, CallError, judge, shown};
 use stored::evidence_metadata;
 use wire::Wire;
 
-use crate::config::{EvidenceKind, Operation, Provider, Rendered};
 use crate::domain::{AttemptId, JobId};
+use crate::shared::config::{EvidenceKind, Operation, Provider, Rendered};
 use crate::trace::TraceContext;
 
 /// An HTTP client for one provider.

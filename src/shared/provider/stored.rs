@@ -6,8 +6,8 @@ use serde_json::{Value, json};
 
 use super::answer::{Answer, CallError, judge};
 use super::{Client, without_url};
-use crate::config::ProviderKind;
 use crate::domain::{AttemptId, JobId};
+use crate::shared::config::ProviderKind;
 
 impl Client {
     /// What the provider stored of `attempt`'s call (`evidence = "stored"`):

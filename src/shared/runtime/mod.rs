@@ -29,9 +29,9 @@ use lapin::{Connection, message::Delivery};
 use publish::{copied_properties, publish_rows};
 
 use crate::broker::{self, BrokerError, Publisher};
-use crate::config::Config;
 use crate::domain::{AttemptId, JobId};
 use crate::intent::{Intent, RejectReason};
+use crate::shared::config::Config;
 use crate::store::{NewJob, OutboxMessage, Routes, Store, StoreError};
 
 pub use consume::{Arrival, Batching, consume, consume_batches};
@@ -54,7 +54,7 @@ pub enum WorkerError {
     Amqp(#[from] lapin::Error),
     /// Reading a dead-letter queue.
     #[error(transparent)]
-    DeadLetters(#[from] crate::dlq::DlqError),
+    DeadLetters(#[from] crate::shared::dlq::DlqError),
     /// A role names a provider that is not configured.
     #[error("--provider {0:?} is not a configured provider")]
     UnknownProvider(String),
@@ -129,7 +129,7 @@ impl Context {
                 )
             })
             .await?;
-        crate::metrics::install();
+        crate::shared::metrics::install();
         let store = Store::connect(
             database_url,
             config.worker.pool_size,
@@ -198,7 +198,7 @@ impl Context {
         self.publisher
             .publish(broker::DLX, queue, &delivery.data, props, true)
             .await?;
-        crate::metrics::dead_lettered(queue);
+        crate::shared::metrics::dead_lettered(queue);
         Ok(())
     }
 
@@ -251,15 +251,15 @@ pub fn new_job(config: &Config, body: &[u8]) -> std::result::Result<NewJob, Reje
 /// tiktoken does not know the model), plus its operation's `max_tokens`.
 pub fn reservation(
     config: &Config,
-    operation: &crate::config::Operation,
+    operation: &crate::shared::config::Operation,
     provider: &str,
-    rendered: &crate::config::Rendered,
+    rendered: &crate::shared::config::Rendered,
 ) -> i64 {
     let model = config
         .providers
         .get(provider)
         .map_or("", |p| p.model.as_str());
-    let (prompt, _) = crate::qualify::count_tokens(model, rendered);
+    let (prompt, _) = crate::shared::qualify::count_tokens(model, rendered);
     i64::try_from(prompt).unwrap_or(i64::MAX / 2) + i64::from(operation.max_tokens)
 }
 

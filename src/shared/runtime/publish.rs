@@ -10,7 +10,7 @@ use lapin::types::FieldTable;
 
 use super::Result;
 use crate::broker::{self, BrokerError, Publisher};
-use crate::config::Config;
+use crate::shared::config::Config;
 use crate::store::{OutboxMessage, Store};
 
 /// How many fresh copies of an intent onejob has made ([`Context::hand_on_intent`](super::Context::hand_on_intent)).
@@ -84,7 +84,7 @@ pub(super) async fn publish_rows(
             }
         }
     }
-    crate::metrics::published(published.len());
+    crate::shared::metrics::published(published.len());
     (published, first_error)
 }
 

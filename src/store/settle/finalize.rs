@@ -49,7 +49,7 @@ impl Store {
                 }
                 Err(e) if e.is_contention() => {
                     tracing::info!(attempt_id = %one[0].attempt_id, error = %e, "a settlement met contention; it is settled again later");
-                    crate::metrics::db_retry(&e.retry_code());
+                    crate::shared::metrics::db_retry(&e.retry_code());
                     settled.push(Settled::Busy);
                 }
                 Err(e) if e.is_data_error() => {

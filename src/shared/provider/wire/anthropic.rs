@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::{Read, Wire};
-use crate::config::{Operation, Provider, Rendered};
+use crate::shared::config::{Operation, Provider, Rendered};
 
 /// The Anthropic wire format.
 pub(crate) struct Anthropic;

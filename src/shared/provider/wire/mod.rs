@@ -15,7 +15,7 @@ pub(crate) mod openai;
 
 use serde_json::Value;
 
-use crate::config::{Operation, Provider, ProviderKind, Rendered};
+use crate::shared::config::{Operation, Provider, ProviderKind, Rendered};
 
 /// One kind's wire format.
 pub(crate) trait Wire: Send + Sync {

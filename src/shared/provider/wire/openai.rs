@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::{Read, Wire};
-use crate::config::{Operation, Provider, Rendered};
+use crate::shared::config::{Operation, Provider, Rendered};
 
 /// The OpenAI wire format.
 pub(crate) struct OpenAi;
