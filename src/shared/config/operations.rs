@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use super::checks::{at_least, check_name, duration, invalid};
 use super::retention::{RawRetention, Retention, parse_retention};
-use super::{Provider, Result};
+use super::{Provider, ProviderKind, Result};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -175,6 +175,43 @@ fn check_route(
     Ok(())
 }
 
+/// `temperature`: 0.0 to 2.0, and at most the highest every kind on the
+/// route takes (Anthropic's Messages API takes 0.0 to 1.0: a higher one
+/// would fail every call to it).
+fn check_temperature(
+    origin: &str,
+    at: &dyn Fn(&str) -> String,
+    temperature: Option<f64>,
+    route: &[String],
+    providers: &BTreeMap<String, Provider>,
+) -> Result<f64> {
+    let temperature = temperature.unwrap_or(0.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(invalid(
+            origin,
+            at("temperature"),
+            "must be between 0.0 and 2.0",
+        ));
+    }
+    let anthropic = route
+        .iter()
+        .filter_map(|p| providers.get(p))
+        .find(|p| p.kind == ProviderKind::Anthropic);
+    if let Some(p) = anthropic
+        && temperature > 1.0
+    {
+        return Err(invalid(
+            origin,
+            at("temperature"),
+            format!(
+                "must be at most 1.0: the route's provider {:?} is of kind \"anthropic\", whose API takes 0.0 to 1.0",
+                p.name
+            ),
+        ));
+    }
+    Ok(temperature)
+}
+
 fn toml_to_json(v: toml::Value) -> Value {
     match v {
         toml::Value::String(s) => Value::String(s),
@@ -210,14 +247,7 @@ impl Operation {
         let (output_schema, validator) = contract(origin, &at("output_schema"), o.output_schema)?;
         check_route(origin, &at("route"), &o.route, providers)?;
         let max_attempts = at_least(origin, &at("max_attempts"), o.max_attempts, 1, 3)?;
-        let temperature = o.temperature.unwrap_or(0.0);
-        if !(0.0..=2.0).contains(&temperature) {
-            return Err(invalid(
-                origin,
-                at("temperature"),
-                "must be between 0.0 and 2.0",
-            ));
-        }
+        let temperature = check_temperature(origin, &at, o.temperature, &o.route, providers)?;
         let max_tokens = at_least(
             origin,
             &at("max_tokens"),

@@ -530,6 +530,16 @@ fn each_kind_parses_and_takes_only_the_evidence_its_api_gives() {
             && err.contains("kind \"anthropic\" cannot have evidence \"stored\""),
         "{err}"
     );
+    // Its API takes a temperature of 0.0 to 1.0; OpenAI's up to 2.0.
+    let hot = |text: String| text.replace("temperature = 0.0", "temperature = 1.5");
+    assert!(Config::parse(&hot(EMBEDDED_DEFAULT.to_owned()), "t").is_ok());
+    let err = Config::parse(&hot(anthropic("")), "t")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("operations.summarize.temperature") && err.contains("at most 1.0"),
+        "{err}"
+    );
     let err = Config::parse(
         &EMBEDDED_DEFAULT.replace("kind = \"openai\"", "kind = \"Anthropic\""),
         "t",
