@@ -1,9 +1,17 @@
 //! Admission: validated intents become jobs, each with its first attempt and
 //! that attempt's outbox row; identity is decided by the UNIQUE constraint.
 
+use std::collections::{BTreeSet, HashMap};
+
+use serde_json::Value;
+use uuid::Uuid;
+
 use super::outbox::{InsertedRow, OutboxColumns};
-use super::*;
+use crate::domain::JobId;
 use crate::intent::RejectReason;
+use crate::store::drafts::{OutboxDraft, OutboxMessage};
+use crate::store::error::{Result, corrupt};
+use crate::store::{Admission, NewJob, Store};
 
 impl Store {
     /// Turns validated intents into jobs. Identity is decided by the UNIQUE
@@ -363,7 +371,14 @@ fn receipts(
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::receipts;
+    use crate::domain::{AttemptId, JobId};
+    use crate::intent::Intent;
+    use crate::store::drafts::OutboxMessage;
+    use crate::store::error::StoreError;
+    use crate::store::{Admission, NewJob};
+    use serde_json::Value;
+    use std::collections::HashMap;
 
     fn new_job(owner: &str, key: &str, text: &str) -> NewJob {
         let intent = Intent {

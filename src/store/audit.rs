@@ -1,6 +1,14 @@
 //! The audit table: who did what to which job, when, and why.
 
-use super::*;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, JobId};
+use crate::store::Store;
+use crate::store::error::Result;
 
 /// Who acts, and why: what an operator action is recorded with.
 #[derive(Clone, Debug, PartialEq, Eq)]

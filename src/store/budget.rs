@@ -6,9 +6,16 @@
 //! reservations of attempts that start without one (retries, hedges). They
 //! end by the trigger of migration 0018.
 
+use std::collections::{BTreeSet, HashMap};
+
+use sqlx::PgConnection;
+use uuid::Uuid;
+
 use super::owners::WINDOW_SECS;
-use super::*;
+use crate::domain::AttemptId;
 use crate::intent::RejectReason;
+use crate::store::error::Result;
+use crate::store::{NewJob, Store};
 
 /// What one owner's budget leaves, read under its budget lock.
 #[derive(Clone, Debug, PartialEq)]

@@ -1,7 +1,15 @@
 //! The connection: the pool, its session settings, the database created if
 //! missing, and the migrations.
 
-use super::*;
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgConnection, PgPool};
+
+use crate::store::drafts::Routes;
+use crate::store::error::{Result, StoreError};
+use crate::store::{MIGRATOR, Store};
 
 /// What every onejob session sets at its start: no transaction idles for
 /// more than a minute, and a silent peer is probed after 30 s (then every

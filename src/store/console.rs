@@ -1,7 +1,17 @@
 //! What the operator console reads: its sessions, pages of jobs, the unknowns,
 //! the overview's counts.
 
-use super::*;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::domain::JobStatus;
+use crate::shared::token::Token;
+use crate::store::Store;
+use crate::store::error::Result;
+use crate::store::views::JobView;
 
 /// A signed-in console session.
 #[derive(Clone, Debug, PartialEq, Eq)]

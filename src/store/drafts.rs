@@ -1,7 +1,13 @@
 //! What a commit writes to the outbox: attempt messages and job events, and the
 //! exchanges they go to; and the rows the relay publishes.
 
-use super::*;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::domain::{AttemptId, JobId, JobStatus};
 
 /// A message to publish because of a commit, written in that commit's transaction.
 #[derive(Clone, Debug, PartialEq)]
@@ -171,8 +177,9 @@ pub(super) fn test_routes() -> Routes {
 
 #[cfg(test)]
 mod tests {
+    use super::Ended;
     use super::test_routes as routes;
-    use super::*;
+    use crate::domain::{JobId, JobStatus};
 
     #[test]
     fn an_ended_job_publishes_the_event_of_its_status() {

@@ -1,7 +1,7 @@
 //! What goes wrong: a storage failure, told apart by what helps (running again,
 //! waiting for the database, nothing), and an operator action refused.
 
-use super::*;
+use crate::domain::JobStatus;
 
 /// A storage failure.
 #[derive(Debug, thiserror::Error)]

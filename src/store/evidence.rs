@@ -1,7 +1,17 @@
 //! Evidence lookups: the `unknown` attempts of providers that keep evidence,
 //! taken one pod at a time under a lease, and what each look found.
 
-use super::*;
+use std::collections::HashMap;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, JobId};
+use crate::store::Store;
+use crate::store::error::Result;
 
 /// An unknown attempt due for a look at its provider's evidence.
 #[derive(Clone, Debug)]

@@ -1,6 +1,10 @@
 //! Prometheus gauges read from the tables.
 
-use super::*;
+use std::collections::HashMap;
+
+use crate::domain::{AttemptStatus, JobStatus};
+use crate::store::Store;
+use crate::store::error::Result;
 
 /// How many owners the per-owner gauges name at most, by each figure.
 const OWNER_GAUGES: i64 = 50;

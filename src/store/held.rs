@@ -3,7 +3,13 @@
 //! which would otherwise wait for ever: only a consumer of a turn's provider
 //! hands it out.
 
-use super::*;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::domain::AttemptId;
+use crate::store::Store;
+use crate::store::error::Result;
 
 /// The turns held for one provider.
 #[derive(Clone, Debug, PartialEq, Serialize)]

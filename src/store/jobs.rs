@@ -1,7 +1,18 @@
 //! Jobs: the views operators and owners read, and cancellation (admission is
 //! `admission.rs`).
 
-use super::*;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
+use crate::store::audit::{Action, Actor};
+use crate::store::drafts::{Ended, OutboxMessage};
+use crate::store::error::{Refusal, Result};
+use crate::store::views::{AttemptView, JobRow, JobView};
+use crate::store::{Store, audit};
 
 impl Store {
     /// Where an attempt stands: its job, its status, and its job's status.

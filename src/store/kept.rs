@@ -9,7 +9,16 @@
 //! `attempts_answer_closed` when its attempt closes by any other path, its
 //! usage kept on the attempt.
 
-use super::*;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, JobId};
+use crate::store::Store;
+use crate::store::error::{Result, corrupt};
+use crate::store::settle::{Finished, Verdict};
 
 /// An answer as kept on its attempt (`attempts.answer`).
 #[derive(Debug, Serialize, serde::Deserialize)]

@@ -19,21 +19,13 @@
 //! can deadlock, which Postgres detects, and the loser's transaction is retried
 //! whole, as is any deadlock or serialization failure.
 
-use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
-use backon::{ExponentialBuilder, Retryable};
 use chrono::{DateTime, Utc};
-use futures_util::TryFutureExt;
-use serde::Serialize;
-use serde_json::Value;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgConnection, PgPool};
-use uuid::Uuid;
+use sqlx::PgPool;
 
-use crate::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
+use crate::domain::{AttemptId, JobId};
 use crate::intent::{Fingerprint, Intent};
-use crate::shared::token::Token;
 
 /// The migrations, embedded in every binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -65,9 +57,7 @@ mod views;
 pub use audit::{Action, Actor, AuditEntry};
 pub use budget::Reservation;
 pub use console::{JobFilter, JobLine, JobMessage, Overview, Session, Unknown};
-use drafts::Ended;
 pub use drafts::{OutboxDraft, OutboxMessage, Routes};
-use error::corrupt;
 pub use error::{Refusal, Result, StoreError};
 pub use evidence::{EvidenceClaim, EvidenceDue};
 pub use held::HeldTurns;
@@ -81,7 +71,6 @@ pub use settle::{
 };
 pub use tokens::OperatorTokenView;
 pub use turns::HandOut;
-use views::JobRow;
 pub use views::{AttemptView, JobView, TokenView};
 
 /// One intent ready to become a job.

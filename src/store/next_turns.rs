@@ -7,7 +7,15 @@
 //! turns already waiting there, under the owner's share and
 //! `max_in_flight`.
 
-use super::*;
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, JobId};
+use crate::store::Store;
+use crate::store::drafts::OutboxDraft;
+use crate::store::error::Result;
 
 /// An attempt, other than a job's first, that takes a turn.
 pub(super) struct NextTurn<'a> {

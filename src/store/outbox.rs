@@ -2,7 +2,16 @@
 //! causes them, claimed by publishers with leases, marked once confirmed, and
 //! pruned after `outbox_retention`.
 
-use super::*;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::store::Store;
+use crate::store::drafts::{OutboxDraft, OutboxMessage};
+use crate::store::error::Result;
 
 impl Store {
     pub(super) async fn insert_outbox(

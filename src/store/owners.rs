@@ -2,9 +2,17 @@
 //! what each owner spent over the last 24 hours, and which owners are over
 //! their budget.
 
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use uuid::Uuid;
+
 use super::audit::record;
-use super::*;
 use crate::shared::config::{OwnerLimits, OwnerOverrides};
+use crate::store::Store;
+use crate::store::audit::{Action, Actor};
+use crate::store::error::Result;
 
 /// The window a daily budget counts, and how long a minute's spend counts:
 /// the minute is counted while any part of it is within the last 24 hours.

@@ -1,6 +1,12 @@
 //! Provider qualification runs.
 
-use super::*;
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::store::Store;
+use crate::store::error::Result;
 
 /// The latest qualification run of one provider for one operation.
 #[derive(Clone, Debug, PartialEq)]

@@ -1,6 +1,11 @@
 //! Running statements again when their failure is worth another try.
 
-use super::*;
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+
+use crate::store::Store;
+use crate::store::error::{Result, StoreError};
 
 impl Store {
     /// Runs `f` again when it fails with a deadlock or serialization failure,

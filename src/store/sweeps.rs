@@ -1,9 +1,17 @@
 //! What the reconciler's passes ask of the tables: vanished workers, stuck
 //! queued attempts, and hedging.
 
+use std::time::Duration;
+
+use uuid::Uuid;
+
 use super::settle::{mark_unknown, take_rows};
-use super::*;
+use crate::domain::{AttemptId, JobId, JobStatus};
+use crate::store::drafts::OutboxMessage;
+use crate::store::error::Result;
 use crate::store::next_turns::NextTurn;
+use crate::store::settle::Settled;
+use crate::store::{HedgeCandidate, Store};
 
 impl Store {
     /// Queued attempts that never started although their message was last

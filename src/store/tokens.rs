@@ -1,6 +1,14 @@
 //! The HTTP gateway's bearer tokens (only their digests).
 
-use super::*;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::shared::token::Token;
+use crate::store::audit::{Action, Actor};
+use crate::store::error::Result;
+use crate::store::views::TokenView;
+use crate::store::{Store, audit};
 
 impl Store {
     /// Records a new gateway token for `owner_id` (only its digest) and returns

@@ -9,7 +9,9 @@
 //! `queued`, and `owner_in_flight` are in `migrations/0015_turns.sql`.
 
 use super::outbox::{InsertedRow, leased};
-use super::*;
+use crate::store::Store;
+use crate::store::drafts::OutboxMessage;
+use crate::store::error::Result;
 
 /// The most owners one hand-out looks at; the next one goes on after the
 /// last of them (a rotation), so every owner is looked at in turn however

@@ -1,6 +1,11 @@
 //! Jobs, attempts and gateway tokens as operators see them.
 
-use super::*;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
 
 /// A job as operators see it.
 #[derive(Clone, Debug, Serialize)]

@@ -1,7 +1,16 @@
 //! The guarded start: queued attempts claimed for a call, their jobs marked
 //! `running`, and a claim handed back when its caller gave up on it.
 
-use super::*;
+use std::time::Duration;
+
+use futures_util::TryFutureExt;
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, JobId};
+use crate::store::Store;
+use crate::store::error::{Result, StoreError, corrupt};
+use crate::store::settle::{Claim, Started, Unreserved};
 
 impl Store {
     /// Moves queued attempts to `started` with one guarded statement and marks their

@@ -1,7 +1,17 @@
 //! Successes: the compare-and-swap, in which exactly one attempt per job wins
 //! and every other is discarded, its usage kept.
 
-use super::*;
+use std::collections::HashMap;
+
+use serde_json::Value;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, JobId, JobStatus};
+use crate::store::Store;
+use crate::store::drafts::{Ended, OutboxDraft, Routes};
+use crate::store::error::{Result, corrupt};
+use crate::store::settle::{Finished, Settled, Verdict};
 
 impl Store {
     /// The compare-and-swap. Exactly one attempt per job can move `completed_by`
@@ -191,8 +201,12 @@ async fn winners_of(
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{CasRow, cas_outcomes};
+    use crate::domain::{AttemptId, JobId, JobStatus};
     use crate::store::drafts::test_routes as routes;
+    use crate::store::error::StoreError;
+    use crate::store::settle::Settled;
+    use uuid::Uuid;
 
     fn won_row(job: Uuid, attempt: Uuid, version: i64) -> CasRow {
         CasRow {

@@ -2,7 +2,11 @@
 //! reservation did not fit): failed while still `queued`, and what follows
 //! planned as for any definite failure.
 
-use super::*;
+use crate::domain::{AttemptId, AttemptStatus};
+use crate::store::Store;
+use crate::store::drafts::OutboxMessage;
+use crate::store::error::Result;
+use crate::store::settle::{FailedJob, Failure, NextStep, Settled};
 
 impl Store {
     /// Fails attempts that are still `queued` (their message was lost for

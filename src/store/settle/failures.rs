@@ -2,11 +2,22 @@
 //! and read, and the plan carried out (next attempts, blocks lifted, jobs
 //! failed).
 
+use std::collections::{BTreeSet, HashMap};
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
 use super::plan::{
     AttemptCounts, FailedAttempt, FailurePlan, JobState, NextAttempt, plan_failures,
 };
-use super::*;
+use crate::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
+use crate::store::Store;
+use crate::store::drafts::{Ended, OutboxDraft};
+use crate::store::error::{Result, corrupt};
 use crate::store::next_turns::NextTurn;
+use crate::store::settle::{FailedJob, Failure, NextStep, Settled};
 
 impl Store {
     /// Definite failures: mark the attempts `failed`, then, per job, either create

@@ -1,8 +1,19 @@
 //! Settling a flush of finished attempts in one transaction, and each apart
 //! when Postgres refuses the flush; the rows a settlement takes first.
 
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use serde_json::Value;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
 use super::unknown::mark_unknown;
-use super::*;
+use crate::domain::{AttemptId, AttemptStatus, JobId};
+use crate::store::Store;
+use crate::store::drafts::OutboxMessage;
+use crate::store::error::{Result, StoreError};
+use crate::store::settle::{FailedJob, Failure, Finished, NextStep, Settled, Verdict};
 
 impl Store {
     /// Settles finished attempts in one transaction: successes race through the

@@ -15,7 +15,13 @@
 //!
 //! This file holds the words a settlement is told in and answers with.
 
-use super::*;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, JobId};
 
 mod claim;
 mod compare_and_swap;

@@ -2,7 +2,16 @@
 //! job, nothing for an ended job, a block lifted when no unknown is left, and
 //! otherwise the caller's route rule.
 
-use super::*;
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, JobId, JobStatus};
+use crate::store::error::{Result, corrupt};
+use crate::store::later;
+use crate::store::settle::{FailedJob, Failure, NextStep};
 
 /// An attempt planned after a definite failure. `not_before` is `None` when it is
 /// due now: its writer publishes it at once instead of leaving it to the relay.
@@ -134,7 +143,14 @@ pub(super) fn plan_failures(
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{AttemptCounts, FailedAttempt, JobState, plan_failures};
+    use crate::domain::{AttemptId, JobStatus};
+    use crate::store::later;
+    use crate::store::settle::{FailedJob, Failure, NextStep};
+    use chrono::Utc;
+    use std::collections::HashMap;
+    use std::time::Duration;
+    use uuid::Uuid;
 
     fn counts(
         job: Uuid,

@@ -1,7 +1,14 @@
 //! An operator's out-of-band resolution of an open attempt: a definite
 //! failure, or the end of the attempt and its job.
 
-use super::*;
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, AttemptStatus, JobId};
+use crate::store::audit::{Action, Actor};
+use crate::store::drafts::OutboxMessage;
+use crate::store::error::{Refusal, Result};
+use crate::store::settle::{FailedJob, Failure, NextStep, Resolution, Settled};
+use crate::store::{Store, audit};
 
 /// What a resolution did: the attempt's settlement and the outbox rows to
 /// publish now; `None` when its last try changed nothing.

@@ -1,7 +1,14 @@
 //! Timeouts: a still-`started` attempt becomes `unknown` and blocks its job,
 //! or is discarded when its job has ended meanwhile.
 
-use super::*;
+use std::collections::{BTreeSet, HashMap};
+
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, AttemptStatus, JobStatus};
+use crate::store::error::{Result, corrupt};
+use crate::store::settle::Settled;
 
 /// Timeouts: each still-`started` attempt becomes `unknown` and blocks its job,
 /// unless the job has already ended (another attempt won, or it was cancelled):
