@@ -1,5 +1,5 @@
 //! The library's modules import one another one way only: down a fixed table of
-//! layers (the one `lib.rs` documents), with no cycle, and the roles (intake,
+//! layers ([`LAYERS`]), with no cycle, and the roles (intake,
 //! attempts, reconciler) never import one another, the fleet that composes them,
 //! or the operator CLI. Read from the source itself (every `crate::module` a
 //! module names outside comments), so a change that adds a cycle or an upward
@@ -130,7 +130,7 @@ fn every_module_has_a_layer() {
     for module in graph.keys() {
         assert!(
             layer_of(module).is_some(),
-            "{module} has no layer: place it in LAYERS (tests/layering.rs) and in lib.rs's table"
+            "{module} has no layer: place it in LAYERS (tests/layering.rs) and in the code map (ARCHITECTURE.md)"
         );
     }
 }
@@ -242,31 +242,77 @@ fn only_the_fleet_names_the_roles() {
     }
 }
 
+/// The code map is written once, in ARCHITECTURE.md: its `src/` section names
+/// every module of the library (each file and folder of `src/` and of its
+/// group folders) and names nothing that is not there.
 #[test]
-fn the_folders_hold_what_lib_rs_says() {
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let held = |group: &str| -> BTreeSet<String> {
-        entries(&src.join(group))
-            .iter()
-            .map(|p| stem(p))
-            .filter(|m| m != "mod")
-            .collect()
+fn the_code_map_names_every_module_and_nothing_else() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let src = root.join("src");
+    let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let start = text
+        .find("### `src/` (onejob)")
+        .expect("the map's src/ section");
+    let end = text[start..]
+        .find("\n### ")
+        .map_or(text.len(), |e| start + e);
+    let map = &text[start..end];
+    let named = |path: &std::path::Path| {
+        let name = stem(path);
+        let spelled = if path.is_dir() {
+            format!("`{name}/`")
+        } else {
+            format!("`{name}.rs`")
+        };
+        map.contains(&spelled)
     };
-    let set = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<BTreeSet<_>>();
-    assert_eq!(held("roles"), set(&["attempts", "intake", "reconciler"]));
-    assert_eq!(
-        held("operator"),
-        set(&["cli", "console", "terminal", "throttle"])
-    );
-    let lib = std::fs::read_to_string(src.join("lib.rs")).expect("lib.rs");
-    for group in GROUPS {
-        for module in held(group) {
-            assert!(
-                lib.contains(&format!("{group}::{module}")),
-                "lib.rs does not document {group}/{module} by its path"
-            );
+    let mut modules = Vec::new();
+    for path in entries(&src) {
+        if stem(&path) == "lib" {
+            continue;
+        }
+        if path.is_dir() && GROUPS.contains(&stem(&path).as_str()) {
+            modules.extend(entries(&path).into_iter().filter(|p| stem(p) != "mod"));
+        }
+        modules.push(path);
+    }
+    let missing: Vec<String> = modules
+        .iter()
+        .filter(|p| !named(p))
+        .map(|p| p.display().to_string())
+        .collect();
+    assert!(missing.is_empty(), "not in the code map: {missing:?}");
+    // Every file or folder it names is somewhere under src/.
+    let mut everything = BTreeSet::from(["src/".to_owned()]);
+    let mut stack = vec![src.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("a folder") {
+            let path = entry.expect("entry").path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            if path.is_dir() {
+                everything.insert(format!("{name}/"));
+                stack.push(path);
+            } else {
+                everything.insert(name);
+            }
         }
     }
+    let gone: Vec<&str> = map
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|t| {
+            let bare = t.trim_end_matches('/').trim_end_matches(".rs");
+            (t.ends_with(".rs") || t.ends_with('/'))
+                && !bare.is_empty()
+                && bare.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+        })
+        .filter(|t| !everything.contains(*t))
+        .collect();
+    assert!(
+        gone.is_empty(),
+        "the code map names what is not there: {gone:?}"
+    );
 }
 
 /// No module is re-exported under a flatter name than where it lives: an
