@@ -24,7 +24,7 @@ const EVERY: Duration = Duration::from_secs(1);
 /// look can wait a whole timeout (a re-send, a listing that does not
 /// answer), and one slow provider must hold up neither the other passes nor
 /// the looks of the other providers.
-pub(crate) async fn evidence_loop(ctx: Context, shutdown: Shutdown) {
+pub(super) async fn evidence_loop(ctx: Context, shutdown: Shutdown) {
     let loops: Vec<_> = ctx
         .config
         .providers

@@ -1,0 +1,43 @@
+//! Kept answers: an answer whose rows were held under someone else's lock
+//! when it arrived, or that evidence found, was kept on its attempt; it is
+//! settled here, as a live answer would be.
+
+use std::time::Duration;
+
+use crate::shared::policy::Planner;
+use crate::shared::runtime::{Context, Result};
+use crate::store::{FailedJob, Settled};
+
+/// Settles the answers that were kept on their attempts because their rows
+/// were held when they arrived ([`crate::store::Store::keep_answer`]), or
+/// because evidence found them: by the same settlement as a live answer, so a
+/// job that ended meanwhile discards it with its usage kept. The settlement
+/// clears each answer it settles. One whose rows are still held, or that
+/// Postgres refused, is moved behind the others ([`KEPT_HELD_PAUSE`]), so
+/// that answers the pass cannot settle never keep it from those it can.
+pub(super) async fn settle_kept_once(ctx: &Context) -> Result<()> {
+    let kept = ctx.store.kept_answers(KEPT_BATCH).await?;
+    if kept.is_empty() {
+        return Ok(());
+    }
+    let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
+    let plan = |f: &FailedJob| planner.plan(f);
+    let (settled, publish) = ctx.store.finalize(&kept, &plan).await?;
+    let mut later = Vec::new();
+    for (finished, settled) in kept.iter().zip(&settled) {
+        match settled {
+            Settled::Busy | Settled::Refused { .. } => later.push(finished.attempt_id),
+            _ => {
+                tracing::info!(attempt_id = %finished.attempt_id, job_id = %finished.job_id, ?settled, "a kept answer was settled")
+            }
+        }
+    }
+    ctx.store.kept_later(&later, KEPT_HELD_PAUSE).await?;
+    ctx.publish_outbox(&publish).await?;
+    Ok(())
+}
+
+/// Kept answers one pass settles at most.
+const KEPT_BATCH: i64 = 100;
+/// How long a kept answer whose rows were held waits before it is tried again.
+const KEPT_HELD_PAUSE: Duration = Duration::from_secs(5);

@@ -1,0 +1,53 @@
+//! Lost messages: `queued` attempts that never started long after their
+//! message was published are republished, then failed with a reason after
+//! `max_republish` tries.
+
+use crate::shared::policy::Planner;
+use crate::shared::runtime::{Context, Result};
+use crate::store::FailedJob;
+
+/// Queued attempts whose message seems lost are republished, then failed.
+pub(super) async fn lost_once(ctx: &Context) -> Result<()> {
+    let w = &ctx.config.worker;
+    let max = i32::try_from(w.max_republish).unwrap_or(i32::MAX);
+    let backlogged = backlogged(ctx).await;
+    let (republish, lost) = ctx
+        .store
+        .stuck_queued(w.stuck_after, max, &backlogged)
+        .await?;
+    ctx.publish_outbox(&republish).await?;
+    if !lost.is_empty() {
+        let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
+        let plan = |f: &FailedJob| planner.plan(f);
+        let error = format!(
+            "attempt_lost: its message was republished {} times and the attempt never started",
+            w.max_republish
+        );
+        let lost: Vec<_> = lost.into_iter().map(|a| (a, error.clone())).collect();
+        let (_, publish) = ctx.store.fail_queued(&lost, true, &plan).await?;
+        ctx.publish_outbox(&publish).await?;
+    }
+    super::unserved::unserved_once(ctx).await
+}
+
+/// The providers whose attempts queue holds messages now. An attempt of theirs
+/// that has not started may simply be waiting in that backlog, so the stuck
+/// sweep leaves it alone until the queue has drained, or has moved past it
+/// ([`crate::store::Store::stuck_queued`]).
+async fn backlogged(ctx: &Context) -> Vec<String> {
+    let mut out = Vec::new();
+    for provider in ctx.config.providers.keys() {
+        let queue = crate::broker::attempts_queue(provider);
+        match crate::broker::depth(&ctx.connection, &queue).await {
+            Ok(0) => {}
+            Ok(_) => out.push(provider.clone()),
+            // Not knowing, take it for backlogged: only what its queue has
+            // moved past is taken this pass; the rest goes on.
+            Err(e) => {
+                tracing::warn!(%queue, error = %e, "cannot read the queue's depth");
+                out.push(provider.clone());
+            }
+        }
+    }
+    out
+}
