@@ -242,6 +242,49 @@ fn only_the_fleet_names_the_roles() {
     }
 }
 
+/// No import circle inside a folder either: the files beside one another
+/// (siblings, `super::name` of each other) import one way only.
+#[test]
+fn no_import_circle_among_the_files_of_a_folder() {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut circles = Vec::new();
+    let mut folders = vec![src];
+    while let Some(folder) = folders.pop() {
+        let files: Vec<_> = entries(&folder);
+        folders.extend(files.iter().filter(|p| p.is_dir()).cloned());
+        let names: BTreeSet<String> = files
+            .iter()
+            .map(|p| stem(p))
+            .filter(|n| n != "mod" && n != "lib")
+            .collect();
+        let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for path in files.iter().filter(|p| names.contains(&stem(p))) {
+            let deps = graph.entry(stem(path)).or_default();
+            for file in rust_files(path) {
+                let text = std::fs::read_to_string(&file).expect("read a module");
+                for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
+                    for name in &names {
+                        if *name != stem(path)
+                            && (line.contains(&format!("super::{name}::"))
+                                || line.contains(&format!("super::{name};")))
+                        {
+                            deps.insert(name.clone());
+                        }
+                    }
+                }
+            }
+        }
+        for (a, deps) in &graph {
+            for b in deps {
+                if a < b && graph.get(b).is_some_and(|d| d.contains(a)) {
+                    circles.push(format!("{}: {a} <-> {b}", folder.display()));
+                }
+            }
+        }
+    }
+    assert!(circles.is_empty(), "import circles: {circles:?}");
+}
+
 /// The code map is written once, in ARCHITECTURE.md: its `src/` section names
 /// every module of the library (each file and folder of `src/` and of its
 /// group folders) and names nothing that is not there.

@@ -3,10 +3,9 @@
 //! after, and the banner that says what was done (read from that row).
 
 use axum::http::StatusCode;
-use axum::response::Response;
 use uuid::Uuid;
 
-use super::page::Failure;
+use super::failure::{Failure, Refused};
 use super::session::Operator;
 use super::{Console, MAX_REASON};
 use crate::store::{Action, Actor, Store};
@@ -18,9 +17,9 @@ pub(super) fn authorised<'a>(
     who: &Operator,
     csrf: Option<&str>,
     reason: &'a str,
-) -> Result<&'a str, Box<Response>> {
+) -> Result<&'a str, Refused> {
     if let Some(refused) = who.refuses(app, csrf) {
-        return Err(Box::new(refused));
+        return Err(refused.into());
     }
     reason_of(app, who, reason)
 }
@@ -30,15 +29,15 @@ pub(super) fn reason_of<'a>(
     app: &Console,
     who: &Operator,
     reason: &'a str,
-) -> Result<&'a str, Box<Response>> {
+) -> Result<&'a str, Refused> {
     let reason = reason.trim();
     if reason.is_empty() || reason.chars().count() > MAX_REASON || reason.contains('\0') {
         let text = format!(
             "Give a reason (1 to {MAX_REASON} characters): it goes in the audit table. Nothing was done."
         );
-        return Err(Box::new(
-            app.message(Some(who), Failure(StatusCode::BAD_REQUEST, text)),
-        ));
+        return Err(app
+            .message(Some(who), Failure(StatusCode::BAD_REQUEST, text))
+            .into());
     }
     Ok(reason)
 }
@@ -50,14 +49,14 @@ pub(super) async fn begin_action(
     who: &Operator,
     reason: &str,
     action: &Action<'_>,
-) -> Result<Uuid, Box<Response>> {
+) -> Result<Uuid, Refused> {
     app.0
         .store
         .audit_begin(&Actor::operator(&who.name, reason), action)
         .await
         .map_err(|e| {
             let Failure(status, text) = e.into();
-            Box::new(app.message(
+            Refused::from(app.message(
                 Some(who),
                 Failure(
                     status,

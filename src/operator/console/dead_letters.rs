@@ -11,8 +11,9 @@ use uuid::Uuid;
 
 use super::Console;
 use super::action::{authorised, begin_action, done_banner, finish_action};
+use super::failure::{Failure, Refused};
 use super::overview::broker_connection;
-use super::page::{Failure, age, given};
+use super::page::{age, given};
 use super::session::Operator;
 use crate::broker;
 use crate::shared::dlq;
@@ -23,10 +24,10 @@ use crate::store::Action;
 pub(super) async fn broker_for(
     app: &Console,
     who: &Operator,
-) -> Result<lapin::Connection, Box<Response>> {
-    broker_connection(app)
-        .await
-        .map_err(|e| Box::new(app.message(Some(who), Failure(StatusCode::SERVICE_UNAVAILABLE, e))))
+) -> Result<lapin::Connection, Refused> {
+    broker_connection(app).await.map_err(|e| {
+        Refused::from(app.message(Some(who), Failure(StatusCode::SERVICE_UNAVAILABLE, e)))
+    })
 }
 
 #[derive(Deserialize, Default)]
@@ -41,7 +42,7 @@ pub(super) async fn page(
 ) -> Response {
     let conn = match broker_for(&app, &who).await {
         Ok(c) => c,
-        Err(page) => return *page,
+        Err(page) => return page.into_response(),
     };
     let mut queues = Vec::new();
     for q in dlq::queues(&app.0.config) {
@@ -139,7 +140,7 @@ pub(super) async fn confirm(
     };
     let conn = match broker_for(&app, &who).await {
         Ok(c) => c,
-        Err(page) => return *page,
+        Err(page) => return page.into_response(),
     };
     let depth = broker::depth(&conn, &queue).await;
     let _ = conn.close(200, "done".into()).await;
@@ -210,10 +211,10 @@ impl DeadLetterAction {
         form: &DeadLetterForm,
         action: &'static str,
         detail: serde_json::Value,
-    ) -> Result<DeadLetterAction, Box<Response>> {
+    ) -> Result<DeadLetterAction, Refused> {
         let reason = authorised(app, who, form.csrf.as_deref(), &form.reason)?;
         let queue = dead_letter_queue(app, form.queue.as_deref())
-            .map_err(|f| Box::new(app.message(Some(who), f)))?;
+            .map_err(|f| Refused::from(app.message(Some(who), f)))?;
         let conn = broker_for(app, who).await?;
         let record = Action {
             action,
@@ -241,7 +242,7 @@ pub(super) async fn replay(
     let DeadLetterAction { queue, conn, audit } =
         match DeadLetterAction::begin(&app, &who, &form, "dlq.replay", detail).await {
             Ok(begun) => begun,
-            Err(page) => return *page,
+            Err(page) => return page.into_response(),
         };
     let selection = id.clone().map_or(dlq::Selection::All, dlq::Selection::Id);
     let (mut replayed, mut skipped) = (0u32, 0u32);
@@ -291,7 +292,7 @@ pub(super) async fn purge(
     .await
     {
         Ok(begun) => begun,
-        Err(page) => return *page,
+        Err(page) => return page.into_response(),
     };
     let purged = dlq::purge(&conn, &queue).await;
     let _ = conn.close(200, "done".into()).await;

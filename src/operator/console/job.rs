@@ -8,7 +8,7 @@ use minijinja::context;
 use uuid::Uuid;
 
 use super::Console;
-use super::page::Failure;
+use super::failure::Failure;
 use super::session::Operator;
 use super::timeline::Timeline;
 use crate::domain::JobId;

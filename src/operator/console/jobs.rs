@@ -8,7 +8,8 @@ use minijinja::context;
 use serde::Deserialize;
 use uuid::Uuid;
 
-use super::page::{Failure, given};
+use super::failure::Failure;
+use super::page::given;
 use super::session::Operator;
 use super::{Console, PAGE};
 use crate::domain::JobStatus;

@@ -19,6 +19,7 @@
 
 mod action;
 mod dead_letters;
+mod failure;
 mod history;
 mod job;
 mod jobs;

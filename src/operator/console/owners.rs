@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::Console;
 use super::action::{authorised, done_banner};
-use super::page::Failure;
+use super::failure::Failure;
 use super::session::Operator;
 use crate::shared::config::{MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, parse_limit};
 use crate::store::{Actor, OwnerChange, OwnerView};
@@ -122,7 +122,7 @@ pub(super) async fn set(
 ) -> Response {
     let reason = match authorised(&app, &who, form.csrf.as_deref(), &form.reason) {
         Ok(r) => r,
-        Err(page) => return *page,
+        Err(page) => return page.into_response(),
     };
     let bad = |text: String| {
         let text = format!("{text} Nothing was changed.");

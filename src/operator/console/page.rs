@@ -7,8 +7,8 @@ use axum::response::{IntoResponse, Response};
 use minijinja::{Environment, context};
 
 use super::Console;
+use super::failure::Failure;
 use super::session::Operator;
-use crate::store::StoreError;
 
 /// The templates, compiled in. Names ending in `.html` are autoescaped.
 pub(super) fn templates() -> Environment<'static> {
@@ -42,19 +42,6 @@ pub(super) fn templates() -> Environment<'static> {
             .unwrap_or_else(|e| panic!("console template {name}: {e}"));
     }
     env
-}
-
-/// A failure as a page: its status and what to say.
-pub(super) struct Failure(pub(super) StatusCode, pub(super) String);
-
-impl From<StoreError> for Failure {
-    fn from(e: StoreError) -> Self {
-        tracing::warn!(error = %e, "console: the store failed");
-        Failure(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("the database failed: {e}"),
-        )
-    }
 }
 
 /// A place on the timeline (0 to 100 percent) in the half percents of its

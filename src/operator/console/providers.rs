@@ -11,7 +11,8 @@ use uuid::Uuid;
 
 use super::Console;
 use super::action::{authorised, begin_action, done_banner};
-use super::page::{Failure, age};
+use super::failure::Failure;
+use super::page::age;
 use super::session::Operator;
 
 #[derive(Deserialize, Default)]
@@ -210,7 +211,7 @@ pub(super) async fn qualify(
 ) -> Response {
     let reason = match authorised(&app, &who, form.csrf.as_deref(), &form.reason) {
         Ok(r) => r,
-        Err(page) => return *page,
+        Err(page) => return page.into_response(),
     };
     let (p, o) = match qualify_pair(&app, form.provider.as_deref(), form.operation.as_deref()) {
         Ok(pair) => pair,
@@ -220,7 +221,7 @@ pub(super) async fn qualify(
     let audit = match begin_action(&app, &who, reason, &crate::shared::qualify::action(p, o)).await
     {
         Ok(a) => a,
-        Err(page) => return *page,
+        Err(page) => return page.into_response(),
     };
     // The calls run in a task of their own: a browser that goes away does not
     // cut a paid run short of its record.

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Redirect, Response};
 use minijinja::context;
 use serde::Deserialize;
 
-use super::page::Failure;
+use super::failure::Failure;
 use super::{COOKIE, Console};
 use crate::shared::token::{Token, random_hex, sha256_hex};
 

@@ -14,7 +14,8 @@ use uuid::Uuid;
 
 use super::Console;
 use super::action::authorised;
-use super::page::{Failure, age};
+use super::failure::Failure;
+use super::page::age;
 use super::session::Operator;
 use crate::domain::{AttemptId, AttemptStatus};
 use crate::shared::policy::Planner;
@@ -245,7 +246,7 @@ pub(super) async fn resolve(
 ) -> Response {
     let reason = match authorised(&app, &who, form.csrf.as_deref(), &form.reason) {
         Ok(r) => r,
-        Err(page) => return *page,
+        Err(page) => return page.into_response(),
     };
     let (Ok(attempt), Some(how)) = (id.parse::<Uuid>(), resolution(form.resolution.as_deref()))
     else {

@@ -43,7 +43,8 @@ pub(super) async fn claim(
     match claimed {
         Ok(mut claim) => {
             if !claim.unreserved.is_empty() {
-                super::reserve::reserve_then_claim(ctx, shutdown, client, &mut claim, token).await;
+                let again = super::reserve::reserve_for(ctx, shutdown, &mut claim).await;
+                claim_again(ctx, shutdown, client, &mut claim, again, token).await;
             }
             let busy: BTreeSet<AttemptId> = claim.busy.into_iter().collect();
             crate::shared::metrics::attempt_claims_held(&provider.name, busy.len());
@@ -101,6 +102,45 @@ pub(super) async fn claim_under(
             .await?)
     })
     .await
+}
+
+/// Claims again, under the claim's `token`, the attempts that now hold a
+/// reservation ([`super::reserve::reserve_for`]): what it starts joins
+/// `claim`'s, and what it cannot start yet is busy (claimed again later).
+async fn claim_again(
+    ctx: &Context,
+    shutdown: &Shutdown,
+    client: &Client,
+    claim: &mut crate::store::Claim,
+    again: Vec<AttemptId>,
+    token: uuid::Uuid,
+) {
+    if again.is_empty() {
+        return;
+    }
+    match claim_under(ctx, shutdown, client, &again, token).await {
+        Ok(second) => {
+            claim.started.extend(second.started);
+            claim.busy.extend(second.busy);
+            // Still unreserved: the owner's budget changed meanwhile.
+            claim
+                .busy
+                .extend(second.unreserved.iter().map(|u| u.attempt_id));
+        }
+        Err(e) => {
+            // Whether a try took effect is not known: what it may have
+            // started under the token goes back to `queued` (one by one: the
+            // first claim's attempts started under it too), so none is left
+            // started with no call.
+            tracing::warn!(error = %e, "reserved attempts were not claimed; claimed again later");
+            for id in &again {
+                if let Err(e) = ctx.store.unclaim_attempt(*id, token).await {
+                    tracing::error!(attempt_id = %id, error = %e, "a failed claim could not be handed back; the vanished sweep will find its attempt");
+                }
+            }
+            claim.busy.extend(again);
+        }
+    }
 }
 
 /// What becomes of a claim whose handler was cut off while its flush ran

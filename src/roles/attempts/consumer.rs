@@ -33,7 +33,7 @@ pub(super) struct Consumer {
     pub(super) claims: GroupCommit<AttemptId, Claimed>,
     pub(super) settlements: GroupCommit<(Started, Finished), Committed>,
     /// The attempts started on admission whose deliveries have not come.
-    pub(super) taken: super::admitted::Taken,
+    pub(super) taken: super::taken::Taken,
     /// The tasks of the attempts taken on admission.
     pub(super) local: std::sync::Mutex<tokio::task::JoinSet<()>>,
 }

@@ -37,6 +37,7 @@ mod claim;
 mod consumer;
 mod reserve;
 mod settle;
+mod taken;
 #[cfg(test)]
 mod tests;
 mod turns;
@@ -92,7 +93,7 @@ pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> R
         calls: Arc::new(Semaphore::new(concurrency)),
         claims,
         settlements,
-        taken: admitted::Taken::default(),
+        taken: taken::Taken::default(),
         local: std::sync::Mutex::new(tokio::task::JoinSet::new()),
     };
     let consumer = Arc::new(consumer);

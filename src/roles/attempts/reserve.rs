@@ -10,23 +10,20 @@ use std::collections::HashMap;
 
 use crate::domain::AttemptId;
 use crate::shared::policy::Planner;
-use crate::shared::provider::Client;
 use crate::shared::runtime::{Context, with_retries};
 use crate::shared::shutdown::Shutdown;
 use crate::store::{Claim, FailedJob, Reservation, Unreserved};
 
-/// Reserves for `claim`'s unreserved attempts and claims again, under the
-/// claim's `token`, those that now hold a reservation; what that claim
-/// starts joins `claim`'s, and what it cannot start yet is busy (claimed
-/// again later). Attempts refused for their budget are failed, and are left
-/// out of the claim: they were not started.
-pub(super) async fn reserve_then_claim(
+/// Reserves for `claim`'s unreserved attempts, and returns those that now
+/// hold a reservation, for the claim to claim again under its token.
+/// Attempts refused for their budget are failed, and left out: they were
+/// not started. When the reservations cannot be made, every one is busy
+/// (claimed again later).
+pub(super) async fn reserve_for(
     ctx: &Context,
     shutdown: &Shutdown,
-    client: &Client,
     claim: &mut Claim,
-    token: uuid::Uuid,
-) {
+) -> Vec<AttemptId> {
     let unreserved = std::mem::take(&mut claim.unreserved);
     let wanted: Vec<Reservation> = unreserved.iter().map(|u| reservation(ctx, u)).collect();
     let reserved = with_retries(shutdown, "reserving of budgets", || async {
@@ -38,40 +35,17 @@ pub(super) async fn reserve_then_claim(
         Err(e) => {
             tracing::warn!(error = %e, "attempts could not reserve of their owners' budgets; claimed again later");
             claim.busy.extend(unreserved.iter().map(|u| u.attempt_id));
-            return;
+            return Vec::new();
         }
     };
     if !fail_refused(ctx, shutdown, &refused).await {
         claim.busy.extend(refused.keys().copied());
     }
-    let again: Vec<AttemptId> = unreserved
+    unreserved
         .iter()
         .map(|u| u.attempt_id)
         .filter(|id| !refused.contains_key(id))
-        .collect();
-    match super::claim::claim_under(ctx, shutdown, client, &again, token).await {
-        Ok(second) => {
-            claim.started.extend(second.started);
-            claim.busy.extend(second.busy);
-            // Still unreserved: the owner's budget changed meanwhile.
-            claim
-                .busy
-                .extend(second.unreserved.iter().map(|u| u.attempt_id));
-        }
-        Err(e) => {
-            // Whether a try took effect is not known: what it may have
-            // started under the token goes back to `queued` (one by one: the
-            // first claim's attempts started under it too), so none is left
-            // started with no call.
-            tracing::warn!(error = %e, "reserved attempts were not claimed; claimed again later");
-            for id in &again {
-                if let Err(e) = ctx.store.unclaim_attempt(*id, token).await {
-                    tracing::error!(attempt_id = %id, error = %e, "a failed claim could not be handed back; the vanished sweep will find its attempt");
-                }
-            }
-            claim.busy.extend(again);
-        }
-    }
+        .collect()
 }
 
 /// What an attempt reserves: its prompt's tokens, rendered from its job's
