@@ -19,7 +19,7 @@ mod common;
 use std::time::Instant;
 
 use common::{TestEnv, config, config_text, fill_jobs};
-use onejob::store::JobFilter;
+use onejob::edges::store::JobFilter;
 use sqlx::Connection;
 
 const ROUNDS: usize = 50;

@@ -22,13 +22,13 @@ use std::time::{Duration, Instant};
 use common::{TestEnv, config, config_text, intent, mock};
 use futures_util::StreamExt;
 use onejob::domain::{JobId, JobStatus};
+use onejob::edges::shutdown::Shutdown;
+use onejob::edges::store::NewJob;
 use onejob::fleet::Role;
 use onejob::intent::{Outcome, Receipt};
 use onejob::mock::MockOptions;
-use onejob::shared::config::Config;
+use onejob::settings::config::Config;
 use onejob::shared::runtime;
-use onejob::shared::shutdown::Shutdown;
-use onejob::store::NewJob;
 use onejob_producer::{Producer, ProducerOptions};
 
 /// Requests kept in flight by the client side of every phase.

@@ -3,8 +3,8 @@
 //! supervisor, stops them all when one fails or shutdown is asked for, and
 //! reports the first failure.
 
+use crate::edges::shutdown::Shutdown;
 use crate::shared::runtime::{Context, Result, WorkerError, supervise_connection};
-use crate::shared::shutdown::Shutdown;
 
 /// A role the worker can run.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -15,17 +15,17 @@ use common::browser::Browser;
 use common::console::{Served, dead_letter_intent, serve, two_providers, unknown_job};
 use common::{TestEnv, config, mock, submit, wait_for, wait_for_status};
 use onejob::domain::{AttemptStatus, JobId, JobStatus};
+use onejob::edges::store::Store;
 use onejob::mock::MockOptions;
-use onejob::shared::config::Config;
-use onejob::shared::token::Token;
-use onejob::store::Store;
+use onejob::settings::config::Config;
+use onejob::settings::token::Token;
 use serde_json::json;
 
 /// Signs `name` in through the sign-in form, with a new operator token.
 async fn sign_in(browser: &Browser, served: &Served, store: &Store, name: &str) {
     let token = Token::generate_operator();
     store
-        .create_operator_token(name, &token, &onejob::store::Actor::cli(None))
+        .create_operator_token(name, &token, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();
     browser.goto(&format!("{}/login", served.base)).await;
@@ -188,7 +188,7 @@ async fn a_tenant_token_does_not_sign_in() {
     let served = serve(&env, config, false).await;
     let tenant = Token::generate();
     env.store
-        .create_token("acct_t", &tenant, &onejob::store::Actor::cli(None))
+        .create_token("acct_t", &tenant, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();
     let browser = Browser::start().await;

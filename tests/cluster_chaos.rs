@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 use common::chaos::{Invariants, Sent, Workers, env_or, settle, start_producers};
 use common::throwaway::{Nodes, OwnRabbit};
 use common::{P, Servers, TestEnv, config, config_for, mock};
+use onejob::edges::shutdown::Shutdown;
 use onejob::mock::MockOptions;
-use onejob::shared::config::Config;
-use onejob::shared::shutdown::Shutdown;
+use onejob::settings::config::Config;
 
 /// Worker processes, one per node.
 const WORKERS: usize = 3;
@@ -43,7 +43,7 @@ fn leader(nodes: &Nodes, queue: &str, vhost: &str) -> usize {
 
 /// The longest pause in admissions from `from` (seconds since the epoch) over
 /// the next `window`: how long intake stalled after a fault.
-async fn stall(store: &onejob::store::Store, from: f64, window: f64) -> Duration {
+async fn stall(store: &onejob::edges::store::Store, from: f64, window: f64) -> Duration {
     let times: Vec<(f64,)> = sqlx::query_as(
         "SELECT extract(epoch FROM created_at)::float8 FROM jobs \
          WHERE created_at >= to_timestamp($1) AND created_at < to_timestamp($2) ORDER BY created_at",
@@ -253,7 +253,7 @@ async fn the_fire(
 }
 
 /// How long intake stalled after each fault, and what a job costs to keep.
-async fn print_stalls_and_storage(store: &onejob::store::Store, faults: &[(String, f64)]) {
+async fn print_stalls_and_storage(store: &onejob::edges::store::Store, faults: &[(String, f64)]) {
     for (fault, when) in faults {
         let stalled = stall(store, *when, 5.0).await;
         println!(
@@ -321,7 +321,7 @@ async fn moved(
 /// would restart it, goes on taking intents.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_postgres_outage_past_the_consumer_timeout_loses_nothing() {
-    onejob::shared::telemetry::init_quiet();
+    onejob::edges::telemetry::init_quiet();
     let cluster = OwnRabbit::start(3);
     cluster.script(&["consumer-timeout", "3000"]);
 

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use common::{P, TestEnv, config, config_for, mock, wait_for};
+use onejob::edges::shutdown::Shutdown;
 use onejob::mock::MockOptions;
-use onejob::shared::config::Config;
-use onejob::shared::shutdown::Shutdown;
+use onejob::settings::config::Config;
 use sqlx::{Connection, Executor, PgConnection};
 use tokio::task::JoinHandle;
 
@@ -114,7 +114,7 @@ impl Lost {
 /// another session's lock, by their own counters (the workers run in this
 /// process): `(claims, settlements)`.
 fn collisions() -> (u64, u64) {
-    let text = onejob::shared::metrics::render();
+    let text = onejob::edges::metrics::render();
     let sum = |name: &str, label: &str| -> u64 {
         text.lines()
             .filter(|l| l.starts_with(name) && l.contains(label))

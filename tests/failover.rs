@@ -12,9 +12,9 @@ use common::{
     wait_for_status,
 };
 use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
+use onejob::edges::store::{JobView, NewJob};
 use onejob::fleet::Role;
 use onejob::mock::{Misbehaviour, MockHandle, MockOptions};
-use onejob::store::{JobView, NewJob};
 use onejob_producer::Producer;
 
 fn stdout_json(out: &std::process::Output) -> serde_json::Value {

@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use common::{TestEnv, config, config_text, mock, submit, wait_for_status};
 use onejob::domain::{JobId, JobStatus};
+use onejob::edges::shutdown::Shutdown;
 use onejob::intent::Outcome;
 use onejob::mock::MockOptions;
-use onejob::shared::config::Config;
-use onejob::shared::shutdown::Shutdown;
+use onejob::settings::config::Config;
 use onejob_producer::Producer;
 use reqwest::StatusCode;
 use sqlx::Connection;
@@ -191,9 +191,9 @@ async fn the_gateway_counts_its_answers(
     job_id: JobId,
 ) {
     let (public_url, probes_url, stop, serving) = gateway_with_probes(config, env).await;
-    let token = onejob::shared::token::Token::generate();
+    let token = onejob::settings::token::Token::generate();
     env.store
-        .create_token("acct_m", &token, &onejob::store::Actor::cli(None))
+        .create_token("acct_m", &token, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();
     for key in ["g-1", "g-1", "g-2"] {

@@ -14,8 +14,8 @@ use common::database::{
 use common::{P, TestEnv, config, config_for, mock, new_job, store_env, submit, wait_for};
 use futures_util::future::join_all;
 use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
+use onejob::edges::store::{Actor, Finished, Settled, Verdict};
 use onejob::mock::MockOptions;
-use onejob::store::{Actor, Finished, Settled, Verdict};
 use onejob_producer::Producer;
 use serde_json::json;
 use sqlx::Executor;
@@ -365,7 +365,7 @@ async fn a_cancelled_job_whose_calls_are_in_flight_is_not_pruned() {
         .execute(env.store.pool())
         .await
         .unwrap();
-    let policy = onejob::store::Policy::uniform(onejob::shared::config::Retention {
+    let policy = onejob::edges::store::Policy::uniform(onejob::settings::config::Retention {
         succeeded: Duration::from_secs(1),
         failed: Duration::from_secs(1),
         cancelled: Duration::from_secs(1),

@@ -12,7 +12,7 @@ use common::throwaway::OwnRabbit;
 use common::{P, Servers, TestEnv, config, config_for, mock, submit, wait_for_status};
 use onejob::domain::JobStatus;
 use onejob::mock::{MockHandle, MockOptions};
-use onejob::shared::config::Config;
+use onejob::settings::config::Config;
 use onejob_producer::Producer;
 
 const API_KEY: &str = "sk-live-API-KEY-0123456789abcdef";
@@ -122,7 +122,7 @@ async fn secrets_never_reach_logs_errors_or_json_output() {
     let ctx = onejob::shared::runtime::Context::connect(config.clone(), &database_url, &amqp_url)
         .await
         .unwrap();
-    let shutdown = onejob::shared::shutdown::Shutdown::new();
+    let shutdown = onejob::edges::shutdown::Shutdown::new();
     let task = tokio::spawn(onejob::fleet::run(ctx.clone(), vec![], shutdown.clone()));
     let producer = Producer::connect(&amqp_url).await.unwrap();
     let job_id = submit(&producer, "acct_s", "k", "secret-free").await;
@@ -278,7 +278,7 @@ async fn gateway_tokens_stay_secret(
     .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    let stop = onejob::shared::shutdown::Shutdown::new();
+    let stop = onejob::edges::shutdown::Shutdown::new();
     let server = tokio::spawn(Arc::new(gateway).serve(listener, None, stop.clone()));
     let http = reqwest::Client::new();
     let mut answers = String::new();
@@ -287,7 +287,9 @@ async fn gateway_tokens_stay_secret(
         (token.clone(), "k-http"),
         // Well-formed, but not a token of this database.
         (
-            onejob::shared::token::Token::generate().reveal().to_owned(),
+            onejob::settings::token::Token::generate()
+                .reveal()
+                .to_owned(),
             "k-http",
         ),
     ] {

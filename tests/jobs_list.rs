@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::{TestEnv, config, config_text, new_job, settle_with};
 use onejob::domain::{AttemptId, JobId};
-use onejob::store::{Actor, Admission, NextStep, Started, Store, Verdict};
+use onejob::edges::store::{Actor, Admission, NextStep, Started, Store, Verdict};
 use serde_json::{Value, json};
 
 /// The jobs a test made, by the name it gave each, as the CLI prints ids.
@@ -45,7 +45,7 @@ async fn settle(
     store: &Store,
     s: &Started,
     verdict: Verdict,
-    plan: &(dyn Fn(&onejob::store::FailedJob) -> NextStep + Sync),
+    plan: &(dyn Fn(&onejob::edges::store::FailedJob) -> NextStep + Sync),
 ) {
     settle_with(store, &[common::database::finished(s, verdict)], plan).await;
 }
@@ -84,7 +84,7 @@ async fn made(store: &Store) -> Made {
     settle(store, &s, failed(false), &common::give_up).await;
     put("b-failed", s.job_id);
     let s = running(store, "acct_b", "b-retried").await;
-    let to_fallback = |_: &onejob::store::FailedJob| NextStep::Retry {
+    let to_fallback = |_: &onejob::edges::store::FailedJob| NextStep::Retry {
         provider: "fallback".into(),
         delay: Duration::ZERO,
     };
@@ -141,7 +141,7 @@ fn listed_ids(env: &TestEnv, file: &Path, args: &[&str]) -> BTreeSet<String> {
 
 /// A primary and a fallback (neither ever called), and the file the CLI reads.
 fn two_providers() -> (
-    std::sync::Arc<onejob::shared::config::Config>,
+    std::sync::Arc<onejob::settings::config::Config>,
     common::tempfile_path::TempConfig,
 ) {
     config(&config_text(

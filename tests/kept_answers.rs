@@ -10,8 +10,8 @@ use std::time::Duration;
 use common::database::{Holder, give_up, started, success};
 use common::{TestEnv, store_env, wait_for};
 use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
+use onejob::edges::store::{Finished, HandedOn, KeptWaiting, Settled, Started, Verdict};
 use onejob::fleet::Role;
-use onejob::store::{Finished, HandedOn, KeptWaiting, Settled, Started, Verdict};
 use sqlx::{Connection, Executor, PgConnection};
 
 /// Holds the rows of `jobs` under one open transaction, as an operator's
@@ -48,11 +48,11 @@ async fn answer_kept(env: &TestEnv, attempt: AttemptId) -> bool {
 
 /// An operator cancels `attempt` (`onejob attempts resolve --as cancelled`).
 async fn cancelled_by_hand(env: &TestEnv, attempt: AttemptId) {
-    let actor = onejob::store::Actor::cli(Some("test"));
+    let actor = onejob::edges::store::Actor::cli(Some("test"));
     env.store
         .resolve(
             attempt,
-            onejob::store::Resolution::Cancelled,
+            onejob::edges::store::Resolution::Cancelled,
             &give_up,
             &actor,
         )

@@ -1,5 +1,6 @@
-//! The library's modules import one another one way only: down a fixed table of
-//! layers ([`LAYERS`]), with no cycle, and the roles (intake,
+//! The library's modules import one another one way only: down its layers, one
+//! folder each ([`LAYERS`] orders them; a module's layer is its folder), with
+//! no cycle, and the roles (intake,
 //! attempts, reconciler) never import one another, the fleet that composes them,
 //! or the operator CLI. Read from the source itself (every `crate::module` a
 //! module names outside comments), so a change that adds a cycle or an upward
@@ -8,29 +9,39 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 /// The folders of `src/` that group modules (`crate::shared::runtime` is
-/// `src/shared/runtime/`, the module `runtime`).
-const GROUPS: &[&str] = &["roles", "operator", "shared"];
+/// `src/shared/runtime/`, the module `runtime`, in the layer `shared`).
+const GROUPS: &[&str] = &["operator", "roles", "shared", "edges", "settings"];
 
-/// module → the modules it names. A module is a file or a folder of files
-/// (`src/store/`, `src/shared/runtime/`: every file beneath it, however deep);
-/// the group folders ([`GROUPS`]) are not modules but hold them. The core
-/// crate's modules (`core/src/`) sit beside the worker's, since `onejob`
-/// re-exports them under the same names.
-fn imports() -> BTreeMap<String, BTreeSet<String>> {
+/// The import graph, module → the modules it names, and each module's
+/// folder (its layer). A module is a file or a folder of files (`src/edges/store/`,
+/// `src/shared/runtime/`: every file beneath it, however deep); the group
+/// folders ([`GROUPS`]) are not modules but hold them, and are their layer. A
+/// module beside `lib.rs` (`fleet.rs`, `mock/`) is its own layer.
+/// The core crate's modules (`core/src/`) are in the layer `core`, named as
+/// `onejob` re-exports them.
+type Graph = BTreeMap<String, BTreeSet<String>>;
+
+fn imports() -> (Graph, BTreeMap<String, String>) {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut modules = Vec::new();
-    for src in [root.join("src"), root.join("core/src")] {
+    for (src, core) in [(root.join("src"), false), (root.join("core/src"), true)] {
         for path in entries(&src) {
             let name = stem(&path);
             if path.is_dir() && GROUPS.contains(&name.as_str()) {
-                modules.extend(entries(&path).into_iter().filter(|p| stem(p) != "mod"));
-            } else if name != "bin" {
-                modules.push(path);
+                let inside = entries(&path).into_iter().filter(|p| stem(p) != "mod");
+                modules.extend(inside.map(|p| (p, name.clone())));
+            } else if name != "bin" && name != "lib" {
+                let layer = if core { "core".to_owned() } else { name };
+                modules.push((path, layer));
             }
         }
     }
+    let folders = modules
+        .iter()
+        .map(|(path, layer)| (stem(path), layer.clone()))
+        .collect();
     let mut graph = BTreeMap::new();
-    for path in modules {
+    for (path, _) in modules {
         let module = stem(&path);
         let deps: &mut BTreeSet<String> = graph.entry(module.clone()).or_default();
         for file in rust_files(&path) {
@@ -56,8 +67,7 @@ fn imports() -> BTreeMap<String, BTreeSet<String>> {
             }
         }
     }
-    graph.remove("lib");
-    graph
+    (graph, folders)
 }
 
 fn entries(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
@@ -80,84 +90,77 @@ fn rust_files(path: &std::path::Path) -> Vec<std::path::PathBuf> {
     entries(path).iter().flat_map(|p| rust_files(p)).collect()
 }
 
-/// The layers, top first. A module imports only from layers below its own, or
-/// from its own layer where that layer allows it (never among the roles). A new
-/// module fails [`every_module_has_a_layer`] until it is placed here.
-const LAYERS: &[(&str, &[&str], bool)] = &[
-    ("operator CLI", &["cli"], false),
-    ("composition", &["fleet", "console"], false),
-    ("roles", &["intake", "attempts", "reconciler"], false),
-    (
-        "shared by the roles",
-        &[
-            "runtime",
-            "policy",
-            "qualify",
-            "evidence",
-            "handed_on",
-            "dlq",
-        ],
-        true,
-    ),
-    (
-        "edges",
-        &["store", "provider", "metrics", "gauges", "telemetry"],
-        true,
-    ),
-    (
-        "core",
-        &["broker", "config", "token", "intent", "trace", "domain"],
-        true,
-    ),
-    (
-        "apart",
-        &["mock", "shutdown", "http", "terminal", "throttle"],
-        false,
-    ),
+/// The layers, top first: each is a folder of `src/` (or the one file
+/// `fleet.rs`, or the core crate), and every module in a folder is in that
+/// folder's layer. A module imports only from the layers below its own, or
+/// from its own where the layer allows it (never among the roles). A new
+/// module takes its folder's layer; a new folder fails
+/// [`every_folder_is_a_layer`] until it is placed here.
+const LAYERS: &[(&str, bool)] = &[
+    ("operator", true),
+    ("fleet", false),
+    ("roles", false),
+    ("shared", true),
+    ("edges", true),
+    ("settings", true),
+    ("core", true),
+    ("mock", false),
 ];
 
-fn layer_of(module: &str) -> Option<(usize, bool)> {
-    LAYERS
+/// A module's layer: the folder it lives in.
+fn layer_of(module: &str, folders: &BTreeMap<String, String>) -> (usize, bool) {
+    let folder = &folders[module];
+    let i = LAYERS
         .iter()
-        .enumerate()
-        .find(|(_, (_, modules, _))| modules.contains(&module))
-        .map(|(i, (_, _, within))| (i, *within))
+        .position(|(name, _)| name == folder)
+        .unwrap_or_else(|| panic!("{folder} is not a layer"));
+    (i, LAYERS[i].1)
 }
 
+/// Every folder of `src/` (and every file beside `lib.rs`) is a layer, and
+/// every layer is there.
 #[test]
-fn every_module_has_a_layer() {
-    let graph = imports();
-    for module in graph.keys() {
-        assert!(
-            layer_of(module).is_some(),
-            "{module} has no layer: place it in LAYERS (tests/layering.rs) and in the code map (ARCHITECTURE.md)"
-        );
+fn every_folder_is_a_layer() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut there: BTreeSet<String> = entries(&root.join("src"))
+        .iter()
+        .map(|p| stem(p))
+        .filter(|n| n != "lib" && n != "bin")
+        .collect();
+    there.insert("core".to_owned());
+    let listed: BTreeSet<String> = LAYERS.iter().map(|(n, _)| n.to_string()).collect();
+    assert_eq!(
+        there, listed,
+        "the folders of src/ and the layers in tests/layering.rs differ: place a new folder in LAYERS and in the code map (ARCHITECTURE.md)"
+    );
+    let groups: BTreeSet<&str> = GROUPS.iter().copied().collect();
+    for group in groups {
+        assert!(listed.contains(group), "the group {group} is not a layer");
     }
 }
 
 #[test]
 fn modules_import_downward_only() {
-    let graph = imports();
+    let (graph, folders) = imports();
     for (module, deps) in &graph {
-        let Some((mine, within)) = layer_of(module) else {
-            continue;
-        };
+        let (mine, within) = layer_of(module, &folders);
         for dep in deps {
-            let Some((theirs, _)) = layer_of(dep) else {
+            let Some(_) = folders.get(dep) else {
                 continue;
             };
-            let (name, _, _) = LAYERS[theirs];
+            let (theirs, _) = layer_of(dep, &folders);
             assert!(
                 theirs > mine || (theirs == mine && within),
-                "{module} ({}) imports {dep} ({name}): imports go down the layers only\n\n{}",
+                "{module} ({}/) imports {dep} ({}/): imports go down the layers only\n\n{}",
                 LAYERS[mine].0,
+                LAYERS[theirs].0,
                 show(&graph)
             );
         }
     }
 }
 
-fn show(graph: &BTreeMap<String, BTreeSet<String>>) -> String {
+fn show(graph: &Graph) -> String {
     graph
         .iter()
         .map(|(m, d)| format!("{m} → {}", d.iter().cloned().collect::<Vec<_>>().join(" ")))
@@ -167,7 +170,7 @@ fn show(graph: &BTreeMap<String, BTreeSet<String>>) -> String {
 
 #[test]
 fn modules_import_one_way_only() {
-    let graph = imports();
+    let (graph, _) = imports();
     assert!(graph.len() > 10, "read the modules:\n{}", show(&graph));
     // Depth-first search; a grey module met again closes a cycle.
     fn visit<'a>(
@@ -208,7 +211,7 @@ fn modules_import_one_way_only() {
 
 #[test]
 fn roles_stand_apart() {
-    let graph = imports();
+    let (graph, _) = imports();
     for role in ["intake", "attempts", "reconciler"] {
         let deps = &graph[role];
         for above in [
@@ -230,7 +233,7 @@ fn roles_stand_apart() {
 
 #[test]
 fn only_the_fleet_names_the_roles() {
-    let graph = imports();
+    let (graph, _) = imports();
     for (module, deps) in &graph {
         for role in ["intake", "attempts", "reconciler"] {
             assert!(
@@ -285,13 +288,9 @@ fn no_import_circle_among_the_files_of_a_folder() {
     assert!(circles.is_empty(), "import circles: {circles:?}");
 }
 
-/// The code map is written once, in ARCHITECTURE.md: its `src/` section names
-/// every module of the library (each file and folder of `src/` and of its
-/// group folders) and names nothing that is not there.
-#[test]
-fn the_code_map_names_every_module_and_nothing_else() {
+/// The code map's `src/` section, from ARCHITECTURE.md.
+fn code_map() -> String {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let src = root.join("src");
     let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
     let start = text
         .find("### `src/` (onejob)")
@@ -299,7 +298,46 @@ fn the_code_map_names_every_module_and_nothing_else() {
     let end = text[start..]
         .find("\n### ")
         .map_or(text.len(), |e| start + e);
-    let map = &text[start..end];
+    text[start..end].to_owned()
+}
+
+/// The code map lists the layers top first, in the order they are enforced.
+#[test]
+fn the_code_map_lists_the_layers_in_order() {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let map = code_map();
+    // It lists the layers top first, in the order they are enforced.
+    let at = |layer: &str| {
+        let spelled = if src.join(format!("{layer}.rs")).is_file() {
+            format!("\n- `{layer}.rs`")
+        } else {
+            format!("\n- `{layer}/`")
+        };
+        map.find(&spelled)
+            .unwrap_or_else(|| panic!("the code map has no entry {spelled:?}"))
+    };
+    let order: Vec<&str> = LAYERS
+        .iter()
+        .map(|(l, _)| *l)
+        .filter(|l| *l != "core")
+        .collect();
+    for pair in order.windows(2) {
+        assert!(
+            at(pair[0]) < at(pair[1]),
+            "the code map lists {} after {}: list the layers top first, as LAYERS does",
+            pair[0],
+            pair[1]
+        );
+    }
+}
+
+/// The code map is written once, in ARCHITECTURE.md: its `src/` section names
+/// every module of the library (each file and folder of `src/` and of its
+/// group folders) and names nothing that is not there.
+#[test]
+fn the_code_map_names_every_module_and_nothing_else() {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let map = &code_map();
     let named = |path: &std::path::Path| {
         let name = stem(path);
         let spelled = if path.is_dir() {

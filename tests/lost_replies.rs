@@ -12,8 +12,8 @@ use common::database::{DropDatabase, attempt_status, give_up, started, success};
 use common::{P, TestEnv, config, config_for, mock, new_job, store_env, submit, wait_for};
 use futures_util::future::join_all;
 use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
+use onejob::edges::store::{Actor, Finished, Store, Verdict};
 use onejob::mock::MockOptions;
-use onejob::store::{Actor, Finished, Store, Verdict};
 use onejob_producer::Producer;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -152,7 +152,7 @@ async fn replies_lost_after_commits_leave_no_attempt_without_its_call() {
     )
     .await
     .expect("worker context through the lossy path");
-    let shutdown = onejob::shared::shutdown::Shutdown::new();
+    let shutdown = onejob::edges::shutdown::Shutdown::new();
     let fleet = tokio::spawn(onejob::fleet::run(ctx, vec![], shutdown.clone()));
     lossy.start_losing();
     let producer = Arc::new(Producer::connect(&env.amqp_url).await.unwrap());
@@ -229,7 +229,10 @@ async fn a_worker_starts_through_replies_lost_at_its_start() {
         .fetch_one(ctx.store.pool())
         .await
         .unwrap();
-    assert_eq!(applied, onejob::store::MIGRATOR.iter().count() as i64);
+    assert_eq!(
+        applied,
+        onejob::edges::store::MIGRATOR.iter().count() as i64
+    );
     ctx.store.close().await;
 }
 
@@ -256,7 +259,7 @@ async fn an_operator_action_whose_commit_reply_was_lost_is_reported_done() {
     let resolved = store
         .resolve(
             jobs[0].attempt_id,
-            onejob::store::Resolution::Failed,
+            onejob::edges::store::Resolution::Failed,
             &give_up,
             &actor,
         )

@@ -4,7 +4,7 @@
 //! from one kind to the other under the same qualification rule, and a
 //! qualification that goes stale when its provider's kind changes. (What
 //! each kind's wire format keeps of the transport's guarantees is the
-//! conformance suite's, in `src/shared/provider/conformance.rs`.)
+//! conformance suite's, in `src/edges/provider/conformance.rs`.)
 
 mod common;
 

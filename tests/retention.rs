@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{TestEnv, config, config_for, new_job, wait_for};
 use onejob::domain::JobId;
-use onejob::store::{Admission, Policy, Store};
+use onejob::edges::store::{Admission, Policy, Store};
 use sqlx::Connection;
 
 /// `[retention]` and the operation's own override, as the tests use them.
@@ -337,7 +337,7 @@ async fn the_reconciler_prunes_on_its_own() {
     .await;
     assert!(exists(store, kept).await.0);
     // The worker context installed the recorder: the pass is counted.
-    let metrics = onejob::shared::metrics::render();
+    let metrics = onejob::edges::metrics::render();
     fleet.stop().await;
     assert!(
         metrics.contains("onejob_pruned_total{table=\"jobs\"} 1"),
@@ -392,7 +392,7 @@ async fn pruned_space_is_vacuumed_where_the_server_runs_no_autovacuum() {
 
 /// Where autovacuum runs: once the pruned rows are reported dead, onejob
 /// vacuums nothing, and leaves them to the server.
-async fn left_to_autovacuum(store: &onejob::store::Store) {
+async fn left_to_autovacuum(store: &onejob::edges::store::Store) {
     // The statistics count the deletes (a backend reports within ten
     // seconds of going idle); then each table either holds its dead rows
     // past the threshold, the moment onejob would vacuum were autovacuum
@@ -412,7 +412,7 @@ async fn left_to_autovacuum(store: &onejob::store::Store) {
         },
     )
     .await;
-    let due_or_done = |store: &onejob::store::Store| {
+    let due_or_done = |store: &onejob::edges::store::Store| {
         let pool = store.pool().clone();
         async move {
             sqlx::query_as::<_, (String, bool, i64)>(
@@ -452,7 +452,7 @@ async fn left_to_autovacuum(store: &onejob::store::Store) {
 
 /// Where autovacuum is off: once the pruned rows are dead past the threshold,
 /// onejob vacuums `jobs` and `attempts`, once each, with their statistics.
-async fn vacuumed_by_onejob(store: &onejob::store::Store) {
+async fn vacuumed_by_onejob(store: &onejob::edges::store::Store) {
     // A backend reports its statistics within ten seconds of going idle.
     // Each table's statistics arrive on their own: a pass may find one due
     // before the other, so the tables vacuumed are gathered across passes.

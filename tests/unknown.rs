@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{TestEnv, config, config_text, mock, submit, wait_for_status};
 use onejob::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
 use onejob::mock::{MockHandle, MockOptions};
-use onejob::shared::config::Config;
+use onejob::settings::config::Config;
 use onejob_producer::Producer;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -40,7 +40,7 @@ UPDATE attempts SET status = 'succeeded', finished_at = now() FROM won WHERE att
 /// B_pg1, in jobs per second.
 pub(super) async fn pgbench(
     env: &TestEnv,
-    config: &onejob::shared::config::Config,
+    config: &onejob::settings::config::Config,
     options: &Options,
 ) -> f64 {
     super::say(&format!(
@@ -56,7 +56,7 @@ pub(super) async fn pgbench(
         .await
         .expect("create the pgbench database");
     let url = format!("{}/{name}", pg_base());
-    let store = onejob::store::Store::connect(
+    let store = onejob::edges::store::Store::connect(
         &url,
         1,
         onejob::shared::runtime::routes(config),

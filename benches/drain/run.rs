@@ -113,7 +113,7 @@ impl Options {
 pub async fn drain(options: &Options) -> Report {
     let provider = mock(MockOptions::default()).await;
     // The embedded defaults, pointed at this run's mock: what a new user runs.
-    let text = onejob::shared::config::EMBEDDED_DEFAULT
+    let text = onejob::settings::config::EMBEDDED_DEFAULT
         .replace("http://127.0.0.1:8081/v1", &provider.base_url());
     let (config, file) = config(&text);
     let env = TestEnv::new(&config).await;

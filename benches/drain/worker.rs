@@ -75,7 +75,7 @@ impl Metrics {
             "attempt_ack",
             "settle_publish",
         ];
-        let metric = onejob::shared::metrics::STAGE_SECONDS;
+        let metric = onejob::edges::metrics::STAGE_SECONDS;
         ORDER
             .iter()
             .filter_map(|stage| {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use onejob::shared::config::Config;
+use onejob::settings::config::Config;
 use onejob_producer::Producer;
 use sqlx::{Connection, PgConnection};
 

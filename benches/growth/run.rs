@@ -97,7 +97,7 @@ impl Options {
 /// Runs the whole benchmark.
 pub async fn growth(options: &Options) -> Report {
     let provider = mock(MockOptions::default()).await;
-    let base = onejob::shared::config::EMBEDDED_DEFAULT
+    let base = onejob::settings::config::EMBEDDED_DEFAULT
         .replace("http://127.0.0.1:8081/v1", &provider.base_url());
     // The baseline's worker keeps everything; the pruning one has the defaults.
     let keep_all = format!(

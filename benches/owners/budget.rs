@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use onejob::domain::{JobId, JobStatus};
+use onejob::edges::store::{Actor, OwnerChange};
 use onejob::intent::Outcome;
-use onejob::store::{Actor, OwnerChange};
 use onejob_producer::Producer;
 
 use crate::common::{TestEnv, intent};
@@ -26,7 +26,7 @@ const JOBS: i64 = 10;
 pub(crate) async fn budget(
     env: &TestEnv,
     producer: &Producer,
-    config: &onejob::shared::config::Config,
+    config: &onejob::settings::config::Config,
 ) {
     let probe = intent("acct_c", "c-0", "c");
     let reserve =

@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use std::sync::Arc;
 
-use onejob::shared::shutdown::Shutdown;
+use onejob::edges::shutdown::Shutdown;
 use onejob_producer::gateway::{Gateway, GatewayOptions};
 use onejob_producer::{Intent, Outcome, Producer, ProducerOptions};
 
@@ -104,15 +104,15 @@ async fn main() -> ExitCode {
     let args = Args::parse();
     // Spans are exported (when configured) until the end of main.
     let _telemetry = match args.command {
-        Command::Serve { .. } => Some(onejob::shared::telemetry::init()),
+        Command::Serve { .. } => Some(onejob::edges::telemetry::init()),
         _ => {
-            onejob::shared::telemetry::init_quiet();
+            onejob::edges::telemetry::init_quiet();
             None
         }
     };
     // The fleet's configuration: the producer's queue declarations must carry the
     // same delivery limit, and the gateway checks operations and sizes with it.
-    let config = match onejob::shared::config::Config::load(args.config.as_deref()) {
+    let config = match onejob::settings::config::Config::load(args.config.as_deref()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("onejob-producer: {e}");
@@ -254,7 +254,7 @@ async fn publish(
 }
 
 async fn serve(
-    config: onejob::shared::config::Config,
+    config: onejob::settings::config::Config,
     database_url: &str,
     amqp_url: &str,
     (listen, http): (std::net::SocketAddr, Option<std::net::SocketAddr>),
@@ -291,7 +291,7 @@ async fn serve(
     let shutdown = Shutdown::new();
     let signals = shutdown.clone();
     tokio::spawn(async move {
-        onejob::shared::shutdown::wait_for_signal().await;
+        onejob::edges::shutdown::wait_for_signal().await;
         // Stop first, then say so: a log sink that fails must not keep a
         // program from stopping.
         signals.trigger();

@@ -86,7 +86,7 @@ impl Owners {
             .clone()
             .try_acquire_many_owned(bytes)
             .map_err(|_| Refusal::Bytes)?;
-        onejob::shared::metrics::gateway_in_flight(1.0);
+        onejob::edges::metrics::gateway_in_flight(1.0);
         Ok(Held {
             _request: request,
             _bytes: bytes,
@@ -96,6 +96,6 @@ impl Owners {
 
 impl Drop for Held {
     fn drop(&mut self) {
-        onejob::shared::metrics::gateway_in_flight(-1.0);
+        onejob::edges::metrics::gateway_in_flight(-1.0);
     }
 }

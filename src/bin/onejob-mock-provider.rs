@@ -56,7 +56,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let _telemetry = onejob::shared::telemetry::init();
+    let _telemetry = onejob::edges::telemetry::init();
     let args = Args::parse();
     if !(0.0..=1.0).contains(&args.error_rate) {
         eprintln!("onejob-mock-provider: --error-rate must be between 0.0 and 1.0");

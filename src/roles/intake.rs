@@ -17,10 +17,10 @@ use futures_util::future::join_all;
 use lapin::message::Delivery;
 
 use crate::broker::{self, INTENTS_QUEUE};
+use crate::edges::shutdown::Shutdown;
+use crate::edges::store::{Admission, NewJob};
 use crate::intent::{Outcome, Receipt, RejectReason};
 use crate::shared::runtime::{self, Context, Result, WorkerError, with_retries};
-use crate::shared::shutdown::Shutdown;
-use crate::store::{Admission, NewJob};
 use crate::trace::TraceContext;
 
 /// Batches settled at once; more deliveries wait and make the next batch larger.
@@ -60,7 +60,7 @@ pub fn validate(ctx: &Context, body: &[u8]) -> Result<NewJob, RejectReason> {
 /// Whatever fails returns its deliveries to the queue, and their redelivery comes
 /// out as a `duplicate` of the same job.
 async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
-    crate::shared::metrics::intake_batch(batch.len());
+    crate::edges::metrics::intake_batch(batch.len());
     let mut valid = Vec::with_capacity(batch.len());
     let mut rejected = Vec::new();
     // Each intent's span lasts until its batch is answered.
@@ -96,14 +96,14 @@ async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
             runtime::ack(&delivery).await
         };
         match answered.await {
-            Ok(()) => crate::shared::metrics::intent(receipt.outcome),
+            Ok(()) => crate::edges::metrics::intent(receipt.outcome),
             Err(e) => {
                 tracing::error!(error = %e, "intent not settled; returning it to the queue");
                 runtime::requeue(&delivery).await;
             }
         }
     }));
-    crate::shared::metrics::timed("intake_answer", answers).await;
+    crate::edges::metrics::timed("intake_answer", answers).await;
     drop(spans);
 }
 
@@ -112,7 +112,7 @@ async fn handle(ctx: &Context, shutdown: &Shutdown, batch: Vec<Delivery>) {
 /// here. The span is kept only when spans are exported.
 fn intake_span(delivery: &Delivery, new_job: &NewJob) -> (tracing::Span, TraceContext) {
     let parent = TraceContext::from_headers(delivery.properties.headers().as_ref());
-    crate::shared::telemetry::hop(parent.as_ref(), || {
+    crate::edges::telemetry::hop(parent.as_ref(), || {
         tracing::info_span!(
             "intake",
             otel.kind = "consumer",
@@ -183,7 +183,7 @@ pub async fn hand_on_if_at_limit(ctx: &Context, shutdown: &Shutdown, delivery: &
         return false;
     }
     tracing::info!(message_id = ?delivery.properties.message_id(), handed_on = handed_on + 1, "an intent at its delivery limit was handed on as a fresh copy");
-    crate::shared::metrics::intent_handed_on();
+    crate::edges::metrics::intent_handed_on();
     if let Err(e) = runtime::ack(delivery).await {
         tracing::warn!(error = %e, "the original of an intent handed on was not acked; its copy stands");
     }
@@ -227,7 +227,7 @@ async fn admit(
     }
     let (deliveries, batch): (Vec<Delivery>, Vec<NewJob>) = valid.into_iter().unzip();
     let rows =
-        crate::shared::metrics::timed("intake_admit", admit_rows(ctx, shutdown, &batch)).await;
+        crate::edges::metrics::timed("intake_admit", admit_rows(ctx, shutdown, &batch)).await;
     // Intents Postgres refused to store are rejected, like any invalid intent.
     let mut answered = Vec::with_capacity(batch.len());
     let mut admissions = Vec::with_capacity(batch.len());
@@ -235,7 +235,7 @@ async fn admit(
     for ((delivery, new_job), row) in deliveries.into_iter().zip(batch).zip(rows) {
         match row {
             Some(Ok(Admission::Refused(reason))) => {
-                crate::shared::metrics::owner_refused(&new_job.intent.owner_id, "budget_exceeded");
+                crate::edges::metrics::owner_refused(&new_job.intent.owner_id, "budget_exceeded");
                 answered.push(reject(ctx, shutdown, delivery, reason).await);
             }
             Some(Ok(admission)) => {
@@ -280,7 +280,7 @@ async fn admit(
     // when their lease runs out: nothing is lost.
     if !publish.is_empty() {
         let published =
-            crate::shared::metrics::timed("intake_publish", ctx.publish_outbox(&publish));
+            crate::edges::metrics::timed("intake_publish", ctx.publish_outbox(&publish));
         if let Err(e) = published.await {
             tracing::warn!(error = %e, "first attempts not all published yet; the relay will");
         }

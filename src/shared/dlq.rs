@@ -18,7 +18,7 @@ use lapin::{BasicProperties, Connection};
 use serde::Serialize;
 
 use crate::broker::{self, BrokerError, Publisher, short};
-use crate::shared::config::Config;
+use crate::settings::config::Config;
 
 /// How many dead letters one browse takes at most by default.
 pub const DEFAULT_LIMIT: usize = 100;

@@ -41,15 +41,15 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::domain::AttemptStatus;
-use crate::shared::config::{Config, EvidenceKind, Provider};
-use crate::shared::policy::Planner;
-use crate::shared::provider::Client;
-use crate::shared::provider::answer::{Answer, CallError, verdict};
-use crate::shared::runtime::Result;
-use crate::store::{
+use crate::edges::provider::Client;
+use crate::edges::provider::answer::{Answer, CallError, verdict};
+use crate::edges::store::{
     Action, Actor, EvidenceClaim, EvidenceDue, FailedJob, Finished, OutboxMessage, Settled, Store,
     Verdict,
 };
+use crate::settings::config::{Config, EvidenceKind, Provider};
+use crate::shared::policy::Planner;
+use crate::shared::runtime::Result;
 
 /// The longest pause between two looks at one unknown.
 const MAX_PAUSE: Duration = Duration::from_secs(60);
@@ -63,7 +63,7 @@ pub(crate) struct Look {
     pub(crate) found: String,
     /// How the attempt was settled, when the look resolved it.
     pub(crate) settled: Option<String>,
-    /// The look's outcome, for the metrics ([`crate::shared::metrics::evidence_look`]).
+    /// The look's outcome, for the metrics ([`crate::edges::metrics::evidence_look`]).
     #[serde(skip)]
     pub(crate) outcome: &'static str,
     /// The outbox rows the resolution wrote, to publish now.
@@ -109,7 +109,7 @@ impl Looker<'_> {
             EvidenceKind::IdempotencyKey => self.send_again(client, unknown).await?,
         };
         let provider = client.provider();
-        crate::shared::metrics::evidence_look(&provider.name, look.outcome);
+        crate::edges::metrics::evidence_look(&provider.name, look.outcome);
         // A discarded attempt's look finds what it cost; it resolves nothing.
         if look.settled.is_some() && !unknown.discarded {
             let unknown_since = unknown.started_at
@@ -117,7 +117,7 @@ impl Looker<'_> {
             let unknown_for = (chrono::Utc::now() - unknown_since)
                 .to_std()
                 .unwrap_or_default();
-            crate::shared::metrics::unknown_resolved(look.outcome, unknown_for);
+            crate::edges::metrics::unknown_resolved(look.outcome, unknown_for);
         }
         Ok(look)
     }

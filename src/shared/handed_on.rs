@@ -18,8 +18,8 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use crate::domain::{AttemptId, JobId};
-use crate::shared::config::Config;
-use crate::store::{Finished, Started, Verdict};
+use crate::edges::store::{Finished, Started, Verdict};
+use crate::settings::config::Config;
 
 /// One settlement handed on: a finished attempt's answer and the claim it
 /// was started under.
@@ -90,6 +90,6 @@ pub(crate) fn limit(config: &Config) -> usize {
         .values()
         .map(|p| p.max_response_bytes)
         .max()
-        .unwrap_or(crate::shared::config::DEFAULT_MAX_RESPONSE_BYTES);
+        .unwrap_or(crate::settings::config::DEFAULT_MAX_RESPONSE_BYTES);
     largest.saturating_mul(6).saturating_add(64 * 1024)
 }

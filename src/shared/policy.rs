@@ -11,8 +11,8 @@ use std::time::Duration;
 use backon::{BackoffBuilder, ExponentialBuilder};
 
 use crate::domain::{self, GiveUp};
-use crate::shared::config::Config;
-use crate::store::{FailedJob, NextStep, Store, StoreError};
+use crate::edges::store::{FailedJob, NextStep, Store, StoreError};
+use crate::settings::config::Config;
 
 /// Plans what follows definite failures, with the eligible providers of some
 /// operations loaded once.

@@ -14,9 +14,9 @@ use serde::Serialize;
 
 use crate::domain::AttemptId;
 pub(crate) use crate::domain::{CaseResult, Qualification};
-use crate::shared::config::{Config, EvidenceKind, Operation, Provider, ProviderKind, Rendered};
-use crate::shared::provider::Client;
-use crate::store::{Action, QualificationRun, Store, StoreError};
+use crate::edges::provider::Client;
+use crate::edges::store::{Action, QualificationRun, Store, StoreError};
+use crate::settings::config::{Config, EvidenceKind, Operation, Provider, ProviderKind, Rendered};
 
 /// Where a provider stands for one operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -416,8 +416,8 @@ async fn check_stored(client: &Client, attempt: AttemptId, first_id: &str) -> (b
 /// answer (id `first_id`, text `first_content`), with no new work.
 fn check_replayed(
     again: Result<
-        crate::shared::provider::answer::Answer,
-        crate::shared::provider::answer::CallError,
+        crate::edges::provider::answer::Answer,
+        crate::edges::provider::answer::CallError,
     >,
     first_id: &str,
     first_content: &str,

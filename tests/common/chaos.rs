@@ -253,8 +253,11 @@ async fn publish_until_confirmed(
 }
 
 /// A small pool on `env`'s database for the checks.
-pub async fn store(env: &TestEnv, config: &onejob::shared::config::Config) -> onejob::store::Store {
-    onejob::store::Store::connect(
+pub async fn store(
+    env: &TestEnv,
+    config: &onejob::settings::config::Config,
+) -> onejob::edges::store::Store {
+    onejob::edges::store::Store::connect(
         &env.database_url,
         4,
         onejob::shared::runtime::routes(config),
@@ -270,7 +273,7 @@ pub async fn store(env: &TestEnv, config: &onejob::shared::config::Config) -> on
 /// the relay's once its lease is over: the workers must still be running for
 /// it.)
 pub async fn settle(
-    store: &onejob::store::Store,
+    store: &onejob::edges::store::Store,
     workers: &mut Workers,
     confirmed: usize,
 ) -> Duration {
@@ -326,7 +329,11 @@ pub struct Invariants {
 impl Invariants {
     /// Checks contract section 5 on `env`'s tables and dead-letter queue against
     /// the keys the broker confirmed.
-    pub async fn check(env: &TestEnv, store: &onejob::store::Store, confirmed: &[String]) -> Self {
+    pub async fn check(
+        env: &TestEnv,
+        store: &onejob::edges::store::Store,
+        confirmed: &[String],
+    ) -> Self {
         let q = |sql: &'static str| count(store, sql);
         let by_status: BTreeMap<String, i64> =
             sqlx::query_as("SELECT status, count(*) FROM jobs GROUP BY status")
@@ -464,7 +471,7 @@ impl Invariants {
 }
 
 /// One count from `sql` on `store`.
-async fn count(store: &onejob::store::Store, sql: &'static str) -> i64 {
+async fn count(store: &onejob::edges::store::Store, sql: &'static str) -> i64 {
     sqlx::query_as::<_, (i64,)>(sql)
         .fetch_one(store.pool())
         .await
@@ -473,7 +480,7 @@ async fn count(store: &onejob::store::Store, sql: &'static str) -> i64 {
 }
 
 /// Every job's idempotency key.
-async fn job_keys(store: &onejob::store::Store) -> HashSet<String> {
+async fn job_keys(store: &onejob::edges::store::Store) -> HashSet<String> {
     sqlx::query_as::<_, (String,)>("SELECT idempotency_key FROM jobs")
         .fetch_all(store.pool())
         .await

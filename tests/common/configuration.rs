@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use onejob::mock::{MockHandle, MockOptions};
-use onejob::shared::config::Config;
+use onejob::settings::config::Config;
 
 use super::tempfile_path;
 

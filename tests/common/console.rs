@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onejob::domain::{JobId, JobStatus};
+use onejob::edges::store::{Admission, Finished, Started, Store, Verdict};
 use onejob::operator::console::{Console, Options};
-use onejob::shared::config::Config;
-use onejob::shared::token::Token;
-use onejob::store::{Admission, Finished, Started, Store, Verdict};
+use onejob::settings::config::Config;
+use onejob::settings::token::Token;
 use reqwest::StatusCode;
 use reqwest::header::{CONTENT_TYPE, COOKIE, SET_COOKIE};
 
@@ -129,7 +129,7 @@ impl Served {
     pub async fn sign_in(&self, store: &Store, operator: &str) -> Session {
         let token = Token::generate_operator();
         store
-            .create_operator_token(operator, &token, &onejob::store::Actor::cli(None))
+            .create_operator_token(operator, &token, &onejob::edges::store::Actor::cli(None))
             .await
             .unwrap();
         let answer = self.login(token.reveal()).await;

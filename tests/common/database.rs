@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use onejob::domain::{AttemptStatus, JobId};
-use onejob::store::{Admission, Finished, Started, Store, Verdict};
+use onejob::edges::store::{Admission, Finished, Started, Store, Verdict};
 use serde_json::json;
 use sqlx::{Connection, Executor, PgConnection};
 
@@ -89,7 +89,7 @@ pub fn finished(s: &Started, verdict: Verdict) -> Finished {
     }
 }
 
-pub fn give_up(f: &onejob::store::FailedJob) -> onejob::store::NextStep {
+pub fn give_up(f: &onejob::edges::store::FailedJob) -> onejob::edges::store::NextStep {
     super::give_up(f)
 }
 

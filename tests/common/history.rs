@@ -6,7 +6,7 @@
 
 use std::collections::HashSet;
 
-use onejob::store::Store;
+use onejob::edges::store::Store;
 
 /// What the check found.
 #[derive(Debug)]

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use onejob::store::Store;
+use onejob::edges::store::Store;
 use sqlx::PgConnection;
 
 /// Submits a `summarize` intent and returns the job its receipt names.
@@ -23,9 +23,9 @@ pub async fn submit(
 }
 
 /// A validated `summarize` intent for the primary provider, ready to admit.
-pub fn new_job(owner: &str, key: &str, text: &str) -> onejob::store::NewJob {
+pub fn new_job(owner: &str, key: &str, text: &str) -> onejob::edges::store::NewJob {
     let intent = intent(owner, key, text);
-    onejob::store::NewJob {
+    onejob::edges::store::NewJob {
         job_id: onejob::domain::JobId::new(),
         attempt_id: onejob::domain::AttemptId::new(),
         fingerprint: intent.fingerprint(),
@@ -61,10 +61,10 @@ pub fn intent(owner: &str, key: &str, text: &str) -> onejob::intent::Intent {
 /// input order.
 pub async fn settle_with(
     store: &Store,
-    batch: &[onejob::store::Finished],
-    plan: &(dyn Fn(&onejob::store::FailedJob) -> onejob::store::NextStep + Sync),
-) -> Vec<onejob::store::Settled> {
-    use onejob::store::Settled;
+    batch: &[onejob::edges::store::Finished],
+    plan: &(dyn Fn(&onejob::edges::store::FailedJob) -> onejob::edges::store::NextStep + Sync),
+) -> Vec<onejob::edges::store::Settled> {
+    use onejob::edges::store::Settled;
     let mut settled = store.finalize(batch, plan).await.unwrap().0;
     loop {
         let busy: Vec<usize> = (0..settled.len())
@@ -83,8 +83,8 @@ pub async fn settle_with(
 }
 
 /// A plan that never retries: the job fails with the attempt's error.
-pub fn give_up(f: &onejob::store::FailedJob) -> onejob::store::NextStep {
-    onejob::store::NextStep::GiveUp {
+pub fn give_up(f: &onejob::edges::store::FailedJob) -> onejob::edges::store::NextStep {
+    onejob::edges::store::NextStep::GiveUp {
         error: f.error.clone(),
     }
 }

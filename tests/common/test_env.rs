@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
+use onejob::edges::shutdown::Shutdown;
+use onejob::edges::store::Store;
 use onejob::fleet::{self, Role};
-use onejob::shared::config::Config;
+use onejob::settings::config::Config;
 use onejob::shared::runtime::{self, Context};
-use onejob::shared::shutdown::Shutdown;
-use onejob::store::Store;
 use sqlx::{Connection, Executor, PgConnection};
 
 use super::throwaway::{Nodes, OwnPostgres, OwnRabbit};
@@ -208,12 +208,12 @@ impl TestEnv {
         owner: &str,
         key: &str,
         text: &str,
-    ) -> (onejob::domain::JobId, onejob::store::OutboxMessage) {
+    ) -> (onejob::domain::JobId, onejob::edges::store::OutboxMessage) {
         let body = serde_json::to_vec(&intent(owner, key, text)).expect("intent json");
         let new = onejob::roles::intake::validate(ctx, &body).expect("valid intent");
         let job_id = new.job_id;
         match self.store.admit(&[new]).await.expect("admit").remove(0) {
-            onejob::store::Admission::Created {
+            onejob::edges::store::Admission::Created {
                 publish: Some(publish),
                 ..
             } => (job_id, publish),

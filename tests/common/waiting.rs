@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use onejob::store::Store;
+use onejob::edges::store::Store;
 
 use super::TestEnv;
 
@@ -136,7 +136,7 @@ pub async fn wait_for_status(
     env: &TestEnv,
     job_id: onejob::domain::JobId,
     status: onejob::domain::JobStatus,
-) -> onejob::store::JobView {
+) -> onejob::edges::store::JobView {
     wait_for(
         &format!("job {job_id} to be {status}"),
         Duration::from_secs(20),
@@ -156,7 +156,7 @@ pub async fn wait_for_attempt(
     env: &TestEnv,
     job_id: onejob::domain::JobId,
     status: onejob::domain::AttemptStatus,
-) -> onejob::store::JobView {
+) -> onejob::edges::store::JobView {
     wait_for(
         &format!("an attempt of job {job_id} to be {status}"),
         Duration::from_secs(20),

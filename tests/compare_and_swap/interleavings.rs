@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onejob::domain::{AttemptId, AttemptStatus, JobStatus};
-use onejob::store::{Finished, JobView, Settled, Started, Store, Verdict};
+use onejob::edges::store::{Finished, JobView, Settled, Started, Store, Verdict};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestRunner};
 use serde_json::json;

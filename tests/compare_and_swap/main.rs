@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use common::database::success;
 use onejob::domain::JobId;
-use onejob::store::{Admission, Finished, NewJob, Settled, Started, Store, Verdict};
+use onejob::edges::store::{Admission, Finished, NewJob, Settled, Started, Store, Verdict};
 use serde_json::json;
 
 /// A validated intent for the primary provider, ready to admit.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onejob::domain::{AttemptId, AttemptStatus, JobStatus};
-use onejob::store::{Finished, Settled, Started, Verdict};
+use onejob::edges::store::{Finished, Settled, Started, Verdict};
 use serde_json::json;
 
 use super::{finished, new_job, settle, success, two_started_attempts};

@@ -3,7 +3,7 @@
 
 use crate::common::console::{two_providers, unknown_job};
 use crate::common::{TestEnv, config};
-use onejob::shared::token::Token;
+use onejob::settings::token::Token;
 
 #[tokio::test]
 async fn the_cli_makes_operator_tokens_and_audits_its_resolve_and_cancel() {

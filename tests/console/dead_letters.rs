@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::common::console::{Served, Session, field, serve, two_providers, unescape};
 use crate::common::{self, TestEnv, config};
-use onejob::store::Store;
+use onejob::edges::store::Store;
 use reqwest::StatusCode;
 use reqwest::header::LOCATION;
 

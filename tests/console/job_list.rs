@@ -90,7 +90,7 @@ async fn the_overview_stands_jobs_whose_ids_are_not_uuidv7() {
 /// the other filters applied, and nothing else.
 #[tokio::test]
 async fn the_provider_filter_pages_every_matching_job_once() {
-    use onejob::store::JobFilter;
+    use onejob::edges::store::JobFilter;
 
     let (config, _file) = config(&two_providers());
     let env = TestEnv::new(&config).await;

@@ -3,7 +3,7 @@
 
 use crate::common::console::{Served, serve};
 use crate::common::{self, TestEnv, config};
-use onejob::store::Store;
+use onejob::edges::store::Store;
 use reqwest::StatusCode;
 use reqwest::header::LOCATION;
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::common::console::{field, serve, two_providers, unknown_job};
 use crate::common::{self, TestEnv, config};
 use onejob::domain::{AttemptStatus, JobId, JobStatus};
-use onejob::store::JobView;
+use onejob::edges::store::JobView;
 use reqwest::StatusCode;
 use reqwest::header::LOCATION;
 

@@ -7,7 +7,7 @@ use crate::common::console::{
 };
 use crate::common::{TestEnv, config};
 use onejob::domain::JobStatus;
-use onejob::shared::token::Token;
+use onejob::settings::token::Token;
 use reqwest::StatusCode;
 use reqwest::header::{CONTENT_TYPE, LOCATION, SET_COOKIE};
 
@@ -37,7 +37,7 @@ async fn only_a_live_operator_token_signs_in() {
     let token = Token::generate_operator();
     let id = env
         .store
-        .create_operator_token("ada", &token, &onejob::store::Actor::cli(None))
+        .create_operator_token("ada", &token, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();
     let answer = served.login(token.reveal()).await;
@@ -62,7 +62,7 @@ async fn only_a_live_operator_token_signs_in() {
 
     // Revoking the token ends its sessions at once.
     env.store
-        .revoke_operator_token(id, &onejob::store::Actor::cli(None))
+        .revoke_operator_token(id, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap()
         .unwrap();
@@ -78,7 +78,7 @@ async fn only_a_live_operator_token_signs_in() {
 async fn tokens_not_an_operators_are_refused(env: &TestEnv, served: &Served) {
     let tenant = Token::generate();
     env.store
-        .create_token("acct_c", &tenant, &onejob::store::Actor::cli(None))
+        .create_token("acct_c", &tenant, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();
     let answer = served.login(tenant.reveal()).await;
@@ -108,7 +108,7 @@ async fn a_sign_in_not_from_the_consoles_own_form_is_refused() {
     let served = serve(&env, config, false).await;
     let token = Token::generate_operator();
     env.store
-        .create_operator_token("mallory", &token, &onejob::store::Actor::cli(None))
+        .create_operator_token("mallory", &token, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();
     let sessions = || async {

@@ -3,7 +3,7 @@
 //! JSON, and every command line runs a command and flags that exist.
 
 use clap::Parser;
-use onejob::shared::config::{Config, EMBEDDED_DEFAULT};
+use onejob::settings::config::{Config, EMBEDDED_DEFAULT};
 use toml::{Table, Value};
 
 use super::markdown::{Block, blocks, prose};

@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use onejob::shared::config::{Config, EMBEDDED_DEFAULT};
+use onejob::settings::config::{Config, EMBEDDED_DEFAULT};
 use toml::{Table, Value};
 
 use super::markdown::{blocks, code_spans, heading, prose, row};

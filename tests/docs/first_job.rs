@@ -17,9 +17,9 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
+use onejob::edges::shutdown::Shutdown;
 use onejob::mock::MockOptions;
-use onejob::shared::config::EMBEDDED_DEFAULT;
-use onejob::shared::shutdown::Shutdown;
+use onejob::settings::config::EMBEDDED_DEFAULT;
 use onejob_producer::gateway::{Gateway, GatewayOptions};
 
 use super::common::{TestEnv, config, mock};
@@ -102,7 +102,7 @@ impl Drop for Shell {
 /// The mock, every role and the gateway on `env`; the gateway's address.
 async fn fleet(
     env: &TestEnv,
-    config: Arc<onejob::shared::config::Config>,
+    config: Arc<onejob::settings::config::Config>,
 ) -> (super::common::Fleet, String, Shutdown) {
     let fleet = env.fleet(config.clone(), vec![]).await;
     let gateway = Gateway::connect(

@@ -54,7 +54,7 @@ pub(crate) fn stored_config(base: &str, extra: &str) -> String {
 pub(crate) async fn evidence_rows(
     env: &TestEnv,
     job: onejob::domain::JobId,
-) -> Vec<onejob::store::AuditEntry> {
+) -> Vec<onejob::edges::store::AuditEntry> {
     env.store
         .audit_of_job(job)
         .await

@@ -53,7 +53,7 @@ async fn an_unknown_is_settled_from_the_completion_the_provider_kept() {
     assert_eq!(rows[0].action, "attempt.evidence");
     assert_eq!(rows[0].detail["evidence"], "found");
     // Counted: the look, the resolution and its time, and the hour's gauge.
-    let metrics = onejob::shared::metrics::render();
+    let metrics = onejob::edges::metrics::render();
     for line in [
         "onejob_unknowns_resolved_total{how=\"stored\"} 1",
         "onejob_unknown_resolution_seconds_count{how=\"stored\"} 1",

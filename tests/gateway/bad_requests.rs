@@ -12,7 +12,7 @@ use crate::common::{self, wait_for};
 async fn bad_requests_get_specific_errors_and_publish_nothing() {
     let s = Served::start().await;
     let token = s.token("acct_1");
-    let unknown_token = onejob::shared::token::Token::generate();
+    let unknown_token = onejob::settings::token::Token::generate();
     let long_key = "k".repeat(256);
 
     let cases = cases(&token, unknown_token.reveal(), &long_key);

@@ -4,7 +4,7 @@
 //! accepted request still finds its job, and another owner is not touched.
 
 use onejob::domain::JobStatus;
-use onejob::store::{Actor, OwnerChange};
+use onejob::edges::store::{Actor, OwnerChange};
 use reqwest::StatusCode;
 
 use super::{SUMMARIZE, Served};

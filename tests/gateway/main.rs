@@ -25,8 +25,8 @@ use std::time::Duration;
 
 use common::{TestEnv, config, config_text, mock, tempfile_path::TempConfig};
 use onejob::domain::JobId;
+use onejob::edges::shutdown::Shutdown;
 use onejob::mock::MockOptions;
-use onejob::shared::shutdown::Shutdown;
 use onejob_producer::gateway::{Gateway, GatewayOptions, OPENAPI};
 use reqwest::StatusCode;
 use serde_json::Value;
@@ -34,7 +34,7 @@ use serde_json::Value;
 /// A gateway on a free port, with or without a fleet behind it, on one test env.
 struct Served {
     env: TestEnv,
-    config: Arc<onejob::shared::config::Config>,
+    config: Arc<onejob::settings::config::Config>,
     file: TempConfig,
     base: String,
     http: reqwest::Client,

@@ -115,7 +115,7 @@ async fn one_owner_cannot_starve_another() {
         held.push(stalled(&s.base, &head(key, 8 << 10)).await);
     }
     wait_for("the seven to be held", Duration::from_secs(30), || async {
-        onejob::shared::metrics::render()
+        onejob::edges::metrics::render()
             .contains("onejob_gateway_in_flight 7")
             .then_some(())
     })
@@ -153,7 +153,7 @@ async fn one_owner_cannot_starve_another() {
     let answer = s.post(Some(&polite), Some("k-polite"), SUMMARIZE).await;
     assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
 
-    let metrics = onejob::shared::metrics::render();
+    let metrics = onejob::edges::metrics::render();
     for reason in ["requests", "bytes"] {
         let line = format!(
             "onejob_gateway_refused_total{{owner=\"acct_greedy\",reason=\"{reason}_in_flight\"}}"
@@ -187,7 +187,7 @@ async fn past_the_process_wide_cap_a_request_is_answered_503_at_once() {
         held.push(stalled(&s.base, &head).await);
     }
     let in_flight = |n: usize| async move {
-        onejob::shared::metrics::render()
+        onejob::edges::metrics::render()
             .contains(&format!("onejob_gateway_in_flight {n}\n"))
             .then_some(())
     };

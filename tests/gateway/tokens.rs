@@ -1,7 +1,7 @@
 //! Tokens: shown once, kept only as digests, revoked one at a time, and the
 //! bearer scheme read case-insensitively.
 
-use onejob::shared::token::Token;
+use onejob::settings::token::Token;
 use reqwest::StatusCode;
 use serde_json::Value;
 

@@ -96,7 +96,7 @@ async fn old_queues_are_named_and_upgraded_only_when_empty() {
 /// says so in one line naming the queue and the way out.
 async fn a_fleet_is_refused_naming_the_queue(
     env: &TestEnv,
-    config: &std::sync::Arc<onejob::shared::config::Config>,
+    config: &std::sync::Arc<onejob::settings::config::Config>,
 ) {
     let refused =
         onejob::shared::runtime::Context::connect(config.clone(), &env.database_url, &env.amqp_url)
@@ -210,7 +210,7 @@ async fn losing_the_broker_for_good_stops_every_role() {
     let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
     let env = TestEnv::new(&config).await;
     let ctx = env.context(config.clone()).await;
-    let shutdown = onejob::shared::shutdown::Shutdown::new();
+    let shutdown = onejob::edges::shutdown::Shutdown::new();
     let run = tokio::spawn(onejob::fleet::run(
         ctx.clone(),
         vec![onejob::fleet::Role::Reconciler],

@@ -27,7 +27,7 @@ use crate::common::{self, P, TestEnv, config, config_for, mock, wait_for, wait_f
 async fn an_answer_held_when_its_worker_stops_with_postgres_down_is_settled_once_it_is_back() {
     let (slow, config, _file, env) = slow_provider(Duration::from_secs(2)).await;
     let (path, ctx) = behind_a_cuttable_postgres(&env, &config).await;
-    let shutdown = onejob::shared::shutdown::Shutdown::new();
+    let shutdown = onejob::edges::shutdown::Shutdown::new();
     let run = tokio::spawn(onejob::fleet::run(
         ctx.clone(),
         vec![Role::Attempts("primary".into())],
@@ -132,7 +132,7 @@ async fn slow_provider(
     delay: Duration,
 ) -> (
     onejob::mock::MockHandle,
-    std::sync::Arc<onejob::shared::config::Config>,
+    std::sync::Arc<onejob::settings::config::Config>,
     common::tempfile_path::TempConfig,
     TestEnv,
 ) {
@@ -219,7 +219,7 @@ async fn a_settlement_that_proves_no_claim_settles_nothing() {
 }
 
 /// A settlement of `started` with a result and its usage, naming `claim`.
-fn settlement_of(started: &onejob::store::Started, claim: uuid::Uuid) -> serde_json::Value {
+fn settlement_of(started: &onejob::edges::store::Started, claim: uuid::Uuid) -> serde_json::Value {
     json!({
         "attempt_id": started.attempt_id, "job_id": started.job_id, "claim": claim,
         "version": started.version,

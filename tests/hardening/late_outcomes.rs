@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use onejob::domain::{AttemptStatus, JobStatus};
+use onejob::edges::store::{Settled, Store, Verdict};
 use onejob::mock::MockOptions;
-use onejob::store::{Settled, Store, Verdict};
 use serde_json::json;
 
 use super::{finished, started, started_hedge, timed_out};
@@ -73,7 +73,7 @@ async fn a_timeout_after_the_hedge_won(store: &Store) {
 async fn a_timeout_after_a_cancel(store: &Store) {
     let (job_id, in_flight) = started(store, "cancelled").await;
     store
-        .cancel_job(job_id, &onejob::store::Actor::cli(None))
+        .cancel_job(job_id, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap()
         .unwrap();
@@ -91,7 +91,7 @@ async fn a_timeout_after_a_cancel(store: &Store) {
 async fn a_vanished_worker_after_a_cancel(store: &Store) {
     let (job_id, vanished) = started(store, "vanished").await;
     store
-        .cancel_job(job_id, &onejob::store::Actor::cli(None))
+        .cancel_job(job_id, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap()
         .unwrap();

@@ -29,8 +29,8 @@ use std::time::Duration;
 use common::database::finished;
 use common::{P, TestEnv, config, config_for, mock};
 use onejob::domain::JobId;
+use onejob::edges::store::{Admission, Finished, Started, Store, Verdict};
 use onejob::mock::MockOptions;
-use onejob::store::{Admission, Finished, Started, Store, Verdict};
 use onejob_producer::Producer;
 
 /// Admits a job for the primary and starts its first attempt.

@@ -16,7 +16,7 @@ use crate::common::{
 /// can cut and restore.
 pub(super) async fn behind_a_cuttable_postgres(
     env: &TestEnv,
-    config: &std::sync::Arc<onejob::shared::config::Config>,
+    config: &std::sync::Arc<onejob::settings::config::Config>,
 ) -> (common::Cuttable, onejob::shared::runtime::Context) {
     let path = common::Cuttable::to("127.0.0.1:5432").await;
     let proxied = env
@@ -40,7 +40,7 @@ async fn a_database_outage_costs_no_delivery_and_loses_nothing() {
     let (config, _file) = config(&text);
     let env = TestEnv::new(&config).await;
     let (path, ctx) = behind_a_cuttable_postgres(&env, &config).await;
-    let shutdown = onejob::shared::shutdown::Shutdown::new();
+    let shutdown = onejob::edges::shutdown::Shutdown::new();
     let run = tokio::spawn(onejob::fleet::run(ctx.clone(), vec![], shutdown.clone()));
     let producer = Producer::connect_with(
         &env.amqp_url,
@@ -145,7 +145,7 @@ async fn an_attempt_not_claimed_when_the_worker_stops_goes_back_to_its_queue() {
     let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
     let env = TestEnv::new(&config).await;
     let (path, ctx) = behind_a_cuttable_postgres(&env, &config).await;
-    let shutdown = onejob::shared::shutdown::Shutdown::new();
+    let shutdown = onejob::edges::shutdown::Shutdown::new();
     let run = tokio::spawn(onejob::fleet::run(
         ctx.clone(),
         vec![onejob::fleet::Role::Attempts("primary".into())],

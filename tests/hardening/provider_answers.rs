@@ -9,7 +9,7 @@ use super::Running;
 use crate::common::{TestEnv, submit, wait_for, wait_for_status};
 
 /// Waits until the job has `n` attempts, and returns it.
-async fn with_attempts(env: &TestEnv, job_id: JobId, n: usize) -> onejob::store::JobView {
+async fn with_attempts(env: &TestEnv, job_id: JobId, n: usize) -> onejob::edges::store::JobView {
     wait_for(
         &format!("job {job_id} to have {n} attempts"),
         Duration::from_secs(20),

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onejob::domain::{AttemptStatus, JobStatus};
-use onejob::store::{FailedJob, NextStep, Verdict};
+use onejob::edges::store::{FailedJob, NextStep, Verdict};
 use serde_json::json;
 
 use super::{finished, started, started_hedge, timed_out};
@@ -142,7 +142,7 @@ async fn a_cancel_never_leaves_a_queued_attempt_behind() {
             tasks.push(tokio::spawn(async move {
                 b.wait().await;
                 let _ = st
-                    .cancel_job(job_id, &onejob::store::Actor::cli(None))
+                    .cancel_job(job_id, &onejob::edges::store::Actor::cli(None))
                     .await
                     .unwrap();
             }));
@@ -206,7 +206,7 @@ async fn a_vanished_sweep_racing_a_cancel_leaves_no_unknown_behind() {
             tasks.push(tokio::spawn(async move {
                 b.wait().await;
                 let _ = s
-                    .cancel_job(job_id, &onejob::store::Actor::cli(None))
+                    .cancel_job(job_id, &onejob::edges::store::Actor::cli(None))
                     .await
                     .unwrap();
             }));

@@ -124,14 +124,14 @@ async fn the_stuck_sweep_leaves_attempts_waiting_in_a_backlog() {
 async fn admitted_to_the_fallback(
     env: &TestEnv,
     ctx: &onejob::shared::runtime::Context,
-) -> (JobId, onejob::store::OutboxMessage) {
+) -> (JobId, onejob::edges::store::OutboxMessage) {
     let mut pinned = common::intent("acct_b", "lost", "lost");
     pinned.provider = Some("fallback".into());
     let body = serde_json::to_vec(&pinned).unwrap();
     let new = onejob::roles::intake::validate(ctx, &body).expect("valid intent");
     let control = new.job_id;
     match env.store.admit(&[new]).await.unwrap().remove(0) {
-        onejob::store::Admission::Created {
+        onejob::edges::store::Admission::Created {
             publish: Some(publish),
             ..
         } => (control, publish),
@@ -140,7 +140,7 @@ async fn admitted_to_the_fallback(
 }
 
 /// How many times `job`'s attempt was republished.
-async fn republished(store: &onejob::store::Store, job: JobId) -> i32 {
+async fn republished(store: &onejob::edges::store::Store, job: JobId) -> i32 {
     let (n,): (i32,) = sqlx::query_as("SELECT republished FROM attempts WHERE job_id = $1")
         .bind(job.0)
         .fetch_one(store.pool())

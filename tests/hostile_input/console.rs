@@ -93,14 +93,14 @@ async fn every_console_answer_forbids_framing_caching_and_inline_code() {
 #[tokio::test]
 async fn sign_in_is_throttled_per_client() {
     use common::console::{serve_with, two_providers};
-    use onejob::shared::token::Token;
+    use onejob::settings::token::Token;
 
     let (config, _file) = config(&two_providers());
     let env = TestEnv::new(&config).await;
     let served = serve_with(&env, config, |o| o.sign_ins_per_minute = 5).await;
     let good = Token::generate_operator();
     env.store
-        .create_operator_token("ada", &good, &onejob::store::Actor::cli(None))
+        .create_operator_token("ada", &good, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();
     let wrong = Token::generate_operator();

@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use onejob::broker;
+use onejob::edges::store::{Admission, Store};
 use onejob::fleet::Role;
 use onejob::mock::MockOptions;
-use onejob::store::{Admission, Store};
 use onejob_producer::Producer;
 
 use super::SETTLE;
@@ -29,7 +29,7 @@ async fn one_batch_settles_each_identity_once_even_when_batches_race() {
     let (config, _file) = config(&config_text(&primary.base_url(), None, ""));
     let env = TestEnv::new(&config).await;
 
-    onejob::shared::metrics::install();
+    onejob::edges::metrics::install();
     within_one_batch(&env.store).await;
     // Batches that overlap, racing on separate connections, round after round.
     for round in 0..20 {
@@ -43,7 +43,7 @@ async fn one_batch_settles_each_identity_once_even_when_batches_race() {
     assert_eq!((jobs, identities), (2 + 20 * 10, 2 + 20 * 10));
     // Overlapping batches insert in one order, so none deadlocked (a deadlock
     // would have been retried, and counted).
-    let metrics = onejob::shared::metrics::render();
+    let metrics = onejob::edges::metrics::render();
     assert!(
         !metrics.contains(r#"onejob_db_retries_total{code="40P01"}"#),
         "{metrics}"
@@ -156,7 +156,7 @@ async fn a_batch_the_database_refuses_fails_only_the_refused_intent() {
         new_job("acct_n", "good-2", "x"),
     ];
     let rows =
-        onejob::roles::intake::admit_rows(&ctx, &onejob::shared::shutdown::Shutdown::new(), &batch)
+        onejob::roles::intake::admit_rows(&ctx, &onejob::edges::shutdown::Shutdown::new(), &batch)
             .await;
     let got: Vec<&str> = rows
         .iter()
@@ -255,7 +255,7 @@ fn backlog() -> Vec<(String, Vec<u8>)> {
 
 /// Fewer statements than intents: the counters show the batches.
 fn counted_in_batches() {
-    let text = onejob::shared::metrics::render();
+    let text = onejob::edges::metrics::render();
     let value = |series: &str| {
         text.lines()
             .find_map(|l| {

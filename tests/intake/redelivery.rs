@@ -6,10 +6,10 @@ use lapin::options::{BasicGetOptions, BasicPublishOptions};
 use onejob::broker;
 use onejob::broker::header_str;
 use onejob::domain::JobStatus;
+use onejob::edges::store::Admission;
 use onejob::fleet::Role;
 use onejob::intent::Outcome;
 use onejob::mock::MockOptions;
-use onejob::store::Admission;
 use onejob_producer::Producer;
 
 use super::SETTLE;
@@ -183,7 +183,7 @@ async fn a_valid_intent_at_its_delivery_limit_is_handed_on_not_dead_lettered() {
     assert!(
         onejob::roles::intake::hand_on_if_at_limit(
             &ctx,
-            &onejob::shared::shutdown::Shutdown::new(),
+            &onejob::edges::shutdown::Shutdown::new(),
             &at_limit.delivery
         )
         .await

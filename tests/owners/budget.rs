@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use onejob::broker;
 use onejob::domain::{AttemptStatus, JobStatus};
+use onejob::edges::store::{Actor, Admission, OwnerChange};
 use onejob::intent::{Outcome, RejectReason};
 use onejob::mock::{MockHandle, MockOptions};
-use onejob::store::{Actor, Admission, OwnerChange};
 use onejob_producer::Producer;
 
 use super::{config_with_owners, created, spend};
@@ -113,7 +113,10 @@ async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers
 
 /// `acct_a` spent 60 and holds two reservations: budgets set under it admit
 /// or refuse the next job, with the wait each refusal gives.
-async fn each_budget_admits_or_says_how_long_to_wait(store: &onejob::store::Store, actor: &Actor) {
+async fn each_budget_admits_or_says_how_long_to_wait(
+    store: &onejob::edges::store::Store,
+    actor: &Actor,
+) {
     // Room for one more reservation admits; where spend alone leaves no room
     // for it, the wait is until spend leaves the window; a job that needs
     // more than the whole budget waits a whole window.

@@ -28,7 +28,7 @@ mod unserved;
 use std::time::Duration;
 
 use onejob::domain::JobId;
-use onejob::store::{Admission, Finished, NewJob, Store, Verdict};
+use onejob::edges::store::{Admission, Finished, NewJob, Store, Verdict};
 use serde_json::json;
 
 /// `[owners]` appended to the usual one-provider configuration.

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use onejob::domain::AttemptId;
-use onejob::store::{Finished, NextStep, Resolution, Settled, Store, Verdict};
+use onejob::edges::store::{Finished, NextStep, Resolution, Settled, Store, Verdict};
 
 use crate::common::{self, TestEnv, config};
 
@@ -35,7 +35,7 @@ async fn handed_out(store: &Store, provider: &str) -> Vec<String> {
     out.publish.into_iter().map(|m| m.message_id).collect()
 }
 
-fn failed(s: &onejob::store::Started) -> Finished {
+fn failed(s: &onejob::edges::store::Started) -> Finished {
     common::database::finished(
         s,
         Verdict::Failed {
@@ -46,7 +46,9 @@ fn failed(s: &onejob::store::Started) -> Finished {
     )
 }
 
-fn retry_on(provider: &'static str) -> impl Fn(&onejob::store::FailedJob) -> NextStep + Sync {
+fn retry_on(
+    provider: &'static str,
+) -> impl Fn(&onejob::edges::store::FailedJob) -> NextStep + Sync {
     move |_| NextStep::Retry {
         provider: provider.into(),
         delay: Duration::ZERO,
@@ -58,7 +60,7 @@ fn retry_on(provider: &'static str) -> impl Fn(&onejob::store::FailedJob) -> Nex
 async fn failed_into_a_retry(
     store: &Store,
     attempt: AttemptId,
-) -> (AttemptId, Vec<onejob::store::OutboxMessage>) {
+) -> (AttemptId, Vec<onejob::edges::store::OutboxMessage>) {
     let first = store
         .start("primary", &[attempt], Duration::from_secs(30))
         .await
@@ -184,7 +186,7 @@ async fn a_lifted_block_leaves_a_held_hedge_to_its_turn() {
         .await
         .unwrap();
     assert_eq!(settled, [Settled::Unknown]);
-    let actor = onejob::store::Actor {
+    let actor = onejob::edges::store::Actor {
         name: "cli:test".into(),
         reason: "test".into(),
     };
@@ -234,7 +236,7 @@ async fn a_worker_stopped_between_reserving_and_claiming_reserves_once() {
     let [unreserved] = &first_claim.unreserved[..] else {
         panic!("the retry holds no reservation: {first_claim:?}");
     };
-    let wanted = onejob::store::Reservation {
+    let wanted = onejob::edges::store::Reservation {
         attempt_id: retry,
         owner_id: unreserved.owner_id.clone(),
         tokens: 40,

@@ -5,8 +5,8 @@
 use chrono::{DateTime, Utc};
 use futures_util::future::join_all;
 use onejob::domain::JobStatus;
+use onejob::edges::store::{Admission, Store};
 use onejob::mock::MockOptions;
-use onejob::store::{Admission, Store};
 use onejob_producer::Producer;
 
 use super::{config_with_owners, created};

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use onejob::domain::JobStatus;
+use onejob::edges::store::{Actor, Admission, Finished, NewJob, Resolution, Store, Verdict};
 use onejob::intent::{Outcome, RejectReason};
 use onejob::mock::MockOptions;
-use onejob::store::{Actor, Admission, Finished, NewJob, Resolution, Store, Verdict};
 use onejob_producer::Producer;
 use serde_json::json;
 
@@ -248,7 +248,7 @@ async fn every_ending_replaces_or_releases_the_reservation() {
 async fn an_unknown_keeps_its_reservation_until_resolved(
     store: &Store,
     owner: &str,
-    second: &onejob::store::Started,
+    second: &onejob::edges::store::Started,
 ) {
     let unknown = Finished {
         attempt_id: second.attempt_id,

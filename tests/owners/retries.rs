@@ -15,7 +15,7 @@ use crate::common::{self, P, TestEnv, config, config_for, mock, submit, wait_for
 /// the owner's first attempt fails on the primary and its retry would run on
 /// the fallback. The owner's budget is `budgets` reservations of one job;
 /// the job's end, and the requests each provider got.
-async fn retried_under(budgets: i64) -> (onejob::store::JobView, u64, u64, i64) {
+async fn retried_under(budgets: i64) -> (onejob::edges::store::JobView, u64, u64, i64) {
     let primary = mock(MockOptions {
         misbehave: Some(Misbehaviour::Prose),
         ..MockOptions::default()

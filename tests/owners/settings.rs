@@ -150,7 +150,7 @@ async fn bad_owner_settings_are_refused_and_write_nothing() {
     // A bad [owners] stops the program with the setting named.
     let bad =
         crate::common::config_text("http://127.0.0.1:9/v1", None, "") + "\n[owners]\nrate = -2\n";
-    let refused = onejob::shared::config::Config::parse(&bad, "t")
+    let refused = onejob::settings::config::Config::parse(&bad, "t")
         .unwrap_err()
         .to_string();
     assert!(refused.contains("owners.rate"), "{refused}");

@@ -84,7 +84,7 @@ async fn a_held_job_cancelled_leaves_no_turn_and_no_message() {
         .map(|a| {
             matches!(
                 a,
-                onejob::store::Admission::Created {
+                onejob::edges::store::Admission::Created {
                     publish: Some(_),
                     ..
                 }
@@ -292,7 +292,7 @@ async fn a_held_turn_writes_its_outbox_row_only_when_handed_out() {
     let publish: Vec<Option<String>> = again
         .iter()
         .map(|a| match a {
-            onejob::store::Admission::Created { publish, .. } => {
+            onejob::edges::store::Admission::Created { publish, .. } => {
                 publish.as_ref().map(|m| m.message_id.clone())
             }
             other => panic!("expected created, got {other:?}"),

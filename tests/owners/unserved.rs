@@ -5,8 +5,8 @@
 //! gauges and the console show held turns by provider meanwhile.
 
 use onejob::domain::{AttemptStatus, JobStatus};
+use onejob::edges::store::Admission;
 use onejob::mock::MockOptions;
-use onejob::store::Admission;
 
 use crate::common::{self, P, TestEnv, config, config_for, mock, wait_for_status};
 

@@ -6,10 +6,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, ValueEnum};
+use onejob::edges::shutdown::Shutdown;
 use onejob::fleet::{self, Role};
 use onejob::operator::cli::Connections;
 use onejob::shared::runtime::{self, Context};
-use onejob::shared::shutdown::Shutdown;
 
 /// The onejob worker pod. Runs intake, attempt consumers and the reconciler; with
 /// no --role, all of them. Applies pending migrations and declares the AMQP
@@ -67,7 +67,7 @@ fn roles(args: &Args) -> Result<Vec<Role>, String> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let _telemetry = onejob::shared::telemetry::init();
+    let _telemetry = onejob::edges::telemetry::init();
     let args = Args::parse();
     let roles = match roles(&args) {
         Ok(r) => r,
@@ -114,20 +114,16 @@ async fn main() -> ExitCode {
         tokio::spawn(async move {
             // Slow or many clients of the probes are bounded as the
             // gateway's are.
-            let limits = onejob::shared::http::ClientLimits::default();
-            let _ = onejob::shared::http::serve(
-                listener,
-                app,
-                limits,
-                async move { stop.wait().await },
-            )
-            .await;
+            let limits = onejob::edges::http::ClientLimits::default();
+            let _ =
+                onejob::edges::http::serve(listener, app, limits, async move { stop.wait().await })
+                    .await;
         });
         tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
     }
     let signals = shutdown.clone();
     tokio::spawn(async move {
-        onejob::shared::shutdown::wait_for_signal().await;
+        onejob::edges::shutdown::wait_for_signal().await;
         // Stop first, then say so: a log sink that fails must not keep a
         // program from stopping.
         signals.trigger();

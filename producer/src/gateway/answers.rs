@@ -58,7 +58,7 @@ pub(super) fn overloaded() -> Response {
 
 /// An owner holds as much as it may already: `429`, with why.
 pub(super) fn refused(owner: &str, refusal: Refusal, options: &GatewayOptions) -> Response {
-    onejob::shared::metrics::gateway_refused(owner, refusal.label());
+    onejob::edges::metrics::gateway_refused(owner, refusal.label());
     let why = match refusal {
         Refusal::Requests => format!(
             "too_many_requests: this owner has {} requests in flight already; retry when one is answered",

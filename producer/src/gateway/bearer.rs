@@ -2,7 +2,7 @@
 
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::Response;
-use onejob::shared::token::Token;
+use onejob::settings::token::Token;
 
 use super::Gateway;
 use super::answers::{unauthorized, unavailable};

@@ -167,9 +167,9 @@ async fn over_budget(
     gateway: &Gateway,
     intent: &Intent,
     (operation, provider, rendered): (
-        &onejob::shared::config::Operation,
+        &onejob::settings::config::Operation,
         &str,
-        &onejob::shared::config::Rendered,
+        &onejob::settings::config::Rendered,
     ),
 ) -> Option<Response> {
     let need = onejob::shared::runtime::reservation(&gateway.config, operation, provider, rendered);
@@ -180,7 +180,7 @@ async fn over_budget(
     {
         Ok(None) => None,
         Ok(Some(reason)) => {
-            onejob::shared::metrics::owner_refused(&intent.owner_id, "budget_exceeded");
+            onejob::edges::metrics::owner_refused(&intent.owner_id, "budget_exceeded");
             Some(answer(Receipt::rejected(&reason), &intent.idempotency_key))
         }
         Err(e) => {
@@ -205,7 +205,7 @@ fn gateway_span(headers: &HeaderMap, intent: &Intent) -> (tracing::Span, TraceCo
         .get(onejob::trace::TRACEPARENT)
         .and_then(|v| v.to_str().ok())
         .and_then(|p| TraceContext::parse(p, state.as_deref()));
-    onejob::shared::telemetry::hop(parent.as_ref(), || {
+    onejob::edges::telemetry::hop(parent.as_ref(), || {
         tracing::info_span!(
             "create job",
             otel.kind = "server",

@@ -42,8 +42,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use onejob::shared::config::Config;
-use onejob::store::Store;
+use onejob::edges::store::Store;
+use onejob::settings::config::Config;
 use tokio::sync::Semaphore;
 
 use crate::owners::Owners;
@@ -63,7 +63,7 @@ pub const OPENAPI: &str = include_str!("../../openapi.json");
 pub enum GatewayError {
     /// Postgres failed.
     #[error(transparent)]
-    Store(#[from] onejob::store::StoreError),
+    Store(#[from] onejob::edges::store::StoreError),
     /// RabbitMQ failed.
     #[error(transparent)]
     Producer(#[from] ProducerError),
@@ -137,7 +137,7 @@ impl Gateway {
         amqp_url: &str,
         options: GatewayOptions,
     ) -> Result<Gateway> {
-        onejob::shared::metrics::install();
+        onejob::edges::metrics::install();
         Store::ensure_database(database_url).await?;
         let store = Store::connect(
             database_url,

@@ -8,7 +8,7 @@ use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::Response;
 use axum::routing::{get, post};
-use onejob::shared::shutdown::Shutdown;
+use onejob::edges::shutdown::Shutdown;
 
 use super::create::create_job;
 use super::show::show_job;
@@ -35,7 +35,7 @@ impl Gateway {
         probes()
             .route(
                 "/metrics",
-                get(|| async { onejob::shared::metrics::render() }),
+                get(|| async { onejob::edges::metrics::render() }),
             )
             .with_state(self)
     }
@@ -65,13 +65,13 @@ impl Gateway {
                 }
             }
         };
-        let limits = onejob::shared::http::ClientLimits {
+        let limits = onejob::edges::http::ClientLimits {
             header_timeout: self.options.header_timeout,
             max_connections: self.options.max_connections,
         };
         let stop = shutdown.clone();
         let server =
-            onejob::shared::http::serve(listener, self.clone().router(), limits, async move {
+            onejob::edges::http::serve(listener, self.clone().router(), limits, async move {
                 stop.wait().await
             });
         let stop = shutdown.clone();
@@ -79,7 +79,7 @@ impl Gateway {
         let probes = async move {
             match probes {
                 Some(l) => {
-                    onejob::shared::http::serve(l, probes_router, limits, async move {
+                    onejob::edges::http::serve(l, probes_router, limits, async move {
                         stop.wait().await
                     })
                     .await
@@ -102,7 +102,7 @@ async fn count_answers(
 ) -> Response {
     let route = route.as_str().to_owned();
     let response = next.run(request).await;
-    onejob::shared::metrics::gateway_answer(&route, response.status().as_u16());
+    onejob::edges::metrics::gateway_answer(&route, response.status().as_u16());
     response
 }
 

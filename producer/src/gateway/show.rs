@@ -94,8 +94,8 @@ struct PublicAttempt {
     finished_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
-impl From<onejob::store::JobView> for PublicJob {
-    fn from(job: onejob::store::JobView) -> Self {
+impl From<onejob::edges::store::JobView> for PublicJob {
+    fn from(job: onejob::edges::store::JobView) -> Self {
         PublicJob {
             id: job.id,
             owner_id: job.owner_id,

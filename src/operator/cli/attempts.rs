@@ -10,11 +10,11 @@ use uuid::Uuid;
 
 use super::{Connections, Failure, Outcome, publish_now, shown, store};
 use crate::domain::{AttemptId, AttemptStatus};
-use crate::shared::config::EvidenceKind;
+use crate::edges::provider::Client;
+use crate::edges::store::{Action, Actor, Refusal, Resolution, Settled};
+use crate::settings::config::EvidenceKind;
 use crate::shared::evidence::Looker;
 use crate::shared::policy::Planner;
-use crate::shared::provider::Client;
-use crate::store::{Action, Actor, Refusal, Resolution, Settled};
 
 #[derive(Subcommand, Debug)]
 pub(super) enum AttemptsCommand {
@@ -102,7 +102,7 @@ async fn resolve(
         None => return Err(Failure(format!("attempt {attempt_id} not found"))),
     };
     let planner = Planner::load(&config, &store, [operation.as_str()]).await?;
-    let plan = |f: &crate::store::FailedJob| planner.plan(f);
+    let plan = |f: &crate::edges::store::FailedJob| planner.plan(f);
     let (settled, publish) = match store
         .resolve(AttemptId(attempt_id), resolution, &plan, actor)
         .await?
@@ -235,10 +235,10 @@ async fn evidence(
 /// The job and provider of `attempt`, which an operator's look may look up:
 /// it is `unknown`, and its provider keeps evidence that is not off.
 async fn look_target(
-    config: &crate::shared::config::Config,
-    store: &crate::store::Store,
+    config: &crate::settings::config::Config,
+    store: &crate::edges::store::Store,
     attempt: AttemptId,
-) -> Result<(crate::domain::JobId, crate::shared::config::Provider), Failure> {
+) -> Result<(crate::domain::JobId, crate::settings::config::Provider), Failure> {
     let attempt_id = attempt.0;
     let job = match store.attempt_job(attempt).await? {
         Some(job) => store.job(job).await?,

@@ -42,12 +42,8 @@ pub(super) async fn run(c: &Connections, args: ConsoleArgs) -> Outcome {
     let addr = listener.local_addr().unwrap_or(args.listen);
     eprintln!("onejob console listening on http://{addr}/ (sign in with an operator token)");
     let console = crate::operator::console::Console::new(store, config, options);
-    crate::operator::console::serve(
-        listener,
-        console,
-        crate::shared::shutdown::wait_for_signal(),
-    )
-    .await
-    .map_err(|e| Failure(format!("the console stopped: {e}")))?;
+    crate::operator::console::serve(listener, console, crate::edges::shutdown::wait_for_signal())
+        .await
+        .map_err(|e| Failure(format!("the console stopped: {e}")))?;
     Ok(())
 }

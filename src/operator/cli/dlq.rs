@@ -8,9 +8,9 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::{Connections, Failure, Outcome, broker_connection, shown, store};
-use crate::shared::config::Config;
+use crate::edges::store::{Action, Actor, Store};
+use crate::settings::config::Config;
 use crate::shared::dlq;
-use crate::store::{Action, Actor, Store};
 
 #[derive(Subcommand, Debug)]
 pub(super) enum DlqCommand {

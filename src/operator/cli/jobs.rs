@@ -8,8 +8,8 @@ use uuid::Uuid;
 
 use super::{Connections, Failure, Outcome, publish_now, shown, store};
 use crate::domain::{AttemptStatus, JobId, JobStatus};
-use crate::shared::config::Config;
-use crate::store::{Actor, AuditEntry, JobQuery, JobSummary, JobView, OwnerView, Store};
+use crate::edges::store::{Actor, AuditEntry, JobQuery, JobSummary, JobView, OwnerView, Store};
+use crate::settings::config::Config;
 
 #[derive(Subcommand, Debug)]
 pub(super) enum JobsCommand {
@@ -247,8 +247,8 @@ async fn prune(
                 "--older-than: must be greater than zero".to_owned(),
             ));
         }
-        Some(age) => crate::store::Policy::older_than(age),
-        None => crate::store::Policy::of(config),
+        Some(age) => crate::edges::store::Policy::older_than(age),
+        None => crate::edges::store::Policy::of(config),
     };
     let store = store(c, config).await?;
     let pass = if dry_run {

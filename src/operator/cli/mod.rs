@@ -25,11 +25,11 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::shared::config::Config;
+use crate::edges::store::Store;
+use crate::settings::config::Config;
 use crate::shared::runtime;
-use crate::store::Store;
 
-pub use crate::shared::config::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
+pub use crate::settings::config::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 
 /// Connection and configuration settings every program shares.
 #[derive(Args, Clone, Debug)]
@@ -48,7 +48,7 @@ pub struct Connections {
 
 impl Connections {
     /// Loads the configuration these settings name.
-    pub fn load_config(&self) -> Result<Config, crate::shared::config::ConfigError> {
+    pub fn load_config(&self) -> Result<Config, crate::settings::config::ConfigError> {
         Config::load(self.config.as_deref())
     }
 }
@@ -181,7 +181,7 @@ async fn publish_now(
     c: &Connections,
     config: &Config,
     store: &Store,
-    messages: &[crate::store::OutboxMessage],
+    messages: &[crate::edges::store::OutboxMessage],
 ) -> Result<(), String> {
     runtime::publish_now(&c.amqp_url, config, store, messages).await
 }

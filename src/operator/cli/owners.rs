@@ -6,10 +6,10 @@ use std::io::Write;
 use clap::Subcommand;
 
 use super::{Connections, Failure, Outcome, shown, store};
-use crate::shared::config::{
+use crate::edges::store::{Actor, OwnerChange, OwnerView, StoreError};
+use crate::settings::config::{
     MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, OwnerLimits, OwnerOverrides, parse_limit,
 };
-use crate::store::{Actor, OwnerChange, OwnerView, StoreError};
 
 #[derive(Subcommand, Debug)]
 pub(super) enum OwnersCommand {

@@ -9,7 +9,7 @@ use serde_json::json;
 
 use super::{Connections, Failure, Outcome, shown, store};
 use crate::domain::Qualification;
-use crate::store::Actor;
+use crate::edges::store::Actor;
 
 #[derive(Subcommand, Debug)]
 pub(super) enum ProvidersCommand {
@@ -158,7 +158,7 @@ async fn qualify(
         for r in &reports {
             write_report(out, r)?;
         }
-        if p.evidence.kind != crate::shared::config::EvidenceKind::None {
+        if p.evidence.kind != crate::settings::config::EvidenceKind::None {
             let claims = store.latest_claims().await?;
             let standing = crate::shared::evidence::standing(p, claims.get(&p.name));
             let why = standing["why"].as_str().unwrap_or_default();

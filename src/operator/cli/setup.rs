@@ -8,7 +8,7 @@ use serde_json::json;
 
 use super::{Connections, Failure, Outcome, store};
 use crate::broker;
-use crate::store::Store;
+use crate::edges::store::Store;
 
 #[derive(Subcommand, Debug)]
 pub(super) enum QueuesCommand {
@@ -34,7 +34,7 @@ pub(super) async fn migrate(c: &Connections, json: bool, out: &mut impl Write) -
         .map_err(|e| Failure(e.describe(&c.database_url)))?;
     let store = store(c, &config).await?;
     store.migrate().await?;
-    let applied = crate::store::MIGRATOR.iter().count();
+    let applied = crate::edges::store::MIGRATOR.iter().count();
     if json {
         writeln!(
             out,

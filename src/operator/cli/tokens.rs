@@ -8,8 +8,8 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::{Connections, Failure, Outcome, shown, store};
-use crate::shared::token::Token;
-use crate::store::{Actor, Store};
+use crate::edges::store::{Actor, Store};
+use crate::settings::token::Token;
 
 #[derive(Subcommand, Debug)]
 pub(super) enum TokensCommand {
@@ -97,12 +97,12 @@ pub(super) async fn run(
 }
 
 enum TokenFailure {
-    Store(crate::store::StoreError),
+    Store(crate::edges::store::StoreError),
     Refused(Failure),
 }
 
-impl From<crate::store::StoreError> for TokenFailure {
-    fn from(e: crate::store::StoreError) -> Self {
+impl From<crate::edges::store::StoreError> for TokenFailure {
+    fn from(e: crate::edges::store::StoreError) -> Self {
         TokenFailure::Store(e)
     }
 }

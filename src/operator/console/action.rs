@@ -8,7 +8,7 @@ use uuid::Uuid;
 use super::failure::{Failure, Refused};
 use super::session::Operator;
 use super::{Console, MAX_REASON};
-use crate::store::{Action, Actor, Store};
+use crate::edges::store::{Action, Actor, Store};
 
 /// What every action's form must pass before anything is looked at: the
 /// session's CSRF token, then a reason. The reason, or the refusal's page.

@@ -16,8 +16,8 @@ use super::overview::broker_connection;
 use super::page::{age, given};
 use super::session::Operator;
 use crate::broker;
+use crate::edges::store::Action;
 use crate::shared::dlq;
-use crate::store::Action;
 
 /// A broker connection for one page or action, or the page that says why
 /// there is none.

@@ -6,7 +6,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
-use crate::store::StoreError;
+use crate::edges::store::StoreError;
 
 /// A failure as a page: its status and what to say.
 pub(super) struct Failure(pub(super) StatusCode, pub(super) String);

@@ -10,9 +10,9 @@ type Event = (chrono::DateTime<chrono::Utc>, u8, String, String);
 /// start and end, every operator action, and each message the outbox still
 /// keeps for it (an attempt's message or a job event) with whether it went out.
 pub(super) fn events(
-    job: &crate::store::JobView,
-    audit: &[crate::store::AuditEntry],
-    messages: &[crate::store::JobMessage],
+    job: &crate::edges::store::JobView,
+    audit: &[crate::edges::store::AuditEntry],
+    messages: &[crate::edges::store::JobMessage],
 ) -> Vec<minijinja::Value> {
     let mut events: Vec<Event> = vec![(
         job.created_at,
@@ -62,7 +62,7 @@ pub(super) fn events(
 }
 
 /// An attempt's queueing, start and end.
-fn attempt_events(a: &crate::store::AttemptView, events: &mut Vec<Event>) {
+fn attempt_events(a: &crate::edges::store::AttemptView, events: &mut Vec<Event>) {
     let delay = if a.held {
         ", held: waits its turn".to_owned()
     } else if a.not_before > a.created_at {

@@ -13,7 +13,7 @@ use super::page::given;
 use super::session::Operator;
 use super::{Console, PAGE};
 use crate::domain::JobStatus;
-use crate::store::JobFilter;
+use crate::edges::store::JobFilter;
 
 #[derive(Deserialize, Default)]
 pub(super) struct JobsQuery {

@@ -41,8 +41,8 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use minijinja::Environment;
 
-use crate::shared::config::Config;
-use crate::store::Store;
+use crate::edges::store::Store;
+use crate::settings::config::Config;
 
 pub use session::LOGIN_COOKIE;
 
@@ -75,7 +75,7 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Options {
-            amqp_url: crate::shared::config::DEFAULT_AMQP_URL.to_owned(),
+            amqp_url: crate::settings::config::DEFAULT_AMQP_URL.to_owned(),
             secure_cookies: false,
             session_ttl: Duration::from_secs(8 * 3600),
             sign_ins_per_minute: 10,
@@ -173,10 +173,10 @@ pub async fn serve(
         console.0.store.clone(),
         console.0.options.session_sweep,
     ));
-    let served = crate::shared::http::serve(
+    let served = crate::edges::http::serve(
         listener,
         console.router(),
-        crate::shared::http::ClientLimits::default(),
+        crate::edges::http::ClientLimits::default(),
         shutdown,
     )
     .await;

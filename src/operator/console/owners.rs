@@ -13,8 +13,8 @@ use super::Console;
 use super::action::{authorised, done_banner};
 use super::failure::Failure;
 use super::session::Operator;
-use crate::shared::config::{MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, parse_limit};
-use crate::store::{Actor, OwnerChange, OwnerView};
+use crate::edges::store::{Actor, OwnerChange, OwnerView};
+use crate::settings::config::{MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, parse_limit};
 
 #[derive(Deserialize, Default)]
 pub(super) struct OwnersQuery {
@@ -69,7 +69,7 @@ fn limit(n: i64) -> String {
     if n == 0 { "none".into() } else { n.to_string() }
 }
 
-fn rate(l: &crate::shared::config::OwnerLimits) -> String {
+fn rate(l: &crate::settings::config::OwnerLimits) -> String {
     match l.bucket() {
         Some((r, b)) => format!("{r}/s, burst {b}"),
         None => "none".into(),

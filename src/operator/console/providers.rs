@@ -103,7 +103,7 @@ pub(super) async fn page(
 /// The turns held for each provider, the longest-waiting first, each marked
 /// when its provider is no longer configured (those move on along their
 /// routes once `stuck_after` has passed).
-async fn held_turns(app: &Console) -> crate::store::Result<Vec<minijinja::Value>> {
+async fn held_turns(app: &Console) -> crate::edges::store::Result<Vec<minijinja::Value>> {
     let config = &app.0.config;
     Ok(app
         .0
@@ -130,8 +130,8 @@ pub(super) fn qualify_pair<'a>(
     operation: Option<&str>,
 ) -> Result<
     (
-        &'a crate::shared::config::Provider,
-        &'a crate::shared::config::Operation,
+        &'a crate::settings::config::Provider,
+        &'a crate::settings::config::Operation,
     ),
     Failure,
 > {

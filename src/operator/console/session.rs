@@ -14,7 +14,7 @@ use serde::Deserialize;
 
 use super::failure::Failure;
 use super::{COOKIE, Console};
-use crate::shared::token::{Token, random_hex, sha256_hex};
+use crate::settings::token::{Token, random_hex, sha256_hex};
 
 /// The signed-in operator of a request.
 pub(super) struct Operator {

@@ -5,7 +5,7 @@
 use minijinja::context;
 
 use super::page::half_percents;
-use crate::store::JobView;
+use crate::edges::store::JobView;
 
 /// The attempts as the job page shows them: in order, and by lane.
 pub(super) struct Timeline {

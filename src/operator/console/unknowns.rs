@@ -18,9 +18,9 @@ use super::failure::Failure;
 use super::page::age;
 use super::session::Operator;
 use crate::domain::{AttemptId, AttemptStatus};
+use crate::edges::store::{Actor, EvidenceClaim, FailedJob, NextStep, Refusal, Resolution};
 use crate::shared::policy::Planner;
 use crate::shared::runtime;
-use crate::store::{Actor, EvidenceClaim, FailedJob, NextStep, Refusal, Resolution};
 
 pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response {
     let list = match app.0.store.unknowns().await {
@@ -61,7 +61,7 @@ pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response 
 fn evidence_state(
     app: &Console,
     claims: &HashMap<String, EvidenceClaim>,
-    u: &crate::store::Unknown,
+    u: &crate::edges::store::Unknown,
 ) -> minijinja::Value {
     let standing = app
         .0
@@ -109,7 +109,7 @@ pub(super) fn resolution(text: Option<&str>) -> Option<Resolution> {
 pub(super) async fn unknown_attempt(
     app: &Console,
     attempt: Uuid,
-) -> Result<(crate::store::JobView, usize), Failure> {
+) -> Result<(crate::edges::store::JobView, usize), Failure> {
     let store = &app.0.store;
     let not_open = || {
         Failure(
@@ -154,7 +154,7 @@ pub(super) async fn consequence(
     app: &Console,
     attempt: Uuid,
     resolution: Resolution,
-) -> Result<(crate::store::JobView, String), Failure> {
+) -> Result<(crate::edges::store::JobView, String), Failure> {
     let store = &app.0.store;
     let (job, index) = unknown_attempt(app, attempt).await?;
     let a = &job.attempts[index];

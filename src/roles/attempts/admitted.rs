@@ -75,7 +75,7 @@ impl Consumer {
             };
             claiming.tell(true);
             tracing::debug!(attempt_id = %attempt, "attempt started on admission");
-            crate::shared::metrics::attempt_claimed_on_admission(&consumer.client.provider().name);
+            crate::edges::metrics::attempt_claimed_on_admission(&consumer.client.provider().name);
             if let Err(e) = consumer
                 .call_and_settle(started, parent.as_ref(), slot)
                 .await

@@ -1,10 +1,10 @@
 //! Calling the provider with the attempt id as `Idempotency-Key`, and judging
 //! its answer against the operation's output contract.
 
-use crate::shared::config::Config;
-use crate::shared::provider::Client;
-use crate::shared::provider::answer::{CallError, verdict};
-use crate::store::{Finished, Started, Verdict};
+use crate::edges::provider::Client;
+use crate::edges::provider::answer::{CallError, verdict};
+use crate::edges::store::{Finished, Started, Verdict};
+use crate::settings::config::Config;
 use crate::trace::TraceContext;
 
 /// Calls the provider for a started attempt, in the attempt's trace, and
@@ -58,7 +58,7 @@ pub(crate) async fn call(
             &rendered,
         )
         .await;
-    crate::shared::metrics::provider_call(
+    crate::edges::metrics::provider_call(
         &client.provider().name,
         match &answer {
             Ok(_) => "answered",

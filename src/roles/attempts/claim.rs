@@ -5,11 +5,11 @@
 use std::collections::{BTreeSet, HashMap};
 
 use crate::domain::AttemptId;
-use crate::shared::provider::Client;
+use crate::edges::provider::Client;
+use crate::edges::shutdown::Shutdown;
+use crate::edges::store::Started;
 use crate::shared::runtime::Unheard;
 use crate::shared::runtime::{Context, with_retries};
-use crate::shared::shutdown::Shutdown;
-use crate::store::Started;
 
 /// A claim's answer, or why the claim was not made.
 pub(super) type Claimed = std::result::Result<ClaimAnswer, String>;
@@ -33,7 +33,7 @@ pub(super) async fn claim(
     ids: Vec<AttemptId>,
 ) -> Vec<Claimed> {
     let provider = client.provider();
-    crate::shared::metrics::attempt_batch(&provider.name, "claim", ids.len());
+    crate::edges::metrics::attempt_batch(&provider.name, "claim", ids.len());
     // One token for every try of this claim: a try whose commit took effect
     // unseen is found again by the next (Store::claim). Random, not
     // time-ordered: it is the secret a settlement handed on through the
@@ -47,7 +47,7 @@ pub(super) async fn claim(
                 claim_again(ctx, shutdown, client, &mut claim, again, token).await;
             }
             let busy: BTreeSet<AttemptId> = claim.busy.into_iter().collect();
-            crate::shared::metrics::attempt_claims_held(&provider.name, busy.len());
+            crate::edges::metrics::attempt_claims_held(&provider.name, busy.len());
             let mut started: HashMap<AttemptId, Started> = claim
                 .started
                 .into_iter()
@@ -79,7 +79,7 @@ pub(super) async fn claim(
     }
 }
 
-/// One claim of `ids` under `token` ([`crate::store::Store::claim`]), its
+/// One claim of `ids` under `token` ([`crate::edges::store::Store::claim`]), its
 /// transient failures tried again.
 pub(super) async fn claim_under(
     ctx: &Context,
@@ -87,7 +87,7 @@ pub(super) async fn claim_under(
     client: &Client,
     ids: &[AttemptId],
     token: uuid::Uuid,
-) -> Result<crate::store::Claim, crate::shared::runtime::WorkerError> {
+) -> Result<crate::edges::store::Claim, crate::shared::runtime::WorkerError> {
     let provider = client.provider();
     with_retries(shutdown, "starting attempts", || async {
         Ok(ctx
@@ -111,7 +111,7 @@ async fn claim_again(
     ctx: &Context,
     shutdown: &Shutdown,
     client: &Client,
-    claim: &mut crate::store::Claim,
+    claim: &mut crate::edges::store::Claim,
     again: Vec<AttemptId>,
     token: uuid::Uuid,
 ) {

@@ -12,10 +12,10 @@ use super::call::call;
 use super::claim::{ClaimAnswer, Claimed};
 use super::settle::Committed;
 use crate::domain::{AttemptId, AttemptMessage, AttemptStatus, JobStatus};
-use crate::shared::provider::Client;
+use crate::edges::provider::Client;
+use crate::edges::shutdown::Shutdown;
+use crate::edges::store::{Finished, Started};
 use crate::shared::runtime::{self, Context, GroupCommit, Result, WorkerError, with_retries};
-use crate::shared::shutdown::Shutdown;
-use crate::store::{Finished, Started};
 use crate::trace::TraceContext;
 
 /// The longest pause between two tries of a claim or settlement whose rows
@@ -44,7 +44,7 @@ impl Consumer {
         // The ack only once the work is done: a delivery whose work failed is
         // returned, never acked.
         let done = match self.work(&delivery).await {
-            Ok(()) => crate::shared::metrics::timed("attempt_ack", runtime::ack(&delivery)).await,
+            Ok(()) => crate::edges::metrics::timed("attempt_ack", runtime::ack(&delivery)).await,
             Err(e) => Err(e),
         };
         if let Err(e) = done {
@@ -67,7 +67,7 @@ impl Consumer {
             return Ok(());
         }
         let waiting =
-            crate::shared::metrics::timed("attempt_slot_wait", self.calls.clone().acquire_owned());
+            crate::edges::metrics::timed("attempt_slot_wait", self.calls.clone().acquire_owned());
         let Ok(slot) = waiting.await else {
             return Err(WorkerError::Unsettled("the call slots closed".into()));
         };
@@ -94,7 +94,7 @@ impl Consumer {
         slot: OwnedSemaphorePermit,
     ) -> Result<()> {
         // The attempt's span: a child of the job's, as its message names it.
-        let (span, trace) = crate::shared::telemetry::hop(parent, || {
+        let (span, trace) = crate::edges::telemetry::hop(parent, || {
             tracing::info_span!(
                 "attempt",
                 otel.kind = "client",
@@ -103,7 +103,7 @@ impl Consumer {
                 provider = %self.client.provider().name,
             )
         });
-        let finished = crate::shared::metrics::timed(
+        let finished = crate::edges::metrics::timed(
             "attempt_call",
             call(&self.ctx.config, &self.client, &started, &trace).instrument(span),
         )
@@ -139,7 +139,7 @@ impl Consumer {
     /// lock it waits and settles again. The flush has written the answer onto
     /// its attempt the first time it had to wait, and does before anything
     /// could hand its delivery back (a failed flush), so that the reconciler
-    /// settles it if this worker stops ([`crate::store::Store::keep_answer`]).
+    /// settles it if this worker stops ([`crate::edges::store::Store::keep_answer`]).
     ///
     /// The answers waiting this way are bounded by the consumer's prefetch
     /// (`attempt_prefetch`): each holds its delivery, so at the bound the

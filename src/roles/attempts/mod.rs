@@ -51,12 +51,12 @@ use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::domain::AttemptId;
-use crate::store::{Finished, Started};
+use crate::edges::store::{Finished, Started};
 
 use crate::broker;
-use crate::shared::provider::Client;
+use crate::edges::provider::Client;
+use crate::edges::shutdown::Shutdown;
 use crate::shared::runtime::{self, Abandoned, Context, GroupCommit, Result, Stages, WorkerError};
-use crate::shared::shutdown::Shutdown;
 
 /// Runs the consumer for `provider` until shutdown.
 pub(crate) async fn run(ctx: Context, provider: String, shutdown: Shutdown) -> Result<()> {

@@ -9,10 +9,10 @@
 use std::collections::HashMap;
 
 use crate::domain::AttemptId;
+use crate::edges::shutdown::Shutdown;
+use crate::edges::store::{Claim, FailedJob, Reservation, Unreserved};
 use crate::shared::policy::Planner;
 use crate::shared::runtime::{Context, with_retries};
-use crate::shared::shutdown::Shutdown;
-use crate::store::{Claim, FailedJob, Reservation, Unreserved};
 
 /// Reserves for `claim`'s unreserved attempts, and returns those that now
 /// hold a reservation, for the claim to claim again under its token.

@@ -4,10 +4,10 @@
 
 use std::collections::BTreeSet;
 
+use crate::edges::shutdown::Shutdown;
+use crate::edges::store::{FailedJob, Finished, OutboxMessage, Settled, Started, Verdict};
 use crate::shared::policy::Planner;
 use crate::shared::runtime::{Context, Result, with_retries};
-use crate::shared::shutdown::Shutdown;
-use crate::store::{FailedJob, Finished, OutboxMessage, Settled, Started, Verdict};
 
 /// A settlement's answer: `Ok(false)` when its rows were held under someone
 /// else's lock (nothing written: settle it again later), `Err` when it was not
@@ -22,7 +22,7 @@ pub(super) async fn settle(
     provider: &str,
     batch: Vec<(Started, Finished)>,
 ) -> Vec<Committed> {
-    crate::shared::metrics::attempt_batch(provider, "settle", batch.len());
+    crate::edges::metrics::attempt_batch(provider, "settle", batch.len());
     let (started, finished): (Vec<Started>, Vec<Finished>) = batch.into_iter().unzip();
     let failing: BTreeSet<String> = started
         .iter()
@@ -50,7 +50,7 @@ pub(super) async fn settle(
     let mut answers = Vec::with_capacity(finished.len());
     for ((started, finished), outcome) in started.iter().zip(&finished).zip(outcomes) {
         log_settled(started, finished, &outcome);
-        crate::shared::metrics::attempt_settled(provider, settled_label(&outcome));
+        crate::edges::metrics::attempt_settled(provider, settled_label(&outcome));
         answers.push(match outcome {
             Settled::Refused { error } => {
                 keep(ctx, finished).await;
@@ -81,7 +81,7 @@ pub(super) async fn settle(
     let ctx = ctx.clone();
     tokio::spawn(async move {
         let published =
-            crate::shared::metrics::timed("settle_publish", ctx.publish_outbox(&publish));
+            crate::edges::metrics::timed("settle_publish", ctx.publish_outbox(&publish));
         if let Err(e) = published.await {
             tracing::warn!(error = %e, "publish after settling failed; the relay will retry");
         }
@@ -167,12 +167,12 @@ async fn keep_or_hand_on(ctx: &Context, started: &Started, finished: &Finished) 
     match handed.await {
         Ok(()) => {
             tracing::warn!(attempt_id = %finished.attempt_id, job_id = %finished.job_id, "an answer that could be neither settled nor kept was handed on to {} for any worker to settle", crate::broker::SETTLEMENTS_QUEUE);
-            crate::shared::metrics::settlement_handed_on("published");
+            crate::edges::metrics::settlement_handed_on("published");
             Unsettled::HandedOn
         }
         Err(e) => {
             tracing::error!(attempt_id = %finished.attempt_id, job_id = %finished.job_id, error = %e, "an answer could be neither settled, kept nor handed on: its attempt becomes unknown at its deadline");
-            crate::shared::metrics::settlement_handed_on("lost");
+            crate::edges::metrics::settlement_handed_on("lost");
             Unsettled::Lost
         }
     }

@@ -1,13 +1,16 @@
 //! Judging answers and labelling settlements.
 
-use crate::shared::config::{Config, Operation};
-use crate::shared::provider::answer::verdict as judge;
-use crate::shared::provider::answer::{Answer, CallError};
-use crate::store::{Finished, Verdict};
+use crate::edges::provider::answer::verdict as judge;
+use crate::edges::provider::answer::{Answer, CallError};
+use crate::edges::store::{Finished, Verdict};
+use crate::settings::config::{Config, Operation};
 
 fn summarize() -> Operation {
-    let config =
-        Config::parse(crate::shared::config::EMBEDDED_DEFAULT, "embedded defaults").unwrap();
+    let config = Config::parse(
+        crate::settings::config::EMBEDDED_DEFAULT,
+        "embedded defaults",
+    )
+    .unwrap();
     config.operations["summarize"].clone()
 }
 

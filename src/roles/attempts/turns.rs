@@ -1,5 +1,5 @@
 //! Handing out turns: a provider's held first attempts go to its queue as
-//! their owners' earlier turns start ([`crate::store::Store::hand_out_turns`]).
+//! their owners' earlier turns start ([`crate::edges::store::Store::hand_out_turns`]).
 //! Each worker's consumer runs one for its provider, woken by its own claims
 //! and settlements (a claim frees a place in the owner's share, a settlement
 //! frees one under its `max_in_flight`), and by a short tick for what other
@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use crate::edges::shutdown::Shutdown;
 use crate::shared::runtime::Context;
-use crate::shared::shutdown::Shutdown;
 
 /// How often a hand-out looks without being woken: what other workers'
 /// claims and settlements freed waits at most this long.
@@ -115,7 +115,7 @@ pub(super) async fn hand_out(
         if handed.is_empty() {
             continue;
         }
-        crate::shared::metrics::turns_handed_out(&provider, handed.len());
+        crate::edges::metrics::turns_handed_out(&provider, handed.len());
         // A publish that fails is the relay's: the rows are in the outbox.
         if let Err(e) = ctx.publish_outbox(&handed).await {
             tracing::warn!(error = %e, %provider, "publishing handed-out turns failed; the relay will retry");

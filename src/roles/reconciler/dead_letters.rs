@@ -3,9 +3,9 @@
 //! died while it was still `queued` is failed with the dead letter's reason.
 //! Each letter stays for an operator.
 
+use crate::edges::store::FailedJob;
 use crate::shared::policy::Planner;
 use crate::shared::runtime::{Context, Result};
-use crate::store::FailedJob;
 use crate::trace::TraceContext;
 
 /// Marks attempts whose messages died in their dead-letter queue while they were
@@ -50,7 +50,7 @@ pub(super) async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
 /// every dead letter to its queue.
 pub(super) async fn reflect_dead_intents(ctx: &Context) -> Result<()> {
     let queue = crate::broker::dead_letter_queue(crate::broker::INTENTS_QUEUE);
-    let mut valid: Vec<crate::store::NewJob> = Vec::new();
+    let mut valid: Vec<crate::edges::store::NewJob> = Vec::new();
     crate::shared::dlq::visit(&ctx.connection, &queue, 256, |letter, delivery| {
         if letter.reason == "delivery_limit"
             && let Ok(mut new) = crate::shared::runtime::new_job(&ctx.config, &delivery.data)
@@ -68,7 +68,7 @@ pub(super) async fn reflect_dead_intents(ctx: &Context) -> Result<()> {
     let admitted = ctx.store.admit(&valid).await?;
     let mut publish = Vec::new();
     for (new, admission) in valid.iter().zip(admitted) {
-        if let crate::store::Admission::Created {
+        if let crate::edges::store::Admission::Created {
             job_id,
             publish: message,
         } = admission

@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
-use crate::shared::config::{EvidenceKind, Provider};
+use crate::edges::provider::Client;
+use crate::edges::shutdown::Shutdown;
+use crate::settings::config::{EvidenceKind, Provider};
 use crate::shared::evidence::Looker;
-use crate::shared::provider::Client;
 use crate::shared::runtime::{Context, Result};
-use crate::shared::shutdown::Shutdown;
 
 /// How long a pod holds an unknown it is looking up before another may, on
 /// top of its provider's `timeout`.

@@ -12,10 +12,10 @@ use std::time::Duration;
 use lapin::message::Delivery;
 
 use crate::broker::{SETTLEMENTS_QUEUE, escape_controls};
+use crate::edges::shutdown::Shutdown;
+use crate::edges::store::HandedOn;
 use crate::shared::handed_on::Settlement;
 use crate::shared::runtime::{self, Context, Result, WorkerError, with_retries};
-use crate::shared::shutdown::Shutdown;
-use crate::store::HandedOn;
 
 /// Settlements taken at once.
 const PREFETCH: u16 = 8;
@@ -62,12 +62,12 @@ async fn take(ctx: &Context, shutdown: &Shutdown, delivery: &Delivery, limit: us
         match kept {
             Ok(HandedOn::Kept) => {
                 tracing::info!(attempt_id = %settlement.attempt_id, job_id = %settlement.job_id, "a handed-on settlement is kept on its attempt, for the kept-answer pass to settle");
-                crate::shared::metrics::settlement_handed_on("kept");
+                crate::edges::metrics::settlement_handed_on("kept");
                 return Ok(());
             }
             Ok(HandedOn::Settled) => {
                 tracing::info!(attempt_id = %settlement.attempt_id, "a handed-on settlement's attempt was settled already: it settles nothing");
-                crate::shared::metrics::settlement_handed_on("settled_already");
+                crate::edges::metrics::settlement_handed_on("settled_already");
                 return Ok(());
             }
             Ok(HandedOn::NoSuchClaim) => {
@@ -101,7 +101,7 @@ async fn refuse(
     reason: &str,
 ) -> Result<()> {
     tracing::warn!(reason = %escape_controls(reason), "a message on {SETTLEMENTS_QUEUE} settles nothing: dead-lettered");
-    crate::shared::metrics::settlement_handed_on("refused");
+    crate::edges::metrics::settlement_handed_on("refused");
     with_retries(shutdown, "dead-lettering a settlement", || {
         ctx.publish_dead_letter(SETTLEMENTS_QUEUE, delivery, reason)
     })

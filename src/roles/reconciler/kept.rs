@@ -4,12 +4,12 @@
 
 use std::time::Duration;
 
+use crate::edges::store::{FailedJob, Settled};
 use crate::shared::policy::Planner;
 use crate::shared::runtime::{Context, Result};
-use crate::store::{FailedJob, Settled};
 
 /// Settles the answers that were kept on their attempts because their rows
-/// were held when they arrived ([`crate::store::Store::keep_answer`]), or
+/// were held when they arrived ([`crate::edges::store::Store::keep_answer`]), or
 /// because evidence found them: by the same settlement as a live answer, so a
 /// job that ended meanwhile discards it with its usage kept. The settlement
 /// clears each answer it settles. One whose rows are still held, or that

@@ -2,9 +2,9 @@
 //! message was published are republished, then failed with a reason after
 //! `max_republish` tries.
 
+use crate::edges::store::FailedJob;
 use crate::shared::policy::Planner;
 use crate::shared::runtime::{Context, Result};
-use crate::store::FailedJob;
 
 /// Queued attempts whose message seems lost are republished, then failed.
 pub(super) async fn lost_once(ctx: &Context) -> Result<()> {
@@ -33,7 +33,7 @@ pub(super) async fn lost_once(ctx: &Context) -> Result<()> {
 /// The providers whose attempts queue holds messages now. An attempt of theirs
 /// that has not started may simply be waiting in that backlog, so the stuck
 /// sweep leaves it alone until the queue has drained, or has moved past it
-/// ([`crate::store::Store::stuck_queued`]).
+/// ([`crate::edges::store::Store::stuck_queued`]).
 async fn backlogged(ctx: &Context) -> Vec<String> {
     let mut out = Vec::new();
     for provider in ctx.config.providers.keys() {

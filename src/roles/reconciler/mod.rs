@@ -31,7 +31,7 @@
 //!   churns a row of it, and its readers walk the dead index entries.
 //! - **Statistics**: the busy tables are analyzed when their statistics are
 //!   missing or far behind, as on a fresh database taking a backlog
-//!   ([`crate::store::Store::refresh_statistics`]).
+//!   ([`crate::edges::store::Store::refresh_statistics`]).
 //! - **Evidence**: an `unknown` attempt of a provider that keeps evidence is
 //!   settled from it (a stored completion, or the answer to its request sent
 //!   again with its key), or failed when there is none (`evidence`; one look
@@ -59,8 +59,8 @@ mod vanished;
 
 use std::time::Duration;
 
+use crate::edges::shutdown::Shutdown;
 use crate::shared::runtime::{Context, Result, WorkerError};
-use crate::shared::shutdown::Shutdown;
 
 /// Runs every pass, and takes the settlements handed on, until shutdown. A
 /// failure of the settlements' consumer stops the role as a pass's would.

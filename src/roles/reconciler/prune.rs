@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
+use crate::edges::shutdown::Shutdown;
 use crate::shared::runtime::{Context, Result};
-use crate::shared::shutdown::Shutdown;
 
 /// How often the job pruner looks for ended jobs past their retention.
 const PRUNE_EVERY: Duration = Duration::from_secs(10);
@@ -19,7 +19,7 @@ const PRUNE_BATCHES: usize = 100;
 
 /// Prunes ended jobs past their retention every [`PRUNE_EVERY`] until shutdown.
 pub(super) async fn prune_loop(ctx: Context, shutdown: Shutdown) {
-    let policy = crate::store::Policy::of(&ctx.config);
+    let policy = crate::edges::store::Policy::of(&ctx.config);
     loop {
         match prune_jobs(&ctx, &policy, &shutdown).await {
             Ok(p) if p.jobs > 0 => {
@@ -40,7 +40,7 @@ pub(super) async fn prune_loop(ctx: Context, shutdown: Shutdown) {
         match ctx.store.vacuum_if_due().await {
             Ok(tables) => {
                 for table in tables {
-                    crate::shared::metrics::vacuumed(&table);
+                    crate::edges::metrics::vacuumed(&table);
                     tracing::info!(%table, "vacuumed (the server runs no autovacuum)");
                 }
             }
@@ -56,9 +56,9 @@ pub(super) async fn prune_loop(ctx: Context, shutdown: Shutdown) {
 /// One pruning pass: batches until one comes back short (or [`PRUNE_BATCHES`]).
 pub(super) async fn prune_jobs(
     ctx: &Context,
-    policy: &crate::store::Policy,
+    policy: &crate::edges::store::Policy,
     shutdown: &Shutdown,
-) -> Result<crate::store::Pruned> {
+) -> Result<crate::edges::store::Pruned> {
     let pass = ctx
         .store
         .prune_batches(
@@ -69,7 +69,7 @@ pub(super) async fn prune_jobs(
             || shutdown.is_triggered(),
         )
         .await?;
-    crate::shared::metrics::oldest_prunable(pass.oldest);
+    crate::edges::metrics::oldest_prunable(pass.oldest);
     Ok(pass.pruned)
 }
 

@@ -2,9 +2,9 @@
 //! longer has fail `provider_not_served`, and their jobs move on.
 
 use crate::domain;
+use crate::edges::store::FailedJob;
 use crate::shared::policy::Planner;
 use crate::shared::runtime::{Context, Result};
-use crate::store::FailedJob;
 
 /// Turns held for a provider this worker's configuration no longer has
 /// (removed or renamed), for longer than `stuck_after`: only a consumer of a

@@ -4,11 +4,11 @@
 
 use std::time::Duration;
 
+use crate::edges::shutdown::Shutdown;
 use crate::shared::runtime::Context;
-use crate::shared::shutdown::Shutdown;
 
 /// How often the dead rows of `turns` are looked at
-/// ([`crate::store::Store::vacuum_turns_if_due`]).
+/// ([`crate::edges::store::Store::vacuum_turns_if_due`]).
 const TURNS_VACUUM_EVERY: Duration = Duration::from_secs(1);
 
 /// Vacuums `turns` when its dead rows are due, every [`TURNS_VACUUM_EVERY`],
@@ -19,7 +19,7 @@ pub(super) async fn vacuum_turns_loop(ctx: Context, shutdown: Shutdown) {
         match ctx.store.vacuum_turns_if_due().await {
             Ok(vacuumed) => {
                 if vacuumed {
-                    crate::shared::metrics::vacuumed("turns");
+                    crate::edges::metrics::vacuumed("turns");
                 }
                 failing = false;
             }

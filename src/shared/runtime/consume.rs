@@ -7,7 +7,7 @@ use lapin::types::FieldTable;
 
 use super::{Context, Result, WorkerError};
 use crate::broker::{self};
-use crate::shared::shutdown::Shutdown;
+use crate::edges::shutdown::Shutdown;
 
 /// Consumes `queue` with at most `prefetch` unacked deliveries, running `handle`
 /// on each in its own task. On shutdown it stops taking deliveries, waits up to

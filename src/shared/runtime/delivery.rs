@@ -8,7 +8,7 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 
 use super::{Result, WorkerError};
-use crate::shared::shutdown::Shutdown;
+use crate::edges::shutdown::Shutdown;
 
 /// Acks a delivery, treating a closed channel as an error (lapin returns
 /// `Ok(false)` then, and the broker will redeliver).

@@ -17,7 +17,7 @@ pub(crate) struct GroupCommit<T, R> {
 /// An item handed in: when, and where its answer goes.
 type Submitted<T, R> = (T, std::time::Instant, tokio::sync::oneshot::Sender<R>);
 
-/// The stages a [`GroupCommit`] times (see [`crate::shared::metrics::STAGE_SECONDS`]):
+/// The stages a [`GroupCommit`] times (see [`crate::edges::metrics::STAGE_SECONDS`]):
 /// an item's wait for its flush, and the flush.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Stages {
@@ -128,11 +128,11 @@ async fn group_commit<T, R, F, Fut>(
             let mut items = Vec::with_capacity(take.len());
             let mut answers = Vec::with_capacity(take.len());
             for (item, submitted, answer) in take {
-                crate::shared::metrics::stage(stages.wait, submitted.elapsed());
+                crate::edges::metrics::stage(stages.wait, submitted.elapsed());
                 items.push(item);
                 answers.push(answer);
             }
-            let done = crate::shared::metrics::timed(stages.flush, flush(items));
+            let done = crate::edges::metrics::timed(stages.flush, flush(items));
             let unheard = unheard.clone();
             flushes.spawn(async move {
                 for (answer, result) in answers.into_iter().zip(done.await) {

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::{Context, Result, WorkerError};
-use crate::shared::shutdown::Shutdown;
+use crate::edges::shutdown::Shutdown;
 
 /// How long a worker's RabbitMQ connection may stay down, recovering, before the
 /// worker gives up and exits (non-zero) to be restarted.
@@ -89,14 +89,14 @@ pub fn health_router(ctx: Context) -> axum::Router {
     }
 
     // Read by a timer, never by a scrape.
-    let gauges = crate::shared::gauges::Gauges::refreshed(ctx.store.clone());
+    let gauges = crate::edges::gauges::Gauges::refreshed(ctx.store.clone());
     let metrics = move || {
         let gauges = gauges.clone();
         async move {
             let g = gauges.text().unwrap_or_else(|| {
                 "# the gauges have not been read from the database yet\n".to_owned()
             });
-            (StatusCode::OK, g + &crate::shared::metrics::render())
+            (StatusCode::OK, g + &crate::edges::metrics::render())
         }
     };
 

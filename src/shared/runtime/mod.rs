@@ -30,9 +30,9 @@ use publish::{copied_properties, publish_rows};
 
 use crate::broker::{self, BrokerError, Publisher};
 use crate::domain::{AttemptId, JobId};
+use crate::edges::store::{NewJob, OutboxMessage, Routes, Store, StoreError};
 use crate::intent::{Intent, RejectReason};
-use crate::shared::config::Config;
-use crate::store::{NewJob, OutboxMessage, Routes, Store, StoreError};
+use crate::settings::config::Config;
 
 pub use consume::{Arrival, Batching, consume, consume_batches};
 pub use delivery::{ack, requeue, with_retries};
@@ -129,7 +129,7 @@ impl Context {
                 )
             })
             .await?;
-        crate::shared::metrics::install();
+        crate::edges::metrics::install();
         let store = Store::connect(
             database_url,
             config.worker.pool_size,
@@ -198,7 +198,7 @@ impl Context {
         self.publisher
             .publish(broker::DLX, queue, &delivery.data, props, true)
             .await?;
-        crate::shared::metrics::dead_lettered(queue);
+        crate::edges::metrics::dead_lettered(queue);
         Ok(())
     }
 
@@ -251,9 +251,9 @@ pub fn new_job(config: &Config, body: &[u8]) -> std::result::Result<NewJob, Reje
 /// tiktoken does not know the model), plus its operation's `max_tokens`.
 pub fn reservation(
     config: &Config,
-    operation: &crate::shared::config::Operation,
+    operation: &crate::settings::config::Operation,
     provider: &str,
-    rendered: &crate::shared::config::Rendered,
+    rendered: &crate::settings::config::Rendered,
 ) -> i64 {
     let model = config
         .providers

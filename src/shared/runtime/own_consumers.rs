@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use crate::domain::AttemptId;
-use crate::store::OutboxMessage;
+use crate::edges::store::OutboxMessage;
 use crate::trace::TraceContext;
 
 /// What a consumer does with an attempt offered to it: true when it took it

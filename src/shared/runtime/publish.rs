@@ -10,8 +10,8 @@ use lapin::types::FieldTable;
 
 use super::Result;
 use crate::broker::{self, BrokerError, Publisher};
-use crate::shared::config::Config;
-use crate::store::{OutboxMessage, Store};
+use crate::edges::store::{OutboxMessage, Store};
+use crate::settings::config::Config;
 
 /// How many fresh copies of an intent onejob has made ([`Context::hand_on_intent`](super::Context::hand_on_intent)).
 pub const HANDED_ON_HEADER: &str = "x-onejob-handed-on";
@@ -84,7 +84,7 @@ pub(super) async fn publish_rows(
             }
         }
     }
-    crate::shared::metrics::published(published.len());
+    crate::edges::metrics::published(published.len());
     (published, first_error)
 }
 

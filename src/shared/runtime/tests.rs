@@ -2,7 +2,7 @@
 //! retried a bounded number of times.
 
 use super::*;
-use crate::shared::shutdown::Shutdown;
+use crate::edges::shutdown::Shutdown;
 
 fn unreachable() -> Result<()> {
     Err(WorkerError::Store(StoreError::Db(

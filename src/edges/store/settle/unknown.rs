@@ -1,0 +1,94 @@
+//! Timeouts: a still-`started` attempt becomes `unknown` and blocks its job,
+//! or is discarded when its job has ended meanwhile.
+
+use std::collections::{BTreeSet, HashMap};
+
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::domain::{AttemptId, AttemptStatus, JobStatus};
+use crate::edges::store::error::{Result, corrupt};
+use crate::edges::store::settle::Settled;
+
+/// Timeouts: each still-`started` attempt becomes `unknown` and blocks its job,
+/// unless the job has already ended (another attempt won, or it was cancelled):
+/// then nothing is blocked any more, and the attempt is `discarded` with the
+/// reason, and evidence looks for what its call cost (it may have run, and
+/// been paid for). Attempts are locked first, then their jobs, as everywhere.
+pub(in crate::edges::store) async fn mark_unknown(
+    tx: &mut PgConnection,
+    unknowns: &[(AttemptId, String)],
+) -> Result<HashMap<AttemptId, Settled>> {
+    let ids: Vec<Uuid> = unknowns.iter().map(|u| u.0.0).collect();
+    let locked: Vec<(Uuid, Uuid)> = sqlx::query!(
+        "SELECT id, job_id FROM attempts WHERE id = ANY($1) AND status = 'started'
+         ORDER BY id FOR UPDATE",
+        &ids
+    )
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .map(|r| (r.id, r.job_id))
+    .collect();
+    if locked.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let job_ids: Vec<Uuid> = locked
+        .iter()
+        .map(|l| l.1)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    // Locked, then read by a new statement: a job that ended meanwhile is seen ended.
+    let jobs: HashMap<Uuid, (JobStatus, Option<AttemptId>)> = sqlx::query!(
+        r#"SELECT id, status AS "status: JobStatus", completed_by AS "completed_by: AttemptId"
+           FROM jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE"#,
+        &job_ids
+    )
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .map(|r| (r.id, (r.status, r.completed_by)))
+    .collect();
+    let errors: HashMap<AttemptId, &str> =
+        unknowns.iter().map(|(id, e)| (*id, e.as_str())).collect();
+    let mut outcomes = HashMap::new();
+    let (mut ids, mut statuses, mut texts) = (Vec::new(), Vec::new(), Vec::new());
+    for (attempt, job) in &locked {
+        let attempt = AttemptId(*attempt);
+        let error = errors.get(&attempt).copied().unwrap_or_default();
+        let (status, winner) = jobs
+            .get(job)
+            .ok_or_else(|| corrupt(format!("attempt {attempt} has no job {job}")))?;
+        ids.push(attempt.0);
+        if status.is_terminal() {
+            statuses.push(AttemptStatus::Discarded);
+            texts.push(format!("discarded: {error} (after its job had ended)"));
+            outcomes.insert(attempt, Settled::Discarded { winner: *winner });
+        } else {
+            statuses.push(AttemptStatus::Unknown);
+            texts.push(error.to_owned());
+            outcomes.insert(attempt, Settled::Unknown);
+        }
+    }
+    sqlx::query!(
+        "WITH marked AS (
+             UPDATE attempts a
+             SET status = i.status, error = i.error,
+                 finished_at = CASE WHEN i.status = 'discarded' THEN now() END,
+                 evidence_next_at = CASE WHEN i.status = 'discarded' THEN now() END
+             FROM unnest($1::uuid[], $2::text[], $3::text[]) AS i(attempt_id, status, error)
+             WHERE a.id = i.attempt_id
+             RETURNING a.job_id, a.status
+         )
+         UPDATE jobs j SET status = 'unknown', updated_at = now()
+         FROM (SELECT DISTINCT job_id FROM marked WHERE status = 'unknown') m
+         WHERE j.id = m.job_id AND j.status = 'running'",
+        &ids,
+        &statuses as &[AttemptStatus],
+        &texts,
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(outcomes)
+}
