@@ -18,6 +18,7 @@
 //! [`roles`], [`shared`] (what the roles and the tools share), [`edges`]
 //! (where the process meets the outside: Postgres through `edges::store`, all
 //! its SQL; the providers, metrics, telemetry, serving HTTP, signals) and
+//! [`policy`] (what follows a failure, decided once and pure) and
 //! [`settings`] (configuration and tokens); [`mock`] stands apart.
 //! Nothing of this crate's is re-exported under a flatter name: an import
 //! path says where a module lives (`crate::shared::runtime` is
@@ -31,7 +32,7 @@
 //! # Public surface
 //!
 //! Modules are private unless a binary or a black-box test needs them: `attempts`,
-//! `reconciler`, `policy`, `qualify`, `evidence`, `handed_on`, `provider`, `gauges`,
+//! `reconciler`, `planner`, `qualify`, `evidence`, `handed_on`, `provider`, `gauges`,
 //! `terminal` and `throttle` are internal. [`fleet::run`]
 //! starts the roles; [`edges::store::Store`] is the one seam to Postgres; [`operator::cli::main`] is
 //! the operator CLI; [`roles::intake::validate`] and [`roles::intake::admit_rows`] are public so
@@ -44,6 +45,7 @@ pub mod edges;
 pub mod fleet;
 pub mod mock;
 pub mod operator;
+pub mod policy;
 pub mod roles;
 pub mod settings;
 pub mod shared;

@@ -4,13 +4,14 @@
 
 mod common;
 
+use onejob::policy::next::NextStep;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::Duration;
 
 use common::{TestEnv, config, config_text, new_job, settle_with};
 use onejob::domain::{AttemptId, JobId};
-use onejob::edges::store::{Actor, Admission, NextStep, Started, Store, Verdict};
+use onejob::edges::store::{Actor, Admission, Started, Store, Verdict};
 use serde_json::{Value, json};
 
 /// The jobs a test made, by the name it gave each, as the CLI prints ids.
@@ -45,7 +46,7 @@ async fn settle(
     store: &Store,
     s: &Started,
     verdict: Verdict,
-    plan: &(dyn Fn(&onejob::edges::store::FailedJob) -> NextStep + Sync),
+    plan: &(dyn Fn(&onejob::policy::next::FailedJob) -> NextStep + Sync),
 ) {
     settle_with(store, &[common::database::finished(s, verdict)], plan).await;
 }
@@ -84,7 +85,7 @@ async fn made(store: &Store) -> Made {
     settle(store, &s, failed(false), &common::give_up).await;
     put("b-failed", s.job_id);
     let s = running(store, "acct_b", "b-retried").await;
-    let to_fallback = |_: &onejob::edges::store::FailedJob| NextStep::Retry {
+    let to_fallback = |_: &onejob::policy::next::FailedJob| NextStep::Retry {
         provider: "fallback".into(),
         delay: Duration::ZERO,
     };

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// The folders of `src/` that group modules (`crate::shared::runtime` is
 /// `src/shared/runtime/`, the module `runtime`, in the layer `shared`).
-const GROUPS: &[&str] = &["operator", "roles", "shared", "edges", "settings"];
+const GROUPS: &[&str] = &["operator", "roles", "shared", "edges", "policy", "settings"];
 
 /// The import graph, module → the modules it names, and each module's
 /// folder (its layer). A module is a file or a folder of files (`src/edges/store/`,
@@ -102,6 +102,7 @@ const LAYERS: &[(&str, bool)] = &[
     ("roles", false),
     ("shared", true),
     ("edges", true),
+    ("policy", true),
     ("settings", true),
     ("core", true),
     ("mock", false),

@@ -35,6 +35,7 @@
 //!   that is itself unknown, or a `409`, is tried again until
 //!   `evidence_deadline`; then the attempt waits for an operator.
 
+use crate::policy::next::FailedJob;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -44,11 +45,10 @@ use crate::domain::AttemptStatus;
 use crate::edges::provider::Client;
 use crate::edges::provider::answer::{Answer, CallError, verdict};
 use crate::edges::store::{
-    Action, Actor, EvidenceClaim, EvidenceDue, FailedJob, Finished, OutboxMessage, Settled, Store,
-    Verdict,
+    Action, Actor, EvidenceClaim, EvidenceDue, Finished, OutboxMessage, Settled, Store, Verdict,
 };
 use crate::settings::config::{Config, EvidenceKind, Provider};
-use crate::shared::policy::Planner;
+use crate::shared::planner;
 use crate::shared::runtime::Result;
 
 /// The longest pause between two looks at one unknown.
@@ -348,7 +348,7 @@ impl Looker<'_> {
                 ..Look::default()
             });
         }
-        let planner = Planner::load_all(self.config, self.store).await?;
+        let planner = planner::load_all(self.config, self.store).await?;
         let plan = |f: &FailedJob| planner.plan(f);
         let (settled, publish) = self
             .store

@@ -6,6 +6,6 @@
 pub mod dlq;
 pub(crate) mod evidence;
 pub(crate) mod handed_on;
-pub(crate) mod policy;
+pub(crate) mod planner;
 pub(crate) mod qualify;
 pub mod runtime;

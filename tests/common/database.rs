@@ -89,7 +89,7 @@ pub fn finished(s: &Started, verdict: Verdict) -> Finished {
     }
 }
 
-pub fn give_up(f: &onejob::edges::store::FailedJob) -> onejob::edges::store::NextStep {
+pub fn give_up(f: &onejob::policy::next::FailedJob) -> onejob::policy::next::NextStep {
     super::give_up(f)
 }
 

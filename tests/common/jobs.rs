@@ -62,7 +62,7 @@ pub fn intent(owner: &str, key: &str, text: &str) -> onejob::intent::Intent {
 pub async fn settle_with(
     store: &Store,
     batch: &[onejob::edges::store::Finished],
-    plan: &(dyn Fn(&onejob::edges::store::FailedJob) -> onejob::edges::store::NextStep + Sync),
+    plan: &(dyn Fn(&onejob::policy::next::FailedJob) -> onejob::policy::next::NextStep + Sync),
 ) -> Vec<onejob::edges::store::Settled> {
     use onejob::edges::store::Settled;
     let mut settled = store.finalize(batch, plan).await.unwrap().0;
@@ -83,8 +83,8 @@ pub async fn settle_with(
 }
 
 /// A plan that never retries: the job fails with the attempt's error.
-pub fn give_up(f: &onejob::edges::store::FailedJob) -> onejob::edges::store::NextStep {
-    onejob::edges::store::NextStep::GiveUp {
+pub fn give_up(f: &onejob::policy::next::FailedJob) -> onejob::policy::next::NextStep {
+    onejob::policy::next::NextStep::GiveUp {
         error: f.error.clone(),
     }
 }

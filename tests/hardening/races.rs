@@ -3,11 +3,12 @@
 //! retry and against the vanished-worker sweep. None leaves an attempt that
 //! contradicts its job.
 
+use onejob::policy::next::{FailedJob, NextStep};
 use std::sync::Arc;
 use std::time::Duration;
 
 use onejob::domain::{AttemptStatus, JobStatus};
-use onejob::edges::store::{FailedJob, NextStep, Verdict};
+use onejob::edges::store::Verdict;
 use serde_json::json;
 
 use super::{finished, started, started_hedge, timed_out};

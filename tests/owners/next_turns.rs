@@ -5,10 +5,11 @@
 //! it never goes straight to the provider's queue ahead of other owners'
 //! first attempts. A turn counts once in its owner's flight.
 
+use onejob::policy::next::NextStep;
 use std::time::Duration;
 
 use onejob::domain::AttemptId;
-use onejob::edges::store::{Finished, NextStep, Resolution, Settled, Store, Verdict};
+use onejob::edges::store::{Finished, Resolution, Settled, Store, Verdict};
 
 use crate::common::{self, TestEnv, config};
 
@@ -48,7 +49,7 @@ fn failed(s: &onejob::edges::store::Started) -> Finished {
 
 fn retry_on(
     provider: &'static str,
-) -> impl Fn(&onejob::edges::store::FailedJob) -> NextStep + Sync {
+) -> impl Fn(&onejob::policy::next::FailedJob) -> NextStep + Sync {
     move |_| NextStep::Retry {
         provider: provider.into(),
         delay: Duration::ZERO,

@@ -19,9 +19,6 @@
 //! can deadlock, which Postgres detects, and the loser's transaction is retried
 //! whole, as is any deadlock or serialization failure.
 
-use std::time::Duration;
-
-use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
 use crate::domain::{AttemptId, JobId};
@@ -66,9 +63,7 @@ pub use kept::{HandedOn, KeptWaiting};
 pub use owners::{OwnerChange, OwnerView};
 pub use qualifications::QualificationRun;
 pub use retention::{Pass, Policy, Pruned};
-pub use settle::{
-    Claim, FailedJob, Finished, NextStep, Resolution, Settled, Started, Unreserved, Verdict,
-};
+pub use settle::{Claim, Finished, Resolution, Settled, Started, Unreserved, Verdict};
 pub use tokens::OperatorTokenView;
 pub use turns::HandOut;
 pub use views::{AttemptView, JobView, TokenView};
@@ -139,13 +134,4 @@ pub struct Store {
     /// `connect.rs`).
     per_job: PgPool,
     routes: Routes,
-}
-
-/// `now + delay`, saturating instead of panicking: a delay comes from outside
-/// (a provider's `Retry-After`, configuration) and must never crash a worker.
-fn later(now: DateTime<Utc>, delay: Duration) -> DateTime<Utc> {
-    chrono::TimeDelta::from_std(delay)
-        .ok()
-        .and_then(|d| now.checked_add_signed(d))
-        .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }

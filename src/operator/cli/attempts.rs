@@ -14,7 +14,7 @@ use crate::edges::provider::Client;
 use crate::edges::store::{Action, Actor, Refusal, Resolution, Settled};
 use crate::settings::config::EvidenceKind;
 use crate::shared::evidence::Looker;
-use crate::shared::policy::Planner;
+use crate::shared::planner;
 
 #[derive(Subcommand, Debug)]
 pub(super) enum AttemptsCommand {
@@ -101,8 +101,8 @@ async fn resolve(
             .unwrap_or_default(),
         None => return Err(Failure(format!("attempt {attempt_id} not found"))),
     };
-    let planner = Planner::load(&config, &store, [operation.as_str()]).await?;
-    let plan = |f: &crate::edges::store::FailedJob| planner.plan(f);
+    let planner = planner::load(&config, &store, [operation.as_str()]).await?;
+    let plan = |f: &crate::policy::next::FailedJob| planner.plan(f);
     let (settled, publish) = match store
         .resolve(AttemptId(attempt_id), resolution, &plan, actor)
         .await?

@@ -1,6 +1,7 @@
 //! Unknown attempts, and resolving one: a confirmation that says what the
 //! route rule will do next, then the store's guarded resolve.
 
+use crate::policy::next::{FailedJob, NextStep};
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -18,8 +19,8 @@ use super::failure::Failure;
 use super::page::age;
 use super::session::Operator;
 use crate::domain::{AttemptId, AttemptStatus};
-use crate::edges::store::{Actor, EvidenceClaim, FailedJob, NextStep, Refusal, Resolution};
-use crate::shared::policy::Planner;
+use crate::edges::store::{Actor, EvidenceClaim, Refusal, Resolution};
+use crate::shared::planner;
 use crate::shared::runtime;
 
 pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response {
@@ -166,7 +167,7 @@ pub(super) async fn consequence(
         ),
         Resolution::Failed => {
             let config = &app.0.config;
-            let planner = Planner::load(config, store, [job.operation.as_str()]).await?;
+            let planner = planner::load(config, store, [job.operation.as_str()]).await?;
             let failed = FailedJob {
                 job_id: job.id,
                 operation: job.operation.clone(),
@@ -259,7 +260,7 @@ pub(super) async fn resolve(
         Ok((job, _)) => (job.id, job.operation),
         Err(f) => return app.message(Some(&who), f),
     };
-    let planner = match Planner::load(config, store, [operation.as_str()]).await {
+    let planner = match planner::load(config, store, [operation.as_str()]).await {
         Ok(p) => p,
         Err(e) => return app.message(Some(&who), e.into()),
     };

@@ -6,12 +6,13 @@
 //! fails with `budget_exceeded`, not retryable, so its job ends `failed`
 //! (a hedge's job carries on with its other attempt).
 
+use crate::policy::next::FailedJob;
 use std::collections::HashMap;
 
 use crate::domain::AttemptId;
 use crate::edges::shutdown::Shutdown;
-use crate::edges::store::{Claim, FailedJob, Reservation, Unreserved};
-use crate::shared::policy::Planner;
+use crate::edges::store::{Claim, Reservation, Unreserved};
+use crate::policy::next::Planner;
 use crate::shared::runtime::{Context, with_retries};
 
 /// Reserves for `claim`'s unreserved attempts, and returns those that now

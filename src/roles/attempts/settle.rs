@@ -2,11 +2,13 @@
 //! compare-and-swap per job; a settlement Postgres refuses is settled apart,
 //! and a paid answer is kept even when it lost.
 
+use crate::policy::next::FailedJob;
 use std::collections::BTreeSet;
 
 use crate::edges::shutdown::Shutdown;
-use crate::edges::store::{FailedJob, Finished, OutboxMessage, Settled, Started, Verdict};
-use crate::shared::policy::Planner;
+use crate::edges::store::{Finished, OutboxMessage, Settled, Started, Verdict};
+use crate::policy::next::Planner;
+use crate::shared::planner;
 use crate::shared::runtime::{Context, Result, with_retries};
 
 /// A settlement's answer: `Ok(false)` when its rows were held under someone
@@ -102,7 +104,7 @@ pub(super) async fn settle_all(
         Planner::unqualified(&ctx.config)
     } else {
         with_retries(shutdown, "reading qualifications", || async {
-            Ok(Planner::load(&ctx.config, &ctx.store, failing.iter().map(String::as_str)).await?)
+            Ok(planner::load(&ctx.config, &ctx.store, failing.iter().map(String::as_str)).await?)
         })
         .await?
     };

@@ -3,8 +3,8 @@
 //! died while it was still `queued` is failed with the dead letter's reason.
 //! Each letter stays for an operator.
 
-use crate::edges::store::FailedJob;
-use crate::shared::policy::Planner;
+use crate::policy::next::FailedJob;
+use crate::shared::planner;
 use crate::shared::runtime::{Context, Result};
 use crate::trace::TraceContext;
 
@@ -30,7 +30,7 @@ pub(super) async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
     if dead.is_empty() {
         return Ok(());
     }
-    let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
+    let planner = planner::load_all(&ctx.config, &ctx.store).await?;
     let plan = |f: &FailedJob| planner.plan(f);
     let (settled, publish) = ctx.store.fail_queued(&dead, true, &plan).await?;
     for (attempt, _) in &settled {

@@ -3,8 +3,7 @@
 
 use std::time::Duration;
 
-use crate::domain::{self, GiveUp};
-use crate::shared::policy::Planner;
+use crate::shared::planner;
 use crate::shared::runtime::{Context, Result};
 
 /// Starts at most one hedge per job whose attempt has been silent for its
@@ -20,27 +19,20 @@ pub(super) async fn hedge_once(ctx: &Context) -> Result<()> {
     if candidates.is_empty() {
         return Ok(());
     }
-    let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
+    let planner = planner::load_all(&ctx.config, &ctx.store).await?;
     for candidate in candidates {
         let job = candidate.job_id;
-        let (current, operation) = (candidate.provider.as_str(), candidate.operation.as_str());
-        let Some(op) = ctx.config.operations.get(operation) else {
-            continue;
-        };
-        let target = domain::next_provider(
-            &op.route,
-            |p| p != current && planner.is_eligible(operation, p),
-            current,
+        match planner.hedge_target(
+            &candidate.operation,
+            &candidate.provider,
             candidate.attempts_made,
-            op.max_attempts,
-        );
-        match target {
-            Ok(provider) => {
+        ) {
+            Some(provider) => {
                 if let Some(attempt) = ctx.store.hedge(job, provider).await? {
                     tracing::info!(job_id = %job, attempt_id = %attempt, %provider, "hedging: a parallel attempt takes its turn");
                 }
             }
-            Err(GiveUp::AttemptsSpent { .. } | GiveUp::NoEligibleProvider) => {
+            None => {
                 tracing::debug!(job_id = %job, "no hedge: no other qualified provider, or attempts spent");
             }
         }

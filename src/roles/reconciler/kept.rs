@@ -2,10 +2,11 @@
 //! when it arrived, or that evidence found, was kept on its attempt; it is
 //! settled here, as a live answer would be.
 
+use crate::policy::next::FailedJob;
 use std::time::Duration;
 
-use crate::edges::store::{FailedJob, Settled};
-use crate::shared::policy::Planner;
+use crate::edges::store::Settled;
+use crate::shared::planner;
 use crate::shared::runtime::{Context, Result};
 
 /// Settles the answers that were kept on their attempts because their rows
@@ -20,7 +21,7 @@ pub(super) async fn settle_kept_once(ctx: &Context) -> Result<()> {
     if kept.is_empty() {
         return Ok(());
     }
-    let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
+    let planner = planner::load_all(&ctx.config, &ctx.store).await?;
     let plan = |f: &FailedJob| planner.plan(f);
     let (settled, publish) = ctx.store.finalize(&kept, &plan).await?;
     let mut later = Vec::new();

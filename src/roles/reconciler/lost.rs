@@ -2,8 +2,8 @@
 //! message was published are republished, then failed with a reason after
 //! `max_republish` tries.
 
-use crate::edges::store::FailedJob;
-use crate::shared::policy::Planner;
+use crate::policy::next::FailedJob;
+use crate::shared::planner;
 use crate::shared::runtime::{Context, Result};
 
 /// Queued attempts whose message seems lost are republished, then failed.
@@ -17,7 +17,7 @@ pub(super) async fn lost_once(ctx: &Context) -> Result<()> {
         .await?;
     ctx.publish_outbox(&republish).await?;
     if !lost.is_empty() {
-        let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
+        let planner = planner::load_all(&ctx.config, &ctx.store).await?;
         let plan = |f: &FailedJob| planner.plan(f);
         let error = format!(
             "attempt_lost: its message was republished {} times and the attempt never started",

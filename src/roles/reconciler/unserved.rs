@@ -2,8 +2,8 @@
 //! longer has fail `provider_not_served`, and their jobs move on.
 
 use crate::domain;
-use crate::edges::store::FailedJob;
-use crate::shared::policy::Planner;
+use crate::policy::next::FailedJob;
+use crate::shared::planner;
 use crate::shared::runtime::{Context, Result};
 
 /// Turns held for a provider this worker's configuration no longer has
@@ -31,7 +31,7 @@ pub(super) async fn unserved_once(ctx: &Context) -> Result<()> {
             (attempt, why)
         })
         .collect();
-    let planner = Planner::load_all(&ctx.config, &ctx.store).await?;
+    let planner = planner::load_all(&ctx.config, &ctx.store).await?;
     let plan = |f: &FailedJob| planner.plan(f);
     let (_, publish) = ctx.store.fail_queued(&failures, true, &plan).await?;
     ctx.publish_outbox(&publish).await?;

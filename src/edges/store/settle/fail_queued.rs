@@ -6,7 +6,8 @@ use crate::domain::{AttemptId, AttemptStatus};
 use crate::edges::store::Store;
 use crate::edges::store::drafts::OutboxMessage;
 use crate::edges::store::error::Result;
-use crate::edges::store::settle::{FailedJob, Failure, NextStep, Settled};
+use crate::edges::store::settle::{Failure, Settled};
+use crate::policy::next::{FailedJob, NextStep};
 
 impl Store {
     /// Fails attempts that are still `queued` (their message was lost for

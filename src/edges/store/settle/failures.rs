@@ -2,6 +2,7 @@
 //! and read, and the plan carried out (next attempts, blocks lifted, jobs
 //! failed).
 
+use crate::policy::next::{FailedJob, NextStep};
 use std::collections::{BTreeSet, HashMap};
 
 use chrono::{DateTime, Utc};
@@ -9,15 +10,15 @@ use serde_json::Value;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::plan::{
-    AttemptCounts, FailedAttempt, FailurePlan, JobState, NextAttempt, plan_failures,
-};
 use crate::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
 use crate::edges::store::Store;
 use crate::edges::store::drafts::{Ended, OutboxDraft};
 use crate::edges::store::error::{Result, corrupt};
 use crate::edges::store::next_turns::NextTurn;
-use crate::edges::store::settle::{FailedJob, Failure, NextStep, Settled};
+use crate::edges::store::settle::{Failure, Settled};
+use crate::policy::batch::{
+    AttemptCounts, Definite, FailedAttempt, FailurePlan, JobState, NextAttempt, plan_failures,
+};
 
 impl Store {
     /// Definite failures: mark the attempts `failed`, then, per job, either create
@@ -41,7 +42,16 @@ impl Store {
             .into_iter()
             .collect();
         let states = lock_jobs(tx, &job_ids).await?;
-        let planned = plan_failures(&failed, &states, failures, plan, immediate, Utc::now())?;
+        let definite: Vec<Definite> = failures
+            .iter()
+            .map(|f| Definite {
+                attempt_id: f.attempt_id,
+                retryable: f.retryable,
+                retry_after: f.retry_after,
+            })
+            .collect();
+        let planned = plan_failures(&failed, &states, &definite, plan, immediate, Utc::now())
+            .map_err(|e| corrupt(e.to_string()))?;
         let triggered = planned.triggered.clone();
         let (drafts, failed_jobs) = self.apply_failure_plan(tx, planned).await?;
         let outcomes = failed

@@ -1,6 +1,7 @@
 //! Settling a flush of finished attempts in one transaction, and each apart
 //! when Postgres refuses the flush; the rows a settlement takes first.
 
+use crate::policy::next::{FailedJob, NextStep};
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use crate::domain::{AttemptId, AttemptStatus, JobId};
 use crate::edges::store::Store;
 use crate::edges::store::drafts::OutboxMessage;
 use crate::edges::store::error::{Result, StoreError};
-use crate::edges::store::settle::{FailedJob, Failure, Finished, NextStep, Settled, Verdict};
+use crate::edges::store::settle::{Failure, Finished, Settled, Verdict};
 
 impl Store {
     /// Settles finished attempts in one transaction: successes race through the

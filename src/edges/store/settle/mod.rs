@@ -28,7 +28,6 @@ mod compare_and_swap;
 mod fail_queued;
 mod failures;
 mod finalize;
-mod plan;
 mod resolve;
 mod unknown;
 
@@ -177,42 +176,6 @@ pub struct Unreserved {
     pub operation: String,
     /// The job's input.
     pub input: serde_json::Map<String, Value>,
-}
-
-/// A job whose attempt just failed definitely, for the caller to plan what follows.
-#[derive(Clone, Debug)]
-pub struct FailedJob {
-    /// The job.
-    pub job_id: JobId,
-    /// Its operation.
-    pub operation: String,
-    /// The provider that failed.
-    pub failed_provider: String,
-    /// Attempts made so far, the failed one included.
-    pub attempts_made: u32,
-    /// The failure.
-    pub error: String,
-    /// Whether another attempt may follow at all.
-    pub retryable: bool,
-    /// The failed provider's `Retry-After`, if it sent one.
-    pub retry_after: Option<Duration>,
-}
-
-/// What follows a definite failure.
-#[derive(Clone, Debug, PartialEq)]
-pub enum NextStep {
-    /// Another attempt on `provider`, after `delay`.
-    Retry {
-        /// The provider.
-        provider: String,
-        /// The backoff before it is published.
-        delay: Duration,
-    },
-    /// No more attempts: the job fails with `error`.
-    GiveUp {
-        /// The job's error.
-        error: String,
-    },
 }
 
 /// How an operator resolves an open attempt.

@@ -1,13 +1,14 @@
 //! An operator's out-of-band resolution of an open attempt: a definite
 //! failure, or the end of the attempt and its job.
 
+use crate::policy::next::{FailedJob, NextStep};
 use uuid::Uuid;
 
 use crate::domain::{AttemptId, AttemptStatus, JobId};
 use crate::edges::store::audit::{Action, Actor};
 use crate::edges::store::drafts::OutboxMessage;
 use crate::edges::store::error::{Refusal, Result};
-use crate::edges::store::settle::{FailedJob, Failure, NextStep, Resolution, Settled};
+use crate::edges::store::settle::{Failure, Resolution, Settled};
 use crate::edges::store::{Store, audit};
 
 /// What a resolution did: the attempt's settlement and the outbox rows to

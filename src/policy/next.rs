@@ -1,57 +1,72 @@
-//! The retry policy: what follows a definite failure. Pure over the
-//! configuration and the set of providers eligible for each operation (the
-//! route's first provider, and those qualified for its current contract), so it
-//! is unit-tested without a database; [`Planner`] loads that set once and is the
-//! one place every caller (the attempt role, the reconciler, the operator CLI)
-//! plans with.
+//! What follows one definite failure: the route rule with this
+//! configuration, over the providers eligible for the failed operation, and
+//! the backoff before the same provider is tried again. Pure: who is eligible
+//! is loaded by the caller (`crate::shared::planner`), so the plan is
+//! unit-tested without a database.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 
-use crate::domain::{self, GiveUp};
-use crate::edges::store::{FailedJob, NextStep, Store, StoreError};
+use crate::domain::JobId;
+use crate::policy::route::{GiveUp, next_provider};
 use crate::settings::config::Config;
+
+/// A job whose attempt just failed definitely, for the caller to plan what follows.
+#[derive(Clone, Debug)]
+pub struct FailedJob {
+    /// The job.
+    pub job_id: JobId,
+    /// Its operation.
+    pub operation: String,
+    /// The provider that failed.
+    pub failed_provider: String,
+    /// Attempts made so far, the failed one included.
+    pub attempts_made: u32,
+    /// The failure.
+    pub error: String,
+    /// Whether another attempt may follow at all.
+    pub retryable: bool,
+    /// The failed provider's `Retry-After`, if it sent one.
+    pub retry_after: Option<Duration>,
+}
+
+/// What follows a definite failure.
+#[derive(Clone, Debug, PartialEq)]
+pub enum NextStep {
+    /// Another attempt on `provider`, after `delay`.
+    Retry {
+        /// The provider.
+        provider: String,
+        /// The backoff before it is published.
+        delay: Duration,
+    },
+    /// No more attempts: the job fails with `error`.
+    GiveUp {
+        /// The job's error.
+        error: String,
+    },
+}
 
 /// Plans what follows definite failures, with the eligible providers of some
 /// operations loaded once.
 #[derive(Debug)]
-pub(crate) struct Planner<'a> {
+pub struct Planner<'a> {
     config: &'a Config,
     eligible: HashMap<String, HashSet<String>>,
 }
 
 impl<'a> Planner<'a> {
-    /// Loads who is eligible for each of `operations` (qualifications are read
-    /// from the store).
-    pub(crate) async fn load(
-        config: &'a Config,
-        store: &Store,
-        operations: impl IntoIterator<Item = &str>,
-    ) -> Result<Planner<'a>, StoreError> {
-        let mut eligible = HashMap::new();
-        for op in operations {
-            eligible.insert(
-                op.to_owned(),
-                crate::shared::qualify::eligible(config, store, op).await?,
-            );
-        }
-        Ok(Planner { config, eligible })
-    }
-
-    /// Loads who is eligible for every configured operation.
-    pub(crate) async fn load_all(
-        config: &'a Config,
-        store: &Store,
-    ) -> Result<Planner<'a>, StoreError> {
-        let operations: Vec<String> = config.operations.keys().cloned().collect();
-        Self::load(config, store, operations.iter().map(String::as_str)).await
+    /// A planner over `eligible`: operation → the providers that may take its
+    /// attempts (the route's first, and those qualified for its contract).
+    pub fn new(config: &'a Config, eligible: HashMap<String, HashSet<String>>) -> Planner<'a> {
+        Planner { config, eligible }
     }
 
     /// A planner that knows of no eligible provider: for settlements that plan
     /// nothing (successes, unknowns).
-    pub(crate) fn unqualified(config: &'a Config) -> Planner<'a> {
+    pub fn unqualified(config: &'a Config) -> Planner<'a> {
         Planner {
             config,
             eligible: HashMap::new(),
@@ -59,14 +74,34 @@ impl<'a> Planner<'a> {
     }
 
     /// Whether `provider` may take an attempt (or a hedge) of `operation`.
-    pub(crate) fn is_eligible(&self, operation: &str, provider: &str) -> bool {
+    pub fn is_eligible(&self, operation: &str, provider: &str) -> bool {
         self.eligible
             .get(operation)
             .is_some_and(|e| e.contains(provider))
     }
 
+    /// The provider a hedge of `operation` goes to while `current` is silent:
+    /// the route rule's next eligible provider other than `current`, or none
+    /// when there is no other or `attempts_made` spent the attempts.
+    pub fn hedge_target(
+        &self,
+        operation: &str,
+        current: &str,
+        attempts_made: u32,
+    ) -> Option<&'a str> {
+        let op = self.config.operations.get(operation)?;
+        next_provider(
+            &op.route,
+            |p| p != current && self.is_eligible(operation, p),
+            current,
+            attempts_made,
+            op.max_attempts,
+        )
+        .ok()
+    }
+
     /// What follows `failed`.
-    pub(crate) fn plan(&self, failed: &FailedJob) -> NextStep {
+    pub fn plan(&self, failed: &FailedJob) -> NextStep {
         let none = HashSet::new();
         let eligible = self.eligible.get(&failed.operation).unwrap_or(&none);
         plan_next(self.config, eligible, failed)
@@ -78,11 +113,7 @@ impl<'a> Planner<'a> {
 /// those qualified for the operation's current contract). Failing over to another
 /// provider happens at once; trying the same provider again waits for the backoff,
 /// or for its `Retry-After` if that is longer.
-pub(crate) fn plan_next(
-    config: &Config,
-    eligible: &HashSet<String>,
-    failed: &FailedJob,
-) -> NextStep {
+pub fn plan_next(config: &Config, eligible: &HashSet<String>, failed: &FailedJob) -> NextStep {
     if !failed.retryable {
         return NextStep::GiveUp {
             error: failed.error.clone(),
@@ -96,7 +127,7 @@ pub(crate) fn plan_next(
             ),
         };
     };
-    match domain::next_provider(
+    match next_provider(
         &operation.route,
         |p| eligible.contains(p),
         &failed.failed_provider,
@@ -123,7 +154,7 @@ pub(crate) fn plan_next(
 
 /// The delay before the attempt after `attempts_made` attempts: exponential from
 /// `retry_backoff`, capped at `retry_backoff_max`, with jitter.
-pub(crate) fn backoff(config: &Config, attempts_made: u32) -> Duration {
+pub fn backoff(config: &Config, attempts_made: u32) -> Duration {
     let w = &config.worker;
     ExponentialBuilder::default()
         .with_min_delay(w.retry_backoff)
@@ -140,7 +171,6 @@ pub(crate) fn backoff(config: &Config, attempts_made: u32) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::JobId;
 
     /// Three providers in route order, retry backoff 1s doubling to 8s.
     fn config() -> Config {
@@ -283,5 +313,23 @@ mod tests {
             Planner::unqualified(&c).plan(&failed("a", 1)),
             NextStep::GiveUp { .. }
         ));
+    }
+
+    #[test]
+    fn a_hedge_goes_to_the_next_eligible_provider_other_than_the_silent_one() {
+        let c = config();
+        let planner = Planner::new(
+            &c,
+            HashMap::from([("op".to_owned(), eligible(&["a", "c"]))]),
+        );
+        assert_eq!(planner.hedge_target("op", "a", 1), Some("c"));
+        // Past the route's end it wraps, never to the silent provider itself.
+        assert_eq!(planner.hedge_target("op", "c", 1), Some("a"));
+        let only_a = Planner::new(&c, HashMap::from([("op".to_owned(), eligible(&["a"]))]));
+        assert_eq!(only_a.hedge_target("op", "a", 1), None);
+        // No hedge once max_attempts (4) attempts are made, nor for an
+        // operation no longer configured.
+        assert_eq!(planner.hedge_target("op", "a", 4), None);
+        assert_eq!(planner.hedge_target("removed", "a", 1), None);
     }
 }

@@ -9,82 +9,103 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use crate::domain::{AttemptId, JobId, JobStatus};
-use crate::edges::store::error::{Result, corrupt};
-use crate::edges::store::later;
-use crate::edges::store::settle::{FailedJob, Failure, NextStep};
+use crate::policy::next::{FailedJob, NextStep};
 
 /// An attempt planned after a definite failure. `not_before` is `None` when it is
 /// due now: its writer publishes it at once instead of leaving it to the relay.
 #[derive(Debug)]
-pub(super) struct NextAttempt {
-    pub(super) id: AttemptId,
-    pub(super) job: JobId,
-    pub(super) number: i32,
-    pub(super) provider: String,
-    pub(super) not_before: Option<DateTime<Utc>>,
+pub(crate) struct NextAttempt {
+    pub(crate) id: AttemptId,
+    pub(crate) job: JobId,
+    pub(crate) number: i32,
+    pub(crate) provider: String,
+    pub(crate) not_before: Option<DateTime<Utc>>,
 }
 
-/// What `settle_failures` needs to know of a job's attempts.
+/// What planning needs to know of a job's attempts.
 #[derive(Debug)]
-pub(super) struct AttemptCounts {
-    pub(super) job_id: Uuid,
-    pub(super) made: i64,
-    pub(super) max_number: i32,
+pub(crate) struct AttemptCounts {
+    pub(crate) job_id: Uuid,
+    pub(crate) made: i64,
+    pub(crate) max_number: i32,
     /// Some attempt is `queued`, `started` or `unknown`.
-    pub(super) open: bool,
+    pub(crate) open: bool,
     /// Some attempt is `unknown`.
-    pub(super) unknown: bool,
+    pub(crate) unknown: bool,
     /// The `queued` attempts, and their providers; not those whose turn is
     /// still held (their provider's hand-out publishes them).
-    pub(super) queued: Vec<Uuid>,
-    pub(super) queued_providers: Vec<String>,
+    pub(crate) queued: Vec<Uuid>,
+    pub(crate) queued_providers: Vec<String>,
 }
 
-/// An attempt [`mark_failed`](super::failures) changed.
+/// An attempt the store just marked `failed`.
 #[derive(Debug)]
-pub(super) struct FailedAttempt {
-    pub(super) attempt_id: Uuid,
-    pub(super) job_id: Uuid,
-    pub(super) provider: String,
-    pub(super) error: String,
+pub(crate) struct FailedAttempt {
+    pub(crate) attempt_id: Uuid,
+    pub(crate) job_id: Uuid,
+    pub(crate) provider: String,
+    pub(crate) error: String,
+}
+
+/// What is known of one failure beyond its row: whether another attempt may
+/// follow at all, and the provider's `Retry-After`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Definite {
+    pub(crate) attempt_id: AttemptId,
+    pub(crate) retryable: bool,
+    pub(crate) retry_after: Option<Duration>,
+}
+
+/// A failed attempt whose job was not among the locked ones: the store's rows
+/// disagree with each other.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct MissingJob {
+    pub(crate) attempt: Uuid,
+    pub(crate) job: Uuid,
+}
+
+impl std::fmt::Display for MissingJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "attempt {} has no job {}", self.attempt, self.job)
+    }
 }
 
 /// A locked job, as the planning of its failures needs it.
-pub(super) struct JobState {
-    pub(super) status: JobStatus,
-    pub(super) operation: String,
-    pub(super) counts: AttemptCounts,
+pub(crate) struct JobState {
+    pub(crate) status: JobStatus,
+    pub(crate) operation: String,
+    pub(crate) counts: AttemptCounts,
 }
 
 /// What settling a batch of definite failures does, decided without I/O.
 #[derive(Debug, Default)]
-pub(super) struct FailurePlan {
+pub(crate) struct FailurePlan {
     /// Attempts to create.
-    pub(super) next_attempts: Vec<NextAttempt>,
+    pub(crate) next_attempts: Vec<NextAttempt>,
     /// Jobs that fail, with their error.
-    pub(super) give_up: Vec<(Uuid, String)>,
+    pub(crate) give_up: Vec<(Uuid, String)>,
     /// Jobs whose last unknown this batch lifted: they run again.
-    pub(super) unblocked: Vec<Uuid>,
+    pub(crate) unblocked: Vec<Uuid>,
     /// Queued attempts of those jobs to publish again: (attempt, job, provider).
-    pub(super) republish: Vec<(Uuid, Uuid, String)>,
+    pub(crate) republish: Vec<(Uuid, Uuid, String)>,
     /// The failed attempt whose settlement created each next attempt.
-    pub(super) triggered: HashMap<Uuid, AttemptId>,
+    pub(crate) triggered: HashMap<Uuid, AttemptId>,
 }
 
 /// Plans what follows each failed attempt of the locked `jobs`: nothing for an ended job or one already planned in
 /// this batch; for a job with another open attempt, only lifting its block when
 /// no unknown is left; otherwise the caller's `plan` (the route rule). A retry
 /// due at once (or any, when `immediate`) has no not-before time.
-pub(super) fn plan_failures(
+pub(crate) fn plan_failures(
     failed: &[FailedAttempt],
     jobs: &HashMap<Uuid, JobState>,
-    failures: &[Failure],
+    definite: &[Definite],
     plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
     immediate: bool,
     now: DateTime<Utc>,
-) -> Result<FailurePlan> {
-    let by_attempt: HashMap<Uuid, &Failure> =
-        failures.iter().map(|f| (f.attempt_id.0, f)).collect();
+) -> Result<FailurePlan, MissingJob> {
+    let by_attempt: HashMap<Uuid, &Definite> =
+        definite.iter().map(|f| (f.attempt_id.0, f)).collect();
     let mut out = FailurePlan::default();
     let mut planned: BTreeSet<Uuid> = BTreeSet::new();
     for FailedAttempt {
@@ -95,7 +116,10 @@ pub(super) fn plan_failures(
     } in failed
     {
         let Some(state) = jobs.get(job) else {
-            return Err(corrupt(format!("attempt {attempt} has no job {job}")));
+            return Err(MissingJob {
+                attempt: *attempt,
+                job: *job,
+            });
         };
         let c = &state.counts;
         if state.status.is_terminal() || !planned.insert(*job) {
@@ -141,12 +165,20 @@ pub(super) fn plan_failures(
     Ok(out)
 }
 
+/// `now + delay`, saturating instead of panicking: a delay comes from outside
+/// (a provider's `Retry-After`, configuration) and must never crash a worker.
+fn later(now: DateTime<Utc>, delay: Duration) -> DateTime<Utc> {
+    chrono::TimeDelta::from_std(delay)
+        .ok()
+        .and_then(|d| now.checked_add_signed(d))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{AttemptCounts, FailedAttempt, JobState, plan_failures};
+    use super::{AttemptCounts, Definite, FailedAttempt, JobState, later, plan_failures};
     use crate::domain::{AttemptId, JobStatus};
-    use crate::edges::store::later;
-    use crate::edges::store::settle::{FailedJob, Failure, NextStep};
+    use crate::policy::next::{FailedJob, NextStep};
     use chrono::Utc;
     use std::collections::HashMap;
     use std::time::Duration;
@@ -178,14 +210,11 @@ mod tests {
         }
     }
 
-    fn failure(attempt: Uuid) -> Failure {
-        Failure {
+    fn failure(attempt: Uuid) -> Definite {
+        Definite {
             attempt_id: AttemptId(attempt),
-            error: "provider_error: HTTP 500".into(),
             retryable: true,
             retry_after: None,
-            usage: None,
-            request_id: None,
         }
     }
 
