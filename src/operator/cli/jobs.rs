@@ -4,6 +4,8 @@ use std::io::Write;
 
 use clap::{Args, Subcommand};
 use serde_json::json;
+
+use super::printed::job::{Job as PrintedJob, Listed, Shown};
 use uuid::Uuid;
 
 use super::{Connections, Failure, Outcome, publish_now, shown, store};
@@ -160,7 +162,12 @@ async fn list(store: &Store, args: ListArgs, json: bool, out: &mut impl Write) -
     jobs.truncate(page);
     let next_after = more.then(|| jobs.last().map(|j| j.id)).flatten();
     if json {
-        writeln!(out, "{}", json!({ "jobs": jobs, "next_after": next_after }))?;
+        let listed: Vec<Listed> = jobs.iter().map(Listed::from).collect();
+        writeln!(
+            out,
+            "{}",
+            json!({ "jobs": listed, "next_after": next_after })
+        )?;
         return Ok(());
     }
     if jobs.is_empty() {
@@ -221,7 +228,7 @@ async fn cancel(
         writeln!(
             out,
             "{}",
-            json!({ "cancelled": true, "event_published": published, "job": job })
+            json!({ "cancelled": true, "event_published": published, "job": job.as_ref().map(PrintedJob::from) })
         )?;
     } else {
         writeln!(
@@ -298,17 +305,7 @@ fn print_job(
     as_json: bool,
 ) -> std::io::Result<()> {
     if as_json {
-        let mut value = serde_json::to_value(job).unwrap_or_default();
-        if let Some(fields) = value.as_object_mut() {
-            fields.insert(
-                "audit".into(),
-                serde_json::to_value(audit).unwrap_or_default(),
-            );
-            fields.insert(
-                "owner_limits".into(),
-                serde_json::to_value(owner).unwrap_or_default(),
-            );
-        }
+        let value = serde_json::to_value(Shown::of(job, owner, audit)).unwrap_or_default();
         return writeln!(out, "{value}");
     }
     writeln!(

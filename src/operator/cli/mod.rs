@@ -7,7 +7,8 @@
 //! One file per command group, each holding its arguments beside its body
 //! (as mini-redis keeps a command's parsing with the command): `jobs`,
 //! `attempts`, `providers`, `dlq`, `owners`, `tokens`, `setup` (migrate,
-//! queues, config) and `console`. This file holds what they share: the
+//! queues, config) and `console`; `printed/` holds the shapes `--json`
+//! prints, the CLI's own, built from the store's rows. This file holds what they share: the
 //! connection settings, the dispatcher, and how a failure is reported.
 
 mod attempts;
@@ -15,6 +16,7 @@ mod console;
 mod dlq;
 mod jobs;
 mod owners;
+mod printed;
 mod providers;
 mod setup;
 mod tokens;

@@ -5,6 +5,7 @@ use std::io::Write;
 
 use clap::Subcommand;
 
+use super::printed::owner::Owner;
 use super::{Connections, Failure, Outcome, shown, store};
 use crate::edges::store::{Actor, OwnerChange, OwnerView, StoreError};
 use crate::settings::config::{
@@ -89,7 +90,8 @@ pub(super) async fn run(
         OwnersCommand::List => {
             let owners = store.owners().await.map_err(migrate_first)?;
             if json {
-                writeln!(out, "{}", serde_json::to_value(&owners)?)?;
+                let printed: Vec<Owner> = owners.iter().map(Owner::from).collect();
+                writeln!(out, "{}", serde_json::to_value(&printed)?)?;
             } else if owners.is_empty() {
                 writeln!(
                     out,
@@ -143,7 +145,11 @@ pub(super) async fn run(
 
 fn print_one(view: &OwnerView, json: bool, out: &mut impl Write) -> std::io::Result<()> {
     if json {
-        return writeln!(out, "{}", serde_json::to_value(view).unwrap_or_default());
+        return writeln!(
+            out,
+            "{}",
+            serde_json::to_value(Owner::from(view)).unwrap_or_default()
+        );
     }
     writeln!(out, "owner {}", shown(&view.owner_id))?;
     writeln!(out, "  {}", limits_line(view))?;

@@ -5,6 +5,8 @@ use std::io::Write;
 
 use clap::Subcommand;
 use serde_json::json;
+
+use super::printed::token::{GatewayToken, OperatorToken};
 use uuid::Uuid;
 
 use super::{Connections, Failure, Outcome, shown, store};
@@ -175,7 +177,12 @@ async fn create_owner(
 async fn list_operators(store: &Store, as_json: bool, out: &mut impl Write) -> TokenOutcome {
     let tokens = store.operator_tokens().await?;
     if as_json {
-        writeln!(out, "{}", serde_json::to_value(&tokens).unwrap_or_default())?;
+        let printed: Vec<OperatorToken> = tokens.iter().map(OperatorToken::from).collect();
+        writeln!(
+            out,
+            "{}",
+            serde_json::to_value(&printed).unwrap_or_default()
+        )?;
     } else if tokens.is_empty() {
         writeln!(out, "no operator tokens")?;
     } else {
@@ -202,7 +209,12 @@ async fn list_owners(
 ) -> TokenOutcome {
     let tokens = store.tokens(owner).await?;
     if as_json {
-        writeln!(out, "{}", serde_json::to_value(&tokens).unwrap_or_default())?;
+        let printed: Vec<GatewayToken> = tokens.iter().map(GatewayToken::from).collect();
+        writeln!(
+            out,
+            "{}",
+            serde_json::to_value(&printed).unwrap_or_default()
+        )?;
     } else if tokens.is_empty() {
         writeln!(out, "no tokens")?;
     } else {
@@ -231,14 +243,14 @@ async fn revoke(
     let actor = Actor::cli(reason);
     let (value, whose, revoked_at, already) = match store.revoke_token(token_id, &actor).await? {
         Some((t, already)) => (
-            serde_json::to_value(&t).unwrap_or_default(),
+            serde_json::to_value(GatewayToken::from(&t)).unwrap_or_default(),
             format!("of owner {}", t.owner_id),
             t.revoked_at,
             already,
         ),
         None => match store.revoke_operator_token(token_id, &actor).await? {
             Some((t, already)) => (
-                serde_json::to_value(&t).unwrap_or_default(),
+                serde_json::to_value(OperatorToken::from(&t)).unwrap_or_default(),
                 format!("of operator {}", t.operator),
                 t.revoked_at,
                 already,
