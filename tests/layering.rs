@@ -443,3 +443,35 @@ fn every_file_and_function_is_small() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Every console action goes through the one extractor that checks the
+/// session, the CSRF token and the reason and audits first
+/// (`console/action.rs`, `Acting`): no other console file names an actor or
+/// writes an audit row itself.
+#[test]
+fn every_console_action_goes_through_acting() {
+    let console = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/operator/console");
+    let mut bypasses = Vec::new();
+    for file in rust_files(&console) {
+        if stem(&file) == "action" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).expect("read a console file");
+        for (n, line) in text.lines().enumerate() {
+            let code = line.trim_start();
+            if code.starts_with("//") {
+                continue;
+            }
+            for bypass in ["Actor::operator(", "audit_begin(", "Actor {"] {
+                if code.contains(bypass) {
+                    bypasses.push(format!("{}:{}: {code}", file.display(), n + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        bypasses.is_empty(),
+        "console actions that bypass Acting:\n{}",
+        bypasses.join("\n")
+    );
+}

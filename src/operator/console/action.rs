@@ -1,8 +1,13 @@
-//! What every operator action shares: the CSRF token and a reason checked
-//! first, an audit row written before anything is done, its outcome written
-//! after, and the banner that says what was done (read from that row).
+//! What every operator action shares: [`Acting`], the one way a handler gets
+//! to act (signed in, the CSRF token and a reason checked first, and the
+//! actor or an audit row written before anything is done), its outcome
+//! written after, and the banner that says what was done (read from that
+//! row).
 
+use axum::extract::{Form, FromRequest, FromRequestParts, Request};
 use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::de::DeserializeOwned;
 use uuid::Uuid;
 
 use super::failure::{Failure, Refused};
@@ -10,9 +15,62 @@ use super::session::Operator;
 use super::{Console, MAX_REASON};
 use crate::edges::store::{Action, Actor, Store};
 
+/// An action's form: what [`Acting`] checks in it before the handler runs.
+pub(super) trait ActionForm: DeserializeOwned + Send {
+    /// The session's CSRF token, as the form carried it.
+    fn csrf(&self) -> Option<&str>;
+    /// Why, for the audit table.
+    fn reason(&self) -> &str;
+}
+
+/// An operator acting: signed in (else the sign-in page), the form's CSRF
+/// token the session's and its reason given (else the page that says so,
+/// and nothing is done). The only way a handler names the actor of a store
+/// call that audits in its own transaction ([`Acting::actor`]), or writes
+/// the audit row of an action outside the database first
+/// ([`Acting::audit_first`]).
+pub(super) struct Acting<F> {
+    pub(super) who: Operator,
+    pub(super) form: F,
+    reason: String,
+}
+
+impl<F: ActionForm> FromRequest<Console> for Acting<F> {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, app: &Console) -> Result<Self, Response> {
+        let (mut parts, body) = req.into_parts();
+        let who = Operator::from_request_parts(&mut parts, app).await?;
+        let Form(form) = Form::<F>::from_request(Request::from_parts(parts, body), app)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        let reason = authorised(app, &who, form.csrf(), form.reason())
+            .map_err(IntoResponse::into_response)?
+            .to_owned();
+        Ok(Acting { who, form, reason })
+    }
+}
+
+impl<F> Acting<F> {
+    /// Who acts, and why, for a store call that audits in its transaction.
+    pub(super) fn actor(&self) -> Actor {
+        Actor::operator(&self.who.name, &self.reason)
+    }
+
+    /// Records `action` before it is done; if the row cannot be written, the
+    /// page that says nothing was done.
+    pub(super) async fn audit_first(
+        &self,
+        app: &Console,
+        action: &Action<'_>,
+    ) -> Result<Uuid, Refused> {
+        begin_action(app, &self.who, &self.reason, action).await
+    }
+}
+
 /// What every action's form must pass before anything is looked at: the
 /// session's CSRF token, then a reason. The reason, or the refusal's page.
-pub(super) fn authorised<'a>(
+fn authorised<'a>(
     app: &Console,
     who: &Operator,
     csrf: Option<&str>,
@@ -25,11 +83,7 @@ pub(super) fn authorised<'a>(
 }
 
 /// The reason an action's form gave, or the page that says it is missing.
-pub(super) fn reason_of<'a>(
-    app: &Console,
-    who: &Operator,
-    reason: &'a str,
-) -> Result<&'a str, Refused> {
+fn reason_of<'a>(app: &Console, who: &Operator, reason: &'a str) -> Result<&'a str, Refused> {
     let reason = reason.trim();
     if reason.is_empty() || reason.chars().count() > MAX_REASON || reason.contains('\0') {
         let text = format!(
@@ -44,7 +98,7 @@ pub(super) fn reason_of<'a>(
 
 /// Records an action before it is done, so that none goes unrecorded; if the
 /// row cannot be written, the page that says nothing was done.
-pub(super) async fn begin_action(
+async fn begin_action(
     app: &Console,
     who: &Operator,
     reason: &str,

@@ -1,7 +1,6 @@
 //! Dead letters: browse each queue, confirm, then replay or purge, each
 //! action audited before the broker is touched.
 
-use axum::Form;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect, Response};
@@ -10,7 +9,7 @@ use serde::Deserialize;
 use uuid::Uuid;
 
 use super::Console;
-use super::action::{authorised, begin_action, done_banner, finish_action};
+use super::action::{Acting, ActionForm, done_banner, finish_action};
 use super::failure::{Failure, Refused};
 use super::overview::broker_connection;
 use super::page::{age, given};
@@ -196,6 +195,15 @@ pub(super) struct DeadLetterForm {
     reason: String,
 }
 
+impl ActionForm for DeadLetterForm {
+    fn csrf(&self) -> Option<&str> {
+        self.csrf.as_deref()
+    }
+    fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
 /// A dead-letter action, checked (CSRF token, reason, queue), with a broker
 /// connection, and recorded before anything is done.
 pub(super) struct DeadLetterAction {
@@ -207,12 +215,11 @@ pub(super) struct DeadLetterAction {
 impl DeadLetterAction {
     async fn begin(
         app: &Console,
-        who: &Operator,
-        form: &DeadLetterForm,
+        acting: &Acting<DeadLetterForm>,
         action: &'static str,
         detail: serde_json::Value,
     ) -> Result<DeadLetterAction, Refused> {
-        let reason = authorised(app, who, form.csrf.as_deref(), &form.reason)?;
+        let (who, form) = (&acting.who, &acting.form);
         let queue = dead_letter_queue(app, form.queue.as_deref())
             .map_err(|f| Refused::from(app.message(Some(who), f)))?;
         let conn = broker_for(app, who).await?;
@@ -222,7 +229,7 @@ impl DeadLetterAction {
             detail,
             ..Action::default()
         };
-        match begin_action(app, who, reason, &record).await {
+        match acting.audit_first(app, &record).await {
             Ok(audit) => Ok(DeadLetterAction { queue, conn, audit }),
             Err(page) => {
                 let _ = conn.close(200, "done".into()).await;
@@ -232,18 +239,15 @@ impl DeadLetterAction {
     }
 }
 
-pub(super) async fn replay(
-    State(app): State<Console>,
-    who: Operator,
-    Form(form): Form<DeadLetterForm>,
-) -> Response {
-    let id = given(&form.id);
+pub(super) async fn replay(State(app): State<Console>, acting: Acting<DeadLetterForm>) -> Response {
+    let id = given(&acting.form.id);
     let detail = serde_json::json!({ "message_id": id });
     let DeadLetterAction { queue, conn, audit } =
-        match DeadLetterAction::begin(&app, &who, &form, "dlq.replay", detail).await {
+        match DeadLetterAction::begin(&app, &acting, "dlq.replay", detail).await {
             Ok(begun) => begun,
             Err(page) => return page.into_response(),
         };
+    let who = &acting.who;
     let selection = id.clone().map_or(dlq::Selection::All, dlq::Selection::Id);
     let (mut replayed, mut skipped) = (0u32, 0u32);
     let result = dlq::replay(&conn, &queue, &selection, |r| match r.outcome {
@@ -267,33 +271,23 @@ pub(super) async fn replay(
     .await;
     if let Err(e) = result {
         let text = format!("replaying from {queue} failed after {replayed} replayed: {e}");
-        return app.message(Some(&who), Failure(StatusCode::SERVICE_UNAVAILABLE, text));
+        return app.message(Some(who), Failure(StatusCode::SERVICE_UNAVAILABLE, text));
     }
     if let (Some(id), 0) = (&id, replayed + skipped) {
         let text =
             format!("There is no dead letter {id:?} in {queue} (any more). Nothing was done.");
-        return app.message(Some(&who), Failure(StatusCode::NOT_FOUND, text));
+        return app.message(Some(who), Failure(StatusCode::NOT_FOUND, text));
     }
     done(audit)
 }
 
-pub(super) async fn purge(
-    State(app): State<Console>,
-    who: Operator,
-    Form(form): Form<DeadLetterForm>,
-) -> Response {
-    let DeadLetterAction { queue, conn, audit } = match DeadLetterAction::begin(
-        &app,
-        &who,
-        &form,
-        "dlq.purge",
-        serde_json::Value::Null,
-    )
-    .await
-    {
-        Ok(begun) => begun,
-        Err(page) => return page.into_response(),
-    };
+pub(super) async fn purge(State(app): State<Console>, acting: Acting<DeadLetterForm>) -> Response {
+    let who = &acting.who;
+    let DeadLetterAction { queue, conn, audit } =
+        match DeadLetterAction::begin(&app, &acting, "dlq.purge", serde_json::Value::Null).await {
+            Ok(begun) => begun,
+            Err(page) => return page.into_response(),
+        };
     let purged = dlq::purge(&conn, &queue).await;
     let _ = conn.close(200, "done".into()).await;
     finish_action(
@@ -310,7 +304,7 @@ pub(super) async fn purge(
         Ok(_) => done(audit),
         Err(e) => {
             let text = format!("purging {queue} failed: {e}");
-            app.message(Some(&who), Failure(StatusCode::SERVICE_UNAVAILABLE, text))
+            app.message(Some(who), Failure(StatusCode::SERVICE_UNAVAILABLE, text))
         }
     }
 }

@@ -1,7 +1,6 @@
 //! Owners: each owner's limits (its own over `[owners]`), spend and waiting
 //! jobs, and setting an owner's limits (audited in the change's transaction).
 
-use axum::Form;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect, Response};
@@ -10,10 +9,10 @@ use serde::Deserialize;
 use uuid::Uuid;
 
 use super::Console;
-use super::action::{authorised, done_banner};
+use super::action::{Acting, ActionForm, done_banner};
 use super::failure::Failure;
 use super::session::Operator;
-use crate::edges::store::{Actor, OwnerChange, OwnerView};
+use crate::edges::store::{OwnerChange, OwnerView};
 use crate::settings::config::{MAX_COUNT, MAX_DAILY_TOKENS, MAX_RATE, parse_limit};
 
 #[derive(Deserialize, Default)]
@@ -115,36 +114,37 @@ fn change_of(form: &SetForm) -> Result<OwnerChange, String> {
     })
 }
 
-pub(super) async fn set(
-    State(app): State<Console>,
-    who: Operator,
-    Form(form): Form<SetForm>,
-) -> Response {
-    let reason = match authorised(&app, &who, form.csrf.as_deref(), &form.reason) {
-        Ok(r) => r,
-        Err(page) => return page.into_response(),
-    };
+impl ActionForm for SetForm {
+    fn csrf(&self) -> Option<&str> {
+        self.csrf.as_deref()
+    }
+    fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+pub(super) async fn set(State(app): State<Console>, acting: Acting<SetForm>) -> Response {
+    let (who, form) = (&acting.who, &acting.form);
     let bad = |text: String| {
         let text = format!("{text} Nothing was changed.");
-        app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text))
+        app.message(Some(who), Failure(StatusCode::BAD_REQUEST, text))
     };
     let owner = form.owner.trim();
     if let Err(e) = crate::intent::Intent::check_owner_id(owner) {
         return bad(format!("The owner: {e}."));
     }
-    let change = match change_of(&form) {
+    let change = match change_of(form) {
         Ok(c) if c == OwnerChange::default() => {
             return bad("Give at least one limit to set.".into());
         }
         Ok(c) => c,
         Err(e) => return bad(e),
     };
-    let actor = Actor::operator(&who.name, reason);
-    match app.0.store.set_owner(owner, &change, &actor).await {
+    match app.0.store.set_owner(owner, &change, &acting.actor()).await {
         Ok((_, audit)) => {
             tracing::info!(operator = %who.name, owner, "console: set an owner's limits");
             Redirect::to(&format!("/owners?done={audit}")).into_response()
         }
-        Err(e) => app.message(Some(&who), e.into()),
+        Err(e) => app.message(Some(who), e.into()),
     }
 }

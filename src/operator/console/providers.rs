@@ -1,7 +1,6 @@
 //! Providers and their qualification state, and qualifying one against an
 //! operation's golden cases (audited before the first paid call).
 
-use axum::Form;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect, Response};
@@ -10,7 +9,7 @@ use serde::Deserialize;
 use uuid::Uuid;
 
 use super::Console;
-use super::action::{authorised, begin_action, done_banner};
+use super::action::{Acting, ActionForm, done_banner};
 use super::failure::Failure;
 use super::page::age;
 use super::session::Operator;
@@ -204,21 +203,25 @@ pub(super) struct QualifyForm {
     reason: String,
 }
 
-pub(super) async fn qualify(
-    State(app): State<Console>,
-    who: Operator,
-    Form(form): Form<QualifyForm>,
-) -> Response {
-    let reason = match authorised(&app, &who, form.csrf.as_deref(), &form.reason) {
-        Ok(r) => r,
-        Err(page) => return page.into_response(),
-    };
+impl ActionForm for QualifyForm {
+    fn csrf(&self) -> Option<&str> {
+        self.csrf.as_deref()
+    }
+    fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+pub(super) async fn qualify(State(app): State<Console>, acting: Acting<QualifyForm>) -> Response {
+    let (who, form) = (&acting.who, &acting.form);
     let (p, o) = match qualify_pair(&app, form.provider.as_deref(), form.operation.as_deref()) {
         Ok(pair) => pair,
-        Err(f) => return app.message(Some(&who), f),
+        Err(f) => return app.message(Some(who), f),
     };
     // Recorded first: the provider bills these calls, so none goes unrecorded.
-    let audit = match begin_action(&app, &who, reason, &crate::shared::qualify::action(p, o)).await
+    let audit = match acting
+        .audit_first(&app, &crate::shared::qualify::action(p, o))
+        .await
     {
         Ok(a) => a,
         Err(page) => return page.into_response(),
@@ -236,10 +239,10 @@ pub(super) async fn qualify(
     });
     match run.await {
         Ok(Ok(())) => Redirect::to(&format!("/providers?done={audit}")).into_response(),
-        Ok(Err(e)) => app.message(Some(&who), e.into()),
+        Ok(Err(e)) => app.message(Some(who), e.into()),
         Err(e) => {
             let text = format!("the qualification run failed: {e}");
-            app.message(Some(&who), Failure(StatusCode::INTERNAL_SERVER_ERROR, text))
+            app.message(Some(who), Failure(StatusCode::INTERNAL_SERVER_ERROR, text))
         }
     }
 }

@@ -5,7 +5,6 @@ use crate::policy::next::{FailedJob, NextStep};
 use std::collections::HashMap;
 use std::time::Duration;
 
-use axum::Form;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect, Response};
@@ -14,12 +13,12 @@ use serde::Deserialize;
 use uuid::Uuid;
 
 use super::Console;
-use super::action::authorised;
+use super::action::{Acting, ActionForm};
 use super::failure::Failure;
 use super::page::age;
 use super::session::Operator;
 use crate::domain::{AttemptId, AttemptStatus};
-use crate::edges::store::{Actor, EvidenceClaim, Refusal, Resolution};
+use crate::edges::store::{EvidenceClaim, Refusal, Resolution};
 use crate::shared::planner;
 use crate::shared::runtime;
 
@@ -239,40 +238,47 @@ pub(super) struct ResolveForm {
     reason: String,
 }
 
+impl ActionForm for ResolveForm {
+    fn csrf(&self) -> Option<&str> {
+        self.csrf.as_deref()
+    }
+    fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
 pub(super) async fn resolve(
     State(app): State<Console>,
-    who: Operator,
     Path(id): Path<String>,
-    Form(form): Form<ResolveForm>,
+    acting: Acting<ResolveForm>,
 ) -> Response {
-    let reason = match authorised(&app, &who, form.csrf.as_deref(), &form.reason) {
-        Ok(r) => r,
-        Err(page) => return page.into_response(),
-    };
+    let (who, form) = (&acting.who, &acting.form);
     let (Ok(attempt), Some(how)) = (id.parse::<Uuid>(), resolution(form.resolution.as_deref()))
     else {
         let text = "Say which attempt (its id) and how: failed or cancelled.".to_owned();
-        return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text));
+        return app.message(Some(who), Failure(StatusCode::BAD_REQUEST, text));
     };
     let store = &app.0.store;
     let config = &app.0.config;
     let (job_id, operation) = match unknown_attempt(&app, attempt).await {
         Ok((job, _)) => (job.id, job.operation),
-        Err(f) => return app.message(Some(&who), f),
+        Err(f) => return app.message(Some(who), f),
     };
     let planner = match planner::load(config, store, [operation.as_str()]).await {
         Ok(p) => p,
-        Err(e) => return app.message(Some(&who), e.into()),
+        Err(e) => return app.message(Some(who), e.into()),
     };
     let plan = |f: &FailedJob| planner.plan(f);
-    let actor = Actor::operator(&who.name, reason);
-    let publish = match store.resolve(AttemptId(attempt), how, &plan, &actor).await {
+    let publish = match store
+        .resolve(AttemptId(attempt), how, &plan, &acting.actor())
+        .await
+    {
         Ok(Ok((_, publish))) => publish,
         Ok(Err(refusal @ (Refusal::NotFound(_) | Refusal::Terminal(_)))) => {
             let text = format!("{refusal}. Nothing was done.");
-            return app.message(Some(&who), Failure(StatusCode::CONFLICT, text));
+            return app.message(Some(who), Failure(StatusCode::CONFLICT, text));
         }
-        Err(e) => return app.message(Some(&who), e.into()),
+        Err(e) => return app.message(Some(who), e.into()),
     };
     // What the resolution wrote goes out now; if the broker is down, the
     // reconciler's relay sends it once the outbox lease ends.
