@@ -13,8 +13,7 @@
 //!
 //! `cargo bench --bench paging`. It prints; it asserts nothing.
 
-#[path = "../tests/common/mod.rs"]
-mod common;
+use onejob_test_support as common;
 
 use std::time::Instant;
 

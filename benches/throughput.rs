@@ -13,8 +13,7 @@
 //! `cargo bench --bench throughput` (`ONEJOB_BENCH_N` intents per phase, default
 //! 2000). It prints; it asserts nothing.
 
-#[path = "../tests/common/mod.rs"]
-mod common;
+use onejob_test_support as common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -7,7 +7,9 @@
 //! [`domain`], [`intent`], [`broker`], [`trace`]), this one (the worker's
 //! library, the `onejob` operator CLI and the mock provider),
 //! `onejob-worker` (`worker/`, thin over [`fleet`]) and `onejob-producer`
-//! (`producer/`: the client library, its CLI and the HTTP gateway). This
+//! (`producer/`: the client library, its CLI and the HTTP gateway), and
+//! `onejob-test-support` (`test-support/`: the tests' and benchmarks'
+//! harness, a dev-dependency). This
 //! library holds everything the binaries share; binaries stay thin so tests
 //! reach all of it in-process.
 //!

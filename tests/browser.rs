@@ -1,12 +1,12 @@
 //! The operator console in a real browser: Debian's headless Chromium, driven
-//! over WebDriver by its ChromeDriver (tests/common/browser.rs), against a
+//! over WebDriver by its ChromeDriver (test-support/src/browser.rs), against a
 //! console on the real PostgreSQL and RabbitMQ. An operator signs in, resolves
 //! an unknown and sees the next attempt, replays a dead letter, qualifies a
 //! provider and watches a hedge; a tenant's token does not sign in; a form
 //! without its CSRF token, or posted from another site, does nothing. The last
 //! test takes the book's screenshots (docs/src/images/console/).
 
-mod common;
+use onejob_test_support as common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -15,7 +15,7 @@
 //! 30 s), and `ONEJOB_CHAOS_PG_OUTAGE` is the long outage in seconds (CI: 70); the
 //! book (docs/src/operations/chaos.md) gives a full run's figures.
 
-mod common;
+use onejob_test_support as common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -15,7 +15,7 @@
 //! it (CI: 1,000 over 30 s); the book
 //! (docs/src/operations/cluster.md) gives a full run's figures.
 
-mod common;
+use onejob_test_support as common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

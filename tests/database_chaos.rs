@@ -1,6 +1,6 @@
 //! The database's everyday faults at once, under load: see the test.
 
-mod common;
+use onejob_test_support as common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -2,7 +2,7 @@
 //! `onejob dlq list` browses without consuming, `replay` republishes (confirmed)
 //! before it removes, `purge` needs --yes.
 
-mod common;
+use onejob_test_support as common;
 
 use std::path::Path;
 
@@ -349,7 +349,7 @@ async fn a_dead_lettered_attempt_is_reflected_on_its_row() {
     let _ = ctx.connection.close(200, "done".into()).await;
 }
 
-/// The chaos tests' invariant checker (`tests/common/chaos.rs`) on a valid
+/// The chaos tests' invariant checker (`test-support/src/chaos.rs`) on a valid
 /// intent dead-lettered by the delivery limit: its key has no job, so it is
 /// lost, whatever the dead-letter queue holds; and a dead-lettered re-send of
 /// a key that has its job is still counted as a valid intent dead-lettered.

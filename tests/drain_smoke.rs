@@ -3,10 +3,7 @@
 //! report must be whole and consistent. Its speed figures mean nothing here and
 //! are not asserted; `scripts/bench-drain` runs the real thing.
 
-mod common;
-#[path = "../benches/drain/run.rs"]
-#[allow(dead_code, unreachable_pub, missing_docs)]
-mod run;
+use onejob_test_support::drain as run;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_drain_benchmark_runs_and_reports_every_measure() {

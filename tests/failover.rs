@@ -2,7 +2,7 @@
 //! cancellation, vanished workers, and Retry-After; end to end through the real
 //! RabbitMQ and Postgres, with mock providers over HTTP.
 
-mod common;
+use onejob_test_support as common;
 
 use std::path::Path;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! What a new user trips over in the first hour (issue 9): errors that say one
 //! thing, in one line, and name the right place.
 
-mod common;
+use onejob_test_support as common;
 
 use std::process::{Command, Stdio};
 use std::time::Duration;

@@ -6,13 +6,8 @@
 //! unpublished, the intake's jobs, their attempts), and pruned space is reused.
 //! `scripts/bench-growth` runs the real thing.
 
-mod common;
-#[path = "../benches/drain/run.rs"]
-#[allow(dead_code, unreachable_pub, missing_docs)]
-mod drain;
-#[path = "../benches/growth/run.rs"]
-#[allow(dead_code, unreachable_pub, missing_docs)]
-mod run;
+use onejob_test_support::drain;
+use onejob_test_support::growth as run;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pruning_under_intake_removes_exactly_the_expired_jobs_and_reuses_their_space() {

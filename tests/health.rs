@@ -3,7 +3,7 @@
 //! beside the gauges read from the tables. A binary of its own, so that the
 //! process-wide counters see this test's work alone whichever runner runs it.
 
-mod common;
+use onejob_test_support as common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! a later try: never its neighbours, never the answer, and a job whose calls
 //! are still in flight is never pruned.
 
-mod common;
+use onejob_test_support as common;
 
 use std::sync::Arc;
 use std::time::Duration;

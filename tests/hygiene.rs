@@ -1,7 +1,7 @@
 //! Secrets (API keys, URL passwords, gateway tokens) never reach logs, errors or
 //! `--json` output; a stopping worker finishes what is in flight.
 
-mod common;
+use onejob_test_support as common;
 
 use std::path::Path;
 use std::process::{Command, Output};

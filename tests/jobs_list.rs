@@ -2,7 +2,7 @@
 //! a page at a time with a cursor that walks every job once; bad filters are
 //! bad usage (exit 2), and outside text is escaped in plain output.
 
-mod common;
+use onejob_test_support as common;
 
 use onejob::policy::next::NextStep;
 use std::collections::{BTreeMap, BTreeSet};

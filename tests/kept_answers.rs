@@ -3,7 +3,7 @@
 //! included, and the kept-answer pass cannot be starved by answers it cannot
 //! settle yet; the gauge says how many wait, and why.
 
-mod common;
+use onejob_test_support as common;
 
 use std::time::Duration;
 

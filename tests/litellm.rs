@@ -13,7 +13,7 @@
 //! sends an OpenAI model's messages to the Responses API, which the mock
 //! does not serve). It is stopped by its PID at the end.
 
-mod common;
+use onejob_test_support as common;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

@@ -3,7 +3,7 @@
 //! guessed: a claim finds its own attempts, a worker starts, an operator's
 //! action is reported done; and a session that stops talking frees its rows.
 
-mod common;
+use onejob_test_support as common;
 
 use std::sync::Arc;
 use std::time::Duration;

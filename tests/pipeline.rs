@@ -1,7 +1,7 @@
 //! The main path, end to end through the real RabbitMQ and Postgres: one intent
 //! becomes one job, however often it is sent.
 
-mod common;
+use onejob_test_support as common;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -6,7 +6,7 @@
 //! each kind's wire format keeps of the transport's guarantees is the
 //! conformance suite's, in `src/edges/provider/conformance.rs`.)
 
-mod common;
+use onejob_test_support as common;
 
 use common::{P, TestEnv, config, config_for, mock, submit, wait_for_status};
 use onejob::domain::{AttemptStatus, JobStatus};

@@ -3,7 +3,7 @@
 //! `running` jobs never are, nor a job whose event is not yet published; a
 //! pruned identity makes a new job; the CLI and the reconciler prune the same.
 
-mod common;
+use onejob_test_support as common;
 
 use std::time::Duration;
 

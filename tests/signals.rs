@@ -2,7 +2,7 @@
 //! that died, or `scripts/fleet 2>&1 | tee` after a Ctrl-C, leaves stdout and
 //! stderr a pipe whose reader has gone.
 
-mod common;
+use onejob_test_support as common;
 
 use std::io::Read;
 use std::net::TcpStream;

@@ -1,7 +1,7 @@
 //! A timeout is `unknown`, not failed: the provider may still be working, so
 //! nothing new starts until an operator (or evidence) resolves it.
 
-mod common;
+use onejob_test_support as common;
 
 use std::path::Path;
 use std::time::Duration;

@@ -7,13 +7,7 @@
 //! (met or not), and writes `drain.json` and `drain.md` into `--out`
 //! (default `target/bench`). It asserts nothing.
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
-// By its path, as the smoke tests include it: the modules run.rs declares
-// are then its siblings in this folder.
-#[path = "run.rs"]
-#[allow(unreachable_pub, missing_docs)]
-mod run;
+use onejob_test_support::drain as run;
 
 fn usage() -> ! {
     eprintln!(

@@ -6,16 +6,8 @@
 //! writes `growth.json` and `growth.md` into `--out` (default `target/bench`).
 //! It asserts nothing.
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
-#[path = "../drain/run.rs"]
-#[allow(dead_code, unreachable_pub, missing_docs)]
-mod drain;
-// By its path, as the smoke test includes it: the modules run.rs declares
-// are then its siblings in this folder.
-#[path = "run.rs"]
-#[allow(unreachable_pub, missing_docs)]
-mod run;
+use onejob_test_support::drain;
+use onejob_test_support::growth as run;
 
 fn usage() -> ! {
     eprintln!(

@@ -20,8 +20,7 @@
 //! `cargo bench --bench owners`. It prints; it asserts nothing.
 
 mod budget;
-#[path = "../../tests/common/mod.rs"]
-mod common;
+use onejob_test_support as common;
 
 use std::time::{Duration, Instant};
 

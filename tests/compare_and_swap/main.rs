@@ -6,8 +6,7 @@
 //! in flushes (`winners`), thousands of random interleavings (`interleavings`),
 //! and a worker that vanished (`vanished`).
 
-#[path = "../common/mod.rs"]
-mod common;
+use onejob_test_support as common;
 
 mod interleavings;
 mod vanished;

@@ -4,8 +4,7 @@
 //! attempt planned and published), the job list paged by keyset, and owners'
 //! limits set with a reason.
 
-#[path = "../common/mod.rs"]
-mod common;
+use onejob_test_support as common;
 
 mod cli;
 mod dead_letters;

@@ -14,8 +14,7 @@
 //! commands follow a `$ ` prompt, `sh` or `bash` for commands alone, `toml`
 //! for configuration (`toml,cargo` for a `Cargo.toml` fragment), `json`.
 
-#[path = "../common/mod.rs"]
-mod common;
+use onejob_test_support as common;
 
 mod blocks;
 mod cli;

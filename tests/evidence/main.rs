@@ -4,8 +4,7 @@
 //! keeps both kinds of evidence, stored completions and answers replayed by
 //! idempotency key, and counts the work it ran apart from the requests.
 
-#[path = "../common/mod.rs"]
-mod common;
+use onejob_test_support as common;
 
 mod calls;
 mod claims;

@@ -10,8 +10,7 @@
 //! that are slow or greedy (`slow_clients`), and an owner over its budget
 //! (`limits`).
 
-#[path = "../common/mod.rs"]
-mod common;
+use onejob_test_support as common;
 
 mod bad_requests;
 mod lifecycle;

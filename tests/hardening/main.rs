@@ -11,8 +11,7 @@
 //! the broker when Postgres is away at a stop (`handed_on`), and the reconciler's upkeep
 //! (`upkeep`).
 
-#[path = "../common/mod.rs"]
-mod common;
+use onejob_test_support as common;
 
 mod broker_faults;
 mod dead_letters;

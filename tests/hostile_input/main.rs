@@ -7,8 +7,7 @@
 //! answers and sign-ins (`console`), the audit of operator actions (`audit`),
 //! and outside text in what the CLI shows (`operator_output`).
 
-#[path = "../common/mod.rs"]
-mod common;
+use onejob_test_support as common;
 
 mod audit;
 mod console;

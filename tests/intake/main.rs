@@ -6,8 +6,7 @@
 //! redeliveries (`redelivery`), admission in batches (`batches`), and the
 //! jobs a worker calls as soon as it admits them (`on_admission`).
 
-#[path = "../common/mod.rs"]
-mod common;
+use onejob_test_support as common;
 
 mod batches;
 mod on_admission;

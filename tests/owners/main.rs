@@ -10,8 +10,7 @@
 //! ledger and `turns`, which every job writes, hold at their edges
 //! (`ledgers`).
 
-#[path = "../common/mod.rs"]
-mod common;
+use onejob_test_support as common;
 
 mod budget;
 mod fleet;

@@ -3,8 +3,7 @@
 //! provider call to the job's event; without one, onejob starts a trace; a
 //! malformed one is never passed on. `export` checks the spans sent over OTLP.
 
-#[path = "../common/mod.rs"]
-mod common;
+use onejob_test_support as common;
 mod export;
 
 use std::time::Duration;

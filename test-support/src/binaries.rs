@@ -8,12 +8,24 @@ use std::path::PathBuf;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-/// The folder the binaries are in.
-pub fn bin_dir() -> PathBuf {
-    std::path::Path::new(env!("CARGO_BIN_EXE_onejob"))
+/// The workspace's root folder (scripts, benches' assets).
+pub fn workspace() -> PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
-        .expect("the binaries' folder")
+        .expect("test-support/ sits in the workspace")
         .to_owned()
+}
+
+/// The folder the binaries are in: the profile's folder the running test or
+/// benchmark was built into (`target/debug`, `target/release`), whose `deps/`
+/// holds the test binary itself.
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the running test's own path");
+    let mut dir = exe.parent().expect("the test binary's folder").to_owned();
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.pop();
+    }
+    dir
 }
 
 /// The program `name`'s binary; panics, saying how to build it, if it is

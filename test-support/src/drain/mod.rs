@@ -29,7 +29,7 @@
 //! the generator and the events), `worker` (the process and its metrics),
 //! `database` (what the run's database counted), `cores` (the machine's CPU
 //! by program), `peer` (graphile-worker, with
-//! its script in `peer/`) and `report`.
+//! its script in `benches/drain/peer/`) and `report`.
 
 mod cores;
 mod database;
@@ -48,7 +48,7 @@ use std::time::{Duration, Instant};
 use onejob::mock::{MockHandle, MockOptions};
 use onejob_producer::Producer;
 
-use crate::common::{TestEnv, config, mock};
+use crate::{TestEnv, config, mock};
 pub use cores::{CpuClock, CpuPerJob};
 use database::{backlog_jobs, counts, settle_after_the_drain, settled_counts};
 use load::{preload, stages};

@@ -7,19 +7,14 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::common::TestEnv;
+use crate::TestEnv;
 
 /// The worker binary next to the `onejob` binary cargo built for this target
 /// (debug for the smoke test, release for the benchmark), or the one
 /// `ONEJOB_BENCH_WORKER` names (to compare two builds on one machine).
 fn worker_bin() -> PathBuf {
     let bin = std::env::var_os("ONEJOB_BENCH_WORKER").map_or_else(
-        || {
-            Path::new(env!("CARGO_BIN_EXE_onejob"))
-                .parent()
-                .expect("binary folder")
-                .join("onejob-worker")
-        },
+        || crate::binaries::bin_dir().join("onejob-worker"),
         PathBuf::from,
     );
     assert!(

@@ -11,8 +11,8 @@ use sqlx::{Connection, PgConnection};
 use super::Options;
 use super::report::{BACK, FILLED, FLOOR, FULL, PRUNED, Sizes, Window, refilled, repruned};
 use super::tables::{KEPT, fill_ended, pruned, sizes_at, vacuumed};
-use crate::common::{TestEnv, fill_jobs};
 use crate::drain::{Events, Percentiles, Worker, open_loop, say};
+use crate::{TestEnv, fill_jobs};
 
 /// What the phases share: the options, a connection to the run's database,
 /// the intake's producer and the events it waits for, the operation the fills

@@ -179,7 +179,7 @@ impl TestEnv {
 
     /// Runs the operator CLI binary against this env.
     pub fn cli(&self, config_path: &std::path::Path, args: &[&str]) -> std::process::Output {
-        Command::new(env!("CARGO_BIN_EXE_onejob"))
+        Command::new(crate::binaries::binary("onejob"))
             .args(args)
             .env("DATABASE_URL", &self.database_url)
             .env("AMQP_URL", &self.amqp_url)

@@ -1,4 +1,6 @@
-//! Shared harness for the black-box tests: each test gets a fresh Postgres database
+//! The test-support crate (`onejob-test-support`), the harness the black-box
+//! tests and the benchmarks share, as a dependency rather than files each
+//! includes by path. For the tests: each test gets a fresh Postgres database
 //! and a fresh RabbitMQ vhost on the real services, removed again when it ends
 //! (even when it panics), so tests run in parallel and leave nothing behind.
 //! Only the AI provider is simulated, by the bundled mock over real HTTP.
@@ -10,6 +12,8 @@ pub mod browser;
 pub mod chaos;
 pub mod console;
 pub mod database;
+pub mod drain;
+pub mod growth;
 pub mod history;
 pub mod lossy;
 pub mod raw_http;

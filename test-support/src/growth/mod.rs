@@ -44,8 +44,8 @@ use std::path::PathBuf;
 
 use onejob::mock::MockOptions;
 
-use crate::common::{TestEnv, config, mock};
 use crate::drain::{Worker, free_port, machine, say};
+use crate::{TestEnv, config, mock};
 use phases::{Run, worker_counts};
 use tables::kept_rows;
 

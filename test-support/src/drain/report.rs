@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use super::peer::PeerFigures;
 use super::{LoadPhase, WorkerStage};
-use crate::common::TestEnv;
+use crate::TestEnv;
 
 /// Latency percentiles, in milliseconds.
 #[derive(Clone, Debug, Serialize)]

@@ -9,7 +9,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use sqlx::{Connection, Executor, PgConnection};
 
 use super::Percentiles;
-use crate::common::TestEnv;
+use crate::TestEnv;
 
 /// One broker hop: a persistent publish to a quorum queue, from the publish until
 /// both its confirm and its delivery to a consumer have arrived.

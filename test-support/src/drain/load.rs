@@ -13,7 +13,7 @@ use sqlx::{Connection, PgConnection};
 
 use super::parts::no_ack_consumer;
 use super::{Percentiles, bar};
-use crate::common::{TestEnv, intent};
+use crate::{TestEnv, intent};
 
 /// Publishes `n` distinct intents and `duplicates` repeats of early ones,
 /// each repeat after its original, while no worker runs.

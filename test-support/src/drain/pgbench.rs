@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::{Connection, Executor, PgConnection};
 
 use super::Options;
-use crate::common::{TestEnv, pg_base};
+use crate::{TestEnv, pg_base};
 
 /// onejob's per-job SQL, one statement a transaction: admission (job and first
 /// attempt, as `store.admit` writes them), `queued → started` with the job

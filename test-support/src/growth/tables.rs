@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use sqlx::PgConnection;
 
 use super::report::{Size, Sizes};
-use crate::common::fill_jobs;
 use crate::drain::{Worker, say};
+use crate::fill_jobs;
 
 /// Rows that must survive every prune, by kind: (key prefix, status, count,
 /// age in seconds).

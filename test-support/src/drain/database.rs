@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection};
 
-use crate::common::{TestEnv, pg_base};
+use crate::{TestEnv, pg_base};
 
 /// What a database counted: committed transactions, and rows written
 /// (inserted, updated or deleted).

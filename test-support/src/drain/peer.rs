@@ -15,7 +15,7 @@ use sqlx::{Connection, Executor, PgConnection, PgPool};
 use super::database::{Counted, plaintext, settle_after_the_drain, settled_counts};
 use super::worker::Usage;
 use super::{CpuClock, CpuPerJob, Options, Percentiles, bar, say};
-use crate::common::{TestEnv, pg_base};
+use crate::{TestEnv, pg_base};
 
 /// What the peer did, in the same units as onejob's figures.
 #[derive(Clone, Debug, Serialize)]
@@ -36,7 +36,7 @@ pub struct PeerFigures {
 
 /// The peer's folder, with its package and lock file.
 fn folder() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/drain/peer")
+    crate::binaries::workspace().join("benches/drain/peer")
 }
 
 /// Installs graphile-worker from the lock file, when it is not there yet.
@@ -326,7 +326,7 @@ async fn open_loop(
     }
     // Watch the sequence, not the table, until every result is in.
     let expected = before + count as i64;
-    crate::common::wait_for(
+    crate::wait_for(
         "every peer result",
         Duration::from_secs(seconds * 3 + 60),
         || async { (results_so_far(pool).await >= expected).then_some(()) },

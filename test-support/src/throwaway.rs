@@ -283,7 +283,7 @@ impl Nodes {
     }
 
     fn command(&self) -> Command {
-        let mut c = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"));
+        let mut c = Command::new(crate::binaries::workspace().join("scripts/cluster"));
         c.env("ONEJOB_CLUSTER_DIR", &self.dir)
             .env("ONEJOB_CLUSTER_NAME", &self.name)
             .env("ONEJOB_CLUSTER_NODES", self.nodes.to_string())
