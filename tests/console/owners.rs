@@ -56,7 +56,7 @@ async fn an_operator_sets_an_owners_limits_with_a_reason() {
     let answer = served.post(&session.cookie, "/owners/set", &empty).await;
     assert_eq!(answer.status(), StatusCode::BAD_REQUEST);
     assert!(
-        env.store.owners().await.unwrap().is_empty(),
+        env.store.list_owners().await.unwrap().is_empty(),
         "nothing was set"
     );
 

@@ -145,7 +145,7 @@ async fn bad_owner_settings_are_refused_and_write_nothing() {
     }
     let audit = env.store.audit_recent(10).await.unwrap();
     assert!(audit.is_empty(), "{audit:?}");
-    assert!(env.store.owners().await.unwrap().is_empty());
+    assert!(env.store.list_owners().await.unwrap().is_empty());
 
     // A bad [owners] stops the program with the setting named.
     let bad =

@@ -139,7 +139,7 @@ impl Store {
 
     /// The owners with settings of their own or spend over the last 24 hours,
     /// by name.
-    pub async fn owners(&self) -> Result<Vec<OwnerView>> {
+    pub async fn list_owners(&self) -> Result<Vec<OwnerView>> {
         let names: Vec<String> = sqlx::query_scalar!(
             r#"SELECT owner_id AS "owner_id!" FROM owners
                UNION

@@ -47,7 +47,7 @@ impl Store {
 
     /// Gateway tokens, oldest first, optionally of one owner. Never the tokens
     /// themselves: the database does not have them.
-    pub async fn tokens(&self, owner_id: Option<&str>) -> Result<Vec<TokenView>> {
+    pub async fn list_tokens(&self, owner_id: Option<&str>) -> Result<Vec<TokenView>> {
         Ok(sqlx::query_as!(
             TokenView,
             "SELECT id, owner_id, created_at, revoked_at FROM gateway_tokens

@@ -88,7 +88,7 @@ pub(super) async fn run(
     };
     match command {
         OwnersCommand::List => {
-            let owners = store.owners().await.map_err(migrate_first)?;
+            let owners = store.list_owners().await.map_err(migrate_first)?;
             if json {
                 let printed: Vec<Owner> = owners.iter().map(Owner::from).collect();
                 writeln!(out, "{}", serde_json::to_value(&printed)?)?;

@@ -207,7 +207,7 @@ async fn list_owners(
     as_json: bool,
     out: &mut impl Write,
 ) -> TokenOutcome {
-    let tokens = store.tokens(owner).await?;
+    let tokens = store.list_tokens(owner).await?;
     if as_json {
         let printed: Vec<GatewayToken> = tokens.iter().map(GatewayToken::from).collect();
         writeln!(

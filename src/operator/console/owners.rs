@@ -25,7 +25,7 @@ pub(super) async fn page(
     who: Operator,
     Query(q): Query<OwnersQuery>,
 ) -> Response {
-    let owners = match app.0.store.owners().await {
+    let owners = match app.0.store.list_owners().await {
         Ok(o) => o,
         Err(e) => return app.message(Some(&who), e.into()),
     };
