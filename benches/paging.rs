@@ -156,6 +156,7 @@ async fn bare_query(env: &TestEnv) -> Vec<f64> {
     for _ in 0..ROUNDS {
         let t = Instant::now();
         env.store
+            .jobs()
             .jobs_page(&JobFilter::default(), None, 51)
             .await
             .expect("page");

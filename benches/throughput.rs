@@ -212,7 +212,7 @@ async fn admission(config: &Arc<Config>, count: usize) {
         let job = common::new_job("bench", &format!("one-{i}"), "x");
         let store = &env.store;
         async move {
-            store.admit(&[job]).await.unwrap();
+            store.admission().admit(&[job]).await.unwrap();
         }
     })
     .await;
@@ -229,7 +229,7 @@ async fn admission(config: &Arc<Config>, count: usize) {
             .collect();
         let store = &env.store;
         async move {
-            store.admit(&jobs).await.unwrap();
+            store.admission().admit(&jobs).await.unwrap();
         }
     })
     .await

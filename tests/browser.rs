@@ -25,6 +25,7 @@ use serde_json::json;
 async fn sign_in(browser: &Browser, served: &Served, store: &Store, name: &str) {
     let token = Token::generate_operator();
     store
+        .tokens()
         .create_operator_token(name, &token, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();
@@ -91,7 +92,7 @@ async fn an_operator_resolves_an_unknown_and_sees_the_next_attempt() {
     assert!(events.contains("#1 ended failed"), "{events}");
     assert!(events.contains("#2 queued for primary"), "{events}");
 
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Running);
     assert_eq!(
         job.attempts.iter().map(|a| a.status).collect::<Vec<_>>(),
@@ -163,6 +164,7 @@ async fn an_operator_replays_a_dead_letter() {
         Duration::from_secs(20),
         || async {
             env.store
+                .jobs()
                 .find_job("acct_b", "replay-me")
                 .await
                 .unwrap()
@@ -170,7 +172,7 @@ async fn an_operator_replays_a_dead_letter() {
         },
     )
     .await;
-    let audit = env.store.audit_recent(10).await.unwrap();
+    let audit = env.store.audit().audit_recent(10).await.unwrap();
     assert!(
         audit.iter().any(|a| a.action == "dlq.replay"
             && a.actor == "operator:grace"
@@ -188,6 +190,7 @@ async fn a_tenant_token_does_not_sign_in() {
     let served = serve(&env, config, false).await;
     let tenant = Token::generate();
     env.store
+        .tokens()
         .create_token("acct_t", &tenant, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();
@@ -228,10 +231,17 @@ async fn an_action_without_its_csrf_token_does_nothing() {
     let browser = Browser::start().await;
     sign_in(&browser, &served, &env.store, "ada").await;
     let still_unknown = || async {
-        let job = env.store.job(job_id).await.unwrap().unwrap();
+        let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
         assert_eq!(job.status, JobStatus::Unknown);
         assert_eq!(job.attempts.len(), 1);
-        assert!(env.store.audit_of_job(job_id).await.unwrap().is_empty());
+        assert!(
+            env.store
+                .audit()
+                .audit_of_job(job_id)
+                .await
+                .unwrap()
+                .is_empty()
+        );
     };
 
     // The confirmation's form, with its token taken out, then with another
@@ -284,7 +294,7 @@ async fn an_action_without_its_csrf_token_does_nothing() {
     browser.click(&browser.find("#confirm").await).await;
     browser.wait_for_text("did attempt.resolve_cancelled").await;
     wait_for("the job cancelled", Duration::from_secs(10), || async {
-        let job = env.store.job(job_id).await.unwrap().unwrap();
+        let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
         (job.status == JobStatus::Cancelled).then_some(())
     })
     .await;
@@ -368,7 +378,7 @@ async fn qualify_the_fallback(browser: &Browser, store: &Store) {
         .wait_for_text("fallback for summarize: qualified (1 of 1 case(s) passed)")
         .await;
     assert!(page.contains("1 of 1 passed"), "{page}");
-    let audit = store.audit_recent(5).await.unwrap();
+    let audit = store.audit().audit_recent(5).await.unwrap();
     assert!(
         audit.iter().any(|a| a.action == "provider.qualify"
             && a.target.as_deref() == Some("fallback/summarize")
@@ -391,7 +401,7 @@ async fn a_hedged_job_and_some_more(env: &TestEnv, config: &Arc<Config>) -> JobI
         "the primary's late result",
         Duration::from_secs(20),
         || async {
-            let j = env.store.job(hedged).await.unwrap().unwrap();
+            let j = env.store.jobs().job(hedged).await.unwrap().unwrap();
             j.attempts
                 .iter()
                 .any(|a| a.status == AttemptStatus::Discarded)
@@ -407,7 +417,7 @@ async fn a_hedged_job_and_some_more(env: &TestEnv, config: &Arc<Config>) -> JobI
     unknown_job(&env.store, "blocked").await;
     dead_letter_intent(env, "dead-1", "acct_b", "replay-me").await;
     wait_for("the jobs to end", Duration::from_secs(30), || async {
-        let o = env.store.overview().await.unwrap();
+        let o = env.store.jobs().overview().await.unwrap();
         let open: i64 = o
             .jobs
             .iter()

@@ -387,14 +387,14 @@ async fn a_cancelled_job_discards_the_late_result() {
     let job_id = submit(&producer, "acct_c", "k", "cancel me").await;
     wait_for_status(&env, job_id, JobStatus::Running).await;
     env.cli_ok(&file.path, &["jobs", "cancel", &job_id.to_string()]);
-    let cancelled = env.store.job(job_id).await.unwrap().unwrap();
+    let cancelled = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(
         (cancelled.status, cancelled.version),
         (JobStatus::Cancelled, 1)
     );
 
     let job = wait_for("the late result", Duration::from_secs(20), || async {
-        let j = env.store.job(job_id).await.unwrap().unwrap();
+        let j = env.store.jobs().job(job_id).await.unwrap().unwrap();
         (j.attempts[0].status == AttemptStatus::Discarded).then_some(j)
     })
     .await;
@@ -457,9 +457,18 @@ async fn the_reconciler_turns_a_vanished_workers_attempt_unknown() {
         reserve: 0,
     };
     let job_id = new.job_id;
-    env.store.admit(&[new]).await.unwrap();
-    let attempt = env.store.job(job_id).await.unwrap().unwrap().attempts[0].id;
+    env.store.admission().admit(&[new]).await.unwrap();
+    let attempt = env
+        .store
+        .jobs()
+        .job(job_id)
+        .await
+        .unwrap()
+        .unwrap()
+        .attempts[0]
+        .id;
     env.store
+        .settle()
         .start("primary", &[attempt], config.providers["primary"].timeout)
         .await
         .unwrap();
@@ -489,7 +498,7 @@ async fn the_reconciler_turns_a_vanished_workers_attempt_unknown() {
         config.worker.retry_backoff_max * 3,
         "the unknown job's window",
         || async {
-            let job = env.store.job(job_id).await.unwrap().unwrap();
+            let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
             assert_eq!(
                 job.attempts.len(),
                 1,
@@ -556,7 +565,11 @@ async fn a_lost_attempt_message_is_republished_then_failed_with_a_reason() {
     let ctx = env.context(config.clone()).await;
     let (job_id, publish) = env.admit(&ctx, "acct_l", "k", "lost").await;
     // Marked published, but the message never reached the queue.
-    env.store.mark_published(&[publish.id]).await.unwrap();
+    env.store
+        .outbox()
+        .mark_published(&[publish.id])
+        .await
+        .unwrap();
 
     let fleet = env.fleet(config.clone(), vec![Role::Reconciler]).await;
     let ch = ctx.connection.create_channel().await.unwrap();

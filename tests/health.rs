@@ -193,6 +193,7 @@ async fn the_gateway_counts_its_answers(
     let (public_url, probes_url, stop, serving) = gateway_with_probes(config, env).await;
     let token = onejob::settings::token::Token::generate();
     env.store
+        .tokens()
         .create_token("acct_m", &token, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();

@@ -37,7 +37,7 @@ async fn a_held_job_row_makes_only_its_own_settlement_wait_under_a_lock_timeout(
     finished[7].verdict = Verdict::Unknown {
         error: "outcome_unknown: timed out".into(),
     };
-    let (settled, _) = store.finalize(&finished, &give_up).await.unwrap();
+    let (settled, _) = store.settle().finalize(&finished, &give_up).await.unwrap();
     for (i, s) in settled.iter().enumerate() {
         let want = match i {
             3 => Settled::Busy,
@@ -57,6 +57,7 @@ async fn a_held_job_row_makes_only_its_own_settlement_wait_under_a_lock_timeout(
     );
     // Still held: asked again, it waits again, and never becomes anything else.
     let (again, _) = store
+        .settle()
         .finalize(std::slice::from_ref(&finished[3]), &give_up)
         .await
         .unwrap();
@@ -64,11 +65,12 @@ async fn a_held_job_row_makes_only_its_own_settlement_wait_under_a_lock_timeout(
 
     held.release().await;
     let (after, _) = store
+        .settle()
         .finalize(std::slice::from_ref(&finished[3]), &give_up)
         .await
         .unwrap();
     assert_eq!(after, vec![Settled::Won]);
-    let job = store.job(jobs[3].job_id).await.unwrap().unwrap();
+    let job = store.jobs().job(jobs[3].job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Succeeded);
     assert_eq!(job.completed_by, Some(jobs[3].attempt_id));
 }
@@ -81,13 +83,14 @@ async fn a_held_job_row_makes_only_its_own_claim_wait_and_the_sweeps_go_on() {
         .collect();
     let attempts: Vec<_> = news.iter().map(|n| n.attempt_id).collect();
     let held_job = news[1].job_id;
-    env.store.admit(&news).await.unwrap();
+    env.store.admission().admit(&news).await.unwrap();
     let held = Holder::hold(&env.database_url, held_job).await;
 
     let token = uuid::Uuid::now_v7();
     let claim = soon(
         "the claim",
         env.store
+            .settle()
             .claim("primary", "none", &attempts, Duration::from_secs(30), token),
     )
     .await
@@ -114,7 +117,7 @@ async fn a_held_job_row_makes_only_its_own_claim_wait_and_the_sweeps_go_on() {
     let held = Holder::hold(&env.database_url, news[0].job_id).await;
     let marked = soon(
         "the vanished sweep",
-        env.store.expire_vanished(Duration::from_secs(1)),
+        env.store.sweeps().expire_vanished(Duration::from_secs(1)),
     )
     .await
     .unwrap();
@@ -125,6 +128,7 @@ async fn a_held_job_row_makes_only_its_own_claim_wait_and_the_sweeps_go_on() {
     // Released, the held claim goes through.
     let claim = env
         .store
+        .settle()
         .claim(
             "primary",
             "none",
@@ -231,7 +235,7 @@ async fn neighbours_succeed_and_held_answers_are_kept(
         Duration::from_secs(20),
         || async {
             for job in others {
-                if env.store.job(*job).await.unwrap()?.status != JobStatus::Succeeded {
+                if env.store.jobs().job(*job).await.unwrap()?.status != JobStatus::Succeeded {
                     return None;
                 }
             }
@@ -281,7 +285,7 @@ async fn an_answer_whose_row_is_held_when_its_worker_stops_is_settled_later() {
     let producer = Producer::connect(&env.amqp_url).await.unwrap();
     let job = submit(&producer, "acct_db", "kept-1", "kept").await;
     let attempt = wait_for("the attempt to start", Duration::from_secs(20), || async {
-        let view = env.store.job(job).await.unwrap()?;
+        let view = env.store.jobs().job(job).await.unwrap()?;
         (view.attempts[0].status == AttemptStatus::Started).then_some(view.attempts[0].id)
     })
     .await;
@@ -340,6 +344,7 @@ async fn a_cancelled_job_whose_calls_are_in_flight_is_not_pruned() {
     let (busy, idle) = (&jobs[0], &jobs[1]);
     for s in [busy, idle] {
         env.store
+            .jobs()
             .cancel_job(s.job_id, &Actor::cli(Some("test")))
             .await
             .unwrap()
@@ -348,6 +353,7 @@ async fn a_cancelled_job_whose_calls_are_in_flight_is_not_pruned() {
     // The idle job's call has ended; the busy job's is still in flight.
     let (settled, _) = env
         .store
+        .settle()
         .finalize(&[success(idle)], &give_up)
         .await
         .unwrap();
@@ -370,15 +376,21 @@ async fn a_cancelled_job_whose_calls_are_in_flight_is_not_pruned() {
         failed: Duration::from_secs(1),
         cancelled: Duration::from_secs(1),
     });
-    let pass = env.store.prune_jobs(&policy, 100, false).await.unwrap();
+    let pass = env
+        .store
+        .retention()
+        .prune_jobs(&policy, 100, false)
+        .await
+        .unwrap();
     assert_eq!(
         pass.pruned.jobs, 1,
         "only the job whose calls have all ended"
     );
-    assert!(env.store.job(idle.job_id).await.unwrap().is_none());
+    assert!(env.store.jobs().job(idle.job_id).await.unwrap().is_none());
     // Its answer arrives a moment later: it is discarded, its spend kept.
     let (settled, _) = env
         .store
+        .settle()
         .finalize(&[success(busy)], &give_up)
         .await
         .unwrap();
@@ -386,11 +398,16 @@ async fn a_cancelled_job_whose_calls_are_in_flight_is_not_pruned() {
         matches!(settled[0], Settled::Discarded { .. }),
         "{settled:?}"
     );
-    let job = env.store.job(busy.job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(busy.job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Cancelled);
     assert_eq!(job.attempts[0].status, AttemptStatus::Discarded);
     assert_eq!(job.attempts[0].usage, Some(json!({"total_tokens": 10})));
     // Now every call has ended, it may go.
-    let pass = env.store.prune_jobs(&policy, 100, false).await.unwrap();
+    let pass = env
+        .store
+        .retention()
+        .prune_jobs(&policy, 100, false)
+        .await
+        .unwrap();
     assert_eq!(pass.pruned.jobs, 1);
 }

@@ -336,7 +336,7 @@ async fn shutdown_finishes_in_flight_work() {
     let job_id = submit(&producer, "acct_g", "k", "graceful").await;
     wait_for_status(&env, job_id, JobStatus::Running).await;
     fleet.stop().await;
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(
         job.status,
         JobStatus::Succeeded,

@@ -22,7 +22,7 @@ async fn admit(store: &Store, owner: &str, key: &str, provider: &str) -> (JobId,
     let mut new = new_job(owner, key, key);
     new.provider = provider.into();
     let ids = (new.job_id, new.attempt_id);
-    let admitted = store.admit(&[new]).await.unwrap().remove(0);
+    let admitted = store.admission().admit(&[new]).await.unwrap().remove(0);
     assert!(
         matches!(admitted, Admission::Created { .. }),
         "{admitted:?}"
@@ -34,6 +34,7 @@ async fn admit(store: &Store, owner: &str, key: &str, provider: &str) -> (JobId,
 async fn running(store: &Store, owner: &str, key: &str) -> Started {
     let (_, attempt) = admit(store, owner, key, "primary").await;
     let mut started = store
+        .settle()
         .start("primary", &[attempt], Duration::from_secs(30))
         .await
         .unwrap();
@@ -93,6 +94,7 @@ async fn made(store: &Store) -> Made {
     put("b-retried", s.job_id);
     let (job, _) = admit(store, "acct_b", "b-cancelled", "primary").await;
     store
+        .jobs()
         .cancel_job(job, &Actor::cli(None))
         .await
         .unwrap()

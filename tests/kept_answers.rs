@@ -50,6 +50,7 @@ async fn answer_kept(env: &TestEnv, attempt: AttemptId) -> bool {
 async fn cancelled_by_hand(env: &TestEnv, attempt: AttemptId) {
     let actor = onejob::edges::store::Actor::cli(Some("test"));
     env.store
+        .settle()
         .resolve(
             attempt,
             onejob::edges::store::Resolution::Cancelled,
@@ -83,16 +84,18 @@ async fn a_kept_timeout_is_cleared_by_the_settlement_that_makes_it_unknown() {
     let held = Held::hold(&env, &[s.job_id]).await;
     let (settled, _) = env
         .store
+        .settle()
         .finalize(std::slice::from_ref(&finished), &give_up)
         .await
         .unwrap();
     assert_eq!(settled, vec![Settled::Busy]);
-    assert!(env.store.keep_answer(&finished, None).await.unwrap());
+    assert!(env.store.kept().keep_answer(&finished, None).await.unwrap());
     assert!(answer_kept(&env, s.attempt_id).await);
     held.release().await;
     // Settled again, as its worker does (or the kept-answer pass).
     let (settled, _) = env
         .store
+        .settle()
         .finalize(std::slice::from_ref(&finished), &give_up)
         .await
         .unwrap();
@@ -101,9 +104,9 @@ async fn a_kept_timeout_is_cleared_by_the_settlement_that_makes_it_unknown() {
         !answer_kept(&env, s.attempt_id).await,
         "the kept timeout is cleared with its settlement"
     );
-    assert!(env.store.kept_answers(100).await.unwrap().is_empty());
+    assert!(env.store.kept().kept_answers(100).await.unwrap().is_empty());
     assert_eq!(
-        env.store.kept_waiting().await.unwrap(),
+        env.store.kept().kept_waiting().await.unwrap(),
         KeptWaiting::default()
     );
 }
@@ -115,7 +118,13 @@ async fn a_kept_timeout_is_cleared_by_the_settlement_that_makes_it_unknown() {
 async fn a_kept_answer_ends_with_its_attempt_and_its_cost_is_kept() {
     let env = store_env().await;
     let s = started(&env.store, "kept-closed", 1).await.remove(0);
-    assert!(env.store.keep_answer(&success(&s), None).await.unwrap());
+    assert!(
+        env.store
+            .kept()
+            .keep_answer(&success(&s), None)
+            .await
+            .unwrap()
+    );
     cancelled_by_hand(&env, s.attempt_id).await;
     let (kept, usage, request_id): (bool, Option<serde_json::Value>, Option<String>) =
         sqlx::query_as(
@@ -145,7 +154,13 @@ async fn kept_answers_that_cannot_be_settled_never_starve_the_rest() {
     let mut all = started(&env.store, "kept-starve", 106).await;
     let free = all.pop().expect("the newest");
     for s in all.iter().chain([&free]) {
-        assert!(env.store.keep_answer(&success(s), None).await.unwrap());
+        assert!(
+            env.store
+                .kept()
+                .keep_answer(&success(s), None)
+                .await
+                .unwrap()
+        );
     }
     let jobs: Vec<JobId> = all.iter().map(|s| s.job_id).collect();
     let held = Held::hold(&env, &jobs).await;
@@ -158,13 +173,13 @@ async fn kept_answers_that_cannot_be_settled_never_starve_the_rest() {
         "the held ones to be moved on",
         Duration::from_secs(30),
         || async {
-            let w = env.store.kept_waiting().await.unwrap();
+            let w = env.store.kept().kept_waiting().await.unwrap();
             (w.held == 105).then_some(w)
         },
     )
     .await;
     assert_eq!(waiting.unreadable, 0);
-    let gauges = env.store.gauges().await.unwrap();
+    let gauges = env.store.jobs().gauges().await.unwrap();
     assert!(
         gauges.contains("onejob_kept_answers{why=\"held\"} 105"),
         "{gauges}"
@@ -175,7 +190,7 @@ async fn kept_answers_that_cannot_be_settled_never_starve_the_rest() {
         assert_eq!(job.attempts[0].status, AttemptStatus::Succeeded);
     }
     assert_eq!(
-        env.store.kept_waiting().await.unwrap(),
+        env.store.kept().kept_waiting().await.unwrap(),
         KeptWaiting::default()
     );
     fleet.stop().await;
@@ -190,21 +205,27 @@ async fn an_unreadable_kept_answer_is_set_aside_and_counted() {
     let mut both = started(&env.store, "kept-unreadable", 2).await;
     let good = both.pop().unwrap();
     let bad = both.pop().unwrap();
-    assert!(env.store.keep_answer(&success(&good), None).await.unwrap());
+    assert!(
+        env.store
+            .kept()
+            .keep_answer(&success(&good), None)
+            .await
+            .unwrap()
+    );
     sqlx::query("UPDATE attempts SET answer = '{\"from\": \"a later version\"}' WHERE id = $1")
         .bind(bad.attempt_id.0)
         .execute(env.store.pool())
         .await
         .unwrap();
-    let read = env.store.kept_answers(1).await.unwrap();
+    let read = env.store.kept().kept_answers(1).await.unwrap();
     assert!(
         read.is_empty(),
         "the first read sets the unreadable one aside"
     );
-    let read = env.store.kept_answers(1).await.unwrap();
+    let read = env.store.kept().kept_answers(1).await.unwrap();
     assert_eq!(read.len(), 1);
     assert_eq!(read[0].attempt_id, good.attempt_id);
-    let w = env.store.kept_waiting().await.unwrap();
+    let w = env.store.kept().kept_waiting().await.unwrap();
     assert_eq!((w.due, w.unreadable), (1, 1), "{w:?}");
 }
 
@@ -215,10 +236,17 @@ async fn the_overview_says_how_many_kept_answers_wait_and_why() {
     let env = TestEnv::new(&config).await;
     let mut three = started(&env.store, "kept-console", 3).await;
     for s in &three {
-        assert!(env.store.keep_answer(&success(s), None).await.unwrap());
+        assert!(
+            env.store
+                .kept()
+                .keep_answer(&success(s), None)
+                .await
+                .unwrap()
+        );
     }
     let held = three.pop().unwrap();
     env.store
+        .kept()
         .kept_later(&[held.attempt_id], Duration::from_secs(60))
         .await
         .unwrap();
@@ -227,7 +255,7 @@ async fn the_overview_says_how_many_kept_answers_wait_and_why() {
         .execute(env.store.pool())
         .await
         .unwrap();
-    env.store.kept_answers(10).await.unwrap();
+    env.store.kept().kept_answers(10).await.unwrap();
     let served = common::console::serve(&env, config, false).await;
     let session = served.sign_in(&env.store, "ada").await;
     let (status, page) = served.get(&session.cookie, "/").await;
@@ -256,7 +284,7 @@ async fn a_handed_on_settlement_is_kept_only_under_its_claim() {
     let answer = success(&open);
     let keep = |f: Finished, claim: uuid::Uuid| {
         let store = env.store.clone();
-        async move { store.keep_handed_on(&f, claim).await.unwrap() }
+        async move { store.kept().keep_handed_on(&f, claim).await.unwrap() }
     };
     assert_eq!(
         keep(answer.clone(), uuid::Uuid::new_v4()).await,
@@ -279,7 +307,7 @@ async fn a_handed_on_settlement_is_kept_only_under_its_claim() {
         keep(success(&closed), closed.claim).await,
         HandedOn::Settled
     );
-    let view = env.store.job(closed.job_id).await.unwrap().unwrap();
+    let view = env.store.jobs().job(closed.job_id).await.unwrap().unwrap();
     assert_eq!(view.status, JobStatus::Cancelled);
     assert_eq!(view.attempts[0].status, AttemptStatus::Cancelled);
     assert_eq!(

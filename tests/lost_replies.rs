@@ -23,10 +23,11 @@ async fn a_claim_run_again_after_a_lost_reply_finds_its_own_attempts() {
         .map(|i| new_job("acct_db", &format!("lost-{i}"), "text"))
         .collect();
     let attempts: Vec<_> = news.iter().map(|n| n.attempt_id).collect();
-    env.store.admit(&news).await.unwrap();
+    env.store.admission().admit(&news).await.unwrap();
     let token = uuid::Uuid::now_v7();
     let first = env
         .store
+        .settle()
         .claim("primary", "none", &attempts, Duration::from_secs(30), token)
         .await
         .unwrap();
@@ -34,6 +35,7 @@ async fn a_claim_run_again_after_a_lost_reply_finds_its_own_attempts() {
     // The reply was lost: the same claim runs again and finds them its own.
     let again = env
         .store
+        .settle()
         .claim("primary", "none", &attempts, Duration::from_secs(30), token)
         .await
         .unwrap();
@@ -45,6 +47,7 @@ async fn a_claim_run_again_after_a_lost_reply_finds_its_own_attempts() {
     // Another claim (a redelivery to another worker) does not.
     let other = env
         .store
+        .settle()
         .claim(
             "primary",
             "none",
@@ -57,7 +60,7 @@ async fn a_claim_run_again_after_a_lost_reply_finds_its_own_attempts() {
     assert!(other.started.is_empty() && other.busy.is_empty());
     one_attempt_is_handed_back_under_its_own_claim(&env, attempts[0], token).await;
     // A claim given up is handed back: queued again, for its redelivery.
-    assert_eq!(env.store.unclaim(token).await.unwrap(), 3);
+    assert_eq!(env.store.settle().unclaim(token).await.unwrap(), 3);
     for new in &news {
         assert_eq!(
             attempt_status(&env.store, new.job_id).await,
@@ -66,6 +69,7 @@ async fn a_claim_run_again_after_a_lost_reply_finds_its_own_attempts() {
     }
     let retaken = env
         .store
+        .settle()
         .claim(
             "primary",
             "none",
@@ -89,11 +93,16 @@ async fn a_claim_run_again_finds_its_own_attempt_while_its_job_row_is_held() {
     use sqlx::{Connection, Executor};
     let env = store_env().await;
     let new = new_job("acct_db", "lost-held", "text");
-    env.store.admit(std::slice::from_ref(&new)).await.unwrap();
+    env.store
+        .admission()
+        .admit(std::slice::from_ref(&new))
+        .await
+        .unwrap();
     let attempts = [new.attempt_id];
     let token = uuid::Uuid::now_v7();
     let first = env
         .store
+        .settle()
         .claim("primary", "none", &attempts, Duration::from_secs(30), token)
         .await
         .unwrap();
@@ -111,6 +120,7 @@ async fn a_claim_run_again_finds_its_own_attempt_while_its_job_row_is_held() {
     let again = tokio::time::timeout(
         Duration::from_secs(10),
         env.store
+            .settle()
             .claim("primary", "none", &attempts, Duration::from_secs(30), token),
     )
     .await
@@ -249,7 +259,11 @@ async fn an_operator_action_whose_commit_reply_was_lost_is_reported_done() {
         },
         ..success(&jobs[0])
     };
-    env.store.finalize(&[unknown], &give_up).await.unwrap();
+    env.store
+        .settle()
+        .finalize(&[unknown], &give_up)
+        .await
+        .unwrap();
     let server = common::database::pg_server();
     let lossy = common::lossy::LossyPostgres::to(&server, 1, 0).await;
     let store = store_through(&lossy, &env).await;
@@ -257,6 +271,7 @@ async fn an_operator_action_whose_commit_reply_was_lost_is_reported_done() {
 
     lossy.lose_next_commit();
     let resolved = store
+        .settle()
         .resolve(
             jobs[0].attempt_id,
             onejob::edges::store::Resolution::Failed,
@@ -273,10 +288,14 @@ async fn an_operator_action_whose_commit_reply_was_lost_is_reported_done() {
     );
 
     lossy.lose_next_commit();
-    let cancelled = store.cancel_job(jobs[1].job_id, &actor).await.unwrap();
+    let cancelled = store
+        .jobs()
+        .cancel_job(jobs[1].job_id, &actor)
+        .await
+        .unwrap();
     assert_eq!(lossy.lost(), 2, "the commit's reply was lost");
     assert!(cancelled.is_ok(), "reported done: {cancelled:?}");
-    let job = env.store.job(jobs[1].job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(jobs[1].job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Cancelled);
 
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM audit WHERE reason = 'lost reply'")
@@ -334,14 +353,28 @@ async fn one_attempt_is_handed_back_under_its_own_claim(
     let other_token = uuid::Uuid::now_v7();
     assert!(
         !env.store
+            .settle()
             .unclaim_attempt(attempt, other_token)
             .await
             .unwrap()
     );
-    assert!(env.store.unclaim_attempt(attempt, token).await.unwrap());
-    assert!(!env.store.unclaim_attempt(attempt, token).await.unwrap());
+    assert!(
+        env.store
+            .settle()
+            .unclaim_attempt(attempt, token)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !env.store
+            .settle()
+            .unclaim_attempt(attempt, token)
+            .await
+            .unwrap()
+    );
     let retaken = env
         .store
+        .settle()
         .claim(
             "primary",
             "none",
@@ -367,7 +400,11 @@ async fn a_look_whose_take_reply_was_lost_finds_its_own_lease() {
         },
         ..success(&s)
     };
-    env.store.finalize(&[unknown], &give_up).await.unwrap();
+    env.store
+        .settle()
+        .finalize(&[unknown], &give_up)
+        .await
+        .unwrap();
     sqlx::query("UPDATE attempts SET deadline_at = now() - interval '1 minute' WHERE id = $1")
         .bind(s.attempt_id.0)
         .execute(env.store.pool())
@@ -378,6 +415,7 @@ async fn a_look_whose_take_reply_was_lost_finds_its_own_lease() {
     let store = store_through(&lossy, &env).await;
     lossy.start_losing();
     let due = store
+        .evidence()
         .evidence_due(
             &[("primary".into(), Duration::ZERO)],
             Duration::from_secs(60),

@@ -25,11 +25,11 @@ async fn job(store: &Store, key: &str, operation: &str) -> JobId {
     let mut new = new_job("acct_r", key, "text");
     new.intent.operation = operation.into();
     let job_id = new.job_id;
-    match store.admit(&[new]).await.unwrap().remove(0) {
+    match store.admission().admit(&[new]).await.unwrap().remove(0) {
         Admission::Created {
             publish: Some(publish),
             ..
-        } => store.mark_published(&[publish.id]).await.unwrap(),
+        } => store.outbox().mark_published(&[publish.id]).await.unwrap(),
         other => panic!("expected created, got {other:?}"),
     }
     job_id
@@ -194,7 +194,11 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
     let jobs = Jobs::admit(store).await;
 
     // A dry run counts, and deletes nothing.
-    let dry = store.prune_jobs(&policy, i64::MAX, true).await.unwrap();
+    let dry = store
+        .retention()
+        .prune_jobs(&policy, i64::MAX, true)
+        .await
+        .unwrap();
     assert_eq!((dry.pruned.jobs, dry.pruned.attempts), (4, 4));
     let oldest = dry.oldest.expect("the oldest prunable job's age");
     assert!(
@@ -205,6 +209,7 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
 
     // Pruned in batches of one, to the same four.
     let pass = store
+        .retention()
         .prune_batches(&policy, 1, 100, Duration::ZERO, || false)
         .await
         .unwrap();
@@ -234,6 +239,7 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
     }
     let prune = || async {
         store
+            .retention()
             .prune_jobs(&policy, 100, false)
             .await
             .unwrap()
@@ -243,18 +249,19 @@ async fn retention_prunes_just_outside_its_window_and_nothing_else() {
     assert_eq!(prune().await, 0);
 
     // Once its event is published, the held job goes too.
-    store.mark_published(&[jobs.event]).await.unwrap();
+    store.outbox().mark_published(&[jobs.event]).await.unwrap();
     assert_eq!(prune().await, 1);
     assert!(!exists(store, jobs.unpublished).await.0);
 
     // A pruned identity makes a new job; a kept one is still a duplicate.
     let again = new_job("acct_r", "outside", "text");
     let new_id = again.job_id;
-    match store.admit(&[again]).await.unwrap().remove(0) {
+    match store.admission().admit(&[again]).await.unwrap().remove(0) {
         Admission::Created { job_id, .. } => assert_eq!(job_id, new_id),
         other => panic!("a pruned identity makes a new job, got {other:?}"),
     }
     match store
+        .admission()
         .admit(&[new_job("acct_r", "inside", "text")])
         .await
         .unwrap()
@@ -366,7 +373,10 @@ async fn pruned_space_is_vacuumed_where_the_server_runs_no_autovacuum() {
         .await
         .unwrap();
     // A fresh database has no dead rows: nothing to do.
-    assert_eq!(store.vacuum_if_due().await.unwrap(), Vec::<String>::new());
+    assert_eq!(
+        store.retention().vacuum_if_due().await.unwrap(),
+        Vec::<String>::new()
+    );
 
     for i in 0..300 {
         ended(
@@ -379,6 +389,7 @@ async fn pruned_space_is_vacuumed_where_the_server_runs_no_autovacuum() {
         .await;
     }
     let pass = store
+        .retention()
         .prune_jobs(&Policy::of(&config), 1000, false)
         .await
         .unwrap();
@@ -438,7 +449,7 @@ async fn left_to_autovacuum(store: &onejob::edges::store::Store) {
         );
     }
     assert_eq!(
-        store.vacuum_if_due().await.unwrap(),
+        store.retention().vacuum_if_due().await.unwrap(),
         Vec::<String>::new(),
         "autovacuum runs: onejob leaves the dead rows to it"
     );
@@ -461,7 +472,7 @@ async fn vacuumed_by_onejob(store: &onejob::edges::store::Store) {
         "the pruned jobs' and attempts' dead rows to pass the threshold",
         Duration::from_secs(30),
         || async {
-            let tables = store.vacuum_if_due().await.unwrap();
+            let tables = store.retention().vacuum_if_due().await.unwrap();
             let mut all = gathered.lock().unwrap();
             all.extend(tables);
             (all.contains(&"jobs".to_owned()) && all.contains(&"attempts".to_owned()))
@@ -537,6 +548,7 @@ async fn a_pruning_batch_reads_no_table_whole() {
     .await
     .unwrap();
     let pass = store
+        .retention()
         .prune_jobs(&Policy::older_than(Duration::from_secs(3600)), 1000, false)
         .await
         .unwrap();

@@ -102,7 +102,7 @@ async fn nothing_starts_beside_the_unknown(
         window,
         "the unknown job's window",
         || async {
-            let job = env.store.job(job_id).await.unwrap().unwrap();
+            let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
             assert_eq!(job.status, JobStatus::Unknown);
             assert_eq!(job.attempts.len(), 1, "no new attempt while one is unknown");
             assert_eq!(
@@ -186,7 +186,7 @@ async fn a_dropped_connection_is_unknown_and_can_be_cancelled() {
             "cancelled",
         ],
     );
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Cancelled);
     assert_eq!(job.attempts[0].status, AttemptStatus::Cancelled);
     assert_eq!(job.version, 1);

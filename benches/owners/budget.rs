@@ -39,6 +39,7 @@ pub(crate) async fn budget(
         ..OwnerChange::default()
     };
     env.store
+        .owners()
         .set_owner("acct_c", &change, &Actor::cli(Some("bench")))
         .await
         .expect("set the budget");
@@ -60,7 +61,13 @@ pub(crate) async fn budget(
     for job in &created {
         ended(env, *job).await;
     }
-    let spent = env.store.owner("acct_c").await.expect("owner").spent_24h;
+    let spent = env
+        .store
+        .owners()
+        .owner("acct_c")
+        .await
+        .expect("owner")
+        .spent_24h;
     let each = spent as f64 / created.len().max(1) as f64;
     println!(
         "budget: {BURST} intents at once against {budget} tokens ({JOBS} reservations of {reserve}): {} created, {refused} refused; spent {spent} tokens, overshoot {} (goal: 0); a job reserved {reserve} and its call spent {each:.1} on average (the estimate's error: {:.1} tokens, on the safe side)",
@@ -73,7 +80,13 @@ pub(crate) async fn budget(
 /// Polls the job until it has ended.
 async fn ended(env: &TestEnv, job: JobId) {
     loop {
-        let j = env.store.job(job).await.expect("read job").expect("job");
+        let j = env
+            .store
+            .jobs()
+            .job(job)
+            .await
+            .expect("read job")
+            .expect("job");
         if matches!(
             j.status,
             JobStatus::Succeeded | JobStatus::Failed | JobStatus::Cancelled

@@ -219,7 +219,13 @@ async fn ended(env: &TestEnv, owner: &str) -> usize {
 /// Waits for B's job to succeed; its times.
 async fn finished(env: &TestEnv, job: JobId, published: DateTime<Utc>) -> Timed {
     loop {
-        let j = env.store.job(job).await.expect("read job").expect("job");
+        let j = env
+            .store
+            .jobs()
+            .job(job)
+            .await
+            .expect("read job")
+            .expect("job");
         if j.status == onejob::domain::JobStatus::Succeeded {
             return Timed {
                 published,

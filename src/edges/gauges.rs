@@ -45,7 +45,7 @@ async fn refresh(store: Store, kept: Weak<Gauges>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let read = store.gauges().await;
+        let read = store.jobs().gauges().await;
         let Some(gauges) = kept.upgrade() else {
             return;
         };

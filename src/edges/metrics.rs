@@ -1,5 +1,5 @@
 //! Per-process counters for `/metrics`, beside the gauges the store reads from
-//! the tables ([`crate::edges::store::Store::gauges`]).
+//! the tables ([`crate::edges::store::Jobs::gauges`]).
 //!
 //! The gauges say where the system stands (jobs by status, the oldest unknown);
 //! these counters say what this process did since it started, so `rate()` over

@@ -371,7 +371,7 @@ async fn send_receipt(
 
 async fn admit_now(ctx: &Context, shutdown: &Shutdown, rows: &[NewJob]) -> Result<Vec<Admission>> {
     with_retries(shutdown, "admitting intents", || async {
-        Ok(ctx.store.admit(rows).await?)
+        Ok(ctx.store.admission().admit(rows).await?)
     })
     .await
 }

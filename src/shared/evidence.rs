@@ -171,7 +171,7 @@ impl Looker<'_> {
         };
         // Read again just before sending: an attempt discarded since it was
         // taken for this look (its job ended) is never sent again.
-        let state = self.store.attempt_state(unknown.attempt_id).await?;
+        let state = self.store.jobs().attempt_state(unknown.attempt_id).await?;
         if !matches!(state, Some((_, AttemptStatus::Unknown, _))) {
             let found = "no longer unknown when its look came: never sent again (a re-send could buy new work for a job that is over)".into();
             return self.note_final(unknown, found, "no_evidence").await;
@@ -221,6 +221,7 @@ impl Looker<'_> {
     ) -> Result<Look> {
         let next = pause(client.provider().evidence.delay, unknown.looks);
         self.store
+            .evidence()
             .note_evidence(unknown.attempt_id, &found, Some(next))
             .await?;
         Ok(Look {
@@ -255,8 +256,13 @@ impl Looker<'_> {
             detail: json!({ "evidence": "cost found", "request_id": request_id, "usage": usage }),
             ..Action::default()
         };
-        let audit = self.store.audit_begin(&Actor::evidence(), &action).await?;
+        let audit = self
+            .store
+            .audit()
+            .audit_begin(&Actor::evidence(), &action)
+            .await?;
         self.store
+            .evidence()
             .record_cost(
                 unknown.attempt_id,
                 usage.as_ref(),
@@ -264,7 +270,12 @@ impl Looker<'_> {
                 &found,
             )
             .await?;
-        if let Err(e) = self.store.audit_outcome(audit, false, &json!({})).await {
+        if let Err(e) = self
+            .store
+            .audit()
+            .audit_outcome(audit, false, &json!({}))
+            .await
+        {
             tracing::warn!(error = %e, %audit, "evidence: the outcome was not written to its audit row");
         }
         Ok(Look {
@@ -282,6 +293,7 @@ impl Looker<'_> {
         outcome: &'static str,
     ) -> Result<Look> {
         self.store
+            .evidence()
             .note_evidence(unknown.attempt_id, &found, None)
             .await?;
         Ok(Look {
@@ -333,12 +345,21 @@ impl Looker<'_> {
             }),
             ..Action::default()
         };
-        let audit = self.store.audit_begin(&Actor::evidence(), &action).await?;
+        let audit = self
+            .store
+            .audit()
+            .audit_begin(&Actor::evidence(), &action)
+            .await?;
         let found = format!("{what}: {judged}");
         // Kept first: whatever happens to the settlement below (a held row,
         // an error, a crash), the answer is on the attempt, and the
         // kept-answer pass settles it.
-        if !self.store.keep_answer(&finished, Some(&found)).await? {
+        if !self
+            .store
+            .kept()
+            .keep_answer(&finished, Some(&found))
+            .await?
+        {
             tracing::info!(attempt_id = %unknown.attempt_id, "evidence: the attempt's row is held or it was settled meanwhile; looked at again after its lease");
             return Ok(Look {
                 found: format!(
@@ -352,6 +373,7 @@ impl Looker<'_> {
         let plan = |f: &FailedJob| planner.plan(f);
         let (settled, publish) = self
             .store
+            .settle()
             .finalize(std::slice::from_ref(&finished), &plan)
             .await?;
         let settled = settled.first().cloned().unwrap_or(Settled::Stale);
@@ -365,12 +387,18 @@ impl Looker<'_> {
         }
         // Settled, and the kept answer cleared with it: no more looks.
         self.store
+            .evidence()
             .note_evidence(unknown.attempt_id, &found, None)
             .await?;
         let settled = format!("{settled:?}");
         tracing::info!(attempt_id = %unknown.attempt_id, job_id = %unknown.job_id, evidence = what, %settled, "evidence: an unknown attempt was settled");
         let written = json!({ "settled": settled });
-        if let Err(e) = self.store.audit_outcome(audit, false, &written).await {
+        if let Err(e) = self
+            .store
+            .audit()
+            .audit_outcome(audit, false, &written)
+            .await
+        {
             tracing::warn!(error = %e, %audit, "evidence: the outcome was not written to its audit row");
         }
         Ok(Look {

@@ -51,7 +51,7 @@ pub(crate) fn contract_hash(operation: &Operation, provider: &Provider) -> Strin
 }
 
 /// The audit action of qualifying `provider` for `operation`. It is written
-/// before the first case is sent ([`Store::audit_begin`]): the provider bills
+/// before the first case is sent ([`Audit::audit_begin`](crate::edges::store::Audit::audit_begin)): the provider bills
 /// the calls, so none goes unrecorded.
 pub(crate) fn action(provider: &Provider, operation: &Operation) -> Action<'static> {
     Action {
@@ -76,11 +76,15 @@ pub(crate) async fn run_audited(
     audit: uuid::Uuid,
 ) -> (Qualification, Result<uuid::Uuid, StoreError>) {
     let report = qualify(config, provider, operation).await;
-    let recorded = store.record_qualification(&report).await;
+    let recorded = store.qualifications().record_qualification(&report).await;
     let claim = check_claim(config, provider, operation).await;
     if let Some((held, seen)) = &claim {
         let kind = provider.evidence.kind.as_str();
-        if let Err(e) = store.record_claim(&provider.name, kind, *held, seen).await {
+        if let Err(e) = store
+            .evidence()
+            .record_claim(&provider.name, kind, *held, seen)
+            .await
+        {
             tracing::warn!(error = %e, provider = %provider.name, "the evidence claim's check was not recorded");
         }
     }
@@ -96,7 +100,11 @@ pub(crate) async fn run_audited(
             .collect::<Vec<_>>(),
         "error": recorded.as_ref().err().map(ToString::to_string),
     });
-    if let Err(e) = store.audit_outcome(audit, recorded.is_err(), &detail).await {
+    if let Err(e) = store
+        .audit()
+        .audit_outcome(audit, recorded.is_err(), &detail)
+        .await
+    {
         tracing::warn!(error = %e, %audit, "the outcome of a qualification was not recorded; its audit row stays pending");
     }
     (report, recorded)
@@ -246,7 +254,7 @@ async fn standings(
         .iter()
         .map(|(p, o)| (p.name.clone(), o.name.clone()))
         .collect();
-    let mut runs = store.latest_runs(&keys).await?;
+    let mut runs = store.qualifications().latest_runs(&keys).await?;
     Ok(pairs
         .into_iter()
         .zip(keys)

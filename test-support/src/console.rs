@@ -129,6 +129,7 @@ impl Served {
     pub async fn sign_in(&self, store: &Store, operator: &str) -> Session {
         let token = Token::generate_operator();
         store
+            .tokens()
             .create_operator_token(operator, &token, &onejob::edges::store::Actor::cli(None))
             .await
             .unwrap();
@@ -203,14 +204,15 @@ pub fn unescape(html: &str) -> String {
 pub async fn unknown_job(store: &Store, key: &str) -> (JobId, Started) {
     let new = super::new_job("acct_c", key, key);
     let (job_id, first) = (new.job_id, new.attempt_id);
-    match store.admit(&[new]).await.unwrap().remove(0) {
+    match store.admission().admit(&[new]).await.unwrap().remove(0) {
         Admission::Created {
             publish: Some(publish),
             ..
-        } => store.mark_published(&[publish.id]).await.unwrap(),
+        } => store.outbox().mark_published(&[publish.id]).await.unwrap(),
         other => panic!("expected created, got {other:?}"),
     }
     let s = store
+        .settle()
         .start("primary", &[first], Duration::from_secs(30))
         .await
         .unwrap()
@@ -225,7 +227,11 @@ pub async fn unknown_job(store: &Store, key: &str) -> (JobId, Started) {
             error: "outcome_unknown: timed out after the request was sent".into(),
         },
     };
-    store.finalize(&[timed_out], &super::give_up).await.unwrap();
+    store
+        .settle()
+        .finalize(&[timed_out], &super::give_up)
+        .await
+        .unwrap();
     // A timeout has no answer to take a request id from; the provider's own
     // id (as a proxy's timeout page may name it) is what an operator looks up.
     sqlx::query("UPDATE attempts SET provider_request_id = 'req_console_1' WHERE id = $1")
@@ -234,7 +240,7 @@ pub async fn unknown_job(store: &Store, key: &str) -> (JobId, Started) {
         .await
         .unwrap();
     assert_eq!(
-        store.job(job_id).await.unwrap().unwrap().status,
+        store.jobs().job(job_id).await.unwrap().unwrap().status,
         JobStatus::Unknown
     );
     (job_id, s)

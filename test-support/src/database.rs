@@ -55,10 +55,11 @@ pub async fn started(store: &Store, prefix: &str, n: usize) -> Vec<Started> {
         .map(|i| new_job("acct_db", &format!("{prefix}-{i}"), "text"))
         .collect();
     let attempts: Vec<_> = news.iter().map(|n| n.attempt_id).collect();
-    for admitted in store.admit(&news).await.unwrap() {
+    for admitted in store.admission().admit(&news).await.unwrap() {
         assert!(matches!(admitted, Admission::Created { .. }));
     }
     let started = store
+        .settle()
         .start("primary", &attempts, Duration::from_secs(30))
         .await
         .unwrap();
@@ -138,7 +139,7 @@ pub async fn soon<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
 }
 
 pub async fn attempt_status(store: &Store, job: JobId) -> AttemptStatus {
-    store.job(job).await.unwrap().unwrap().attempts[0].status
+    store.jobs().job(job).await.unwrap().unwrap().attempts[0].status
 }
 
 /// Drops a database the test made, however the test ends.

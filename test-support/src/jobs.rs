@@ -65,7 +65,7 @@ pub async fn settle_with(
     plan: &(dyn Fn(&onejob::policy::next::FailedJob) -> onejob::policy::next::NextStep + Sync),
 ) -> Vec<onejob::edges::store::Settled> {
     use onejob::edges::store::Settled;
-    let mut settled = store.finalize(batch, plan).await.unwrap().0;
+    let mut settled = store.settle().finalize(batch, plan).await.unwrap().0;
     loop {
         let busy: Vec<usize> = (0..settled.len())
             .filter(|&i| settled[i] == Settled::Busy)
@@ -75,7 +75,7 @@ pub async fn settle_with(
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
         let again: Vec<_> = busy.iter().map(|&i| batch[i].clone()).collect();
-        let outcomes = store.finalize(&again, plan).await.unwrap().0;
+        let outcomes = store.settle().finalize(&again, plan).await.unwrap().0;
         for (i, outcome) in busy.into_iter().zip(outcomes) {
             settled[i] = outcome;
         }

@@ -156,6 +156,7 @@ impl TestEnv {
     pub async fn hand_out(&self, ctx: &Context, provider: &str) -> usize {
         let handed = self
             .store
+            .turns()
             .hand_out_turns(provider, 1, "")
             .await
             .expect("hand out turns");
@@ -212,7 +213,14 @@ impl TestEnv {
         let body = serde_json::to_vec(&intent(owner, key, text)).expect("intent json");
         let new = onejob::roles::intake::validate(ctx, &body).expect("valid intent");
         let job_id = new.job_id;
-        match self.store.admit(&[new]).await.expect("admit").remove(0) {
+        match self
+            .store
+            .admission()
+            .admit(&[new])
+            .await
+            .expect("admit")
+            .remove(0)
+        {
             onejob::edges::store::Admission::Created {
                 publish: Some(publish),
                 ..

@@ -142,6 +142,7 @@ pub async fn wait_for_status(
         Duration::from_secs(20),
         || async {
             env.store
+                .jobs()
                 .job(job_id)
                 .await
                 .expect("read job")
@@ -161,7 +162,7 @@ pub async fn wait_for_attempt(
         &format!("an attempt of job {job_id} to be {status}"),
         Duration::from_secs(20),
         || async {
-            let j = env.store.job(job_id).await.expect("read job")?;
+            let j = env.store.jobs().job(job_id).await.expect("read job")?;
             j.attempts.iter().any(|a| a.status == status).then_some(j)
         },
     )

@@ -106,7 +106,7 @@ async fn one_interleaving(
         .filter(|(_, s)| *s == Settled::Won)
         .map(|(a, _)| *a)
         .collect();
-    let job = store.job(job_id).await.unwrap().unwrap();
+    let job = store.jobs().job(job_id).await.unwrap().unwrap();
     let ctx = format!(
         "case {case}: {finishers:?} batch={batch_first_two} outcomes={outcomes:?} job={:?}/{:?}",
         job.status, job.completed_by

@@ -28,19 +28,22 @@ fn new_job(key: &str) -> NewJob {
 async fn two_started_attempts(store: &Store, key: &str) -> (JobId, Started, Started) {
     let new = new_job(key);
     let (job_id, first) = (new.job_id, new.attempt_id);
-    let admitted = store.admit(&[new]).await.unwrap();
+    let admitted = store.admission().admit(&[new]).await.unwrap();
     assert!(matches!(admitted[0], Admission::Created { .. }));
     let a = store
+        .settle()
         .start("primary", &[first], Duration::from_secs(30))
         .await
         .unwrap()
         .remove(0);
     let hedge = store
+        .sweeps()
         .hedge(job_id, "fallback")
         .await
         .unwrap()
         .expect("hedge allowed");
     let b = store
+        .settle()
         .start("fallback", &[hedge], Duration::from_secs(30))
         .await
         .unwrap()

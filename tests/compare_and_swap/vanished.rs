@@ -16,14 +16,16 @@ async fn a_vanished_worker_leaves_an_unknown_attempt() {
     let store = &env.store;
     let new = new_job("vanish");
     let (job_id, attempt) = (new.job_id, new.attempt_id);
-    store.admit(&[new]).await.unwrap();
+    store.admission().admit(&[new]).await.unwrap();
     store
+        .settle()
         .start("primary", &[attempt], Duration::from_millis(50))
         .await
         .unwrap();
     // A redelivered message finds the attempt started: nothing to do.
     assert!(
         store
+            .settle()
             .start("primary", &[attempt], Duration::from_millis(50))
             .await
             .unwrap()
@@ -31,6 +33,7 @@ async fn a_vanished_worker_leaves_an_unknown_attempt() {
     );
     assert!(
         store
+            .sweeps()
             .expire_vanished(Duration::from_secs(60))
             .await
             .unwrap()
@@ -42,6 +45,7 @@ async fn a_vanished_worker_leaves_an_unknown_attempt() {
         Duration::from_secs(10),
         || async {
             let ids = store
+                .sweeps()
                 .expire_vanished(Duration::from_millis(100))
                 .await
                 .unwrap();
@@ -49,11 +53,16 @@ async fn a_vanished_worker_leaves_an_unknown_attempt() {
         },
     )
     .await;
-    let job = store.job(job_id).await.unwrap().unwrap();
+    let job = store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Unknown);
     assert_eq!(job.attempts[0].status, AttemptStatus::Unknown);
     assert!(
-        store.hedge(job_id, "fallback").await.unwrap().is_none(),
+        store
+            .sweeps()
+            .hedge(job_id, "fallback")
+            .await
+            .unwrap()
+            .is_none(),
         "no hedge beside an unknown"
     );
     // A second open attempt in the main lane is refused by the database itself.

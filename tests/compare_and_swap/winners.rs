@@ -20,15 +20,17 @@ async fn the_later_of_two_reversed_attempts_is_discarded() {
 
     // B started second and returns first: it wins.
     let (settled, publish) = store
+        .settle()
         .finalize(&[success(&b)], &common::give_up)
         .await
         .unwrap();
     assert_eq!(settled, vec![Settled::Won]);
     assert_eq!(publish.len(), 1, "one job.succeeded event");
-    let won = store.job(job_id).await.unwrap().unwrap();
+    let won = store.jobs().job(job_id).await.unwrap().unwrap();
 
     // A started first and returns last: discarded, its result never merged.
     let (settled, publish) = store
+        .settle()
         .finalize(&[success(&a)], &common::give_up)
         .await
         .unwrap();
@@ -40,7 +42,7 @@ async fn the_later_of_two_reversed_attempts_is_discarded() {
     );
     assert!(publish.is_empty(), "a discarded result emits no event");
 
-    let job = store.job(job_id).await.unwrap().unwrap();
+    let job = store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Succeeded);
     assert_eq!(job.completed_by, Some(b.attempt_id));
     assert_eq!(
@@ -62,11 +64,12 @@ async fn the_later_of_two_reversed_attempts_is_discarded() {
 
     // A redelivered success of either attempt changes nothing.
     let (settled, _) = store
+        .settle()
         .finalize(&[success(&a), success(&b)], &common::give_up)
         .await
         .unwrap();
     assert_eq!(settled, vec![Settled::Stale, Settled::Stale]);
-    let again = store.job(job_id).await.unwrap().unwrap();
+    let again = store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(
         (again.version, again.completed_by, again.updated_at),
         (1, Some(b.attempt_id), job.updated_at)
@@ -111,7 +114,7 @@ async fn concurrent_finishers_have_exactly_one_winner() {
             }
             other => panic!("round {i}: expected one winner, got {other:?}"),
         };
-        let job = store.job(job_id).await.unwrap().unwrap();
+        let job = store.jobs().job(job_id).await.unwrap().unwrap();
         assert_eq!(job.completed_by, Some(winner));
         assert_eq!(job.result, Some(json!({ "summary": winner.to_string() })));
         assert_eq!(job.version, 1);
@@ -132,7 +135,11 @@ async fn two_attempts_of_one_job_in_one_flush_have_exactly_one_winner() {
         } else {
             [success(&b), success(&a)]
         };
-        let (settled, publish) = store.finalize(&flush, &common::give_up).await.unwrap();
+        let (settled, publish) = store
+            .settle()
+            .finalize(&flush, &common::give_up)
+            .await
+            .unwrap();
         let winner = match settled.as_slice() {
             [Settled::Won, Settled::Discarded { winner }] => {
                 assert_eq!(*winner, Some(flush[0].attempt_id));
@@ -145,7 +152,7 @@ async fn two_attempts_of_one_job_in_one_flush_have_exactly_one_winner() {
             other => panic!("round {i}: expected one winner, got {other:?}"),
         };
         assert_eq!(publish.len(), 1, "round {i}: one job.succeeded event");
-        let job = store.job(job_id).await.unwrap().unwrap();
+        let job = store.jobs().job(job_id).await.unwrap().unwrap();
         assert_eq!(job.completed_by, Some(winner));
         assert_eq!(job.result, Some(json!({ "summary": winner.to_string() })));
         assert_eq!(job.version, 1);
@@ -189,7 +196,7 @@ async fn racing_flushes_have_exactly_one_winner_per_job() {
         let outcomes: std::collections::HashMap<AttemptId, Settled> =
             m.unwrap().into_iter().chain(h.unwrap()).collect();
         for job_id in jobs {
-            let job = store.job(job_id).await.unwrap().unwrap();
+            let job = store.jobs().job(job_id).await.unwrap().unwrap();
             let winner = job.completed_by.expect("every job has a winner");
             let won: Vec<_> = job
                 .attempts
@@ -223,9 +230,10 @@ async fn a_refused_settlement_never_fails_its_neighbours() {
     for key in ["left", "poisoned", "right"] {
         let new = new_job(key);
         let attempt = new.attempt_id;
-        store.admit(&[new]).await.unwrap();
+        store.admission().admit(&[new]).await.unwrap();
         started.push(
             store
+                .settle()
                 .start("primary", &[attempt], Duration::from_secs(30))
                 .await
                 .unwrap()
@@ -238,7 +246,11 @@ async fn a_refused_settlement_never_fails_its_neighbours() {
         Verdict::Succeeded(json!({ "summary": "nul \u{0} here" })),
     );
     let flush = [success(&started[0]), poisoned, success(&started[2])];
-    let (settled, publish) = store.finalize(&flush, &common::give_up).await.unwrap();
+    let (settled, publish) = store
+        .settle()
+        .finalize(&flush, &common::give_up)
+        .await
+        .unwrap();
     assert_eq!(settled[0], Settled::Won);
     assert!(
         matches!(&settled[1], Settled::Refused { error } if error.contains("unsupported Unicode escape sequence")),
@@ -252,9 +264,9 @@ async fn a_refused_settlement_never_fails_its_neighbours() {
         JobStatus::Running,
         JobStatus::Succeeded,
     ]) {
-        let job = store.job(s.job_id).await.unwrap().unwrap();
+        let job = store.jobs().job(s.job_id).await.unwrap().unwrap();
         assert_eq!(job.status, status, "{}", s.job_id);
     }
-    let left_open = store.job(started[1].job_id).await.unwrap().unwrap();
+    let left_open = store.jobs().job(started[1].job_id).await.unwrap().unwrap();
     assert_eq!(left_open.attempts[0].status, AttemptStatus::Started);
 }

@@ -80,7 +80,7 @@ async fn the_overview_stands_jobs_whose_ids_are_not_uuidv7() {
     let session = served.sign_in(&env.store, "ada").await;
     let (status, page) = served.get(&session.cookie, "/").await;
     assert_eq!(status, StatusCode::OK, "{page}");
-    let overview = env.store.overview().await.unwrap();
+    let overview = env.store.jobs().overview().await.unwrap();
     assert_eq!(overview.created_per_minute.iter().sum::<i64>(), 0);
     assert_eq!(overview.jobs.iter().map(|(_, n)| n).sum::<i64>(), 20);
 }
@@ -128,7 +128,7 @@ async fn the_provider_filter_pages_every_matching_job_once() {
         let mut seen = Vec::new();
         let mut after = None;
         loop {
-            let page = env.store.jobs_page(&filter, after, 7).await.unwrap();
+            let page = env.store.jobs().jobs_page(&filter, after, 7).await.unwrap();
             seen.extend(page.iter().map(|l| l.id));
             match page.last() {
                 Some(last) if page.len() == 7 => after = Some(last.id),

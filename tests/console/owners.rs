@@ -56,7 +56,7 @@ async fn an_operator_sets_an_owners_limits_with_a_reason() {
     let answer = served.post(&session.cookie, "/owners/set", &empty).await;
     assert_eq!(answer.status(), StatusCode::BAD_REQUEST);
     assert!(
-        env.store.list_owners().await.unwrap().is_empty(),
+        env.store.owners().list_owners().await.unwrap().is_empty(),
         "nothing was set"
     );
 
@@ -71,13 +71,13 @@ async fn an_operator_sets_an_owners_limits_with_a_reason() {
     );
     assert!(page.contains("2.5&#x2f;s, burst 3 *"), "{page}");
 
-    let audit = env.store.audit_recent(10).await.unwrap();
+    let audit = env.store.audit().audit_recent(10).await.unwrap();
     let set = audit.iter().find(|a| a.action == "owner.set").unwrap();
     assert_eq!(set.actor, "operator:ada");
     assert_eq!(set.reason, "a noisy tenant");
     assert_eq!(set.target.as_deref(), Some("acct_1"));
     assert_eq!(set.detail["after"]["rate"], 2.5);
-    let owner = env.store.owner("acct_1").await.unwrap();
+    let owner = env.store.owners().owner("acct_1").await.unwrap();
     assert_eq!((owner.limits.rate, owner.limits.daily_tokens), (2.5, 5000));
 }
 
@@ -95,7 +95,7 @@ async fn a_held_jobs_page_says_it_waits_its_turn() {
     let session = served.sign_in(&env.store, "ada").await;
     let new = common::new_job("acct_h", "held-1", "x");
     let job = new.job_id;
-    env.store.admit(&[new]).await.unwrap();
+    env.store.admission().admit(&[new]).await.unwrap();
 
     let (status, page) = served.get(&session.cookie, &format!("/jobs/{job}")).await;
     assert_eq!(status, StatusCode::OK, "{page}");

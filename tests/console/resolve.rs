@@ -70,7 +70,7 @@ async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appe
     assert_eq!(status, StatusCode::OK);
     assert!(page.contains(&job.attempts[1].id.to_string()), "{page}");
     assert!(page.contains("provider confirms it never ran") && page.contains("operator:ada"));
-    let audit = env.store.audit_of_job(job_id).await.unwrap();
+    let audit = env.store.audit().audit_of_job(job_id).await.unwrap();
     assert_eq!(audit.len(), 1);
     assert_eq!(audit[0].actor, "operator:ada");
     assert_eq!(audit[0].action, "attempt.resolve_failed");
@@ -89,7 +89,10 @@ async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appe
         )
         .await;
     assert_eq!(answer.status(), StatusCode::CONFLICT);
-    assert_eq!(env.store.audit_of_job(job_id).await.unwrap().len(), 1);
+    assert_eq!(
+        env.store.audit().audit_of_job(job_id).await.unwrap().len(),
+        1
+    );
 }
 
 /// The job runs again: attempt #2 is queued, and its message is on the
@@ -99,7 +102,7 @@ async fn the_job_runs_again(
     ctx: &onejob::shared::runtime::Context,
     job_id: JobId,
 ) -> (JobView, lapin::Connection) {
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Running, "no longer blocked");
     assert_eq!(job.attempts.len(), 2);
     assert_eq!(job.attempts[0].status, AttemptStatus::Failed);
@@ -130,8 +133,9 @@ async fn only_an_unknown_attempt_can_be_resolved_from_the_console() {
     // An attempt in flight: resolving it would start a second provider call.
     let new = common::new_job("acct_c", "running-1", "running");
     let (job_id, first) = (new.job_id, new.attempt_id);
-    env.store.admit(&[new]).await.unwrap();
+    env.store.admission().admit(&[new]).await.unwrap();
     env.store
+        .settle()
         .start("primary", &[first], Duration::from_secs(30))
         .await
         .unwrap();
@@ -152,8 +156,15 @@ async fn only_an_unknown_attempt_can_be_resolved_from_the_console() {
         )
         .await;
     assert_eq!(answer.status(), StatusCode::CONFLICT);
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.attempts.len(), 1);
     assert_eq!(job.attempts[0].status, AttemptStatus::Started);
-    assert!(env.store.audit_of_job(job_id).await.unwrap().is_empty());
+    assert!(
+        env.store
+            .audit()
+            .audit_of_job(job_id)
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }

@@ -37,6 +37,7 @@ async fn only_a_live_operator_token_signs_in() {
     let token = Token::generate_operator();
     let id = env
         .store
+        .tokens()
         .create_operator_token("ada", &token, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();
@@ -62,6 +63,7 @@ async fn only_a_live_operator_token_signs_in() {
 
     // Revoking the token ends its sessions at once.
     env.store
+        .tokens()
         .revoke_operator_token(id, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap()
@@ -78,6 +80,7 @@ async fn only_a_live_operator_token_signs_in() {
 async fn tokens_not_an_operators_are_refused(env: &TestEnv, served: &Served) {
     let tenant = Token::generate();
     env.store
+        .tokens()
         .create_token("acct_c", &tenant, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();
@@ -108,6 +111,7 @@ async fn a_sign_in_not_from_the_consoles_own_form_is_refused() {
     let served = serve(&env, config, false).await;
     let token = Token::generate_operator();
     env.store
+        .tokens()
         .create_operator_token("mallory", &token, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();
@@ -254,10 +258,17 @@ async fn an_action_without_its_csrf_token_is_refused_and_does_nothing() {
     // Signing out needs it too.
     let answer = served.post(&session.cookie, "/logout", &[]).await;
     assert_eq!(answer.status(), StatusCode::FORBIDDEN);
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Unknown, "nothing was resolved");
     assert_eq!(job.attempts.len(), 1);
-    assert!(env.store.audit_of_job(job_id).await.unwrap().is_empty());
+    assert!(
+        env.store
+            .audit()
+            .audit_of_job(job_id)
+            .await
+            .unwrap()
+            .is_empty()
+    );
     // A reason is required as well.
     let answer = served
         .post(
@@ -268,7 +279,7 @@ async fn an_action_without_its_csrf_token_is_refused_and_does_nothing() {
         .await;
     assert_eq!(answer.status(), StatusCode::BAD_REQUEST);
     assert_eq!(
-        env.store.job(job_id).await.unwrap().unwrap().status,
+        env.store.jobs().job(job_id).await.unwrap().unwrap().status,
         JobStatus::Unknown
     );
     // With its own token, signing out works and ends the session.

@@ -55,6 +55,7 @@ pub(crate) async fn evidence_rows(
     job: onejob::domain::JobId,
 ) -> Vec<onejob::edges::store::AuditEntry> {
     env.store
+        .audit()
         .audit_of_job(job)
         .await
         .unwrap()

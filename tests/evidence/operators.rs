@@ -50,11 +50,11 @@ async fn an_operator_resolving_first_wins() {
     })
     .await;
     tokio::time::sleep(Duration::from_secs(6)).await;
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Cancelled);
     assert_eq!(job.attempts[0].status, AttemptStatus::Cancelled);
     assert!(evidence_rows(&env, job_id).await.is_empty());
-    let gauges = env.store.gauges().await.unwrap();
+    let gauges = env.store.jobs().gauges().await.unwrap();
     assert!(
         gauges.contains("onejob_unknowns_resolved_last_hour{how=\"operator\"} 1")
             && gauges.contains("onejob_unknowns_resolved_last_hour{how=\"stored\"} 0"),

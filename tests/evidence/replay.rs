@@ -91,7 +91,7 @@ async fn a_409_is_looked_at_again_until_the_deadline_then_waits_for_an_operator(
     let attempt = job.attempts[0].id;
     let note = wait_for_note(&env, attempt, "waits for an operator").await;
     assert!(note.contains("409"), "{note}");
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Unknown, "{job:?}");
     assert_eq!(job.attempts.len(), 1, "no next attempt: {job:?}");
     assert_eq!(job.attempts[0].status, AttemptStatus::Unknown);

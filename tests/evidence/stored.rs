@@ -64,7 +64,7 @@ async fn an_unknown_is_settled_from_the_completion_the_provider_kept() {
         metrics.contains("onejob_evidence_looks_total{provider=\"primary\",outcome=\"stored\"} 1"),
         "{metrics}"
     );
-    let gauges = env.store.gauges().await.unwrap();
+    let gauges = env.store.jobs().gauges().await.unwrap();
     assert!(
         gauges.contains("onejob_unknowns_resolved_last_hour{how=\"stored\"} 1"),
         "{gauges}"
@@ -251,7 +251,7 @@ async fn evidence_found_after_the_job_ended_is_discarded_with_its_usage() {
         "the evidence of its cost",
         Duration::from_secs(30),
         || async {
-            let j = env.store.job(job_id).await.unwrap().unwrap();
+            let j = env.store.jobs().job(job_id).await.unwrap().unwrap();
             j.attempts[0].usage.is_some().then_some(j)
         },
     )
@@ -326,23 +326,29 @@ async fn cancelled_unknown_costs(misbehave: Option<onejob::mock::Misbehaviour>) 
     let job_id = receipt.job_id.unwrap();
     wait_for_status(&env, job_id, JobStatus::Unknown).await;
     env.cli_ok(&file.path, &["jobs", "cancel", &job_id.to_string()]);
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Cancelled);
     assert_eq!(job.attempts[0].status, AttemptStatus::Discarded, "{job:?}");
-    let held = env.store.owner("acct_cancel").await.unwrap().reserved;
+    let held = env
+        .store
+        .owners()
+        .owner("acct_cancel")
+        .await
+        .unwrap()
+        .reserved;
     assert!(held > 0, "discarded, its call still holds its reservation");
     let job = wait_for(
         "the evidence of its cost",
         Duration::from_secs(30),
         || async {
-            let j = env.store.job(job_id).await.unwrap().unwrap();
+            let j = env.store.jobs().job(job_id).await.unwrap().unwrap();
             j.attempts[0].usage.is_some().then_some(j)
         },
     )
     .await;
     assert_eq!(job.status, JobStatus::Cancelled);
     assert_eq!(job.attempts[0].status, AttemptStatus::Discarded);
-    let owner = env.store.owner("acct_cancel").await.unwrap();
+    let owner = env.store.owners().owner("acct_cancel").await.unwrap();
     assert!(
         owner.spent_24h > 0,
         "its cost counts against the owner: {owner:?}"
@@ -379,7 +385,7 @@ async fn a_timeout_after_its_job_was_cancelled_has_its_cost_found() {
     wait_for_status(&env, job_id, JobStatus::Running).await;
     env.cli_ok(&file.path, &["jobs", "cancel", &job_id.to_string()]);
     let job = wait_for("the timeout", Duration::from_secs(20), || async {
-        let j = env.store.job(job_id).await.unwrap().unwrap();
+        let j = env.store.jobs().job(job_id).await.unwrap().unwrap();
         (j.attempts[0].status == AttemptStatus::Discarded).then_some(j)
     })
     .await;
@@ -389,12 +395,18 @@ async fn a_timeout_after_its_job_was_cancelled_has_its_cost_found() {
         "the evidence of its cost",
         Duration::from_secs(30),
         || async {
-            let j = env.store.job(job_id).await.unwrap().unwrap();
+            let j = env.store.jobs().job(job_id).await.unwrap().unwrap();
             j.attempts[0].usage.is_some().then_some(())
         },
     )
     .await;
-    let spent = env.store.owner("acct_late").await.unwrap().spent_24h;
+    let spent = env
+        .store
+        .owners()
+        .owner("acct_late")
+        .await
+        .unwrap()
+        .spent_24h;
     assert!(spent > 0, "its cost counts against the owner: {spent}");
     producer.close().await;
     fleet.stop().await;

@@ -51,7 +51,7 @@ async fn an_answer_found_while_its_job_row_is_held_is_kept_and_settled_once_free
         || async { kept(&env, attempt).await.then_some(()) },
     )
     .await;
-    let view = env.store.job(job_id).await.unwrap().unwrap();
+    let view = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(view.status, JobStatus::Unknown, "not settled while held");
     held.release().await;
     let job = wait_for_status(&env, job_id, JobStatus::Succeeded).await;
@@ -186,7 +186,7 @@ async fn an_unknown_whose_call_asked_for_no_evidence_waits_for_an_operator() {
     })
     .await;
     assert!(note.contains("asked for no stored evidence"), "{note}");
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Unknown, "{job:?}");
     assert_eq!(job.attempts.len(), 1, "no second call: {job:?}");
     assert_eq!(slow.stats.work(), 1);

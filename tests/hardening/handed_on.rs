@@ -53,7 +53,7 @@ async fn an_answer_held_when_its_worker_stops_with_postgres_down_is_settled_once
         1,
         "the answer is handed on"
     );
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.attempts[0].status, AttemptStatus::Started);
     assert_eq!(slow.stats.work(), 1);
 
@@ -112,7 +112,7 @@ async fn an_answer_whose_rows_are_held_at_a_stop_is_handed_on_and_settled_once_f
         },
     )
     .await;
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Running, "not settled while held");
     held.release().await;
     let job = wait_for_status(&env, job_id, JobStatus::Succeeded).await;
@@ -167,9 +167,10 @@ async fn a_settlement_that_proves_no_claim_settles_nothing() {
     let env = TestEnv::new(&config).await;
     let fleet = env.fleet(config.clone(), vec![Role::Reconciler]).await;
     let (job_id, _) = env.admit(&fleet.ctx, "acct_f", "forged", "x").await;
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     let started = env
         .store
+        .settle()
         .start("primary", &[job.attempts[0].id], Duration::from_secs(60))
         .await
         .unwrap()
@@ -192,7 +193,7 @@ async fn a_settlement_that_proves_no_claim_settles_nothing() {
         ],
     )
     .await;
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Running, "nothing settled");
     assert!(job.attempts[0].usage.is_none());
 
@@ -212,7 +213,7 @@ async fn a_settlement_that_proves_no_claim_settles_nothing() {
     )
     .await;
     taken_and_acked(&env, &ch).await;
-    let again = env.store.job(job_id).await.unwrap().unwrap();
+    let again = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(again.version, job.version, "the repeat settled nothing");
     assert_eq!(common::depth(&ch, &dlq).await, 0);
     fleet.stop().await;

@@ -22,7 +22,7 @@ async fn a_timeout_after_the_job_ended_is_discarded() {
     a_vanished_worker_after_a_cancel(store).await;
 
     // Nothing is left unknown: the gauge an operator alerts on stays clear.
-    let gauges = store.gauges().await.unwrap();
+    let gauges = store.jobs().gauges().await.unwrap();
     assert!(
         gauges.contains("onejob_oldest_unknown_attempt_seconds 0\n"),
         "{gauges}"
@@ -36,6 +36,7 @@ async fn a_timeout_after_the_hedge_won(store: &Store) {
     let (job_id, primary) = started(store, "hedge-won").await;
     let hedge = started_hedge(store, job_id).await;
     let (settled, _) = store
+        .settle()
         .finalize(
             &[finished(
                 &hedge,
@@ -47,6 +48,7 @@ async fn a_timeout_after_the_hedge_won(store: &Store) {
         .unwrap();
     assert_eq!(settled, vec![Settled::Won]);
     let (settled, publish) = store
+        .settle()
         .finalize(&[timed_out(&primary)], &common::give_up)
         .await
         .unwrap();
@@ -57,7 +59,7 @@ async fn a_timeout_after_the_hedge_won(store: &Store) {
         }]
     );
     assert!(publish.is_empty());
-    let job = store.job(job_id).await.unwrap().unwrap();
+    let job = store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Succeeded);
     let late = job
         .attempts
@@ -73,16 +75,18 @@ async fn a_timeout_after_the_hedge_won(store: &Store) {
 async fn a_timeout_after_a_cancel(store: &Store) {
     let (job_id, in_flight) = started(store, "cancelled").await;
     store
+        .jobs()
         .cancel_job(job_id, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap()
         .unwrap();
     let (settled, _) = store
+        .settle()
         .finalize(&[timed_out(&in_flight)], &common::give_up)
         .await
         .unwrap();
     assert_eq!(settled, vec![Settled::Discarded { winner: None }]);
-    let job = store.job(job_id).await.unwrap().unwrap();
+    let job = store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Cancelled);
     assert_eq!(job.attempts[0].status, AttemptStatus::Discarded);
 }
@@ -91,6 +95,7 @@ async fn a_timeout_after_a_cancel(store: &Store) {
 async fn a_vanished_worker_after_a_cancel(store: &Store) {
     let (job_id, vanished) = started(store, "vanished").await;
     store
+        .jobs()
         .cancel_job(job_id, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap()
@@ -102,12 +107,13 @@ async fn a_vanished_worker_after_a_cancel(store: &Store) {
         .unwrap();
     assert!(
         store
+            .sweeps()
             .expire_vanished(Duration::ZERO)
             .await
             .unwrap()
             .is_empty()
     );
-    let job = store.job(job_id).await.unwrap().unwrap();
+    let job = store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.attempts[0].status, AttemptStatus::Discarded);
 }
 
@@ -143,18 +149,34 @@ async fn a_hedge_turned_away_by_an_unknown_runs_once_the_unknown_is_resolved() {
     let env = TestEnv::new(&config).await;
     let ctx = env.context(config.clone()).await;
     let (job_id, _) = env.admit(&ctx, "acct_z", "zombie", "zombie").await;
-    let first = env.store.job(job_id).await.unwrap().unwrap().attempts[0].id;
+    let first = env
+        .store
+        .jobs()
+        .job(job_id)
+        .await
+        .unwrap()
+        .unwrap()
+        .attempts[0]
+        .id;
     let primary = env
         .store
+        .settle()
         .start("primary", &[first], Duration::from_secs(30))
         .await
         .unwrap()
         .remove(0);
-    let hedge = env.store.hedge(job_id, "fallback").await.unwrap().unwrap();
+    let hedge = env
+        .store
+        .sweeps()
+        .hedge(job_id, "fallback")
+        .await
+        .unwrap()
+        .unwrap();
     // The hedge takes its turn: handed out, its message goes to the queue.
     assert_eq!(env.hand_out(&ctx, "fallback").await, 1);
     let (settled, _) = env
         .store
+        .settle()
         .finalize(&[timed_out(&primary)], &common::give_up)
         .await
         .unwrap();
@@ -179,7 +201,7 @@ async fn a_hedge_turned_away_by_an_unknown_runs_once_the_unknown_is_resolved() {
         0,
         "nothing runs beside an unknown"
     );
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Unknown);
 
     // The operator resolves the primary as failed: the hedge runs and wins.

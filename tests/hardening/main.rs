@@ -36,9 +36,10 @@ use onejob_producer::Producer;
 async fn started(store: &Store, key: &str) -> (JobId, Started) {
     let new = common::new_job("acct_h", key, key);
     let (job_id, first) = (new.job_id, new.attempt_id);
-    let admitted = store.admit(&[new]).await.unwrap();
+    let admitted = store.admission().admit(&[new]).await.unwrap();
     assert!(matches!(admitted[0], Admission::Created { .. }));
     let s = store
+        .settle()
         .start("primary", &[first], Duration::from_secs(30))
         .await
         .unwrap()
@@ -48,8 +49,14 @@ async fn started(store: &Store, key: &str) -> (JobId, Started) {
 
 /// Hedges the job on the fallback, and starts the hedge.
 async fn started_hedge(store: &Store, job_id: JobId) -> Started {
-    let hedge = store.hedge(job_id, "fallback").await.unwrap().unwrap();
+    let hedge = store
+        .sweeps()
+        .hedge(job_id, "fallback")
+        .await
+        .unwrap()
+        .unwrap();
     store
+        .settle()
         .start("fallback", &[hedge], Duration::from_secs(30))
         .await
         .unwrap()

@@ -42,12 +42,14 @@ async fn the_stuck_sweep_republishes_what_a_busy_queue_has_moved_past() {
     // `passed` was delivered and started: the queue moved past `lost`,
     // whose message is gone. `waiting` and `behind` are still in the queue.
     env.store
+        .settle()
         .start("primary", &[passed], Duration::from_secs(30))
         .await
         .unwrap();
     let backlogged = ["primary".to_owned()];
     let (republish, exhausted) = env
         .store
+        .sweeps()
         .stuck_queued(Duration::from_secs(60), 3, &backlogged)
         .await
         .unwrap();
@@ -61,6 +63,7 @@ async fn the_stuck_sweep_republishes_what_a_busy_queue_has_moved_past() {
     // Republished now, `lost` is not stuck again until `stuck_after` has passed.
     let (again, _) = env
         .store
+        .sweeps()
         .stuck_queued(Duration::from_secs(60), 3, &backlogged)
         .await
         .unwrap();
@@ -89,6 +92,7 @@ async fn a_turn_handed_out_after_a_long_hold_is_not_stuck_at_once() {
         .unwrap();
     let (republish, _) = env
         .store
+        .sweeps()
         .stuck_queued(Duration::from_secs(60), 3, &[])
         .await
         .unwrap();
@@ -97,6 +101,7 @@ async fn a_turn_handed_out_after_a_long_hold_is_not_stuck_at_once() {
     sent(&env, attempt, 2).await;
     let (republish, _) = env
         .store
+        .sweeps()
         .stuck_queued(Duration::from_secs(60), 3, &[])
         .await
         .unwrap();
@@ -118,6 +123,7 @@ async fn an_attempt_handed_back_by_a_claim_is_still_swept() {
     let attempt = attempt_of(&env, job).await;
     let token = uuid::Uuid::new_v4();
     env.store
+        .settle()
         .claim(
             "primary",
             "none",
@@ -127,7 +133,7 @@ async fn an_attempt_handed_back_by_a_claim_is_still_swept() {
         )
         .await
         .unwrap();
-    assert_eq!(env.store.unclaim(token).await.unwrap(), 1);
+    assert_eq!(env.store.settle().unclaim(token).await.unwrap(), 1);
     let turns: i64 = sqlx::query_scalar("SELECT count(*) FROM turns WHERE attempt_id = $1")
         .bind(attempt.0)
         .fetch_one(env.store.pool())
@@ -137,6 +143,7 @@ async fn an_attempt_handed_back_by_a_claim_is_still_swept() {
     sent(&env, attempt, 5).await;
     let (republish, _) = env
         .store
+        .sweeps()
         .stuck_queued(Duration::from_secs(60), 3, &[])
         .await
         .unwrap();
@@ -146,7 +153,7 @@ async fn an_attempt_handed_back_by_a_claim_is_still_swept() {
 }
 
 async fn attempt_of(env: &TestEnv, job: JobId) -> AttemptId {
-    env.store.job(job).await.unwrap().unwrap().attempts[0].id
+    env.store.jobs().job(job).await.unwrap().unwrap().attempts[0].id
 }
 
 /// Dates `attempt`'s message as published, and its attempt as queued,

@@ -75,7 +75,7 @@ async fn a_database_outage_costs_no_delivery_and_loses_nothing() {
         let job = wait_for(
             &format!("a job for {key}"),
             Duration::from_secs(60),
-            || async { env.store.find_job("acct_o", key).await.unwrap() },
+            || async { env.store.jobs().find_job("acct_o", key).await.unwrap() },
         )
         .await;
         wait_for_status(&env, job.id, JobStatus::Succeeded).await;
@@ -185,7 +185,7 @@ async fn an_attempt_not_claimed_when_the_worker_stops_goes_back_to_its_queue() {
     )
     .await;
     path.restore();
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.attempts[0].status, AttemptStatus::Queued);
 }
 
@@ -225,8 +225,8 @@ async fn a_stopping_worker_starts_nothing_new() {
     fleet.stop().await;
 
     assert_eq!(primary.stats.requests(), 1, "nothing called after shutdown");
-    let done = env.store.job(first).await.unwrap().unwrap();
-    let waiting = env.store.job(second).await.unwrap().unwrap();
+    let done = env.store.jobs().job(first).await.unwrap().unwrap();
+    let waiting = env.store.jobs().job(second).await.unwrap().unwrap();
     // Which of the two got the slot first is the broker's order.
     let (done, waiting) = if done.status == JobStatus::Succeeded {
         (done, waiting)

@@ -15,6 +15,7 @@ async fn with_attempts(env: &TestEnv, job_id: JobId, n: usize) -> onejob::edges:
         Duration::from_secs(20),
         || async {
             env.store
+                .jobs()
                 .job(job_id)
                 .await
                 .unwrap()

@@ -28,7 +28,12 @@ async fn a_start_never_overwrites_unknown() {
         let mut pairs = Vec::new();
         for i in 0..16 {
             let (job_id, primary) = started(&store, &format!("race-{round}-{i}")).await;
-            let hedge = store.hedge(job_id, "fallback").await.unwrap().unwrap();
+            let hedge = store
+                .sweeps()
+                .hedge(job_id, "fallback")
+                .await
+                .unwrap()
+                .unwrap();
             pairs.push((job_id, primary, hedge));
         }
         let barrier = Arc::new(tokio::sync::Barrier::new(pairs.len() * 2));
@@ -37,7 +42,8 @@ async fn a_start_never_overwrites_unknown() {
             let (s, b, h) = (store.clone(), barrier.clone(), *hedge);
             tasks.push(tokio::spawn(async move {
                 b.wait().await;
-                s.start("fallback", &[h], Duration::from_secs(30))
+                s.settle()
+                    .start("fallback", &[h], Duration::from_secs(30))
                     .await
                     .unwrap()
                     .len()
@@ -53,7 +59,7 @@ async fn a_start_never_overwrites_unknown() {
             hedges_started += t.await.unwrap();
         }
         for (job_id, primary, _) in &pairs {
-            let job = store.job(*job_id).await.unwrap().unwrap();
+            let job = store.jobs().job(*job_id).await.unwrap().unwrap();
             let primary = job
                 .attempts
                 .iter()
@@ -105,7 +111,7 @@ async fn a_win_racing_a_timeout_leaves_no_unknown_behind() {
             t.await.unwrap();
         }
         for (job_id, _, _) in &pairs {
-            let job = store.job(*job_id).await.unwrap().unwrap();
+            let job = store.jobs().job(*job_id).await.unwrap().unwrap();
             assert_eq!(job.status, JobStatus::Succeeded);
             if job
                 .attempts
@@ -143,6 +149,7 @@ async fn a_cancel_never_leaves_a_queued_attempt_behind() {
             tasks.push(tokio::spawn(async move {
                 b.wait().await;
                 let _ = st
+                    .jobs()
                     .cancel_job(job_id, &onejob::edges::store::Actor::cli(None))
                     .await
                     .unwrap();
@@ -165,7 +172,7 @@ async fn a_cancel_never_leaves_a_queued_attempt_behind() {
             t.await.unwrap();
         }
         for (job_id, _) in &jobs {
-            let job = store.job(*job_id).await.unwrap().unwrap();
+            let job = store.jobs().job(*job_id).await.unwrap().unwrap();
             assert_eq!(job.status, JobStatus::Cancelled);
             if job
                 .attempts
@@ -207,6 +214,7 @@ async fn a_vanished_sweep_racing_a_cancel_leaves_no_unknown_behind() {
             tasks.push(tokio::spawn(async move {
                 b.wait().await;
                 let _ = s
+                    .jobs()
                     .cancel_job(job_id, &onejob::edges::store::Actor::cli(None))
                     .await
                     .unwrap();
@@ -217,13 +225,13 @@ async fn a_vanished_sweep_racing_a_cancel_leaves_no_unknown_behind() {
             b.wait().await;
             // A deadlock with a cancellation is possible and harmless: the sweep
             // runs again on the reconciler's next pass, as here.
-            while s.expire_vanished(Duration::ZERO).await.is_err() {}
+            while s.sweeps().expire_vanished(Duration::ZERO).await.is_err() {}
         }));
         for t in tasks {
             t.await.unwrap();
         }
         for job_id in &jobs {
-            let job = store.job(*job_id).await.unwrap().unwrap();
+            let job = store.jobs().job(*job_id).await.unwrap().unwrap();
             assert_eq!(job.status, JobStatus::Cancelled);
             if job
                 .attempts

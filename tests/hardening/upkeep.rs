@@ -101,7 +101,7 @@ async fn the_stuck_sweep_leaves_attempts_waiting_in_a_backlog() {
         Duration::from_secs(20),
         || async {
             left_alone().await;
-            let job = env.store.job(control).await.unwrap().unwrap();
+            let job = env.store.jobs().job(control).await.unwrap().unwrap();
             (job.attempts[0].status == AttemptStatus::Failed).then_some(job)
         },
     )
@@ -130,7 +130,7 @@ async fn admitted_to_the_fallback(
     let body = serde_json::to_vec(&pinned).unwrap();
     let new = onejob::roles::intake::validate(ctx, &body).expect("valid intent");
     let control = new.job_id;
-    match env.store.admit(&[new]).await.unwrap().remove(0) {
+    match env.store.admission().admit(&[new]).await.unwrap().remove(0) {
         onejob::edges::store::Admission::Created {
             publish: Some(publish),
             ..
@@ -152,7 +152,7 @@ async fn republished(store: &onejob::edges::store::Store, job: JobId) -> i32 {
 /// The backlogged job `job_id` is left alone: one attempt, still `queued`,
 /// never republished, its message the only one in `queue`.
 async fn left_alone(env: &TestEnv, ch: &lapin::Channel, queue: &str, job_id: JobId) {
-    let job = env.store.job(job_id).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.attempts.len(), 1, "{job:?}");
     assert_eq!(job.attempts[0].status, AttemptStatus::Queued, "{job:?}");
     assert_eq!(
@@ -178,14 +178,14 @@ async fn statistics_follow_a_fresh_database_that_fills_up() {
         let batch: Vec<_> = (0..100)
             .map(|i| common::new_job("acct_stats", &format!("k-{chunk}-{i}"), "x"))
             .collect();
-        store.admit(&batch).await.unwrap();
+        store.admission().admit(&batch).await.unwrap();
     }
     // The activity counters reach pg_stat_user_tables within seconds.
     let analyzed = wait_for(
         "jobs and attempts to be analyzed",
         Duration::from_secs(30),
         || async {
-            let tables = store.refresh_statistics().await.unwrap();
+            let tables = store.sweeps().refresh_statistics().await.unwrap();
             (tables.contains(&"jobs".to_owned()) && tables.contains(&"attempts".to_owned()))
                 .then_some(tables)
         },
@@ -205,7 +205,7 @@ async fn statistics_follow_a_fresh_database_that_fills_up() {
         reltuples, 1200.0,
         "the planner knows how many jobs there are"
     );
-    let again = store.refresh_statistics().await.unwrap();
+    let again = store.sweeps().refresh_statistics().await.unwrap();
     assert!(
         !again.contains(&"jobs".to_owned()),
         "current statistics are left alone: {again:?}"

@@ -100,6 +100,7 @@ async fn sign_in_is_throttled_per_client() {
     let served = serve_with(&env, config, |o| o.sign_ins_per_minute = 5).await;
     let good = Token::generate_operator();
     env.store
+        .tokens()
         .create_operator_token("ada", &good, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap();

@@ -61,7 +61,7 @@ async fn within_one_batch(store: &Store) {
         new_job("acct_b", "a", "one"),
         new_job("acct_b", "b", "two"),
     ];
-    let admitted = store.admit(&batch).await.unwrap();
+    let admitted = store.admission().admit(&batch).await.unwrap();
     let got: Vec<_> = admitted.iter().map(said).collect();
     let (a, b) = (batch[1].job_id, batch[0].job_id);
     assert_eq!(
@@ -78,7 +78,7 @@ async fn within_one_batch(store: &Store) {
     // The same call run again after its commit went through unseen (the
     // connection dropped at COMMIT): still `created`, with the outbox row that
     // the first run wrote, not a `duplicate` of itself.
-    let again = store.admit(&batch[..2]).await.unwrap();
+    let again = store.admission().admit(&batch[..2]).await.unwrap();
     match &again[..] {
         [
             Admission::Created {
@@ -97,7 +97,11 @@ async fn within_one_batch(store: &Store) {
         other => panic!("{other:?}"),
     }
     // Anyone else with the same intent is told `duplicate`.
-    let other = store.admit(&[new_job("acct_b", "a", "one")]).await.unwrap();
+    let other = store
+        .admission()
+        .admit(&[new_job("acct_b", "a", "one")])
+        .await
+        .unwrap();
     assert_eq!(said(&other[0]), ("duplicate", Some(a)));
 }
 
@@ -115,7 +119,7 @@ async fn overlapping_batches_race(store: &Store, round: usize) {
         mine.rotate_left(racer * 3);
         tokio::spawn(async move {
             barrier.wait().await;
-            let admitted = store.admit(&mine).await.unwrap();
+            let admitted = store.admission().admit(&mine).await.unwrap();
             mine.iter()
                 .zip(admitted)
                 .map(|(n, a)| (n.intent.idempotency_key.clone(), said(&a)))
@@ -216,7 +220,7 @@ async fn a_backlog_is_admitted_in_batches_with_every_receipt_right() {
         if let Some(job) = receipt.job_id {
             let first = *job_of.entry(key.clone()).or_insert(job);
             assert_eq!(first, job, "{key}: every receipt names the same job");
-            let stored = env.store.find_job("acct_q", &key).await.unwrap();
+            let stored = env.store.jobs().find_job("acct_q", &key).await.unwrap();
             assert_eq!(stored.map(|j| j.id), Some(job), "{key}: its own job");
         }
     }

@@ -42,7 +42,14 @@ async fn a_crash_between_commit_and_ack_is_a_duplicate_of_the_same_job() {
     let got = taken(&ch, "the intent to arrive").await;
     assert!(!got.delivery.redelivered);
     let new_job = onejob::roles::intake::validate(&ctx, &got.delivery.data).expect("valid intent");
-    let created = match ctx.store.admit(&[new_job]).await.unwrap().remove(0) {
+    let created = match ctx
+        .store
+        .admission()
+        .admit(&[new_job])
+        .await
+        .unwrap()
+        .remove(0)
+    {
         Admission::Created { job_id, .. } => job_id,
         other => panic!("expected created, got {other:?}"),
     };
@@ -210,7 +217,11 @@ async fn a_valid_intent_at_its_delivery_limit_is_handed_on_not_dead_lettered() {
     drop(ch);
     let fleet = env.fleet(config.clone(), vec![Role::Intake]).await;
     wait_for("the handed-on intent's job", SETTLE, || async {
-        env.store.find_job("acct_limit", "k-limit").await.unwrap()
+        env.store
+            .jobs()
+            .find_job("acct_limit", "k-limit")
+            .await
+            .unwrap()
     })
     .await;
     fleet.stop().await;
@@ -241,7 +252,11 @@ async fn a_valid_intent_the_broker_dead_lettered_still_ends_as_a_job() {
 
     let fleet = env.fleet(config.clone(), vec![Role::Reconciler]).await;
     let job = wait_for("the dead-lettered intent's job", SETTLE, || async {
-        env.store.find_job("acct_dead", "k-dead").await.unwrap()
+        env.store
+            .jobs()
+            .find_job("acct_dead", "k-dead")
+            .await
+            .unwrap()
     })
     .await;
     assert_eq!(job.attempts.len(), 1);

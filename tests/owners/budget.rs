@@ -52,6 +52,7 @@ async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers
     )
     .await;
     let after = store
+        .admission()
         .admit(&[
             common::new_job("acct_a", "a-4", "x"),
             common::new_job("acct_b", "b-1", "x"),
@@ -74,12 +75,12 @@ async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers
         after[2]
     );
     assert_eq!(after[3], Admission::Conflict);
-    let view = store.owner("acct_a").await.unwrap();
+    let view = store.owners().owner("acct_a").await.unwrap();
     assert_eq!(
         (view.spent_24h, view.reserved, view.left),
         (60, 2 * RESERVE, Some(0))
     );
-    let gauges = store.gauges().await.unwrap();
+    let gauges = store.jobs().gauges().await.unwrap();
     assert!(
         gauges.contains("onejob_owner_spent_tokens_24h{owner=\"acct_a\"} 60\n")
             && gauges.contains(&format!(
@@ -101,13 +102,20 @@ async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers
         daily_tokens: Some(Some(0)),
         ..Default::default()
     };
-    let (view, _) = store.set_owner("acct_a", &change, &actor).await.unwrap();
+    let (view, _) = store
+        .owners()
+        .set_owner("acct_a", &change, &actor)
+        .await
+        .unwrap();
     assert_eq!(
         (view.limits.daily_tokens, view.spent_24h, view.left),
         (0, 60, None)
     );
     created(store, &[common::new_job("acct_a", "a-4", "x")]).await;
-    assert_eq!(store.owner("acct_a").await.unwrap().reserved, 2 * RESERVE);
+    assert_eq!(
+        store.owners().owner("acct_a").await.unwrap().reserved,
+        2 * RESERVE
+    );
     each_budget_admits_or_says_how_long_to_wait(store, &actor).await;
 }
 
@@ -130,9 +138,14 @@ async fn each_budget_admits_or_says_how_long_to_wait(
             daily_tokens: Some(Some(budget)),
             ..Default::default()
         };
-        store.set_owner("acct_a", &change, actor).await.unwrap();
+        store
+            .owners()
+            .set_owner("acct_a", &change, actor)
+            .await
+            .unwrap();
         let key = format!("a-budget-{budget}-{admitted}");
         let a = store
+            .admission()
             .admit(&[common::new_job("acct_a", &key, "x")])
             .await
             .unwrap();
@@ -195,7 +208,10 @@ async fn a_discarded_hedges_spend_crosses_the_budget() {
         .find(|a| a.status == AttemptStatus::Discarded)
         .unwrap();
     assert_eq!(tokens(&discarded.usage), each);
-    assert_eq!(env.store.owner("acct_h").await.unwrap().spent_24h, 2 * each);
+    assert_eq!(
+        env.store.owners().owner("acct_h").await.unwrap().spent_24h,
+        2 * each
+    );
 
     let receipt = producer
         .submit(&common::intent("acct_h", "k2", "one more"))
@@ -289,7 +305,15 @@ async fn a_late_failed_answer_still_counts_its_cost() {
         tokens(&late.usage) > 0,
         "the late failure's usage is kept: {late:?}"
     );
-    assert_eq!(env.store.owner("acct_late").await.unwrap().spent_24h, all);
+    assert_eq!(
+        env.store
+            .owners()
+            .owner("acct_late")
+            .await
+            .unwrap()
+            .spent_24h,
+        all
+    );
 }
 
 /// Issue 40, item 6: an answer for an attempt already closed while its call
@@ -343,7 +367,7 @@ async fn closed_meanwhile(misbehave: Option<onejob::mock::Misbehaviour>) {
         ],
     );
     let job = common::wait_for("the call's cost", Duration::from_secs(20), || async {
-        let j = env.store.job(job_id).await.unwrap().unwrap();
+        let j = env.store.jobs().job(job_id).await.unwrap().unwrap();
         j.attempts[0].usage.is_some().then_some(j)
     })
     .await;
@@ -351,6 +375,12 @@ async fn closed_meanwhile(misbehave: Option<onejob::mock::Misbehaviour>) {
     fleet.stop().await;
     assert_eq!(job.status, JobStatus::Cancelled);
     assert_eq!(job.attempts[0].status, AttemptStatus::Cancelled);
-    let spent = env.store.owner("acct_closed").await.unwrap().spent_24h;
+    let spent = env
+        .store
+        .owners()
+        .owner("acct_closed")
+        .await
+        .unwrap()
+        .spent_24h;
     assert!(spent > 0, "the call's cost counts: {spent}");
 }

@@ -215,7 +215,7 @@ async fn a_call_discarded_while_unknown_counts_until_its_cost_is_found() {
     let second = submit(&producer, "acct_disc", "k2", "second").await;
     env.cli_ok(&file.path, &["jobs", "cancel", &first.to_string()]);
     wait_for_status(&env, second, JobStatus::Succeeded).await;
-    let first = env.store.job(first).await.unwrap().unwrap();
+    let first = env.store.jobs().job(first).await.unwrap().unwrap();
     assert_eq!(
         first.attempts[0].status,
         onejob::domain::AttemptStatus::Discarded

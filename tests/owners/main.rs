@@ -37,7 +37,7 @@ fn config_with_owners(primary: &str, owners: &str) -> String {
 
 /// Admits `news` and asserts each was created; their jobs, in order.
 async fn created(store: &Store, news: &[NewJob]) -> Vec<Admission> {
-    let admitted = store.admit(news).await.expect("admit");
+    let admitted = store.admission().admit(news).await.expect("admit");
     for a in &admitted {
         assert!(matches!(a, Admission::Created { .. }), "{a:?}");
     }
@@ -51,6 +51,7 @@ async fn spend(store: &Store, owner: &str, key: &str, tokens: i64) -> JobId {
     let (job_id, attempt) = (new.job_id, new.attempt_id);
     created(store, &[new]).await;
     let started = store
+        .settle()
         .start("primary", &[attempt], Duration::from_secs(30))
         .await
         .expect("start")

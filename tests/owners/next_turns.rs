@@ -32,7 +32,7 @@ async fn turn(store: &Store, attempt: AttemptId) -> Option<bool> {
 
 /// The message ids the hand-out on `provider` publishes now.
 async fn handed_out(store: &Store, provider: &str) -> Vec<String> {
-    let out = store.hand_out_turns(provider, 1, "").await.unwrap();
+    let out = store.turns().hand_out_turns(provider, 1, "").await.unwrap();
     out.publish.into_iter().map(|m| m.message_id).collect()
 }
 
@@ -63,11 +63,13 @@ async fn failed_into_a_retry(
     attempt: AttemptId,
 ) -> (AttemptId, Vec<onejob::edges::store::OutboxMessage>) {
     let first = store
+        .settle()
         .start("primary", &[attempt], Duration::from_secs(30))
         .await
         .unwrap()
         .remove(0);
     let (settled, publish) = store
+        .settle()
         .finalize(&[failed(&first)], &retry_on("primary"))
         .await
         .unwrap();
@@ -112,6 +114,7 @@ async fn a_retry_waits_behind_its_owners_held_turns() {
         "a share of one"
     );
     env.store
+        .settle()
         .start("primary", &[batch[1].attempt_id], Duration::from_secs(30))
         .await
         .unwrap();
@@ -119,6 +122,7 @@ async fn a_retry_waits_behind_its_owners_held_turns() {
     assert_eq!(turn(&env.store, retry).await, Some(false));
     let started = env
         .store
+        .settle()
         .start("primary", &[retry], Duration::from_secs(30))
         .await
         .unwrap();
@@ -137,10 +141,17 @@ async fn a_hedge_takes_its_turn_and_counts_once_in_flight() {
     let (job, first) = (new.job_id, new.attempt_id);
     super::created(&env.store, &[new]).await;
     env.store
+        .settle()
         .start("primary", &[first], Duration::from_secs(30))
         .await
         .unwrap();
-    let hedge = env.store.hedge(job, "fallback").await.unwrap().unwrap();
+    let hedge = env
+        .store
+        .sweeps()
+        .hedge(job, "fallback")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(
         turn(&env.store, hedge).await,
         Some(true),
@@ -172,17 +183,25 @@ async fn a_lifted_block_leaves_a_held_hedge_to_its_turn() {
     super::created(&env.store, &[new]).await;
     let primary = env
         .store
+        .settle()
         .start("primary", &[first], Duration::from_secs(30))
         .await
         .unwrap()
         .remove(0);
-    let hedge = env.store.hedge(job, "fallback").await.unwrap().unwrap();
+    let hedge = env
+        .store
+        .sweeps()
+        .hedge(job, "fallback")
+        .await
+        .unwrap()
+        .unwrap();
     let mut timed_out = failed(&primary);
     timed_out.verdict = Verdict::Unknown {
         error: "timeout: no answer".into(),
     };
     let (settled, _) = env
         .store
+        .settle()
         .finalize(&[timed_out], &common::give_up)
         .await
         .unwrap();
@@ -193,6 +212,7 @@ async fn a_lifted_block_leaves_a_held_hedge_to_its_turn() {
     };
     let (_, publish) = env
         .store
+        .settle()
         .resolve(first, Resolution::Failed, &common::give_up, &actor)
         .await
         .unwrap()
@@ -230,6 +250,7 @@ async fn a_worker_stopped_between_reserving_and_claiming_reserves_once() {
     let timeout = Duration::from_secs(30);
     let first_claim = env
         .store
+        .settle()
         .claim("primary", "none", &[retry], timeout, uuid::Uuid::new_v4())
         .await
         .unwrap();
@@ -244,6 +265,7 @@ async fn a_worker_stopped_between_reserving_and_claiming_reserves_once() {
     };
     let refused = env
         .store
+        .owners()
         .reserve(std::slice::from_ref(&wanted))
         .await
         .unwrap();
@@ -252,12 +274,16 @@ async fn a_worker_stopped_between_reserving_and_claiming_reserves_once() {
     // it, and weighs nothing again: the same reservation, once.
     let next = env
         .store
+        .settle()
         .claim("primary", "none", &[retry], timeout, uuid::Uuid::new_v4())
         .await
         .unwrap();
     assert_eq!(next.started.len(), 1, "{next:?}");
     assert!(next.unreserved.is_empty(), "{next:?}");
-    assert_eq!(env.store.reserve(&[wanted]).await.unwrap().len(), 0);
+    assert_eq!(
+        env.store.owners().reserve(&[wanted]).await.unwrap().len(),
+        0
+    );
     let held: (i64, i64) = sqlx::query_as(
         "SELECT count(*), COALESCE(sum(tokens), 0)::int8 FROM reservations WHERE attempt_id = $1",
     )
@@ -266,12 +292,19 @@ async fn a_worker_stopped_between_reserving_and_claiming_reserves_once() {
     .await
     .unwrap();
     assert_eq!(held, (1, 40), "one reservation");
-    assert_eq!(env.store.owner("acct_s").await.unwrap().reserved, 40);
+    assert_eq!(
+        env.store.owners().owner("acct_s").await.unwrap().reserved,
+        40
+    );
     // Its ending releases it.
     let started = &next.started[0];
     env.store
+        .settle()
         .finalize(&[failed(started)], &common::give_up)
         .await
         .unwrap();
-    assert_eq!(env.store.owner("acct_s").await.unwrap().reserved, 0);
+    assert_eq!(
+        env.store.owners().owner("acct_s").await.unwrap().reserved,
+        0
+    );
 }

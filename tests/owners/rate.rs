@@ -60,6 +60,7 @@ async fn past_its_burst_an_owners_first_attempts_are_due_one_interval_apart() {
     assert_eq!(now, [true, true, true, false, false]);
     // A retry is no new job: it spends nothing of the bucket.
     let again = store
+        .admission()
         .admit(&[common::new_job("acct_r", "r-0", "x")])
         .await
         .unwrap();
@@ -77,7 +78,7 @@ async fn past_its_burst_an_owners_first_attempts_are_due_one_interval_apart() {
         text.contains("its limits   max_in_flight none  rate 0.1/s burst 3"),
         "{text}"
     );
-    let gauges = store.gauges().await.unwrap();
+    let gauges = store.jobs().gauges().await.unwrap();
     assert!(
         gauges.contains("onejob_owner_waiting_jobs{owner=\"acct_r\"} 3\n"),
         "{gauges}"
@@ -123,7 +124,7 @@ async fn admissions_that_race_share_one_bucket() {
                 .map(|i| common::new_job("acct_race", &format!("{round}-{side}-{i}"), "x"))
                 .collect();
             let store = store.clone();
-            async move { store.admit(&batch).await.unwrap() }
+            async move { store.admission().admit(&batch).await.unwrap() }
         };
         let answers = join_all([
             admit(&env.store, "a"),
@@ -164,7 +165,7 @@ async fn a_paced_job_runs_when_its_turn_comes() {
     for i in 0..3 {
         jobs.push(submit(&producer, "acct_p", &format!("p-{i}"), "paced").await);
     }
-    let owner = env.store.owner("acct_p").await.unwrap();
+    let owner = env.store.owners().owner("acct_p").await.unwrap();
     assert!(
         owner.waiting >= 1,
         "the later jobs wait their turn: {owner:?}"
@@ -179,7 +180,7 @@ async fn a_paced_job_runs_when_its_turn_comes() {
         assert!(s >= d, "started {s} before it was due {d}");
     }
     assert!(millis(due[0], due[2]) >= 1000, "{due:?}");
-    assert_eq!(env.store.owner("acct_p").await.unwrap().waiting, 0);
+    assert_eq!(env.store.owners().owner("acct_p").await.unwrap().waiting, 0);
     producer.close().await;
     fleet.stop().await;
 }

@@ -17,7 +17,7 @@ use crate::common::{self, RESERVE, TestEnv, config, mock, wait_for_status};
 
 /// The tokens `owner`'s open attempts hold reserved.
 async fn reserved(store: &Store, owner: &str) -> i64 {
-    store.owner(owner).await.unwrap().reserved
+    store.owners().owner(owner).await.unwrap().reserved
 }
 
 /// A burst of 40 intents against a 100-token budget, through the fleet: the
@@ -66,7 +66,7 @@ async fn a_burst_spends_at_most_its_budget() {
     .fetch_one(env.store.pool())
     .await
     .unwrap();
-    let view = env.store.owner("acct_burst").await.unwrap();
+    let view = env.store.owners().owner("acct_burst").await.unwrap();
     println!(
         "budget 100: {} of 40 created, each reserving {reserve}; {} calls spent {spent} tokens \
          ({} each); reserved now {}, left {:?}",
@@ -146,7 +146,7 @@ async fn admissions_that_race_never_reserve_past_the_budget() {
             .collect();
         let admitted = join_all(batches.iter().map(|batch| {
             let store = env.store.clone();
-            async move { store.admit(batch).await.unwrap() }
+            async move { store.admission().admit(batch).await.unwrap() }
         }))
         .await;
         let made = admitted
@@ -184,6 +184,7 @@ async fn every_ending_replaces_or_releases_the_reservation() {
     created(store, &news).await;
     assert_eq!(reserved(store, owner).await, 3 * RESERVE);
     let refused = store
+        .admission()
         .admit(&[common::new_job(owner, "e-3", "x")])
         .await
         .unwrap();
@@ -194,6 +195,7 @@ async fn every_ending_replaces_or_releases_the_reservation() {
 
     // A call that settles with usage: its usage replaces its reservation.
     let started = store
+        .settle()
         .start("primary", &attempts[..2], Duration::from_secs(30))
         .await
         .unwrap();
@@ -210,7 +212,7 @@ async fn every_ending_replaces_or_releases_the_reservation() {
         verdict: Verdict::Succeeded(json!({ "summary": "x" })),
     };
     common::settle_with(store, &[finished], &common::give_up).await;
-    let view = store.owner(owner).await.unwrap();
+    let view = store.owners().owner(owner).await.unwrap();
     assert_eq!((view.spent_24h, view.reserved), (7, 2 * RESERVE));
     assert_eq!(view.left, Some(RESERVE - 7));
 
@@ -222,12 +224,13 @@ async fn every_ending_replaces_or_releases_the_reservation() {
 
     // A job cancelled before its call releases its reservation.
     store
+        .jobs()
         .cancel_job(jobs[2], &Actor::cli(Some("a test cancels it")))
         .await
         .unwrap()
         .unwrap();
     assert_eq!(reserved(store, owner).await, 0);
-    let gauges = store.gauges().await.unwrap();
+    let gauges = store.jobs().gauges().await.unwrap();
     for why in ["no_call", "no_usage"] {
         let line = format!("onejob_reservations_released_unsettled_total{{why=\"{why}\"}} ");
         let n: i64 = gauges
@@ -260,9 +263,14 @@ async fn an_unknown_keeps_its_reservation_until_resolved(
             error: "outcome_unknown: timed out".into(),
         },
     };
-    store.finalize(&[unknown], &common::give_up).await.unwrap();
+    store
+        .settle()
+        .finalize(&[unknown], &common::give_up)
+        .await
+        .unwrap();
     assert_eq!(reserved(store, owner).await, 2 * RESERVE);
     store
+        .settle()
         .resolve(
             second.attempt_id,
             Resolution::Failed,

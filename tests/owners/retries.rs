@@ -59,7 +59,7 @@ async fn retried_under(budgets: i64) -> (onejob::edges::store::JobView, u64, u64
         JobStatus::Failed
     };
     let job = wait_for_status(&env, job_id, status).await;
-    let owner = env.store.owner("acct_retry").await.unwrap();
+    let owner = env.store.owners().owner("acct_retry").await.unwrap();
     assert_eq!(
         owner.reserved, 0,
         "nothing stays reserved once the job ended"

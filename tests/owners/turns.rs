@@ -203,11 +203,16 @@ async fn owners_past_the_first_thousand_by_name_get_their_turns() {
 
     // Every turn is held (max_in_flight): the first look hands the first
     // thousand owners one turn each, which fills their room.
-    let first = env.store.hand_out_turns("primary", 8, "").await.unwrap();
+    let first = env
+        .store
+        .turns()
+        .hand_out_turns("primary", 8, "")
+        .await
+        .unwrap();
     assert_eq!(first.publish.len(), 1000);
     assert_eq!(first.looked_to, "o-0999");
     // What an autoscaler sees: all the work waiting, held or handed out.
-    let gauges = env.store.gauges().await.unwrap();
+    let gauges = env.store.jobs().gauges().await.unwrap();
     assert!(
         gauges.contains("onejob_provider_work_waiting{provider=\"primary\"} 2002\n"),
         "{gauges}"
@@ -215,7 +220,12 @@ async fn owners_past_the_first_thousand_by_name_get_their_turns() {
     // A look from the start: the thousand owners ahead have no room, and
     // take no place in it (each took one before, and zz-last waited for the
     // next look).
-    let second = env.store.hand_out_turns("primary", 8, "").await.unwrap();
+    let second = env
+        .store
+        .turns()
+        .hand_out_turns("primary", 8, "")
+        .await
+        .unwrap();
     let handed: Vec<String> = second
         .publish
         .iter()
@@ -231,6 +241,7 @@ async fn owners_past_the_first_thousand_by_name_get_their_turns() {
     // where it was, and turns are still held.
     let third = env
         .store
+        .turns()
         .hand_out_turns("primary", 8, &second.looked_to)
         .await
         .unwrap();
@@ -268,7 +279,12 @@ async fn a_held_turn_writes_its_outbox_row_only_when_handed_out() {
     assert_eq!((rows(in_outbox).await, rows(carried).await), (0, 3));
 
     // max_in_flight = 1: one is handed out, with the message it carried.
-    let out = env.store.hand_out_turns("primary", 8, "").await.unwrap();
+    let out = env
+        .store
+        .turns()
+        .hand_out_turns("primary", 8, "")
+        .await
+        .unwrap();
     assert_eq!(out.publish.len(), 1, "{out:?}");
     let m = &out.publish[0];
     let first = &news[0];
@@ -288,7 +304,7 @@ async fn a_held_turn_writes_its_outbox_row_only_when_handed_out() {
 
     // The same batch again, as after a reply lost with its commit: every job
     // is found as created; only the one handed out has a message to publish.
-    let again = env.store.admit(&news).await.unwrap();
+    let again = env.store.admission().admit(&news).await.unwrap();
     let publish: Vec<Option<String>> = again
         .iter()
         .map(|a| match a {

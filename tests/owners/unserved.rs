@@ -28,17 +28,17 @@ async fn a_turn_held_for_a_provider_no_longer_configured_moves_on() {
     let mut new = common::new_job("acct_gone", "g-1", "moved on");
     new.provider = "gone".into();
     let job_id = new.job_id;
-    let admitted = env.store.admit(&[new]).await.unwrap();
+    let admitted = env.store.admission().admit(&[new]).await.unwrap();
     assert!(
         matches!(admitted[0], Admission::Created { publish: None, .. }),
         "{admitted:?}"
     );
-    let gauges = env.store.gauges().await.unwrap();
+    let gauges = env.store.jobs().gauges().await.unwrap();
     assert!(
         gauges.contains("onejob_turns_held{provider=\"gone\"} 1\n"),
         "{gauges}"
     );
-    let held = env.store.held_turns().await.unwrap();
+    let held = env.store.turns().held_turns().await.unwrap();
     assert_eq!((held[0].provider.as_str(), held[0].held), ("gone", 1));
 
     // After: `gone` is removed. Its turn is handed out by no one; past
@@ -58,5 +58,5 @@ async fn a_turn_held_for_a_provider_no_longer_configured_moves_on() {
     let error = first.error.clone().unwrap_or_default();
     assert!(error.starts_with("provider_not_served:"), "{error}");
     assert_eq!(job.attempts[1].provider, "primary");
-    assert!(env.store.held_turns().await.unwrap().is_empty());
+    assert!(env.store.turns().held_turns().await.unwrap().is_empty());
 }

@@ -42,7 +42,7 @@ async fn traced() -> (
 
 /// What the provider saw of the call made for `job`'s only attempt.
 async fn call_seen(env: &TestEnv, provider: &MockHandle, job: JobId) -> TraceSeen {
-    let job = env.store.job(job).await.unwrap().unwrap();
+    let job = env.store.jobs().job(job).await.unwrap().unwrap();
     assert_eq!(job.attempts.len(), 1, "{job:?}");
     let attempt = job.attempts[0].id.to_string();
     let seen = provider.stats.traces();

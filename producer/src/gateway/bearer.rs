@@ -19,7 +19,7 @@ pub(super) async fn owner(gateway: &Gateway, headers: &HeaderMap) -> Result<Stri
         .ok_or_else(|| unauthorized("send `Authorization: Bearer <token>`"))?;
     let token = Token::parse(presented.trim())
         .ok_or_else(|| unauthorized("the token is unknown or revoked"))?;
-    match gateway.store.token_owner(&token).await {
+    match gateway.store.tokens().token_owner(&token).await {
         Ok(Some(owner)) => Ok(owner),
         Ok(None) => Err(unauthorized("the token is unknown or revoked")),
         Err(e) => {

@@ -175,6 +175,7 @@ async fn over_budget(
     let need = onejob::shared::runtime::reservation(&gateway.config, operation, provider, rendered);
     match gateway
         .store
+        .owners()
         .budget_refusal(&intent.owner_id, &intent.idempotency_key, need)
         .await
     {

@@ -30,7 +30,7 @@ pub(super) async fn show_job(
         return not_found();
     };
     // Another owner's job is not found, so ids reveal nothing.
-    match gateway.store.owned_job(JobId(job_id), &owner).await {
+    match gateway.store.jobs().owned_job(JobId(job_id), &owner).await {
         Ok(Some(job)) => (StatusCode::OK, axum::Json(PublicJob::from(job))).into_response(),
         Ok(None) => not_found(),
         Err(e) => {

@@ -1,6 +1,7 @@
 //! Admission: validated intents become jobs, each with its first attempt and
 //! that attempt's outbox row; identity is decided by the UNIQUE constraint.
 
+use crate::edges::store::handles::Admissions;
 use std::collections::{BTreeSet, HashMap};
 
 use serde_json::Value;
@@ -10,21 +11,21 @@ use super::outbox::{InsertedRow, OutboxColumns};
 use crate::domain::JobId;
 use crate::edges::store::drafts::{OutboxDraft, OutboxMessage};
 use crate::edges::store::error::{Result, corrupt};
-use crate::edges::store::{Admission, NewJob, Store};
+use crate::edges::store::{Admission, NewJob};
 use crate::intent::RejectReason;
 
-impl Store {
+impl Admissions<'_> {
     /// Turns validated intents into jobs. Identity is decided by the UNIQUE
     /// constraint through `INSERT … ON CONFLICT DO NOTHING`, never by a check first;
     /// the job, its first attempt and the attempt's outbox row commit together.
-    pub async fn admit(&self, batch: &[NewJob]) -> Result<Vec<Admission>> {
+    pub async fn admit(self, batch: &[NewJob]) -> Result<Vec<Admission>> {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
-        self.retrying(|| self.admit_once(batch)).await
+        self.0.retrying(|| self.admit_once(batch)).await
     }
 
-    async fn admit_once(&self, batch: &[NewJob]) -> Result<Vec<Admission>> {
+    async fn admit_once(self, batch: &[NewJob]) -> Result<Vec<Admission>> {
         // Rows are inserted in identity order, so that batches which overlap take
         // their locks in one order and do not deadlock; within a batch, the first
         // intent of an identity stays first (the sort is stable).
@@ -38,7 +39,8 @@ impl Store {
         let drafts: Vec<OutboxDraft> = sorted
             .iter()
             .map(|n| {
-                self.routes
+                self.0
+                    .routes
                     .attempt_draft(n.attempt_id, n.job_id, &n.provider, None)
             })
             .collect();
@@ -68,20 +70,20 @@ impl Store {
         // those a concurrent admission committed while the insert waited on
         // the conflict included.
         let batch_refs: Vec<&NewJob> = batch.iter().collect();
-        let existing = existing_identities(&self.per_job, &batch_refs).await?;
+        let existing = existing_identities(&self.0.per_job, &batch_refs).await?;
         self.recover_unseen(batch, &existing, &mut publish_by_job)
             .await?;
         receipts(batch, publish_by_job, &existing, refused)
     }
 
-    /// Inserts the new jobs ([`Store::insert_new`]). With no owner of the
+    /// Inserts the new jobs ([`Admissions::insert_new`](crate::edges::store::Admissions::insert_new)). With no owner of the
     /// batch under a budget, that is one statement, its own transaction.
     /// Otherwise the owners' budget locks come first, then what their budgets
     /// leave is read, and the jobs that fit are inserted with their
     /// reservations, in one transaction that holds the locks until then; the
     /// jobs that do not fit are left out, and returned with their refusals.
     async fn insert_within_budgets(
-        &self,
+        self,
         sorted: &[&NewJob],
         drafts: &[OutboxDraft],
         limits: &AdmissionLimits,
@@ -89,11 +91,11 @@ impl Store {
         if limits.budgeted.is_empty() {
             let reserves = vec![0; sorted.len()];
             let rows = self
-                .insert_new(&self.per_job, sorted, drafts, limits, (&reserves, &[]))
+                .insert_new(&self.0.per_job, sorted, drafts, limits, (&reserves, &[]))
                 .await?;
             return Ok((rows, HashMap::new()));
         }
-        let mut tx = self.per_job.begin().await?;
+        let mut tx = self.0.per_job.begin().await?;
         let rooms = super::budget::rooms(&mut tx, &limits.budgeted).await?;
         // Identities that have a job already make none, and reserve nothing.
         let existing = existing_identities(&mut *tx, sorted).await?;
@@ -109,7 +111,7 @@ impl Store {
     /// What admission must know of the batch's owners: who has a budget (its
     /// new jobs reserve), who has a rate (its new jobs' first attempts are
     /// paced), and who has `max_in_flight`.
-    async fn admission_limits(&self, batch: &[NewJob]) -> Result<AdmissionLimits> {
+    async fn admission_limits(self, batch: &[NewJob]) -> Result<AdmissionLimits> {
         let owners: Vec<String> = batch
             .iter()
             .map(|n| n.intent.owner_id.clone())
@@ -117,7 +119,7 @@ impl Store {
             .into_iter()
             .collect();
         let mut out = AdmissionLimits::default();
-        for (owner, limits) in self.admission_owners(&owners).await? {
+        for (owner, limits) in self.0.owners().admission_owners(&owners).await? {
             if limits.daily_tokens > 0 {
                 out.budgeted.push((owner.clone(), limits.daily_tokens));
             }
@@ -134,11 +136,11 @@ impl Store {
     }
 
     /// A job that bears this batch's own id was created by an earlier run of
-    /// [`Store::admit_once`] whose commit went through unseen (the connection
+    /// [`Admissions::admit_once`](crate::edges::store::Admissions::admit_once) whose commit went through unseen (the connection
     /// dropped before the insert's reply, and `retrying` ran it again): it is
     /// still `created`, with the outbox row that run wrote.
     async fn recover_unseen(
-        &self,
+        self,
         batch: &[NewJob],
         existing: &HashMap<(String, String), (Uuid, String)>,
         publish_by_job: &mut HashMap<Uuid, Option<OutboxMessage>>,
@@ -169,7 +171,7 @@ impl Store {
                      AND handed_out_at IS NULL"#,
                 &unseen,
             )
-            .fetch_all(&self.pool)
+            .fetch_all(&self.0.pool)
             .await?
             .into_iter()
             .map(|m| (m.message_id.clone(), m))
@@ -200,7 +202,7 @@ impl Store {
     /// due time: those due now are leased to this worker, the rest are left
     /// to the relay.
     async fn insert_new(
-        &self,
+        self,
         executor: impl sqlx::PgExecutor<'_>,
         sorted: &[&NewJob],
         drafts: &[OutboxDraft],
@@ -210,7 +212,7 @@ impl Store {
         let c = JobColumns::of(sorted);
         let outbox = OutboxColumns::of(drafts);
         let (share_providers, share_sizes): (Vec<String>, Vec<i64>) =
-            self.routes.shares.iter().cloned().unzip();
+            self.0.routes.shares.iter().cloned().unzip();
         let rows = sqlx::query_file_as!(
             InsertedRow,
             "src/edges/store/admission.sql",
@@ -229,7 +231,7 @@ impl Store {
             &outbox.routing_keys,
             &outbox.message_ids,
             &outbox.bodies,
-            self.routes.lease.as_secs_f64(),
+            self.0.routes.lease.as_secs_f64(),
             left_out,
             &limits.paced,
             &limits.rates,

@@ -1,5 +1,6 @@
 //! The audit table: who did what to which job, when, and why.
 
+use crate::edges::store::handles::Audit;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::Value;
@@ -7,7 +8,6 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::domain::{AttemptId, JobId};
-use crate::edges::store::Store;
 use crate::edges::store::error::Result;
 
 /// Who acts, and why: what an operator action is recorded with.
@@ -55,7 +55,7 @@ impl Actor {
 pub struct Action<'a> {
     /// The audit row's id, when the caller chose it: an action whose commit
     /// reply was lost is then known done by finding its row
-    /// (`Store::recorded`). A new id for each row otherwise.
+    /// (`Audit::recorded`). A new id for each row otherwise.
     pub id: Option<Uuid>,
     /// What was done: `attempt.resolve_failed`, `attempt.resolve_cancelled`,
     /// `job.cancel`, `dlq.replay`, `dlq.purge`, `provider.qualify`.
@@ -123,31 +123,31 @@ pub(super) async fn record(
     Ok(id)
 }
 
-impl Store {
+impl Audit<'_> {
     /// The detail of the audit row `id`, if it was written: after a lost
     /// commit reply, whether the action it records took effect.
-    pub(super) async fn recorded(&self, id: Uuid) -> Result<Option<Value>> {
+    pub(super) async fn recorded(self, id: Uuid) -> Result<Option<Value>> {
         Ok(
             sqlx::query_scalar!("SELECT detail FROM audit WHERE id = $1", id)
-                .fetch_optional(&self.pool)
+                .fetch_optional(&self.0.pool)
                 .await?,
         )
     }
 
     /// Records an action that is not a database write of its own (a
     /// qualification), after it was done.
-    pub async fn audit(&self, actor: &Actor, action: &Action<'_>) -> Result<()> {
-        let mut conn = self.pool.acquire().await?;
+    pub async fn audit(self, actor: &Actor, action: &Action<'_>) -> Result<()> {
+        let mut conn = self.0.pool.acquire().await?;
         record(&mut conn, actor, action).await.map(|_| ())
     }
 
     /// Records an action on something outside the database (a dead-letter
     /// replay or purge) *before* it is done, so that no such action goes
     /// unrecorded: its detail says `"outcome": "pending"` until
-    /// [`Store::audit_outcome`] fills in what came of it. A row left pending
+    /// [`Audit::audit_outcome`](crate::edges::store::Audit::audit_outcome) fills in what came of it. A row left pending
     /// is an action whose outcome was never written (the process or the
     /// database failed mid-way): look at the queue.
-    pub async fn audit_begin(&self, actor: &Actor, action: &Action<'_>) -> Result<Uuid> {
+    pub async fn audit_begin(self, actor: &Actor, action: &Action<'_>) -> Result<Uuid> {
         let mut action = action.clone();
         let mut detail = match action.detail {
             Value::Object(map) => map,
@@ -155,14 +155,14 @@ impl Store {
         };
         detail.insert("outcome".into(), Value::from("pending"));
         action.detail = Value::Object(detail);
-        let mut conn = self.pool.acquire().await?;
+        let mut conn = self.0.pool.acquire().await?;
         record(&mut conn, actor, &action).await
     }
 
-    /// Fills in what came of an action recorded by [`Store::audit_begin`]:
+    /// Fills in what came of an action recorded by [`Audit::audit_begin`](crate::edges::store::Audit::audit_begin):
     /// `outcome` (`failed`, or else `done`) and the rest of `detail`, merged
     /// into the row's detail.
-    pub async fn audit_outcome(&self, id: Uuid, failed: bool, detail: &Value) -> Result<()> {
+    pub async fn audit_outcome(self, id: Uuid, failed: bool, detail: &Value) -> Result<()> {
         let mut merged = match detail {
             Value::Object(map) => map.clone(),
             _ => serde_json::Map::new(),
@@ -174,44 +174,44 @@ impl Store {
             id,
             Value::Object(merged)
         )
-        .execute(&self.pool)
+        .execute(&self.0.pool)
         .await?;
         Ok(())
     }
 
     /// The audit rows of a job, oldest first.
-    pub async fn audit_of_job(&self, job: JobId) -> Result<Vec<AuditEntry>> {
+    pub async fn audit_of_job(self, job: JobId) -> Result<Vec<AuditEntry>> {
         Ok(sqlx::query_as!(
             AuditEntry,
             "SELECT id, at, actor, action, job_id, attempt_id, target, reason, detail
              FROM audit WHERE job_id = $1 ORDER BY at, id",
             job.0
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?)
     }
 
     /// One audit row, by its id.
-    pub async fn audit_entry(&self, id: Uuid) -> Result<Option<AuditEntry>> {
+    pub async fn audit_entry(self, id: Uuid) -> Result<Option<AuditEntry>> {
         Ok(sqlx::query_as!(
             AuditEntry,
             "SELECT id, at, actor, action, job_id, attempt_id, target, reason, detail
              FROM audit WHERE id = $1",
             id
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.0.pool)
         .await?)
     }
 
     /// The latest audit rows, newest first.
-    pub async fn audit_recent(&self, limit: i64) -> Result<Vec<AuditEntry>> {
+    pub async fn audit_recent(self, limit: i64) -> Result<Vec<AuditEntry>> {
         Ok(sqlx::query_as!(
             AuditEntry,
             "SELECT id, at, actor, action, job_id, attempt_id, target, reason, detail
              FROM audit ORDER BY at DESC, id DESC LIMIT $1",
             limit
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?)
     }
 }

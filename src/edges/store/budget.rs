@@ -6,6 +6,7 @@
 //! reservations of attempts that start without one (retries, hedges). They
 //! end by the trigger of migration 0018.
 
+use crate::edges::store::handles::Owners;
 use std::collections::{BTreeSet, HashMap};
 
 use sqlx::PgConnection;
@@ -13,8 +14,8 @@ use uuid::Uuid;
 
 use super::owners::WINDOW_SECS;
 use crate::domain::AttemptId;
+use crate::edges::store::NewJob;
 use crate::edges::store::error::Result;
-use crate::edges::store::{NewJob, Store};
 use crate::intent::RejectReason;
 
 /// What one owner's budget leaves, read under its budget lock.
@@ -180,7 +181,7 @@ pub struct Reservation {
     pub tokens: i64,
 }
 
-impl Store {
+impl Owners<'_> {
     /// Whether a new identity of `owner` (`key`) reserving `need` tokens would
     /// be refused for its budget now, and why: what the gateway asks before
     /// it publishes, so that an intent admission would refuse is answered
@@ -189,7 +190,7 @@ impl Store {
     /// has a job already is never refused (its answer is `duplicate` or
     /// `conflict`).
     pub async fn budget_refusal(
-        &self,
+        self,
         owner: &str,
         key: &str,
         need: i64,
@@ -206,12 +207,12 @@ impl Store {
             owner,
             key,
         )
-        .fetch_one(&self.per_job)
+        .fetch_one(&self.0.per_job)
         .await?;
         if known {
             return Ok(None);
         }
-        let rooms = read_rooms(&self.per_job, &owners, &[limits.daily_tokens]).await?;
+        let rooms = read_rooms(&self.0.per_job, &owners, &[limits.daily_tokens]).await?;
         Ok(rooms
             .get(owner)
             .filter(|room| room.left() < need)
@@ -227,10 +228,7 @@ impl Store {
     /// `queued` meanwhile takes none (its row is read under a share lock, so
     /// it cannot end until the reservation has committed, and its ending then
     /// releases it).
-    pub async fn reserve(
-        &self,
-        wanted: &[Reservation],
-    ) -> Result<HashMap<AttemptId, RejectReason>> {
+    pub async fn reserve(self, wanted: &[Reservation]) -> Result<HashMap<AttemptId, RejectReason>> {
         let owners: Vec<String> = wanted
             .iter()
             .map(|w| w.owner_id.clone())
@@ -247,42 +245,43 @@ impl Store {
         if budgeted.is_empty() {
             return Ok(HashMap::new());
         }
-        self.retrying(|| async {
-            let mut tx = self.per_job.begin().await?;
-            let rooms = rooms(&mut tx, &budgeted).await?;
-            // An attempt that holds its reservation already (a try whose
-            // commit went through unseen, a second delivery) is not weighed
-            // again: the room counts it.
-            let asked: Vec<Uuid> = wanted.iter().map(|w| w.attempt_id.0).collect();
-            let holding: BTreeSet<Uuid> = sqlx::query_scalar!(
-                "SELECT attempt_id FROM reservations WHERE attempt_id = ANY($1)",
-                &asked,
-            )
-            .fetch_all(&mut *tx)
-            .await?
-            .into_iter()
-            .collect();
-            let mut left: HashMap<&str, i64> =
-                rooms.iter().map(|(o, r)| (o.as_str(), r.left())).collect();
-            let (mut ids, mut owners, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
-            let mut refused = HashMap::new();
-            for w in wanted.iter().filter(|w| !holding.contains(&w.attempt_id.0)) {
-                let (Some(room), Some(left)) =
-                    (rooms.get(&w.owner_id), left.get_mut(w.owner_id.as_str()))
-                else {
-                    continue;
-                };
-                if w.tokens <= *left {
-                    *left -= w.tokens;
-                    ids.push(w.attempt_id.0);
-                    owners.push(w.owner_id.clone());
-                    tokens.push(w.tokens);
-                } else {
-                    refused.insert(w.attempt_id, room.refusal(&w.owner_id, w.tokens));
+        self.0
+            .retrying(|| async {
+                let mut tx = self.0.per_job.begin().await?;
+                let rooms = rooms(&mut tx, &budgeted).await?;
+                // An attempt that holds its reservation already (a try whose
+                // commit went through unseen, a second delivery) is not weighed
+                // again: the room counts it.
+                let asked: Vec<Uuid> = wanted.iter().map(|w| w.attempt_id.0).collect();
+                let holding: BTreeSet<Uuid> = sqlx::query_scalar!(
+                    "SELECT attempt_id FROM reservations WHERE attempt_id = ANY($1)",
+                    &asked,
+                )
+                .fetch_all(&mut *tx)
+                .await?
+                .into_iter()
+                .collect();
+                let mut left: HashMap<&str, i64> =
+                    rooms.iter().map(|(o, r)| (o.as_str(), r.left())).collect();
+                let (mut ids, mut owners, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+                let mut refused = HashMap::new();
+                for w in wanted.iter().filter(|w| !holding.contains(&w.attempt_id.0)) {
+                    let (Some(room), Some(left)) =
+                        (rooms.get(&w.owner_id), left.get_mut(w.owner_id.as_str()))
+                    else {
+                        continue;
+                    };
+                    if w.tokens <= *left {
+                        *left -= w.tokens;
+                        ids.push(w.attempt_id.0);
+                        owners.push(w.owner_id.clone());
+                        tokens.push(w.tokens);
+                    } else {
+                        refused.insert(w.attempt_id, room.refusal(&w.owner_id, w.tokens));
+                    }
                 }
-            }
-            sqlx::query!(
-                "WITH queued AS (
+                sqlx::query!(
+                    "WITH queued AS (
                      SELECT id FROM attempts WHERE id = ANY($1) AND status = 'queued'
                      ORDER BY id FOR SHARE
                  )
@@ -291,15 +290,15 @@ impl Store {
                  FROM unnest($1::uuid[], $2::text[], $3::int8[]) AS t(attempt_id, owner_id, tokens)
                  JOIN queued q ON q.id = t.attempt_id
                  ON CONFLICT (attempt_id) DO NOTHING",
-                &ids,
-                &owners,
-                &tokens,
-            )
-            .execute(&mut *tx)
-            .await?;
-            tx.commit().await?;
-            Ok(refused)
-        })
-        .await
+                    &ids,
+                    &owners,
+                    &tokens,
+                )
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                Ok(refused)
+            })
+            .await
     }
 }

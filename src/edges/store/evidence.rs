@@ -1,6 +1,7 @@
 //! Evidence lookups: the `unknown` attempts of providers that keep evidence,
 //! taken one pod at a time under a lease, and what each look found.
 
+use crate::edges::store::handles::Evidence;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -10,7 +11,6 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use crate::domain::{AttemptId, JobId};
-use crate::edges::store::Store;
 use crate::edges::store::error::Result;
 
 /// An unknown attempt due for a look at its provider's evidence.
@@ -41,7 +41,7 @@ pub struct EvidenceDue {
     pub asked: Option<String>,
 }
 
-impl Store {
+impl Evidence<'_> {
     /// Takes up to `limit` unknown attempts of `providers` (each with its
     /// `evidence_delay`) whose next look is due: the first no sooner than the
     /// delay after the call's deadline. Attempts discarded while unknown
@@ -50,7 +50,7 @@ impl Store {
     /// by someone else are skipped, and so are attempts with an answer kept
     /// on them (found already: the kept-answer pass settles it).
     pub async fn evidence_due(
-        &self,
+        self,
         providers: &[(String, Duration)],
         lease: Duration,
         limit: i64,
@@ -62,10 +62,11 @@ impl Store {
         // otherwise see the attempt leased (by itself) and leave it unlooked
         // at for a whole lease.
         let token = Uuid::now_v7();
-        self.retrying(|| async {
-            Ok(sqlx::query_as!(
-                EvidenceDue,
-                r#"WITH p AS (
+        self.0
+            .retrying(|| async {
+                Ok(sqlx::query_as!(
+                    EvidenceDue,
+                    r#"WITH p AS (
                      SELECT * FROM unnest($1::text[], $2::float8[]) AS p(name, delay)
                    ), due AS (
                      SELECT a.id FROM attempts a JOIN p ON p.name = a.provider
@@ -94,30 +95,31 @@ impl Store {
                              a.evidence_looks AS looks,
                              a.status = 'discarded' AS "discarded!",
                              a.evidence AS asked"#,
-                &names,
-                &delays,
-                lease.as_secs_f64(),
-                limit,
-                token,
-            )
-            .fetch_all(&self.pool)
-            .await?)
-        })
-        .await
+                    &names,
+                    &delays,
+                    lease.as_secs_f64(),
+                    limit,
+                    token,
+                )
+                .fetch_all(&self.0.pool)
+                .await?)
+            })
+            .await
     }
 
     /// Takes the unknown attempt `attempt` for a look now, whenever its next
     /// look was due (an operator asks), under the same lease as the pass's
     /// looks. `None` when it is not `unknown`.
     pub async fn evidence_now(
-        &self,
+        self,
         attempt: AttemptId,
         lease: Duration,
     ) -> Result<Option<EvidenceDue>> {
-        self.retrying(|| async {
-            Ok(sqlx::query_as!(
-                EvidenceDue,
-                r#"UPDATE attempts a
+        self.0
+            .retrying(|| async {
+                Ok(sqlx::query_as!(
+                    EvidenceDue,
+                    r#"UPDATE attempts a
                    SET evidence_next_at = now() + make_interval(secs => $2),
                        evidence_looks = a.evidence_looks + 1
                    FROM jobs j
@@ -128,13 +130,13 @@ impl Store {
                              a.evidence_looks AS looks,
                              false AS "discarded!",
                              a.evidence AS asked"#,
-                attempt.0,
-                lease.as_secs_f64(),
-            )
-            .fetch_optional(&self.pool)
-            .await?)
-        })
-        .await
+                    attempt.0,
+                    lease.as_secs_f64(),
+                )
+                .fetch_optional(&self.0.pool)
+                .await?)
+            })
+            .await
     }
 
     /// Writes what a look found, and when the next may come, `None` for no
@@ -142,7 +144,7 @@ impl Store {
     /// cost not known, is looked at again; a settled one keeps the note of
     /// what settled it).
     pub async fn note_evidence(
-        &self,
+        self,
         attempt: AttemptId,
         note: &str,
         next_in: Option<Duration>,
@@ -151,54 +153,56 @@ impl Store {
         // at only while it has one, and counts in its owner's flight until
         // then); an unknown one's is a century away (NULL would make it due).
         let next_in = next_in.map(|d| d.as_secs_f64());
-        self.retrying(|| async {
-            sqlx::query!(
-                "UPDATE attempts SET evidence_note = $2, evidence_last_at = now(),
+        self.0
+            .retrying(|| async {
+                sqlx::query!(
+                    "UPDATE attempts SET evidence_note = $2, evidence_last_at = now(),
                      evidence_next_at = CASE
                          WHEN $3::float8 IS NOT NULL THEN now() + make_interval(secs => $3)
                          WHEN status = 'discarded' THEN NULL
                          ELSE now() + interval '100 years' END
                  WHERE id = $1",
-                attempt.0,
-                note,
-                next_in,
-            )
-            .execute(&self.pool)
-            .await?;
-            Ok(())
-        })
-        .await
+                    attempt.0,
+                    note,
+                    next_in,
+                )
+                .execute(&self.0.pool)
+                .await?;
+                Ok(())
+            })
+            .await
     }
 }
 
-impl Store {
+impl Evidence<'_> {
     /// Keeps what a discarded attempt's call cost, as evidence found it, with
     /// what was found, in one statement: its usage and request id (if none
     /// were kept yet), and no more looks.
     pub async fn record_cost(
-        &self,
+        self,
         attempt: AttemptId,
         usage: Option<&Value>,
         request_id: Option<&str>,
         note: &str,
     ) -> Result<()> {
-        self.retrying(|| async {
-            sqlx::query!(
-                "UPDATE attempts SET usage = COALESCE(usage, $2),
+        self.0
+            .retrying(|| async {
+                sqlx::query!(
+                    "UPDATE attempts SET usage = COALESCE(usage, $2),
                      provider_request_id = COALESCE(provider_request_id, $3),
                      evidence_note = $4, evidence_last_at = now(),
                      evidence_next_at = NULL
                  WHERE id = $1 AND status = 'discarded'",
-                attempt.0,
-                usage,
-                request_id,
-                note,
-            )
-            .execute(&self.pool)
-            .await?;
-            Ok(())
-        })
-        .await
+                    attempt.0,
+                    usage,
+                    request_id,
+                    note,
+                )
+                .execute(&self.0.pool)
+                .await?;
+                Ok(())
+            })
+            .await
     }
 }
 
@@ -215,39 +219,40 @@ pub struct EvidenceClaim {
     pub checked_at: DateTime<Utc>,
 }
 
-impl Store {
+impl Evidence<'_> {
     /// Records what a qualification found of `provider`'s evidence claim.
     pub async fn record_claim(
-        &self,
+        self,
         provider: &str,
         kind: &str,
         held: bool,
         detail: &str,
     ) -> Result<()> {
-        self.retrying(|| async {
-            sqlx::query!(
-                "INSERT INTO evidence_claims (id, provider, kind, held, detail)
+        self.0
+            .retrying(|| async {
+                sqlx::query!(
+                    "INSERT INTO evidence_claims (id, provider, kind, held, detail)
                  VALUES ($1, $2, $3, $4, $5)",
-                Uuid::now_v7(),
-                provider,
-                kind,
-                held,
-                detail,
-            )
-            .execute(&self.pool)
-            .await?;
-            Ok(())
-        })
-        .await
+                    Uuid::now_v7(),
+                    provider,
+                    kind,
+                    held,
+                    detail,
+                )
+                .execute(&self.0.pool)
+                .await?;
+                Ok(())
+            })
+            .await
     }
 
     /// Each provider's latest claim check, by provider.
-    pub async fn latest_claims(&self) -> Result<HashMap<String, EvidenceClaim>> {
+    pub async fn latest_claims(self) -> Result<HashMap<String, EvidenceClaim>> {
         Ok(sqlx::query!(
             r#"SELECT DISTINCT ON (provider) provider, kind, held, detail, checked_at
                FROM evidence_claims ORDER BY provider, checked_at DESC, id DESC"#
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?
         .into_iter()
         .map(|r| {

@@ -1,25 +1,25 @@
 //! Prometheus gauges read from the tables.
 
+use crate::edges::store::handles::Jobs;
 use std::collections::HashMap;
 
 use crate::domain::{AttemptStatus, JobStatus};
-use crate::edges::store::Store;
 use crate::edges::store::error::Result;
 
 /// How many owners the per-owner gauges name at most, by each figure.
 const OWNER_GAUGES: i64 = 50;
 
-impl Store {
+impl Jobs<'_> {
     /// Prometheus gauges read from the tables: jobs and attempts by status, the
     /// oldest `unknown` attempt's age (alert on it: only a person or late evidence
     /// resolves an unknown), the unknowns resolved in the last hour by how
     /// (evidence of each kind, or an operator), the answers kept on open
     /// attempts by why they wait, and the outbox backlog.
-    pub async fn gauges(&self) -> Result<String> {
+    pub async fn gauges(self) -> Result<String> {
         let jobs: HashMap<JobStatus, i64> = sqlx::query!(
             r#"SELECT status AS "status: JobStatus", count(*) AS "n!" FROM jobs GROUP BY status"#
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?
         .into_iter()
         .map(|r| (r.status, r.n))
@@ -28,7 +28,7 @@ impl Store {
             r#"SELECT status AS "status: AttemptStatus", count(*) AS "n!"
                FROM attempts GROUP BY status"#
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?
         .into_iter()
         .map(|r| (r.status, r.n))
@@ -38,7 +38,7 @@ impl Store {
                        FROM attempts WHERE status = 'unknown') AS oldest_unknown,
                       (SELECT count(*) FROM outbox WHERE published_at IS NULL) AS "backlog!""#
         )
-        .fetch_one(&self.pool)
+        .fetch_one(&self.0.pool)
         .await?;
         let (oldest_unknown, backlog) = (row.oldest_unknown, row.backlog);
         // Unknowns resolved in the last hour, by how: from the audit rows, so
@@ -52,7 +52,7 @@ impl Store {
                  AND action IN ('attempt.evidence', 'attempt.resolve_failed', 'attempt.resolve_cancelled')
                GROUP BY 1"#
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?
         .into_iter()
         .map(|r| (r.how, r.n))
@@ -102,14 +102,15 @@ impl Store {
     /// the backlog held in the database. Every configured provider has a
     /// line, 0 when nothing waits. (A provider's name holds no character a
     /// label value must escape.)
-    async fn waiting_gauge(&self) -> Result<String> {
+    async fn waiting_gauge(self) -> Result<String> {
         let rows = sqlx::query!(
             r#"SELECT provider AS "provider!", count(*) AS "n!" FROM attempts
                WHERE status = 'queued' GROUP BY provider"#
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?;
         let mut waiting: std::collections::BTreeMap<String, i64> = self
+            .0
             .routes
             .shares
             .iter()
@@ -130,14 +131,15 @@ impl Store {
     /// waited: every configured provider has a line (0 when none waits), and
     /// so does a provider no longer configured whose turns are still held
     /// (they move on along their routes once `stuck_after` has passed).
-    async fn held_gauge(&self) -> Result<String> {
+    async fn held_gauge(self) -> Result<String> {
         let mut held: std::collections::BTreeMap<String, (i64, f64)> = self
+            .0
             .routes
             .shares
             .iter()
             .map(|(p, _)| (p.clone(), (0, 0.0)))
             .collect();
-        for h in self.held_turns().await? {
+        for h in self.0.turns().held_turns().await? {
             held.insert(h.provider, (h.held, h.oldest_seconds));
         }
         let mut out = String::from("# TYPE onejob_turns_held gauge\n");
@@ -161,19 +163,19 @@ impl Store {
     /// why (`no_call`: the attempt ended before its call; `no_usage`: a call
     /// was made and no usage was reported for it, so its cost is not in the
     /// budget). Every worker reports the same fleet-wide count.
-    async fn reservation_gauges(&self) -> Result<String> {
+    async fn reservation_gauges(self) -> Result<String> {
         let held = sqlx::query!(
             r#"SELECT owner_id AS "owner_id!", sum(tokens)::int8 AS "tokens!"
                FROM reservations GROUP BY owner_id ORDER BY 2 DESC, 1 LIMIT $1"#,
             OWNER_GAUGES,
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?;
         let released: HashMap<String, i64> = sqlx::query!(
             r#"SELECT why AS "why!", sum(released)::int8 AS "n!"
                FROM reservations_released GROUP BY why"#
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?
         .into_iter()
         .map(|r| (r.why, r.n))
@@ -196,9 +198,9 @@ impl Store {
     }
 
     /// The answers kept on open attempts, by why they wait
-    /// ([`Store::kept_waiting`]).
-    async fn kept_gauge(&self) -> Result<String> {
-        let kept = self.kept_waiting().await?;
+    /// ([`Kept::kept_waiting`](crate::edges::store::Kept::kept_waiting)).
+    async fn kept_gauge(self) -> Result<String> {
+        let kept = self.0.kept().kept_waiting().await?;
         let mut out = String::from("# TYPE onejob_kept_answers gauge\n");
         for (why, n) in [
             ("due", kept.due),
@@ -215,7 +217,7 @@ impl Store {
     /// held back by their rate): the
     /// spend and the waiting jobs. (An owner id holds no character a label
     /// value must escape.)
-    async fn owner_gauges(&self) -> Result<String> {
+    async fn owner_gauges(self) -> Result<String> {
         let rows = sqlx::query!(
             r#"WITH spent AS (
                    SELECT owner_id, sum(tokens)::int8 AS tokens FROM owner_spend
@@ -232,7 +234,7 @@ impl Store {
                ORDER BY 1"#,
             OWNER_GAUGES,
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?;
         let mut out = String::from("# TYPE onejob_owner_spent_tokens_24h gauge\n");
         for r in &rows {

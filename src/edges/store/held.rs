@@ -3,12 +3,12 @@
 //! which would otherwise wait for ever: only a consumer of a turn's provider
 //! hands it out.
 
+use crate::edges::store::handles::Turns;
 use std::time::Duration;
 
 use serde::Serialize;
 
 use crate::domain::AttemptId;
-use crate::edges::store::Store;
 use crate::edges::store::error::Result;
 
 /// The turns held for one provider.
@@ -22,10 +22,10 @@ pub struct HeldTurns {
     pub oldest_seconds: f64,
 }
 
-impl Store {
+impl Turns<'_> {
     /// The turns held for each provider that has any, the longest-waiting
     /// first.
-    pub async fn held_turns(&self) -> Result<Vec<HeldTurns>> {
+    pub async fn held_turns(self) -> Result<Vec<HeldTurns>> {
         Ok(sqlx::query_as!(
             HeldTurns,
             r#"SELECT t.provider AS "provider!", count(*) AS "held!",
@@ -36,16 +36,16 @@ impl Store {
                GROUP BY t.provider
                ORDER BY 3 DESC, 1"#
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?)
     }
 
     /// Held turns of providers not in `served` (the providers configured
     /// here) whose attempts were made more than `held_past` ago, oldest
     /// first, at most `limit`: no worker with this configuration hands them
-    /// out, so they move on along their routes ([`Store::fail_queued`]).
+    /// out, so they move on along their routes ([`Settle::fail_queued`](crate::edges::store::Settle::fail_queued)).
     pub async fn unserved_turns(
-        &self,
+        self,
         served: &[String],
         held_past: Duration,
         limit: i64,
@@ -62,7 +62,7 @@ impl Store {
             held_past.as_secs_f64(),
             limit,
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?
         .into_iter()
         .map(|r| (r.attempt_id, r.provider))

@@ -1,12 +1,12 @@
 //! Jobs a page at a time, newest first by keyset, and the outbox messages
 //! still kept for one job.
 
+use crate::edges::store::handles::Jobs;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
 use crate::domain::JobStatus;
-use crate::edges::store::Store;
 use crate::edges::store::error::Result;
 use crate::edges::store::views::JobView;
 
@@ -46,13 +46,13 @@ pub struct JobLine {
     pub updated_at: DateTime<Utc>,
 }
 
-impl Store {
+impl Jobs<'_> {
     /// A page of jobs, newest first, after the job `after` (the last of the
     /// previous page): by keyset on the id (UUIDv7, time-ordered), never by
     /// offset. Each combination of filters is its own statement, so each gets a
     /// plan that uses its indexes.
     pub async fn jobs_page(
-        &self,
+        self,
         filter: &JobFilter,
         after: Option<Uuid>,
         limit: i64,
@@ -96,7 +96,9 @@ impl Store {
             q.push(" AND j.id < ").push_bind(after);
         }
         q.push(" ORDER BY j.id DESC LIMIT ").push_bind(limit);
-        Ok(q.build_query_as::<JobLine>().fetch_all(&self.pool).await?)
+        Ok(q.build_query_as::<JobLine>()
+            .fetch_all(&self.0.pool)
+            .await?)
     }
 }
 
@@ -118,12 +120,12 @@ pub struct JobMessage {
     pub published_at: Option<DateTime<Utc>>,
 }
 
-impl Store {
+impl Jobs<'_> {
     /// The outbox rows still kept for `job`: its attempts' messages and its
     /// events (published ones go after `outbox_retention`), and the message
     /// a held turn carries until it is handed out. Found by message
     /// id, through the `outbox_message_id` index.
-    pub async fn job_messages(&self, job: &JobView) -> Result<Vec<JobMessage>> {
+    pub async fn job_messages(self, job: &JobView) -> Result<Vec<JobMessage>> {
         let mut ids: Vec<String> = job.attempts.iter().map(|a| a.id.to_string()).collect();
         // An event's id is the job's id and the version it was written at;
         // the newest 1,000 versions (a job's event is written when it ends).
@@ -148,7 +150,7 @@ impl Store {
                ORDER BY created_at, id"#,
             &ids
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?)
     }
 }

@@ -1,6 +1,7 @@
 //! Jobs: the views operators and owners read, and cancellation (admission is
 //! `admission.rs`).
 
+use crate::edges::store::handles::Jobs;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -8,16 +9,16 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use crate::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
+use crate::edges::store::audit;
 use crate::edges::store::audit::{Action, Actor};
 use crate::edges::store::drafts::{Ended, OutboxMessage};
 use crate::edges::store::error::{Refusal, Result};
 use crate::edges::store::views::{AttemptView, JobRow, JobView};
-use crate::edges::store::{Store, audit};
 
-impl Store {
+impl Jobs<'_> {
     /// Where an attempt stands: its job, its status, and its job's status.
     pub async fn attempt_state(
-        &self,
+        self,
         attempt: AttemptId,
     ) -> Result<Option<(JobId, AttemptStatus, JobStatus)>> {
         let row = sqlx::query!(
@@ -27,23 +28,23 @@ impl Store {
                WHERE a.id = $1"#,
             attempt.0,
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.0.pool)
         .await?;
         Ok(row.map(|r| (r.job_id, r.attempt, r.job)))
     }
 
     /// The job an attempt belongs to.
-    pub async fn attempt_job(&self, attempt: AttemptId) -> Result<Option<JobId>> {
+    pub async fn attempt_job(self, attempt: AttemptId) -> Result<Option<JobId>> {
         Ok(sqlx::query_scalar!(
             r#"SELECT job_id AS "job_id: JobId" FROM attempts WHERE id = $1"#,
             attempt.0
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.0.pool)
         .await?)
     }
 
     /// A job with its attempts.
-    pub async fn job(&self, id: JobId) -> Result<Option<JobView>> {
+    pub async fn job(self, id: JobId) -> Result<Option<JobView>> {
         let row = sqlx::query_as!(
             JobRow,
             r#"SELECT id AS "id: JobId", owner_id, idempotency_key, request_fingerprint, operation,
@@ -53,14 +54,14 @@ impl Store {
                FROM jobs WHERE id = $1"#,
             id.0
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.0.pool)
         .await?;
         self.view(row).await
     }
 
     /// A job with its attempts, only if it belongs to `owner_id`: the owner check
     /// is part of the query, so another owner's job is never even read.
-    pub async fn owned_job(&self, id: JobId, owner_id: &str) -> Result<Option<JobView>> {
+    pub async fn owned_job(self, id: JobId, owner_id: &str) -> Result<Option<JobView>> {
         let row = sqlx::query_as!(
             JobRow,
             r#"SELECT id AS "id: JobId", owner_id, idempotency_key, request_fingerprint, operation,
@@ -71,13 +72,13 @@ impl Store {
             id.0,
             owner_id
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.0.pool)
         .await?;
         self.view(row).await
     }
 
     /// The job with this identity, if any.
-    pub async fn find_job(&self, owner_id: &str, idempotency_key: &str) -> Result<Option<JobView>> {
+    pub async fn find_job(self, owner_id: &str, idempotency_key: &str) -> Result<Option<JobView>> {
         let row = sqlx::query_as!(
             JobRow,
             r#"SELECT id AS "id: JobId", owner_id, idempotency_key, request_fingerprint, operation,
@@ -88,12 +89,12 @@ impl Store {
             owner_id,
             idempotency_key
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.0.pool)
         .await?;
         self.view(row).await
     }
 
-    async fn view(&self, row: Option<JobRow>) -> Result<Option<JobView>> {
+    async fn view(self, row: Option<JobRow>) -> Result<Option<JobView>> {
         let Some(job) = row else {
             return Ok(None);
         };
@@ -108,7 +109,7 @@ impl Store {
                FROM attempts a WHERE job_id = $1 ORDER BY number"#,
             job.id.0
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?;
         Ok(Some(job.with(attempts)))
     }
@@ -119,7 +120,7 @@ impl Store {
     /// that its late result is `discarded` by the compare-and-swap. Refused on a terminal job.
     /// The cancellation is recorded in the audit table, in its transaction.
     pub async fn cancel_job(
-        &self,
+        self,
         job: JobId,
         actor: &Actor,
     ) -> Result<Result<Vec<OutboxMessage>, Refusal>> {
@@ -127,7 +128,7 @@ impl Store {
             r#"SELECT status AS "status: JobStatus" FROM jobs WHERE id = $1"#,
             job.0
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.0.pool)
         .await?
         else {
             return Ok(Err(Refusal::NotFound(format!("job {job}"))));
@@ -143,6 +144,7 @@ impl Store {
             ..Action::default()
         };
         match self
+            .0
             .retrying(|| self.cancel_once(job, None, reason, (actor, &action)))
             .await?
         {
@@ -151,6 +153,8 @@ impl Store {
             // ended: by this very cancellation when its audit row is there.
             // Its event is the relay's to publish.
             None if self
+                .0
+                .audit()
                 .recorded(action.id.unwrap_or_default())
                 .await?
                 .is_some() =>
@@ -166,13 +170,13 @@ impl Store {
     /// One cancellation transaction, recorded as `audit` says; `None` if the
     /// job had already ended.
     pub(super) async fn cancel_once(
-        &self,
+        self,
         job: JobId,
         target: Option<AttemptId>,
         reason: &str,
         audit: (&Actor, &Action<'_>),
     ) -> Result<Option<Vec<OutboxMessage>>> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.0.pool.begin().await?;
         // The job first: once it is locked and cancelled, no retry or hedge can add
         // an attempt to it (they lock the job before they insert one), and the
         // statement below, with its fresh snapshot, sees every attempt it has.
@@ -214,8 +218,8 @@ impl Store {
         .execute(&mut *tx)
         .await?;
         audit::record(&mut tx, audit.0, audit.1).await?;
-        let draft = ended.draft(&self.routes);
-        let publish = self.insert_outbox(&mut tx, &[draft]).await?;
+        let draft = ended.draft(&self.0.routes);
+        let publish = self.0.outbox().insert_outbox(&mut tx, &[draft]).await?;
         tx.commit().await?;
         Ok(Some(publish))
     }
@@ -277,7 +281,7 @@ pub struct JobSummary {
 /// now.
 const AGE_CAP_SECONDS: f64 = 31_557_600_000.0;
 
-impl Store {
+impl Jobs<'_> {
     /// Up to `limit` jobs that `query` picks, newest first, after
     /// `query.after`: by keyset on the primary key, never by offset. Each
     /// filter not given is `NULL`, which Postgres folds away when it plans the
@@ -287,7 +291,7 @@ impl Store {
     /// semi-join at the statement's top, not an `OR`, so that Postgres may
     /// walk the provider's attempts instead (`attempts_provider_job`) when few
     /// jobs used it, and look each job's up there when many did.
-    pub async fn list_jobs(&self, query: &JobQuery, limit: i64) -> Result<Vec<JobSummary>> {
+    pub async fn list_jobs(self, query: &JobQuery, limit: i64) -> Result<Vec<JobSummary>> {
         let statuses: Option<Vec<String>> = (!query.statuses.is_empty()).then(|| {
             query
                 .statuses
@@ -322,7 +326,7 @@ impl Store {
                 after,
                 limit
             )
-            .fetch_all(&self.pool)
+            .fetch_all(&self.0.pool)
             .await?);
         };
         Ok(sqlx::query_as!(
@@ -351,7 +355,7 @@ impl Store {
             limit,
             provider
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?)
     }
 }

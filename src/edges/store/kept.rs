@@ -9,6 +9,7 @@
 //! `attempts_answer_closed` when its attempt closes by any other path, its
 //! usage kept on the attempt.
 
+use crate::edges::store::handles::Kept;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -16,7 +17,6 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use crate::domain::{AttemptId, JobId};
-use crate::edges::store::Store;
 use crate::edges::store::error::{Result, corrupt};
 use crate::edges::store::settle::{Finished, Verdict};
 
@@ -31,7 +31,7 @@ struct KeptAnswer {
 }
 
 /// What became of a settlement handed on through the broker
-/// ([`Store::keep_handed_on`]).
+/// ([`Kept::keep_handed_on`](crate::edges::store::Kept::keep_handed_on)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HandedOn {
     /// Kept on its attempt, for the kept-answer pass to settle.
@@ -56,16 +56,16 @@ fn kept_answer(finished: &Finished) -> Result<Value> {
     .map_err(corrupt)
 }
 
-impl Store {
+impl Kept<'_> {
     /// Keeps a settlement handed on through the broker on its attempt, if
     /// that attempt is still open and was started under `claim` (the secret
     /// only its worker knew): never waits for a held row (`SKIP LOCKED`).
     /// An attempt under that claim that was settled meanwhile keeps what the
     /// call cost (its usage and request id, where it has none), as a late
     /// answer's settlement would. Whatever else it names keeps nothing.
-    pub async fn keep_handed_on(&self, finished: &Finished, claim: Uuid) -> Result<HandedOn> {
+    pub async fn keep_handed_on(self, finished: &Finished, claim: Uuid) -> Result<HandedOn> {
         let kept = kept_answer(finished)?;
-        self.retrying(|| async {
+        self.0.retrying(|| async {
             let row = sqlx::query!(
                 r#"WITH target AS (
                        SELECT status IN ('started', 'unknown') AS open, claim = $3 AS ours
@@ -94,7 +94,7 @@ impl Store {
                 finished.usage.as_ref(),
                 finished.provider_request_id.as_deref(),
             )
-            .fetch_one(&self.pool)
+            .fetch_one(&self.0.pool)
             .await?;
             Ok(match (row.kept, row.ours, row.open) {
                 (1.., _, _) => HandedOn::Kept,
@@ -112,35 +112,36 @@ impl Store {
     /// A kept answer is due for the kept-answer pass at once. `found`, for an
     /// answer a look at evidence found, is written as the look's note with
     /// it: whoever settles the answer, the attempt says what was found.
-    pub async fn keep_answer(&self, finished: &Finished, found: Option<&str>) -> Result<bool> {
+    pub async fn keep_answer(self, finished: &Finished, found: Option<&str>) -> Result<bool> {
         let kept = kept_answer(finished)?;
-        self.retrying(|| async {
-            let done = sqlx::query!(
-                "UPDATE attempts SET answer = $2, kept_next_at = NULL,
+        self.0
+            .retrying(|| async {
+                let done = sqlx::query!(
+                    "UPDATE attempts SET answer = $2, kept_next_at = NULL,
                         evidence_note = coalesce($3, evidence_note),
                         evidence_last_at = CASE WHEN $3::text IS NULL THEN evidence_last_at
                                                 ELSE now() END
                  WHERE id IN (SELECT id FROM attempts
                               WHERE id = $1 AND status IN ('started', 'unknown')
                               FOR UPDATE SKIP LOCKED)",
-                finished.attempt_id.0,
-                &kept,
-                found,
-            )
-            .execute(&self.pool)
-            .await?;
-            Ok(done.rows_affected() == 1)
-        })
-        .await
+                    finished.attempt_id.0,
+                    &kept,
+                    found,
+                )
+                .execute(&self.0.pool)
+                .await?;
+                Ok(done.rows_affected() == 1)
+            })
+            .await
     }
 
     /// Open attempts with a kept answer that is due, at most `limit`, as
     /// finished attempts to settle: never tried first, then those tried
     /// longest ago, so that answers whose rows stay held (moved on by
-    /// [`Store::kept_later`]) never stand in front of newer ones. A kept
+    /// [`Kept::kept_later`](crate::edges::store::Kept::kept_later)) never stand in front of newer ones. A kept
     /// answer this version cannot read is set aside for good (an operator
     /// resolves its attempt), with an error in the log.
-    pub async fn kept_answers(&self, limit: i64) -> Result<Vec<Finished>> {
+    pub async fn kept_answers(self, limit: i64) -> Result<Vec<Finished>> {
         let rows = sqlx::query!(
             r#"SELECT id AS "attempt_id: AttemptId", job_id AS "job_id: JobId",
                       answer AS "answer!"
@@ -151,7 +152,7 @@ impl Store {
                LIMIT $1"#,
             limit
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?;
         let mut finished = Vec::with_capacity(rows.len());
         let mut unreadable = Vec::new();
@@ -176,7 +177,7 @@ impl Store {
                 "UPDATE attempts SET kept_next_at = 'infinity' WHERE id = ANY($1)",
                 &unreadable
             )
-            .execute(&self.pool)
+            .execute(&self.0.pool)
             .await?;
         }
         Ok(finished)
@@ -184,7 +185,7 @@ impl Store {
 
     /// Moves the kept answers of `attempts` (whose rows were held when the
     /// pass tried them) behind the others, due again in `pause`.
-    pub async fn kept_later(&self, attempts: &[AttemptId], pause: Duration) -> Result<()> {
+    pub async fn kept_later(self, attempts: &[AttemptId], pause: Duration) -> Result<()> {
         if attempts.is_empty() {
             return Ok(());
         }
@@ -195,7 +196,7 @@ impl Store {
             &ids,
             pause.as_secs_f64(),
         )
-        .execute(&self.pool)
+        .execute(&self.0.pool)
         .await?;
         Ok(())
     }
@@ -203,7 +204,7 @@ impl Store {
     /// The answers kept on open attempts, by why they wait: `due` (the pass
     /// settles them next), `held` (their rows were held when last tried) and
     /// `unreadable` (an operator resolves them).
-    pub async fn kept_waiting(&self) -> Result<KeptWaiting> {
+    pub async fn kept_waiting(self) -> Result<KeptWaiting> {
         let row = sqlx::query!(
             r#"SELECT count(*) FILTER (WHERE kept_next_at IS NULL OR kept_next_at <= now()) AS "due!",
                       count(*) FILTER (WHERE kept_next_at > now() AND kept_next_at < 'infinity') AS "held!",
@@ -211,7 +212,7 @@ impl Store {
                FROM attempts
                WHERE answer IS NOT NULL AND status IN ('started', 'unknown')"#
         )
-        .fetch_one(&self.pool)
+        .fetch_one(&self.0.pool)
         .await?;
         Ok(KeptWaiting {
             due: row.due,
@@ -222,7 +223,7 @@ impl Store {
 }
 
 /// The answers kept on open attempts, by why they wait
-/// ([`Store::kept_waiting`]).
+/// ([`Kept::kept_waiting`](crate::edges::store::Kept::kept_waiting)).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct KeptWaiting {
     /// Due: the kept-answer pass settles them next.

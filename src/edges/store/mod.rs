@@ -35,6 +35,7 @@ mod drafts;
 mod error;
 mod evidence;
 mod gauges;
+mod handles;
 mod held;
 mod job_pages;
 mod jobs;
@@ -58,6 +59,10 @@ pub use budget::Reservation;
 pub use drafts::{OutboxDraft, OutboxMessage, Routes};
 pub use error::{Refusal, Result, StoreError};
 pub use evidence::{EvidenceClaim, EvidenceDue};
+pub use handles::{
+    Admissions, Audit, Evidence, Jobs, Kept, Outbox, Owners, Pruning, Qualifications, Sessions,
+    Settle, Sweeps, Tokens, Turns,
+};
 pub use held::HeldTurns;
 pub use job_pages::{JobFilter, JobLine, JobMessage};
 pub use jobs::{JobQuery, JobSummary};

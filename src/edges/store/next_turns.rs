@@ -3,7 +3,7 @@
 //! sweep) take their turn as a first attempt does, so that neither goes
 //! straight to the provider's queue ahead of other owners' first attempts.
 //! Each is held: its outbox row is written not due, and the provider's
-//! hand-out ([`Store::hand_out_turns`]) hands it out behind its owner's
+//! hand-out ([`Turns::hand_out_turns`](crate::edges::store::Turns::hand_out_turns)) hands it out behind its owner's
 //! turns already waiting there, under the owner's share and
 //! `max_in_flight`.
 

@@ -2,6 +2,7 @@
 //! causes them, claimed by publishers with leases, marked once confirmed, and
 //! pruned after `outbox_retention`.
 
+use crate::edges::store::handles::Outbox;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -9,13 +10,12 @@ use serde_json::Value;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use crate::edges::store::Store;
 use crate::edges::store::drafts::{OutboxDraft, OutboxMessage};
 use crate::edges::store::error::Result;
 
-impl Store {
+impl Outbox<'_> {
     pub(super) async fn insert_outbox(
-        &self,
+        self,
         conn: &mut PgConnection,
         drafts: &[OutboxDraft],
     ) -> Result<Vec<OutboxMessage>> {
@@ -40,7 +40,7 @@ impl Store {
             &c.message_ids,
             &c.bodies,
             &c.not_before as &[Option<DateTime<Utc>>],
-            self.routes.lease.as_secs_f64(),
+            self.0.routes.lease.as_secs_f64(),
             &c.job_ids,
         )
         .fetch_all(&mut *conn)
@@ -54,9 +54,9 @@ impl Store {
     /// statement comes after the compare-and-swap, so its snapshot sees a timeout
     /// that committed while the compare-and-swap waited for the job, which this
     /// transaction now holds. (Its status test is written `(…) IS TRUE` for the
-    /// reason [`Store::start`] gives.)
+    /// reason [`Settle::start`](crate::edges::store::Settle::start) gives.)
     pub(super) async fn insert_outbox_closing(
-        &self,
+        self,
         conn: &mut PgConnection,
         drafts: &[OutboxDraft],
         won: &[(Uuid, Uuid)],
@@ -98,7 +98,7 @@ impl Store {
             &c.message_ids,
             &c.bodies,
             &c.not_before as &[Option<DateTime<Utc>>],
-            self.routes.lease.as_secs_f64(),
+            self.0.routes.lease.as_secs_f64(),
             &won_jobs,
             &winners,
             &c.job_ids,
@@ -110,7 +110,7 @@ impl Store {
 
     /// Takes due outbox rows whose lease is free (or over) for this publisher.
     /// `SKIP LOCKED` lets several relays share the table without waiting.
-    pub async fn claim_outbox(&self, limit: i64) -> Result<Vec<OutboxMessage>> {
+    pub async fn claim_outbox(self, limit: i64) -> Result<Vec<OutboxMessage>> {
         Ok(sqlx::query_as!(
             OutboxMessage,
             "UPDATE outbox SET lease_until = now() + make_interval(secs => $2)
@@ -123,15 +123,15 @@ impl Store {
                  FOR UPDATE SKIP LOCKED)
              RETURNING id, exchange, routing_key, message_id, body, traceparent, tracestate",
             limit,
-            self.routes.lease.as_secs_f64(),
+            self.0.routes.lease.as_secs_f64(),
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?)
     }
 
     /// Deletes up to `limit` outbox rows published more than `retention` ago;
     /// returns how many. Rows not yet published are never touched.
-    pub async fn prune_outbox(&self, retention: Duration, limit: i64) -> Result<u64> {
+    pub async fn prune_outbox(self, retention: Duration, limit: i64) -> Result<u64> {
         let done = sqlx::query!(
             "DELETE FROM outbox WHERE id IN (
                  SELECT id FROM outbox
@@ -142,7 +142,7 @@ impl Store {
             retention.as_secs_f64(),
             limit,
         )
-        .execute(&self.pool)
+        .execute(&self.0.pool)
         .await?;
         Ok(done.rows_affected())
     }
@@ -151,7 +151,7 @@ impl Store {
     /// marked before keeps its time. By primary key only: a `published_at IS
     /// NULL` test would let the planner scan the partial index `outbox_pending`,
     /// whose entries for rows published a moment ago are dead until vacuum.
-    pub async fn mark_published(&self, ids: &[i64]) -> Result<()> {
+    pub async fn mark_published(self, ids: &[i64]) -> Result<()> {
         if ids.is_empty() {
             return Ok(());
         }
@@ -159,7 +159,7 @@ impl Store {
             "UPDATE outbox SET published_at = COALESCE(published_at, now()) WHERE id = ANY($1)",
             ids
         )
-        .execute(&self.per_job)
+        .execute(&self.0.per_job)
         .await?;
         Ok(())
     }

@@ -1,11 +1,11 @@
 //! What needs an operator's eye at a glance: the overview's counts, and every
 //! attempt in `unknown` blocking its job.
 
+use crate::edges::store::handles::Jobs;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::edges::store::Store;
 use crate::edges::store::error::Result;
 
 /// An attempt in `unknown`, blocking its job.
@@ -58,9 +58,9 @@ pub struct Overview {
     pub outbox_lag_seconds: Option<f64>,
 }
 
-impl Store {
+impl Jobs<'_> {
     /// Every attempt in `unknown`, the oldest first.
-    pub async fn unknowns(&self) -> Result<Vec<Unknown>> {
+    pub async fn unknowns(self) -> Result<Vec<Unknown>> {
         Ok(sqlx::query_as!(
             Unknown,
             r#"SELECT a.id AS attempt_id, a.job_id, a.number, a.provider, a.provider_request_id,
@@ -71,20 +71,20 @@ impl Store {
                WHERE a.status = 'unknown'
                ORDER BY coalesce(a.started_at, a.created_at), a.id"#
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?)
     }
 
     /// The overview's counts: exact, by the status index, the pending outbox
     /// index and the primary key's last hour.
-    pub async fn overview(&self) -> Result<Overview> {
+    pub async fn overview(self) -> Result<Overview> {
         let jobs = sqlx::query!(
             r#"SELECT s.status AS "status!", count(j.id) AS "n!"
                FROM unnest(ARRAY['queued', 'running', 'unknown', 'succeeded', 'failed', 'cancelled']) s(status)
                LEFT JOIN jobs j ON j.status = s.status
                GROUP BY s.status ORDER BY array_position(ARRAY['queued', 'running', 'unknown', 'succeeded', 'failed', 'cancelled'], s.status)"#
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?
         .into_iter()
         .map(|r| (r.status, r.n))
@@ -94,7 +94,7 @@ impl Store {
                WHERE finished_at > now() - interval '1 hour'
                GROUP BY provider, status ORDER BY provider, status"#
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?
         .into_iter()
         .map(|r| (r.provider, r.status, r.n))
@@ -115,7 +115,7 @@ impl Store {
             floor,
             ceiling
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?
         {
             if let Some(n) = usize::try_from(r.minute)
@@ -133,7 +133,7 @@ impl Store {
                  (SELECT extract(epoch FROM now() - min(not_before))::float8
                   FROM outbox WHERE published_at IS NULL AND not_before <= now()) AS lag"#
         )
-        .fetch_one(&self.pool)
+        .fetch_one(&self.0.pool)
         .await?;
         Ok(Overview {
             jobs,

@@ -2,6 +2,7 @@
 //! what each owner spent over the last 24 hours, and which owners are over
 //! their budget.
 
+use crate::edges::store::handles::Owners;
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
@@ -9,7 +10,6 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use super::audit::record;
-use crate::edges::store::Store;
 use crate::edges::store::audit::{Action, Actor};
 use crate::edges::store::error::Result;
 use crate::settings::config::{OwnerLimits, OwnerOverrides};
@@ -68,9 +68,9 @@ impl OwnerChange {
     }
 }
 
-impl Store {
+impl Owners<'_> {
     async fn own_settings(
-        &self,
+        self,
         owners: &[String],
     ) -> Result<HashMap<String, (OwnerOverrides, DateTime<Utc>)>> {
         Ok(sqlx::query!(
@@ -78,7 +78,7 @@ impl Store {
              FROM owners WHERE owner_id = ANY($1)",
             owners,
         )
-        .fetch_all(&self.per_job)
+        .fetch_all(&self.0.per_job)
         .await?
         .into_iter()
         .map(|r| {
@@ -96,16 +96,16 @@ impl Store {
     /// The limits that apply to each of these owners (its own settings over
     /// `[owners]`'s), in one statement.
     pub(super) async fn admission_owners(
-        &self,
+        self,
         owners: &[String],
     ) -> Result<Vec<(String, OwnerLimits)>> {
-        let defaults = self.routes.owners;
+        let defaults = self.0.routes.owners;
         let rows = sqlx::query!(
             r#"SELECT i.owner_id AS "owner_id!", o.max_in_flight, o.rate, o.burst, o.daily_tokens
                FROM unnest($1::text[]) AS i(owner_id) LEFT JOIN owners o USING (owner_id)"#,
             owners,
         )
-        .fetch_all(&self.per_job)
+        .fetch_all(&self.0.per_job)
         .await?;
         Ok(rows
             .into_iter()
@@ -123,15 +123,15 @@ impl Store {
 
     /// One owner: its settings, its limits and its spend. An owner onejob has
     /// never heard of has `[owners]`'s limits and has spent nothing.
-    pub async fn owner(&self, owner_id: &str) -> Result<OwnerView> {
+    pub async fn owner(self, owner_id: &str) -> Result<OwnerView> {
         let mut views = self.owner_views(&[owner_id.to_owned()]).await?;
         Ok(views.pop().unwrap_or_else(|| OwnerView {
             owner_id: owner_id.to_owned(),
             own: OwnerOverrides::default(),
-            limits: self.routes.owners,
+            limits: self.0.routes.owners,
             spent_24h: 0,
             reserved: 0,
-            left: budget_left(self.routes.owners.daily_tokens, 0, 0),
+            left: budget_left(self.0.routes.owners.daily_tokens, 0, 0),
             waiting: 0,
             updated_at: None,
         }))
@@ -139,7 +139,7 @@ impl Store {
 
     /// The owners with settings of their own or spend over the last 24 hours,
     /// by name.
-    pub async fn list_owners(&self) -> Result<Vec<OwnerView>> {
+    pub async fn list_owners(self) -> Result<Vec<OwnerView>> {
         let names: Vec<String> = sqlx::query_scalar!(
             r#"SELECT owner_id AS "owner_id!" FROM owners
                UNION
@@ -149,12 +149,12 @@ impl Store {
                LIMIT 10000"#,
             WINDOW_SECS,
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?;
         self.owner_views(&names).await
     }
 
-    async fn owner_views(&self, owners: &[String]) -> Result<Vec<OwnerView>> {
+    async fn owner_views(self, owners: &[String]) -> Result<Vec<OwnerView>> {
         let own = self.own_settings(owners).await?;
         let figures: HashMap<String, (i64, i64, i64)> = sqlx::query!(
             r#"SELECT o.owner_id AS "owner_id!",
@@ -170,7 +170,7 @@ impl Store {
             owners,
             WINDOW_SECS,
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?
         .into_iter()
         .map(|r| (r.owner_id, (r.spent, r.reserved, r.waiting)))
@@ -182,7 +182,7 @@ impl Store {
                     .get(o)
                     .map_or((OwnerOverrides::default(), None), |(s, at)| (*s, Some(*at)));
                 let (spent_24h, reserved, waiting) = figures.get(o).copied().unwrap_or_default();
-                let limits = self.routes.owners.with(&mine);
+                let limits = self.0.routes.owners.with(&mine);
                 OwnerView {
                     owner_id: o.clone(),
                     own: mine,
@@ -201,12 +201,12 @@ impl Store {
     /// settings were and became) commit together. Returns the owner as it is
     /// now, and the audit row's id.
     pub async fn set_owner(
-        &self,
+        self,
         owner_id: &str,
         change: &OwnerChange,
         actor: &Actor,
     ) -> Result<(OwnerView, Uuid)> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.0.pool.begin().await?;
         let before = sqlx::query!(
             "SELECT max_in_flight, rate, burst, daily_tokens FROM owners
              WHERE owner_id = $1 FOR UPDATE",
@@ -255,7 +255,7 @@ impl Store {
 
     /// Deletes up to `limit` spend rows that left every budget's window;
     /// returns how many.
-    pub async fn prune_spend(&self, limit: i64) -> Result<u64> {
+    pub async fn prune_spend(self, limit: i64) -> Result<u64> {
         let done = sqlx::query!(
             "DELETE FROM owner_spend WHERE ctid IN (
                  SELECT ctid FROM owner_spend
@@ -264,7 +264,7 @@ impl Store {
             WINDOW_SECS,
             limit,
         )
-        .execute(&self.pool)
+        .execute(&self.0.pool)
         .await?;
         Ok(done.rows_affected())
     }

@@ -1,11 +1,11 @@
 //! Provider qualification runs.
 
+use crate::edges::store::handles::Qualifications;
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::edges::store::Store;
 use crate::edges::store::error::Result;
 
 /// The latest qualification run of one provider for one operation.
@@ -23,9 +23,9 @@ pub struct QualificationRun {
     pub passed: i64,
 }
 
-impl Store {
+impl Qualifications<'_> {
     /// Records a qualification run, one row per case.
-    pub async fn record_qualification(&self, q: &crate::domain::Qualification) -> Result<Uuid> {
+    pub async fn record_qualification(self, q: &crate::domain::Qualification) -> Result<Uuid> {
         let run = Uuid::now_v7();
         // A run with no case still records that it failed.
         let cases: Vec<crate::domain::CaseResult> = if q.cases.is_empty() {
@@ -76,7 +76,7 @@ impl Store {
             &estimated,
             &latencies as &[Option<i64>],
         )
-        .execute(&self.pool)
+        .execute(&self.0.pool)
         .await?;
         Ok(run)
     }
@@ -85,7 +85,7 @@ impl Store {
     /// contract it ran against (the caller compares its hash with the current
     /// contract's).
     pub async fn latest_runs(
-        &self,
+        self,
         pairs: &[(String, String)],
     ) -> Result<HashMap<(String, String), QualificationRun>> {
         if pairs.is_empty() {
@@ -108,7 +108,7 @@ impl Store {
             &providers,
             &operations
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?;
         Ok(rows
             .into_iter()

@@ -15,12 +15,13 @@
 //!
 //! Deleted rows free their space only once a `VACUUM` has run. Where the server
 //! runs autovacuum that is its job; where it does not (`autovacuum = off`),
-//! [`Store::vacuum_if_due`] does it for onejob's own tables, by autovacuum's
+//! [`Pruning::vacuum_if_due`](crate::edges::store::Pruning::vacuum_if_due) does it for onejob's own tables, by autovacuum's
 //! rule, so that pruned space is reused instead of the tables growing forever.
 
+use crate::edges::store::handles::Pruning;
 use std::time::Duration;
 
-use super::{Result, Store};
+use super::Result;
 use crate::settings::config::{Config, Retention};
 
 /// How long each kind of ended job is kept: the `[retention]` defaults, and each
@@ -93,10 +94,10 @@ pub struct Pass {
     pub oldest: Option<Duration>,
 }
 
-impl Store {
+impl Pruning<'_> {
     /// Deletes up to `limit` ended jobs past their retention, oldest ending
     /// first, with their attempts; `dry` counts them and deletes nothing.
-    pub async fn prune_jobs(&self, policy: &Policy, limit: i64, dry: bool) -> Result<Pass> {
+    pub async fn prune_jobs(self, policy: &Policy, limit: i64, dry: bool) -> Result<Pass> {
         let row = sqlx::query!(
             r#"WITH policy AS (
                    SELECT * FROM unnest($1::text[], $2::text[], $3::float8[]) AS p(operation, status, secs)
@@ -153,7 +154,7 @@ impl Store {
             limit,
             dry,
         )
-        .fetch_one(&self.pool)
+        .fetch_one(&self.0.pool)
         .await?;
         Ok(Pass {
             pruned: Pruned {
@@ -172,7 +173,7 @@ impl Store {
     /// past autovacuum's own threshold (`autovacuum_vacuum_threshold` +
     /// `autovacuum_vacuum_scale_factor` × its rows), skipping any another
     /// session is vacuuming. The tables it vacuumed; none where autovacuum runs.
-    pub async fn vacuum_if_due(&self) -> Result<Vec<String>> {
+    pub async fn vacuum_if_due(self) -> Result<Vec<String>> {
         let due = sqlx::query_scalar!(
             r#"SELECT s.relname::text AS "table!" FROM pg_stat_user_tables s
                JOIN pg_class c ON c.oid = s.relid
@@ -183,9 +184,11 @@ impl Store {
                      + current_setting('autovacuum_vacuum_scale_factor')::float8 * greatest(c.reltuples, 0)
                ORDER BY s.relname"#
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?;
-        self.on_busy_tables("VACUUM (ANALYZE, SKIP_LOCKED)", &due)
+        self.0
+            .sweeps()
+            .on_busy_tables("VACUUM (ANALYZE, SKIP_LOCKED)", &due)
             .await?;
         Ok(due)
     }
@@ -195,7 +198,7 @@ impl Store {
     /// for intake and settlements). The total, and the oldest job's age as the
     /// first batch found it.
     pub async fn prune_batches(
-        &self,
+        self,
         policy: &Policy,
         batch: i64,
         max_batches: usize,

@@ -1,9 +1,9 @@
 //! The operator console's sessions: signed in with an operator token, found
 //! by their id's digest, signed out, expired.
 
+use crate::edges::store::handles::Sessions;
 use std::time::Duration;
 
-use crate::edges::store::Store;
 use crate::edges::store::error::Result;
 use crate::settings::token::Token;
 
@@ -16,13 +16,13 @@ pub struct Session {
     pub csrf: String,
 }
 
-impl Store {
+impl Sessions<'_> {
     /// Deletes the sessions past their expiry (a timer of the console's
     /// calls it); how many.
-    pub async fn expire_sessions(&self) -> Result<u64> {
+    pub async fn expire_sessions(self) -> Result<u64> {
         Ok(
             sqlx::query!("DELETE FROM operator_sessions WHERE expires_at < now()")
-                .execute(&self.pool)
+                .execute(&self.0.pool)
                 .await?
                 .rows_affected(),
         )
@@ -32,7 +32,7 @@ impl Store {
     /// digest is `session_digest`. The operator, or `None` when the token is
     /// unknown or revoked.
     pub async fn sign_in(
-        &self,
+        self,
         token: &Token,
         session_digest: &str,
         csrf: &str,
@@ -54,13 +54,13 @@ impl Store {
             csrf,
             ttl.as_secs_f64()
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.0.pool)
         .await?)
     }
 
     /// The live session whose id has this digest: not expired, not signed out,
     /// its token not revoked.
-    pub async fn session(&self, session_digest: &str) -> Result<Option<Session>> {
+    pub async fn session(self, session_digest: &str) -> Result<Option<Session>> {
         Ok(sqlx::query_as!(
             Session,
             "SELECT t.operator, s.csrf FROM operator_sessions s
@@ -68,17 +68,17 @@ impl Store {
              WHERE s.id_sha256 = $1 AND s.expires_at > now() AND t.revoked_at IS NULL",
             session_digest
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.0.pool)
         .await?)
     }
 
     /// Ends a session.
-    pub async fn sign_out(&self, session_digest: &str) -> Result<()> {
+    pub async fn sign_out(self, session_digest: &str) -> Result<()> {
         sqlx::query!(
             "DELETE FROM operator_sessions WHERE id_sha256 = $1",
             session_digest
         )
-        .execute(&self.pool)
+        .execute(&self.0.pool)
         .await?;
         Ok(())
     }

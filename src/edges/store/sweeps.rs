@@ -1,19 +1,20 @@
 //! What the reconciler's passes ask of the tables: vanished workers, stuck
 //! queued attempts, and hedging.
 
+use crate::edges::store::handles::Sweeps;
 use std::time::Duration;
 
 use uuid::Uuid;
 
 use super::settle::{mark_unknown, take_rows};
 use crate::domain::{AttemptId, JobId, JobStatus};
+use crate::edges::store::HedgeCandidate;
 use crate::edges::store::drafts::OutboxMessage;
 use crate::edges::store::error::Result;
 use crate::edges::store::next_turns::NextTurn;
 use crate::edges::store::settle::Settled;
-use crate::edges::store::{HedgeCandidate, Store};
 
-impl Store {
+impl Sweeps<'_> {
     /// Queued attempts that never started although their message was last
     /// published `stuck_after` ago (it was dead-lettered, or its queue purged): republishes each
     /// (a duplicate is harmless: `queued → started` is guarded) and counts it.
@@ -29,12 +30,12 @@ impl Store {
     /// harmless.) So a message lost from a queue that other owners keep busy
     /// is sent again, and its turn does not keep its owner's place for ever.
     pub async fn stuck_queued(
-        &self,
+        self,
         stuck_after: Duration,
         max_republish: i32,
         backlogged: &[String],
     ) -> Result<(Vec<OutboxMessage>, Vec<AttemptId>)> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.0.pool.begin().await?;
         let stuck = sqlx::query!(
             r#"WITH moved AS (
                    -- How far each backlogged provider's queue has moved: the
@@ -96,10 +97,14 @@ impl Store {
             .await?;
             for s in &again {
                 tracing::warn!(attempt_id = %s.id, republished = s.republished + 1, "queued attempt never started; republishing its message");
-                drafts.push(self.routes.attempt_draft(s.id, s.job_id, &s.provider, None));
+                drafts.push(
+                    self.0
+                        .routes
+                        .attempt_draft(s.id, s.job_id, &s.provider, None),
+                );
             }
         }
-        let publish = self.insert_outbox(&mut tx, &drafts).await?;
+        let publish = self.0.outbox().insert_outbox(&mut tx, &drafts).await?;
         tx.commit().await?;
         Ok((publish, exhausted.into_iter().map(|s| s.id).collect()))
     }
@@ -107,7 +112,7 @@ impl Store {
     /// Jobs of operations with `hedge_after` whose only attempt has been `started`
     /// longer than that, with no hedge yet.
     pub async fn hedge_candidates(
-        &self,
+        self,
         hedge_after: &[(String, Duration)],
     ) -> Result<Vec<HedgeCandidate>> {
         if hedge_after.is_empty() {
@@ -129,7 +134,7 @@ impl Store {
             &operations,
             &seconds,
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?;
         Ok(rows
             .into_iter()
@@ -146,8 +151,8 @@ impl Store {
     /// they and their jobs become `unknown` (never `failed`: the provider may still
     /// be working). One whose job has already ended blocks nothing: it is
     /// `discarded`, with the reason.
-    pub async fn expire_vanished(&self, grace: Duration) -> Result<Vec<AttemptId>> {
-        let mut tx = self.pool.begin().await?;
+    pub async fn expire_vanished(self, grace: Duration) -> Result<Vec<AttemptId>> {
+        let mut tx = self.0.pool.begin().await?;
         // An attempt with a kept answer has not vanished: its answer is
         // settled by its own pass. Rows held under someone else's lock are
         // left for the next sweep, so one held row never fails the sweep.
@@ -192,9 +197,9 @@ impl Store {
     /// attempt does: held, and handed out by that provider's hand-out.
     /// Returns the new attempt, or `None` when the guard refused or the job
     /// row is held under someone else's lock (the next pass looks again).
-    pub async fn hedge(&self, job: JobId, provider: &str) -> Result<Option<AttemptId>> {
+    pub async fn hedge(self, job: JobId, provider: &str) -> Result<Option<AttemptId>> {
         let id = AttemptId::new();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.0.pool.begin().await?;
         let locked = sqlx::query_scalar!(
             r#"SELECT status AS "status: JobStatus" FROM jobs WHERE id = $1
                FOR UPDATE SKIP LOCKED"#,
@@ -213,7 +218,7 @@ impl Store {
                FROM jobs j LEFT JOIN owners o ON o.owner_id = j.owner_id
                WHERE j.id = $1"#,
             job.0,
-            self.routes.owners.max_in_flight,
+            self.0.routes.owners.max_in_flight,
         )
         .fetch_one(&mut *tx)
         .await?;
@@ -255,7 +260,7 @@ impl Store {
             provider,
             due: None,
         };
-        self.hold_turns(&mut tx, &[turn]).await?;
+        self.0.hold_turns(&mut tx, &[turn]).await?;
         tx.commit().await?;
         Ok(Some(id))
     }
@@ -271,7 +276,7 @@ impl Store {
     /// say), and the planner then scans whole tables for a few rows. The rule
     /// fires a handful of times as the tables grow (at about a thousand rows,
     /// five thousand, …) and never in a steady state.
-    pub async fn refresh_statistics(&self) -> Result<Vec<String>> {
+    pub async fn refresh_statistics(self) -> Result<Vec<String>> {
         let stale = sqlx::query_scalar!(
             r#"SELECT s.relname::text AS "table!"
                FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
@@ -280,7 +285,7 @@ impl Store {
                  AND s.n_mod_since_analyze >= 1000
                  AND (c.reltuples < 0 OR s.n_mod_since_analyze > 4 * c.reltuples)"#
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?;
         self.on_busy_tables("ANALYZE", &stale).await?;
         Ok(stale)
@@ -289,7 +294,7 @@ impl Store {
     /// Runs `command` (`ANALYZE`, `VACUUM (…)`: commands that take a table's
     /// name last and cannot run in a transaction) on each of `tables` that is
     /// one of onejob's busy tables (or `turns`), one simple query each.
-    pub(super) async fn on_busy_tables(&self, command: &str, tables: &[String]) -> Result<()> {
+    pub(super) async fn on_busy_tables(self, command: &str, tables: &[String]) -> Result<()> {
         for table in tables {
             // Only these three fixed identifiers are ever spliced in.
             let table = match table.as_str() {
@@ -300,7 +305,7 @@ impl Store {
                 _ => continue,
             };
             sqlx::raw_sql(sqlx::AssertSqlSafe(format!("{command} {table}")))
-                .execute(&self.pool)
+                .execute(&self.0.pool)
                 .await?;
         }
         Ok(())

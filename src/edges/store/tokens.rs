@@ -1,22 +1,23 @@
 //! The HTTP gateway's bearer tokens (only their digests).
 
+use crate::edges::store::handles::Tokens;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
+use crate::edges::store::audit;
 use crate::edges::store::audit::{Action, Actor};
 use crate::edges::store::error::Result;
 use crate::edges::store::views::TokenView;
-use crate::edges::store::{Store, audit};
 use crate::settings::token::Token;
 
-impl Store {
+impl Tokens<'_> {
     /// Records a new gateway token for `owner_id` (only its digest) and returns
     /// the token's id. The grant is audited (`token.create`) in the same
     /// transaction: no token exists without its row.
-    pub async fn create_token(&self, owner_id: &str, token: &Token, actor: &Actor) -> Result<Uuid> {
+    pub async fn create_token(self, owner_id: &str, token: &Token, actor: &Actor) -> Result<Uuid> {
         let id = Uuid::now_v7();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.0.pool.begin().await?;
         audit::record(
             &mut tx,
             actor,
@@ -36,18 +37,18 @@ impl Store {
     }
 
     /// The owner a presented token belongs to, unless it is unknown or revoked.
-    pub async fn token_owner(&self, token: &Token) -> Result<Option<String>> {
+    pub async fn token_owner(self, token: &Token) -> Result<Option<String>> {
         Ok(sqlx::query_scalar!(
             "SELECT owner_id FROM gateway_tokens WHERE token_sha256 = $1 AND revoked_at IS NULL",
             token.digest()
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.0.pool)
         .await?)
     }
 
     /// Gateway tokens, oldest first, optionally of one owner. Never the tokens
     /// themselves: the database does not have them.
-    pub async fn list_tokens(&self, owner_id: Option<&str>) -> Result<Vec<TokenView>> {
+    pub async fn list_tokens(self, owner_id: Option<&str>) -> Result<Vec<TokenView>> {
         Ok(sqlx::query_as!(
             TokenView,
             "SELECT id, owner_id, created_at, revoked_at FROM gateway_tokens
@@ -55,7 +56,7 @@ impl Store {
              ORDER BY created_at, id",
             owner_id
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?)
     }
 
@@ -63,8 +64,8 @@ impl Store {
     /// Returns the token and whether it had already been revoked (revoking twice
     /// keeps the first time); `Ok(None)` when there is no such token.
     /// The revocation is audited (`token.revoke`) in the same transaction.
-    pub async fn revoke_token(&self, id: Uuid, actor: &Actor) -> Result<Option<(TokenView, bool)>> {
-        let mut tx = self.pool.begin().await?;
+    pub async fn revoke_token(self, id: Uuid, actor: &Actor) -> Result<Option<(TokenView, bool)>> {
+        let mut tx = self.0.pool.begin().await?;
         let row = sqlx::query!(
             r#"UPDATE gateway_tokens t SET revoked_at = coalesce(b.revoked_at, now())
                FROM (SELECT id, revoked_at FROM gateway_tokens WHERE id = $1 FOR UPDATE) b
@@ -105,17 +106,17 @@ pub struct OperatorTokenView {
     pub revoked_at: Option<DateTime<Utc>>,
 }
 
-impl Store {
+impl Tokens<'_> {
     /// Records a new operator token (only its digest) and returns its id,
     /// audited (`token.create`) in the same transaction.
     pub async fn create_operator_token(
-        &self,
+        self,
         operator: &str,
         token: &Token,
         actor: &Actor,
     ) -> Result<Uuid> {
         let id = Uuid::now_v7();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.0.pool.begin().await?;
         let action = token_action("token.create", "operator", operator, id, None);
         audit::record(&mut tx, actor, &action).await?;
         sqlx::query!(
@@ -132,22 +133,22 @@ impl Store {
 
     /// The operator a presented operator token signs in, unless it is unknown
     /// or revoked. Tenant tokens are not in this table.
-    pub async fn token_operator(&self, token: &Token) -> Result<Option<String>> {
+    pub async fn token_operator(self, token: &Token) -> Result<Option<String>> {
         Ok(sqlx::query_scalar!(
             "SELECT operator FROM operator_tokens WHERE token_sha256 = $1 AND revoked_at IS NULL",
             token.digest()
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.0.pool)
         .await?)
     }
 
     /// Operator tokens, oldest first.
-    pub async fn operator_tokens(&self) -> Result<Vec<OperatorTokenView>> {
+    pub async fn operator_tokens(self) -> Result<Vec<OperatorTokenView>> {
         Ok(sqlx::query_as!(
             OperatorTokenView,
             "SELECT id, operator, created_at, revoked_at FROM operator_tokens ORDER BY created_at, id"
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?)
     }
 
@@ -155,11 +156,11 @@ impl Store {
     /// Whether it had already been revoked; `Ok(None)` when there is no such
     /// token. Audited (`token.revoke`) in the same transaction.
     pub async fn revoke_operator_token(
-        &self,
+        self,
         id: Uuid,
         actor: &Actor,
     ) -> Result<Option<(OperatorTokenView, bool)>> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.0.pool.begin().await?;
         let row = sqlx::query!(
             r#"UPDATE operator_tokens t SET revoked_at = coalesce(b.revoked_at, now())
                FROM (SELECT id, revoked_at FROM operator_tokens WHERE id = $1 FOR UPDATE) b

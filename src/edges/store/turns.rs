@@ -2,16 +2,16 @@
 //! hedge: `next_turns.rs`). Admission hands it out at once
 //! (its message goes to the provider's queue) while its owner has fewer than
 //! the provider's share handed out and not yet started, and holds it in
-//! Postgres past that; [`Store::hand_out_turns`] hands held turns out as the
+//! Postgres past that; [`Turns::hand_out_turns`](crate::edges::store::Turns::hand_out_turns) hands held turns out as the
 //! owner's earlier ones start. An owner with `max_in_flight` has every turn
 //! held, and handed out only while its attempts in flight stay under the
 //! limit. The table, the trigger that ends a turn when its attempt leaves
 //! `queued`, and `owner_in_flight` are in `migrations/0015_turns.sql`.
 
 use super::outbox::{InsertedRow, leased};
-use crate::edges::store::Store;
 use crate::edges::store::drafts::OutboxMessage;
 use crate::edges::store::error::Result;
+use crate::edges::store::handles::Turns;
 
 /// The most owners one hand-out looks at; the next one goes on after the
 /// last of them (a rotation), so every owner is looked at in turn however
@@ -33,7 +33,7 @@ pub struct HandOut {
     pub looked_to: String,
 }
 
-impl Store {
+impl Turns<'_> {
     /// Hands out the turns held on `provider`: each owner with turns held gets
     /// as many as its share (`share`) and its `max_in_flight` leave room for,
     /// oldest first. Returns the messages to publish now (those the owner's
@@ -50,7 +50,7 @@ impl Store {
     /// migration), in name order, and their flight counted after the lock,
     /// so that hand-outs on several providers and workers, and hedges, never
     /// both see the same room.
-    pub async fn hand_out_turns(&self, provider: &str, share: i64, after: &str) -> Result<HandOut> {
+    pub async fn hand_out_turns(self, provider: &str, share: i64, after: &str) -> Result<HandOut> {
         let waiting = self.owners_waiting(provider, after, share).await?;
         // The last looked at in the rotation: the last of those round at the
         // start (named up to `after`, so first by name), else the last.
@@ -79,10 +79,10 @@ impl Store {
         // transaction; otherwise the locks come first, in a transaction that
         // holds them until the hand-out commits.
         let rows = if counted.is_empty() {
-            self.hand_out(&self.pool, &owners, &limits, share, provider)
+            self.hand_out(&self.0.pool, &owners, &limits, share, provider)
                 .await?
         } else {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = self.0.pool.begin().await?;
             sqlx::query!(
                 "SELECT owner_lock(o) FROM unnest($1::text[]) AS o",
                 &counted
@@ -108,7 +108,7 @@ impl Store {
     /// turn that carries its message is written now, that of one written
     /// with its turn is made due.
     async fn hand_out<'e>(
-        &self,
+        self,
         on: impl sqlx::PgExecutor<'e>,
         owners: &[String],
         limits: &[i64],
@@ -178,7 +178,7 @@ impl Store {
             limits,
             share,
             provider,
-            self.routes.lease.as_secs_f64(),
+            self.0.routes.lease.as_secs_f64(),
         )
         .fetch_all(on)
         .await?)
@@ -192,12 +192,7 @@ impl Store {
     /// index probe an owner however long its backlog, the second walked only
     /// when the first leaves room (the limit stops the walks). Names are
     /// compared by Postgres, in its collation.
-    async fn owners_waiting(
-        &self,
-        provider: &str,
-        after: &str,
-        share: i64,
-    ) -> Result<Vec<Waiting>> {
+    async fn owners_waiting(self, provider: &str, after: &str, share: i64) -> Result<Vec<Waiting>> {
         Ok(sqlx::query_as!(
             Waiting,
             r#"WITH RECURSIVE later AS (
@@ -242,12 +237,12 @@ impl Store {
                FROM listed l LEFT JOIN owners o USING (owner_id)
                ORDER BY l.owner_id"#,
             provider,
-            self.routes.owners.max_in_flight,
+            self.0.routes.owners.max_in_flight,
             OWNERS_PER_HAND_OUT,
             after,
             share,
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.0.pool)
         .await?)
     }
 
@@ -260,7 +255,7 @@ impl Store {
     /// default), in which a busy provider leaves tens of thousands. The table
     /// holds only the turns waiting and handed out, so its vacuum takes
     /// milliseconds. True when it vacuumed.
-    pub async fn vacuum_turns_if_due(&self) -> Result<bool> {
+    pub async fn vacuum_turns_if_due(self) -> Result<bool> {
         let due = sqlx::query_scalar!(
             r#"SELECT EXISTS (
                    SELECT 1 FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
@@ -270,23 +265,25 @@ impl Store {
                            * greatest(c.reltuples, 0)) AS "due!""#,
             TURNS_DEAD_LEAST,
         )
-        .fetch_one(&self.pool)
+        .fetch_one(&self.0.pool)
         .await?;
         if due {
-            self.on_busy_tables("VACUUM (SKIP_LOCKED)", &["turns".to_owned()])
+            self.0
+                .sweeps()
+                .on_busy_tables("VACUUM (SKIP_LOCKED)", &["turns".to_owned()])
                 .await?;
         }
         Ok(due)
     }
 
     /// Whether any owner has turns held on `provider`, room or not.
-    async fn any_held(&self, provider: &str) -> Result<bool> {
+    async fn any_held(self, provider: &str) -> Result<bool> {
         Ok(sqlx::query_scalar!(
             r#"SELECT EXISTS (SELECT 1 FROM turns
                               WHERE provider = $1 AND handed_out_at IS NULL) AS "held!""#,
             provider,
         )
-        .fetch_one(&self.pool)
+        .fetch_one(&self.0.pool)
         .await?)
     }
 }

@@ -93,8 +93,9 @@ async fn resolve(
         ResolveAs::Failed => Resolution::Failed,
         ResolveAs::Cancelled => Resolution::Cancelled,
     };
-    let operation = match store.attempt_job(AttemptId(attempt_id)).await? {
+    let operation = match store.jobs().attempt_job(AttemptId(attempt_id)).await? {
         Some(job) => store
+            .jobs()
             .job(job)
             .await?
             .map(|j| j.operation)
@@ -104,6 +105,7 @@ async fn resolve(
     let planner = planner::load(&config, &store, [operation.as_str()]).await?;
     let plan = |f: &crate::policy::next::FailedJob| planner.plan(f);
     let (settled, publish) = match store
+        .settle()
         .resolve(AttemptId(attempt_id), resolution, &plan, actor)
         .await?
     {
@@ -126,10 +128,13 @@ async fn resolve(
         _ => None,
     };
     let job = store
-        .job(match store.attempt_job(AttemptId(attempt_id)).await? {
-            Some(j) => j,
-            None => return Err(Failure(format!("attempt {attempt_id} not found"))),
-        })
+        .jobs()
+        .job(
+            match store.jobs().attempt_job(AttemptId(attempt_id)).await? {
+                Some(j) => j,
+                None => return Err(Failure(format!("attempt {attempt_id} not found"))),
+            },
+        )
         .await?;
     if json {
         writeln!(
@@ -186,10 +191,11 @@ async fn evidence(
         ..Action::default()
     };
     // Recorded before the look: a look may send the request again.
-    let audit = store.audit_begin(actor, &action).await?;
-    let Some(unknown) = store.evidence_now(attempt, LOOK_LEASE).await? else {
+    let audit = store.audit().audit_begin(actor, &action).await?;
+    let Some(unknown) = store.evidence().evidence_now(attempt, LOOK_LEASE).await? else {
         let why = format!("attempt {attempt_id} is no longer unknown");
         let _ = store
+            .audit()
             .audit_outcome(audit, true, &json!({ "error": why }))
             .await;
         return Err(Failure(why));
@@ -202,12 +208,12 @@ async fn evidence(
         Ok(look) => look,
         Err(e) => {
             let detail = json!({ "error": e.to_string() });
-            let _ = store.audit_outcome(audit, true, &detail).await;
+            let _ = store.audit().audit_outcome(audit, true, &detail).await;
             return Err(e.into());
         }
     };
     let detail = json!({ "found": look.found, "settled": look.settled });
-    if let Err(e) = store.audit_outcome(audit, false, &detail).await {
+    if let Err(e) = store.audit().audit_outcome(audit, false, &detail).await {
         eprintln!(
             "onejob: warning: the outcome was not written to audit row {audit} (it stays pending): {e}"
         );
@@ -240,8 +246,8 @@ async fn look_target(
     attempt: AttemptId,
 ) -> Result<(crate::domain::JobId, crate::settings::config::Provider), Failure> {
     let attempt_id = attempt.0;
-    let job = match store.attempt_job(attempt).await? {
-        Some(job) => store.job(job).await?,
+    let job = match store.jobs().attempt_job(attempt).await? {
+        Some(job) => store.jobs().job(job).await?,
         None => None,
     };
     let a = job
@@ -267,7 +273,7 @@ async fn look_target(
             provider.name
         )));
     }
-    if let Some(claim) = store.latest_claims().await?.get(&provider.name)
+    if let Some(claim) = store.evidence().latest_claims().await?.get(&provider.name)
         && !crate::shared::evidence::claim_holds(&provider, Some(claim))
     {
         return Err(Failure(format!(

@@ -114,6 +114,7 @@ async fn dlq_command(
                 ..Action::default()
             };
             let audit = store
+                .audit()
                 .audit_begin(&Actor::cli(reason.as_deref()), &action)
                 .await?;
             let mut counts = Counts::default();
@@ -132,6 +133,7 @@ async fn dlq_command(
                 ..Action::default()
             };
             let audit = store
+                .audit()
                 .audit_begin(&Actor::cli(reason.as_deref()), &action)
                 .await?;
             let mut purged = serde_json::Map::new();
@@ -158,10 +160,10 @@ struct Counts {
     broker_error: Option<String>,
 }
 
-/// Writes what came of an action begun with [`Store::audit_begin`]; if that
+/// Writes what came of an action begun with [`Audit::audit_begin`](crate::edges::store::Audit::audit_begin); if that
 /// fails, says so (the row stays `pending`) but the action stands.
 async fn finish_audit(store: &Store, audit: Uuid, failed: bool, detail: &serde_json::Value) {
-    if let Err(e) = store.audit_outcome(audit, failed, detail).await {
+    if let Err(e) = store.audit().audit_outcome(audit, failed, detail).await {
         eprintln!(
             "warning: the outcome was not written to audit row {audit} (it stays pending): {e}"
         );

@@ -88,7 +88,7 @@ pub(super) async fn run(
     };
     match command {
         OwnersCommand::List => {
-            let owners = store.list_owners().await.map_err(migrate_first)?;
+            let owners = store.owners().list_owners().await.map_err(migrate_first)?;
             if json {
                 let printed: Vec<Owner> = owners.iter().map(Owner::from).collect();
                 writeln!(out, "{}", serde_json::to_value(&printed)?)?;
@@ -105,7 +105,7 @@ pub(super) async fn run(
             }
         }
         OwnersCommand::Show { owner } => {
-            let view = store.owner(&owner).await.map_err(migrate_first)?;
+            let view = store.owners().owner(&owner).await.map_err(migrate_first)?;
             print_one(&view, json, out)?;
         }
         OwnersCommand::Set {
@@ -134,6 +134,7 @@ pub(super) async fn run(
                 return Err(Failure("--reason must say why, for the audit table".into()));
             }
             let (view, _) = store
+                .owners()
                 .set_owner(&owner, &change, &Actor::cli(Some(&reason)))
                 .await
                 .map_err(migrate_first)?;

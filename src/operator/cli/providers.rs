@@ -58,7 +58,7 @@ async fn list(c: &Connections, json: bool, out: &mut impl Write) -> Outcome {
     let config = c.load_config()?;
     let store = store(c, &config).await?;
     let states = crate::shared::qualify::states(&config, &store).await?;
-    let claims = store.latest_claims().await?;
+    let claims = store.evidence().latest_claims().await?;
     let rows: Vec<_> = config
         .providers
         .values()
@@ -139,6 +139,7 @@ async fn qualify(
     for op in operations {
         // Recorded first: the provider bills the calls, so none goes unrecorded.
         let audit = store
+            .audit()
             .audit_begin(actor, &crate::shared::qualify::action(p, op))
             .await
             .map_err(|e| {
@@ -159,7 +160,7 @@ async fn qualify(
             write_report(out, r)?;
         }
         if p.evidence.kind != crate::settings::config::EvidenceKind::None {
-            let claims = store.latest_claims().await?;
+            let claims = store.evidence().latest_claims().await?;
             let standing = crate::shared::evidence::standing(p, claims.get(&p.name));
             let why = standing["why"].as_str().unwrap_or_default();
             writeln!(

@@ -129,6 +129,7 @@ async fn create_operator(
         .map_err(|e| TokenFailure::Refused(Failure(format!("--operator: {e}"))))?;
     let token = Token::generate_operator();
     let id = store
+        .tokens()
         .create_operator_token(operator, &token, &Actor::cli(reason))
         .await?;
     if as_json {
@@ -158,6 +159,7 @@ async fn create_owner(
         .map_err(|e| TokenFailure::Refused(Failure(format!("--owner: {e}"))))?;
     let token = Token::generate();
     let id = store
+        .tokens()
         .create_token(owner, &token, &Actor::cli(reason))
         .await?;
     if as_json {
@@ -175,7 +177,7 @@ async fn create_owner(
 
 /// `tokens list --operators`.
 async fn list_operators(store: &Store, as_json: bool, out: &mut impl Write) -> TokenOutcome {
-    let tokens = store.operator_tokens().await?;
+    let tokens = store.tokens().operator_tokens().await?;
     if as_json {
         let printed: Vec<OperatorToken> = tokens.iter().map(OperatorToken::from).collect();
         writeln!(
@@ -207,7 +209,7 @@ async fn list_owners(
     as_json: bool,
     out: &mut impl Write,
 ) -> TokenOutcome {
-    let tokens = store.list_tokens(owner).await?;
+    let tokens = store.tokens().list_tokens(owner).await?;
     if as_json {
         let printed: Vec<GatewayToken> = tokens.iter().map(GatewayToken::from).collect();
         writeln!(
@@ -241,27 +243,32 @@ async fn revoke(
     out: &mut impl Write,
 ) -> TokenOutcome {
     let actor = Actor::cli(reason);
-    let (value, whose, revoked_at, already) = match store.revoke_token(token_id, &actor).await? {
-        Some((t, already)) => (
-            serde_json::to_value(GatewayToken::from(&t)).unwrap_or_default(),
-            format!("of owner {}", t.owner_id),
-            t.revoked_at,
-            already,
-        ),
-        None => match store.revoke_operator_token(token_id, &actor).await? {
+    let (value, whose, revoked_at, already) =
+        match store.tokens().revoke_token(token_id, &actor).await? {
             Some((t, already)) => (
-                serde_json::to_value(OperatorToken::from(&t)).unwrap_or_default(),
-                format!("of operator {}", t.operator),
+                serde_json::to_value(GatewayToken::from(&t)).unwrap_or_default(),
+                format!("of owner {}", t.owner_id),
                 t.revoked_at,
                 already,
             ),
-            None => {
-                return Err(TokenFailure::Refused(Failure(format!(
-                    "token {token_id} not found"
-                ))));
-            }
-        },
-    };
+            None => match store
+                .tokens()
+                .revoke_operator_token(token_id, &actor)
+                .await?
+            {
+                Some((t, already)) => (
+                    serde_json::to_value(OperatorToken::from(&t)).unwrap_or_default(),
+                    format!("of operator {}", t.operator),
+                    t.revoked_at,
+                    already,
+                ),
+                None => {
+                    return Err(TokenFailure::Refused(Failure(format!(
+                        "token {token_id} not found"
+                    ))));
+                }
+            },
+        };
     if as_json {
         writeln!(out, "{value}")?;
     } else if already {

@@ -23,7 +23,10 @@ pub(super) async fn page(
         return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text));
     };
     let store = &app.0.store;
-    let (job, audit) = match tokio::try_join!(store.job(JobId(id)), store.audit_of_job(JobId(id))) {
+    let (job, audit) = match tokio::try_join!(
+        store.jobs().job(JobId(id)),
+        store.audit().audit_of_job(JobId(id))
+    ) {
         Ok((Some(job), audit)) => (job, audit),
         Ok((None, _)) => {
             let text =
@@ -32,7 +35,7 @@ pub(super) async fn page(
         }
         Err(e) => return app.message(Some(&who), e.into()),
     };
-    let messages = match store.job_messages(&job).await {
+    let messages = match store.jobs().job_messages(&job).await {
         Ok(m) => m,
         Err(e) => return app.message(Some(&who), e.into()),
     };

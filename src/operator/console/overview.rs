@@ -16,7 +16,7 @@ use crate::shared::dlq;
 use crate::shared::runtime;
 
 pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response {
-    let o = match app.0.store.overview().await {
+    let o = match app.0.store.jobs().overview().await {
         Ok(o) => o,
         Err(e) => return app.message(Some(&who), e.into()),
     };
@@ -27,7 +27,7 @@ pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response 
         .max()
         .unwrap_or(0)
         .max(1);
-    let kept = match app.0.store.kept_waiting().await {
+    let kept = match app.0.store.kept().kept_waiting().await {
         Ok(k) => k,
         Err(e) => return app.message(Some(&who), e.into()),
     };

@@ -25,7 +25,7 @@ pub(super) async fn page(
     who: Operator,
     Query(q): Query<OwnersQuery>,
 ) -> Response {
-    let owners = match app.0.store.list_owners().await {
+    let owners = match app.0.store.owners().list_owners().await {
         Ok(o) => o,
         Err(e) => return app.message(Some(&who), e.into()),
     };
@@ -140,7 +140,13 @@ pub(super) async fn set(State(app): State<Console>, acting: Acting<SetForm>) -> 
         Ok(c) => c,
         Err(e) => return bad(e),
     };
-    match app.0.store.set_owner(owner, &change, &acting.actor()).await {
+    match app
+        .0
+        .store
+        .owners()
+        .set_owner(owner, &change, &acting.actor())
+        .await
+    {
         Ok((_, audit)) => {
             tracing::info!(operator = %who.name, owner, "console: set an owner's limits");
             Redirect::to(&format!("/owners?done={audit}")).into_response()

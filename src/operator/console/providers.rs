@@ -31,7 +31,7 @@ pub(super) async fn page(
         Ok(s) => s,
         Err(e) => return app.message(Some(&who), e.into()),
     };
-    let claims = match app.0.store.latest_claims().await {
+    let claims = match app.0.store.evidence().latest_claims().await {
         Ok(c) => c,
         Err(e) => return app.message(Some(&who), e.into()),
     };
@@ -107,6 +107,7 @@ async fn held_turns(app: &Console) -> crate::edges::store::Result<Vec<minijinja:
     Ok(app
         .0
         .store
+        .turns()
         .held_turns()
         .await?
         .into_iter()

@@ -51,7 +51,7 @@ impl FromRequestParts<Console> for Operator {
             return Err(SignIn.into_response());
         };
         let digest = sha256_hex(&secret);
-        match app.0.store.session(&digest).await {
+        match app.0.store.sessions().session(&digest).await {
             Ok(Some(s)) => Ok(Operator {
                 name: s.operator,
                 csrf: s.csrf,
@@ -210,6 +210,7 @@ pub(super) async fn login(
     match app
         .0
         .store
+        .sessions()
         .sign_in(&token, &sha256_hex(&secret), &csrf, ttl)
         .await
     {
@@ -246,7 +247,7 @@ pub(super) async fn logout(
     if let Some(refused) = who.refuses(&app, form.csrf.as_deref()) {
         return refused;
     }
-    if let Err(e) = app.0.store.sign_out(&who.session).await {
+    if let Err(e) = app.0.store.sessions().sign_out(&who.session).await {
         return app.message(Some(&who), e.into());
     }
     let mut response = Redirect::to("/login").into_response();

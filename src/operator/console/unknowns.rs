@@ -23,11 +23,11 @@ use crate::shared::planner;
 use crate::shared::runtime;
 
 pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response {
-    let list = match app.0.store.unknowns().await {
+    let list = match app.0.store.jobs().unknowns().await {
         Ok(l) => l,
         Err(e) => return app.message(Some(&who), e.into()),
     };
-    let claims = match app.0.store.latest_claims().await {
+    let claims = match app.0.store.evidence().latest_claims().await {
         Ok(c) => c,
         Err(e) => return app.message(Some(&who), e.into()),
     };
@@ -118,6 +118,7 @@ pub(super) async fn unknown_attempt(
         )
     };
     let job_id = store
+        .jobs()
         .attempt_job(AttemptId(attempt))
         .await?
         .ok_or_else(|| {
@@ -126,7 +127,7 @@ pub(super) async fn unknown_attempt(
                 format!("There is no attempt {attempt}."),
             )
         })?;
-    let job = store.job(job_id).await?.ok_or_else(not_open)?;
+    let job = store.jobs().job(job_id).await?.ok_or_else(not_open)?;
     let index = job
         .attempts
         .iter()
@@ -270,6 +271,7 @@ pub(super) async fn resolve(
     };
     let plan = |f: &FailedJob| planner.plan(f);
     let publish = match store
+        .settle()
         .resolve(AttemptId(attempt), how, &plan, &acting.actor())
         .await
     {

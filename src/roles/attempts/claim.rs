@@ -35,7 +35,7 @@ pub(super) async fn claim(
     let provider = client.provider();
     crate::edges::metrics::attempt_batch(&provider.name, "claim", ids.len());
     // One token for every try of this claim: a try whose commit took effect
-    // unseen is found again by the next (Store::claim). Random, not
+    // unseen is found again by the next (Settle::claim). Random, not
     // time-ordered: it is the secret a settlement handed on through the
     // broker proves its origin by.
     let token = uuid::Uuid::new_v4();
@@ -67,7 +67,7 @@ pub(super) async fn claim(
             // Whether a try took effect is not known: what it may have started
             // goes back to `queued`, so no attempt is left started with no call.
             let handed_back = with_retries(shutdown, "handing back a claim", || async {
-                Ok(ctx.store.unclaim(token).await?)
+                Ok(ctx.store.settle().unclaim(token).await?)
             })
             .await;
             if let Err(back) = handed_back {
@@ -79,7 +79,7 @@ pub(super) async fn claim(
     }
 }
 
-/// One claim of `ids` under `token` ([`crate::edges::store::Store::claim`]), its
+/// One claim of `ids` under `token` ([`crate::edges::store::Settle::claim`]), its
 /// transient failures tried again.
 pub(super) async fn claim_under(
     ctx: &Context,
@@ -92,6 +92,7 @@ pub(super) async fn claim_under(
     with_retries(shutdown, "starting attempts", || async {
         Ok(ctx
             .store
+            .settle()
             .claim(
                 &provider.name,
                 provider.evidence.kind.as_str(),
@@ -134,7 +135,7 @@ async fn claim_again(
             // started with no call.
             tracing::warn!(error = %e, "reserved attempts were not claimed; claimed again later");
             for id in &again {
-                if let Err(e) = ctx.store.unclaim_attempt(*id, token).await {
+                if let Err(e) = ctx.store.settle().unclaim_attempt(*id, token).await {
                     tracing::error!(attempt_id = %id, error = %e, "a failed claim could not be handed back; the vanished sweep will find its attempt");
                 }
             }
@@ -155,7 +156,12 @@ pub(super) fn hand_back(ctx: &Context) -> Unheard<Claimed> {
             let Ok(ClaimAnswer::Started(started, token)) = claimed else {
                 return;
             };
-            match ctx.store.unclaim_attempt(started.attempt_id, token).await {
+            match ctx
+                .store
+                .settle()
+                .unclaim_attempt(started.attempt_id, token)
+                .await
+            {
                 Ok(true) => {
                     tracing::info!(attempt_id = %started.attempt_id, "a claim whose handler was cut off was handed back: the attempt is queued again");
                 }

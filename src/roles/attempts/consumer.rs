@@ -139,7 +139,7 @@ impl Consumer {
     /// lock it waits and settles again. The flush has written the answer onto
     /// its attempt the first time it had to wait, and does before anything
     /// could hand its delivery back (a failed flush), so that the reconciler
-    /// settles it if this worker stops ([`crate::edges::store::Store::keep_answer`]).
+    /// settles it if this worker stops ([`crate::edges::store::Kept::keep_answer`]).
     ///
     /// The answers waiting this way are bounded by the consumer's prefetch
     /// (`attempt_prefetch`): each holds its delivery, so at the bound the
@@ -192,7 +192,12 @@ impl Consumer {
     /// acked either way.
     async fn not_started(&self, delivery: &Delivery, message: &AttemptMessage) -> Result<()> {
         let state = with_retries(&self.shutdown, "looking up an attempt", || async {
-            Ok(self.ctx.store.attempt_state(message.attempt_id).await?)
+            Ok(self
+                .ctx
+                .store
+                .jobs()
+                .attempt_state(message.attempt_id)
+                .await?)
         })
         .await?;
         match state {

@@ -28,7 +28,7 @@ pub(super) async fn reserve_for(
     let unreserved = std::mem::take(&mut claim.unreserved);
     let wanted: Vec<Reservation> = unreserved.iter().map(|u| reservation(ctx, u)).collect();
     let reserved = with_retries(shutdown, "reserving of budgets", || async {
-        Ok(ctx.store.reserve(&wanted).await?)
+        Ok(ctx.store.owners().reserve(&wanted).await?)
     })
     .await;
     let refused = match reserved {
@@ -94,7 +94,11 @@ async fn fail_refused(
     let planner = Planner::unqualified(&ctx.config);
     let plan = |f: &FailedJob| planner.plan(f);
     let failed = with_retries(shutdown, "failing attempts over their budget", || async {
-        Ok(ctx.store.fail_queued(&failures, false, &plan).await?)
+        Ok(ctx
+            .store
+            .settle()
+            .fail_queued(&failures, false, &plan)
+            .await?)
     })
     .await;
     match failed {

@@ -110,7 +110,7 @@ pub(super) async fn settle_all(
     };
     let plan = |failed: &FailedJob| planner.plan(failed);
     with_retries(shutdown, "settling attempts", || async {
-        Ok(ctx.store.finalize(finished, &plan).await?)
+        Ok(ctx.store.settle().finalize(finished, &plan).await?)
     })
     .await
 }
@@ -119,7 +119,7 @@ pub(super) async fn settle_all(
 /// reconciler to settle if its worker stops first; best effort, logged.
 /// Whether it was kept.
 pub(super) async fn keep(ctx: &Context, finished: &Finished) -> bool {
-    match ctx.store.keep_answer(finished, None).await {
+    match ctx.store.kept().keep_answer(finished, None).await {
         Ok(true) => true,
         Ok(false) => {
             tracing::warn!(attempt_id = %finished.attempt_id, "an unsettled answer could not be kept: its attempt row is held or no longer open");

@@ -1,5 +1,5 @@
 //! Handing out turns: a provider's held first attempts go to its queue as
-//! their owners' earlier turns start ([`crate::edges::store::Store::hand_out_turns`]).
+//! their owners' earlier turns start ([`crate::edges::store::Turns::hand_out_turns`]).
 //! Each worker's consumer runs one for its provider, woken by its own claims
 //! and settlements (a claim frees a place in the owner's share, a settlement
 //! frees one under its `max_in_flight`), and by a short tick for what other
@@ -92,6 +92,7 @@ pub(super) async fn hand_out(
         }
         let handed = match ctx
             .store
+            .turns()
             .hand_out_turns(&provider, share.now(), &after)
             .await
         {

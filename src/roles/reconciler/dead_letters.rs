@@ -32,7 +32,7 @@ pub(super) async fn reflect_dead_letters(ctx: &Context) -> Result<()> {
     }
     let planner = planner::load_all(&ctx.config, &ctx.store).await?;
     let plan = |f: &FailedJob| planner.plan(f);
-    let (settled, publish) = ctx.store.fail_queued(&dead, true, &plan).await?;
+    let (settled, publish) = ctx.store.settle().fail_queued(&dead, true, &plan).await?;
     for (attempt, _) in &settled {
         tracing::warn!(attempt_id = %attempt, "attempt's message was dead-lettered: attempt marked failed");
     }
@@ -65,7 +65,7 @@ pub(super) async fn reflect_dead_intents(ctx: &Context) -> Result<()> {
     if valid.is_empty() {
         return Ok(());
     }
-    let admitted = ctx.store.admit(&valid).await?;
+    let admitted = ctx.store.admission().admit(&valid).await?;
     let mut publish = Vec::new();
     for (new, admission) in valid.iter().zip(admitted) {
         if let crate::edges::store::Admission::Created {

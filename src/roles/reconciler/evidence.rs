@@ -70,7 +70,7 @@ async fn provider_loop(ctx: Context, provider: Provider, shutdown: Shutdown) {
 /// while a slow look before it is still going; [`BATCH`] looks at most.
 async fn provider_once(ctx: &Context, client: &Client) -> Result<()> {
     let provider = client.provider();
-    let claims = ctx.store.latest_claims().await?;
+    let claims = ctx.store.evidence().latest_claims().await?;
     if !crate::shared::evidence::claim_holds(provider, claims.get(&provider.name)) {
         return Ok(());
     }
@@ -82,7 +82,13 @@ async fn provider_once(ctx: &Context, client: &Client) -> Result<()> {
         config: &ctx.config,
     };
     for _ in 0..BATCH {
-        let Some(unknown) = ctx.store.evidence_due(&delays, lease, 1).await?.pop() else {
+        let Some(unknown) = ctx
+            .store
+            .evidence()
+            .evidence_due(&delays, lease, 1)
+            .await?
+            .pop()
+        else {
             break;
         };
         let look = match looker.look(client, &unknown).await {
@@ -94,6 +100,7 @@ async fn provider_once(ctx: &Context, client: &Client) -> Result<()> {
                 let note = format!("the look failed ({e}); looking again shortly");
                 let again = provider.evidence.delay.max(Duration::from_secs(1));
                 ctx.store
+                    .evidence()
                     .note_evidence(unknown.attempt_id, &note, Some(again))
                     .await?;
                 continue;

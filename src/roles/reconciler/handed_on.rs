@@ -55,6 +55,7 @@ async fn take(ctx: &Context, shutdown: &Shutdown, delivery: &Delivery, limit: us
         let kept = with_retries(shutdown, "keeping a handed-on settlement", || async {
             Ok(ctx
                 .store
+                .kept()
                 .keep_handed_on(&finished, settlement.claim)
                 .await?)
         })

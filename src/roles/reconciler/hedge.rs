@@ -15,7 +15,7 @@ pub(super) async fn hedge_once(ctx: &Context) -> Result<()> {
         .values()
         .filter_map(|o| o.hedge_after.map(|d| (o.name.clone(), d)))
         .collect();
-    let candidates = ctx.store.hedge_candidates(&hedged).await?;
+    let candidates = ctx.store.sweeps().hedge_candidates(&hedged).await?;
     if candidates.is_empty() {
         return Ok(());
     }
@@ -28,7 +28,7 @@ pub(super) async fn hedge_once(ctx: &Context) -> Result<()> {
             candidate.attempts_made,
         ) {
             Some(provider) => {
-                if let Some(attempt) = ctx.store.hedge(job, provider).await? {
+                if let Some(attempt) = ctx.store.sweeps().hedge(job, provider).await? {
                     tracing::info!(job_id = %job, attempt_id = %attempt, %provider, "hedging: a parallel attempt takes its turn");
                 }
             }

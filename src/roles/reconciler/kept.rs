@@ -10,20 +10,20 @@ use crate::shared::planner;
 use crate::shared::runtime::{Context, Result};
 
 /// Settles the answers that were kept on their attempts because their rows
-/// were held when they arrived ([`crate::edges::store::Store::keep_answer`]), or
+/// were held when they arrived ([`crate::edges::store::Kept::keep_answer`]), or
 /// because evidence found them: by the same settlement as a live answer, so a
 /// job that ended meanwhile discards it with its usage kept. The settlement
 /// clears each answer it settles. One whose rows are still held, or that
 /// Postgres refused, is moved behind the others ([`KEPT_HELD_PAUSE`]), so
 /// that answers the pass cannot settle never keep it from those it can.
 pub(super) async fn settle_kept_once(ctx: &Context) -> Result<()> {
-    let kept = ctx.store.kept_answers(KEPT_BATCH).await?;
+    let kept = ctx.store.kept().kept_answers(KEPT_BATCH).await?;
     if kept.is_empty() {
         return Ok(());
     }
     let planner = planner::load_all(&ctx.config, &ctx.store).await?;
     let plan = |f: &FailedJob| planner.plan(f);
-    let (settled, publish) = ctx.store.finalize(&kept, &plan).await?;
+    let (settled, publish) = ctx.store.settle().finalize(&kept, &plan).await?;
     let mut later = Vec::new();
     for (finished, settled) in kept.iter().zip(&settled) {
         match settled {
@@ -33,7 +33,7 @@ pub(super) async fn settle_kept_once(ctx: &Context) -> Result<()> {
             }
         }
     }
-    ctx.store.kept_later(&later, KEPT_HELD_PAUSE).await?;
+    ctx.store.kept().kept_later(&later, KEPT_HELD_PAUSE).await?;
     ctx.publish_outbox(&publish).await?;
     Ok(())
 }

@@ -13,6 +13,7 @@ pub(super) async fn lost_once(ctx: &Context) -> Result<()> {
     let backlogged = backlogged(ctx).await;
     let (republish, lost) = ctx
         .store
+        .sweeps()
         .stuck_queued(w.stuck_after, max, &backlogged)
         .await?;
     ctx.publish_outbox(&republish).await?;
@@ -24,7 +25,7 @@ pub(super) async fn lost_once(ctx: &Context) -> Result<()> {
             w.max_republish
         );
         let lost: Vec<_> = lost.into_iter().map(|a| (a, error.clone())).collect();
-        let (_, publish) = ctx.store.fail_queued(&lost, true, &plan).await?;
+        let (_, publish) = ctx.store.settle().fail_queued(&lost, true, &plan).await?;
         ctx.publish_outbox(&publish).await?;
     }
     super::unserved::unserved_once(ctx).await
@@ -33,7 +34,7 @@ pub(super) async fn lost_once(ctx: &Context) -> Result<()> {
 /// The providers whose attempts queue holds messages now. An attempt of theirs
 /// that has not started may simply be waiting in that backlog, so the stuck
 /// sweep leaves it alone until the queue has drained, or has moved past it
-/// ([`crate::edges::store::Store::stuck_queued`]).
+/// ([`crate::edges::store::Sweeps::stuck_queued`]).
 async fn backlogged(ctx: &Context) -> Vec<String> {
     let mut out = Vec::new();
     for provider in ctx.config.providers.keys() {

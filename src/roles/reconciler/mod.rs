@@ -31,7 +31,7 @@
 //!   churns a row of it, and its readers walk the dead index entries.
 //! - **Statistics**: the busy tables are analyzed when their statistics are
 //!   missing or far behind, as on a fresh database taking a backlog
-//!   ([`crate::edges::store::Store::refresh_statistics`]).
+//!   ([`crate::edges::store::Sweeps::refresh_statistics`]).
 //! - **Evidence**: an `unknown` attempt of a provider that keeps evidence is
 //!   settled from it (a stored completion, or the answer to its request sent
 //!   again with its key), or failed when there is none (`evidence`; one look
@@ -118,7 +118,7 @@ async fn passes(ctx: Context, shutdown: Shutdown) -> Result<()> {
             if let Err(e) = sweep_once(&ctx).await {
                 tracing::warn!(error = %e, "reconciler sweep failed; will retry");
             }
-            match ctx.store.refresh_statistics().await {
+            match ctx.store.sweeps().refresh_statistics().await {
                 Ok(tables) if !tables.is_empty() => {
                     tracing::debug!(?tables, "refreshed the planner's statistics")
                 }

@@ -32,12 +32,12 @@ pub(super) async fn prune_loop(ctx: Context, shutdown: Shutdown) {
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "pruning ended jobs failed; will retry"),
         }
-        match ctx.store.prune_spend(10_000).await {
+        match ctx.store.owners().prune_spend(10_000).await {
             Ok(n) if n > 0 => tracing::debug!(rows = n, "pruned owners' spend older than a day"),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "pruning owners' spend failed; will retry"),
         }
-        match ctx.store.vacuum_if_due().await {
+        match ctx.store.retention().vacuum_if_due().await {
             Ok(tables) => {
                 for table in tables {
                     crate::edges::metrics::vacuumed(&table);
@@ -61,6 +61,7 @@ pub(super) async fn prune_jobs(
 ) -> Result<crate::edges::store::Pruned> {
     let pass = ctx
         .store
+        .retention()
         .prune_batches(
             policy,
             PRUNE_BATCH,
@@ -82,6 +83,7 @@ pub(super) async fn prune_outbox(ctx: &Context) -> Result<u64> {
     for _ in 0..10 {
         let n = ctx
             .store
+            .outbox()
             .prune_outbox(ctx.config.worker.outbox_retention, BATCH)
             .await?;
         total += n;

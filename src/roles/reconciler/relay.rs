@@ -12,7 +12,7 @@ const RELAY_BATCH: i64 = 256;
 pub(super) async fn relay_once(ctx: &Context) -> Result<usize> {
     let mut total = 0;
     loop {
-        let batch = ctx.store.claim_outbox(RELAY_BATCH).await?;
+        let batch = ctx.store.outbox().claim_outbox(RELAY_BATCH).await?;
         if batch.is_empty() {
             return Ok(total);
         }

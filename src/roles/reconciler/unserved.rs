@@ -15,6 +15,7 @@ pub(super) async fn unserved_once(ctx: &Context) -> Result<()> {
     let served = ctx.config.provider_names();
     let unserved = ctx
         .store
+        .turns()
         .unserved_turns(&served, ctx.config.worker.stuck_after, 100)
         .await?;
     if unserved.is_empty() {
@@ -33,7 +34,11 @@ pub(super) async fn unserved_once(ctx: &Context) -> Result<()> {
         .collect();
     let planner = planner::load_all(&ctx.config, &ctx.store).await?;
     let plan = |f: &FailedJob| planner.plan(f);
-    let (_, publish) = ctx.store.fail_queued(&failures, true, &plan).await?;
+    let (_, publish) = ctx
+        .store
+        .settle()
+        .fail_queued(&failures, true, &plan)
+        .await?;
     ctx.publish_outbox(&publish).await?;
     Ok(())
 }

@@ -8,7 +8,7 @@ use crate::edges::shutdown::Shutdown;
 use crate::shared::runtime::Context;
 
 /// How often the dead rows of `turns` are looked at
-/// ([`crate::edges::store::Store::vacuum_turns_if_due`]).
+/// ([`crate::edges::store::Turns::vacuum_turns_if_due`]).
 const TURNS_VACUUM_EVERY: Duration = Duration::from_secs(1);
 
 /// Vacuums `turns` when its dead rows are due, every [`TURNS_VACUUM_EVERY`],
@@ -16,7 +16,7 @@ const TURNS_VACUUM_EVERY: Duration = Duration::from_secs(1);
 pub(super) async fn vacuum_turns_loop(ctx: Context, shutdown: Shutdown) {
     let mut failing = false;
     loop {
-        match ctx.store.vacuum_turns_if_due().await {
+        match ctx.store.turns().vacuum_turns_if_due().await {
             Ok(vacuumed) => {
                 if vacuumed {
                     crate::edges::metrics::vacuumed("turns");

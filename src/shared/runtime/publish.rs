@@ -47,7 +47,7 @@ pub async fn publish_outbox(
     messages: &[OutboxMessage],
 ) -> Result<()> {
     let (published, failed) = publish_rows(publisher, messages).await;
-    store.mark_published(&published).await?;
+    store.outbox().mark_published(&published).await?;
     failed.map_or(Ok(()), |e| Err(e.into()))
 }
 
@@ -137,7 +137,7 @@ async fn mark(store: Store, mut pending: tokio::sync::mpsc::UnboundedReceiver<Ma
     let write = |ids: Vec<i64>| {
         let store = store.clone();
         async move {
-            if let Err(e) = store.mark_published(&ids).await {
+            if let Err(e) = store.outbox().mark_published(&ids).await {
                 tracing::warn!(error = %e, rows = ids.len(), "outbox rows not marked published; the relay will publish them again");
             }
         }

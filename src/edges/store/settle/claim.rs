@@ -1,6 +1,7 @@
 //! The guarded start: queued attempts claimed for a call, their jobs marked
 //! `running`, and a claim handed back when its caller gave up on it.
 
+use crate::edges::store::handles::Settle;
 use std::time::Duration;
 
 use futures_util::TryFutureExt;
@@ -8,19 +9,18 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use crate::domain::{AttemptId, JobId};
-use crate::edges::store::Store;
 use crate::edges::store::error::{Result, StoreError, corrupt};
 use crate::edges::store::settle::{Claim, Started, Unreserved};
 
-impl Store {
+impl Settle<'_> {
     /// Moves queued attempts to `started` with one guarded statement and marks their
-    /// jobs `running`, under a claim of its own ([`Store::claim`]). An id missing
+    /// jobs `running`, under a claim of its own ([`Settle::claim`](crate::edges::store::Settle::claim)). An id missing
     /// from the result was a duplicate delivery (the attempt had already left
     /// `queued`), belongs to a job that has ended, to a job blocked by an
-    /// `unknown` attempt ([`Store::attempt_state`] tells which), or to a job row
+    /// `unknown` attempt ([`Jobs::attempt_state`](crate::edges::store::Jobs::attempt_state) tells which), or to a job row
     /// held under someone else's lock.
     pub async fn start(
-        &self,
+        self,
         provider: &str,
         ids: &[AttemptId],
         timeout: Duration,
@@ -62,7 +62,7 @@ impl Store {
     /// dead until vacuum, and under load those dead entries cost more than the
     /// rest of the statement.
     pub async fn claim(
-        &self,
+        self,
         provider: &str,
         evidence: &str,
         ids: &[AttemptId],
@@ -74,6 +74,7 @@ impl Store {
         }
         let ids: Vec<Uuid> = ids.iter().map(|a| a.0).collect();
         let rows = self
+            .0
             .retrying(|| {
                 sqlx::query_file_as!(
                     ClaimRow,
@@ -83,9 +84,9 @@ impl Store {
                     timeout.as_secs_f64(),
                     token,
                     evidence,
-                    self.routes.owners.daily_tokens,
+                    self.0.routes.owners.daily_tokens,
                 )
-                .fetch_all(&self.per_job)
+                .fetch_all(&self.0.per_job)
                 .map_err(StoreError::from)
             })
             .await?;
@@ -97,44 +98,46 @@ impl Store {
     /// whose caller gave up without knowing whether it took effect: an attempt
     /// it did start would otherwise stay `started` with no call, until the
     /// vanished sweep made it `unknown`. Returns how many it handed back.
-    pub async fn unclaim(&self, token: Uuid) -> Result<u64> {
-        self.retrying(|| async {
-            let back = sqlx::query!(
-                "UPDATE attempts SET status = 'queued', claim = NULL, started_at = NULL,
+    pub async fn unclaim(self, token: Uuid) -> Result<u64> {
+        self.0
+            .retrying(|| async {
+                let back = sqlx::query!(
+                    "UPDATE attempts SET status = 'queued', claim = NULL, started_at = NULL,
                      deadline_at = NULL
                  WHERE claim = $1 AND status = 'started'",
-                token
-            )
-            .execute(&self.pool)
-            .await?;
-            Ok(back.rows_affected())
-        })
-        .await
+                    token
+                )
+                .execute(&self.0.pool)
+                .await?;
+                Ok(back.rows_affected())
+            })
+            .await
     }
 }
 
-impl Store {
+impl Settle<'_> {
     /// Hands back one attempt the claim `token` started, whose call was never
     /// made (its handler was cut off): `queued` again, for its redelivered
     /// message. False when it is not `started` under that claim any more.
-    pub async fn unclaim_attempt(&self, attempt: AttemptId, token: Uuid) -> Result<bool> {
-        self.retrying(|| async {
-            let back = sqlx::query!(
-                "UPDATE attempts SET status = 'queued', claim = NULL, started_at = NULL,
+    pub async fn unclaim_attempt(self, attempt: AttemptId, token: Uuid) -> Result<bool> {
+        self.0
+            .retrying(|| async {
+                let back = sqlx::query!(
+                    "UPDATE attempts SET status = 'queued', claim = NULL, started_at = NULL,
                      deadline_at = NULL
                  WHERE id = $1 AND claim = $2 AND status = 'started'",
-                attempt.0,
-                token
-            )
-            .execute(&self.pool)
-            .await?;
-            Ok(back.rows_affected() == 1)
-        })
-        .await
+                    attempt.0,
+                    token
+                )
+                .execute(&self.0.pool)
+                .await?;
+                Ok(back.rows_affected() == 1)
+            })
+            .await
     }
 }
 
-/// A row of [`Store::claim`]: an attempt that left `queued`, with its job
+/// A row of [`Settle::claim`](crate::edges::store::Settle::claim): an attempt that left `queued`, with its job
 /// (`started`), a queued attempt whose job row was held (`busy`), or one that
 /// must reserve of its owner's budget before it starts (`unreserved`).
 struct ClaimRow {

@@ -1,6 +1,7 @@
 //! Successes: the compare-and-swap, in which exactly one attempt per job wins
 //! and every other is discarded, its usage kept.
 
+use crate::edges::store::handles::Settle;
 use std::collections::HashMap;
 
 use serde_json::Value;
@@ -8,24 +9,23 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::domain::{AttemptId, JobId, JobStatus};
-use crate::edges::store::Store;
 use crate::edges::store::drafts::{Ended, OutboxDraft, Routes};
 use crate::edges::store::error::{Result, corrupt};
 use crate::edges::store::settle::{Finished, Settled, Verdict};
 
-impl Store {
+impl Settle<'_> {
     /// The compare-and-swap. Exactly one attempt per job can move `completed_by`
     /// from NULL; every other open attempt that finishes is `discarded`, its usage
     /// kept, its result dropped whole. Every attempt's outcome is in
     /// `outcomes` (the discarded ones with their winner); the caller closes the
     /// `won` jobs' other attempts in a later statement
-    /// ([`Store::insert_outbox_closing`]).
+    /// ([`Outbox::insert_outbox_closing`](crate::edges::store::Outbox::insert_outbox_closing)).
     pub(super) async fn settle_successes(
-        &self,
+        self,
         tx: &mut PgConnection,
         wins: &[&Finished],
     ) -> Result<CasOutcomes> {
-        let mut out = cas_outcomes(compare_and_swap(tx, wins).await?, &self.routes)?;
+        let mut out = cas_outcomes(compare_and_swap(tx, wins).await?, &self.0.routes)?;
         let discarded = std::mem::take(&mut out.discarded);
         let winners = winners_of(tx, &discarded).await?;
         for (attempt, job) in discarded {

@@ -3,19 +3,19 @@
 //! planned as for any definite failure.
 
 use crate::domain::{AttemptId, AttemptStatus};
-use crate::edges::store::Store;
 use crate::edges::store::drafts::OutboxMessage;
 use crate::edges::store::error::Result;
+use crate::edges::store::handles::Settle;
 use crate::edges::store::settle::{Failure, Settled};
 use crate::policy::next::{FailedJob, NextStep};
 
-impl Store {
+impl Settle<'_> {
     /// Fails attempts that are still `queued` (their message was lost for
     /// good, or their reservation did not fit), and plans what follows each,
     /// as for any definite failure; `retryable` false when no other attempt
     /// could do better.
     pub async fn fail_queued(
-        &self,
+        self,
         attempts: &[(AttemptId, String)],
         retryable: bool,
         plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
@@ -23,26 +23,27 @@ impl Store {
         if attempts.is_empty() {
             return Ok((Vec::new(), Vec::new()));
         }
-        self.retrying(|| async {
-            let mut tx = self.pool.begin().await?;
-            let failures: Vec<Failure> = attempts
-                .iter()
-                .map(|(id, error)| Failure {
-                    attempt_id: *id,
-                    error: error.clone(),
-                    retryable,
-                    retry_after: None,
-                    usage: None,
-                    request_id: None,
-                })
-                .collect();
-            let (outcomes, drafts) = self
-                .settle_failures(&mut tx, &failures, &[AttemptStatus::Queued], plan, false)
-                .await?;
-            let publish = self.insert_outbox(&mut tx, &drafts).await?;
-            tx.commit().await?;
-            Ok((outcomes, publish))
-        })
-        .await
+        self.0
+            .retrying(|| async {
+                let mut tx = self.0.pool.begin().await?;
+                let failures: Vec<Failure> = attempts
+                    .iter()
+                    .map(|(id, error)| Failure {
+                        attempt_id: *id,
+                        error: error.clone(),
+                        retryable,
+                        retry_after: None,
+                        usage: None,
+                        request_id: None,
+                    })
+                    .collect();
+                let (outcomes, drafts) = self
+                    .settle_failures(&mut tx, &failures, &[AttemptStatus::Queued], plan, false)
+                    .await?;
+                let publish = self.0.outbox().insert_outbox(&mut tx, &drafts).await?;
+                tx.commit().await?;
+                Ok((outcomes, publish))
+            })
+            .await
     }
 }

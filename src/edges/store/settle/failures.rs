@@ -2,6 +2,7 @@
 //! and read, and the plan carried out (next attempts, blocks lifted, jobs
 //! failed).
 
+use crate::edges::store::handles::Settle;
 use crate::policy::next::{FailedJob, NextStep};
 use std::collections::{BTreeSet, HashMap};
 
@@ -11,7 +12,6 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::domain::{AttemptId, AttemptStatus, JobId, JobStatus};
-use crate::edges::store::Store;
 use crate::edges::store::drafts::{Ended, OutboxDraft};
 use crate::edges::store::error::{Result, corrupt};
 use crate::edges::store::next_turns::NextTurn;
@@ -20,11 +20,11 @@ use crate::policy::batch::{
     AttemptCounts, Definite, FailedAttempt, FailurePlan, JobState, NextAttempt, plan_failures,
 };
 
-impl Store {
+impl Settle<'_> {
     /// Definite failures: mark the attempts `failed`, then, per job, either create
     /// the next attempt (with its not-before time persisted) or fail the job.
     pub(super) async fn settle_failures(
-        &self,
+        self,
         tx: &mut PgConnection,
         failures: &[Failure],
         from: &[AttemptStatus],
@@ -73,7 +73,7 @@ impl Store {
     /// again), next attempts created (each with its turn held), jobs failed. Returns the outbox rows to
     /// write and the jobs that failed.
     async fn apply_failure_plan(
-        &self,
+        self,
         tx: &mut PgConnection,
         plan: FailurePlan,
     ) -> Result<(Vec<OutboxDraft>, BTreeSet<Uuid>)> {
@@ -87,7 +87,8 @@ impl Store {
         let mut drafts: Vec<OutboxDraft> = republish
             .iter()
             .map(|(attempt, job, provider)| {
-                self.routes
+                self.0
+                    .routes
                     .attempt_draft(AttemptId(*attempt), JobId(*job), provider, None)
             })
             .collect();
@@ -112,7 +113,7 @@ impl Store {
                 due: n.not_before,
             })
             .collect();
-        self.hold_turns(tx, &turns).await?;
+        self.0.hold_turns(tx, &turns).await?;
         let mut failed_jobs = BTreeSet::new();
         if !give_up.is_empty() {
             let jobs: Vec<Uuid> = give_up.iter().map(|g| g.0).collect();
@@ -133,7 +134,7 @@ impl Store {
             .await?;
             for ended in ended {
                 failed_jobs.insert(ended.job_id.0);
-                drafts.push(ended.draft(&self.routes));
+                drafts.push(ended.draft(&self.0.routes));
             }
         }
         Ok((drafts, failed_jobs))

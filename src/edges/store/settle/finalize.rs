@@ -1,6 +1,7 @@
 //! Settling a flush of finished attempts in one transaction, and each apart
 //! when Postgres refuses the flush; the rows a settlement takes first.
 
+use crate::edges::store::handles::Settle;
 use crate::policy::next::{FailedJob, NextStep};
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
@@ -11,12 +12,11 @@ use uuid::Uuid;
 
 use super::unknown::mark_unknown;
 use crate::domain::{AttemptId, AttemptStatus, JobId};
-use crate::edges::store::Store;
 use crate::edges::store::drafts::OutboxMessage;
 use crate::edges::store::error::{Result, StoreError};
 use crate::edges::store::settle::{Failure, Finished, Settled, Verdict};
 
-impl Store {
+impl Settle<'_> {
     /// Settles finished attempts in one transaction: successes race through the
     /// compare-and-swap, unknowns block their job, failures plan the next attempt
     /// with `plan`. Returns what happened to each, in input order, and the outbox
@@ -32,7 +32,7 @@ impl Store {
     /// guarded, so a flush that had committed unseen changes nothing the second
     /// time, and its outbox rows are the relay's.
     pub async fn finalize(
-        &self,
+        self,
         finished: &[Finished],
         plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
     ) -> Result<(Vec<Settled>, Vec<OutboxMessage>)> {
@@ -40,7 +40,7 @@ impl Store {
             return Ok((Vec::new(), Vec::new()));
         }
         let settle = |batch| {
-            self.retrying_when(
+            self.0.retrying_when(
                 move || self.finalize_once(batch, plan),
                 StoreError::is_connection_lost,
             )
@@ -79,13 +79,13 @@ impl Store {
         Ok((settled, publish))
     }
 
-    /// One try of [`Store::finalize`]: the whole flush in one transaction.
+    /// One try of [`Settle::finalize`](crate::edges::store::Settle::finalize): the whole flush in one transaction.
     async fn finalize_once(
-        &self,
+        self,
         all: &[Finished],
         plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
     ) -> Result<(Vec<Settled>, Vec<OutboxMessage>)> {
-        let mut tx = self.per_job.begin().await?;
+        let mut tx = self.0.per_job.begin().await?;
         let mut settled: HashMap<AttemptId, Settled> = HashMap::new();
         let rows: Vec<(AttemptId, JobId)> = all.iter().map(|f| (f.attempt_id, f.job_id)).collect();
         let Taken { busy, kept } = take_rows(&mut tx, &rows).await?;
@@ -149,7 +149,11 @@ impl Store {
         // the outbox rows: a statement after the compare-and-swap, so its fresh
         // snapshot sees a timeout that committed while the compare-and-swap
         // waited for the job, without a round trip of its own.
-        let publish = self.insert_outbox_closing(&mut tx, &drafts, &won).await?;
+        let publish = self
+            .0
+            .outbox()
+            .insert_outbox_closing(&mut tx, &drafts, &won)
+            .await?;
         clear_kept(&mut tx, &kept).await?;
         tx.commit().await?;
         let outcomes = all

@@ -158,7 +158,7 @@ pub struct Claim {
     /// started, to be claimed again later.
     pub busy: Vec<AttemptId>,
     /// Queued attempts of owners with a budget that hold no reservation: not
-    /// started; they reserve ([`Store::reserve`]) and are claimed again.
+    /// started; they reserve ([`Owners::reserve`](crate::edges::store::Owners::reserve)) and are claimed again.
     pub unreserved: Vec<Unreserved>,
 }
 

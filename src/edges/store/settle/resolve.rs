@@ -1,33 +1,34 @@
 //! An operator's out-of-band resolution of an open attempt: a definite
 //! failure, or the end of the attempt and its job.
 
+use crate::edges::store::handles::Settle;
 use crate::policy::next::{FailedJob, NextStep};
 use uuid::Uuid;
 
 use crate::domain::{AttemptId, AttemptStatus, JobId};
+use crate::edges::store::audit;
 use crate::edges::store::audit::{Action, Actor};
 use crate::edges::store::drafts::OutboxMessage;
 use crate::edges::store::error::{Refusal, Result};
 use crate::edges::store::settle::{Failure, Resolution, Settled};
-use crate::edges::store::{Store, audit};
 
 /// What a resolution did: the attempt's settlement and the outbox rows to
 /// publish now; `None` when its last try changed nothing.
 type Resolved = Option<(Settled, Vec<OutboxMessage>)>;
 
-impl Store {
+impl Settle<'_> {
     /// An operator's out-of-band resolution of an open attempt. `--as failed` is a
     /// definite failure (the route rule picks the next attempt, at once);
     /// `--as cancelled` ends the attempt and its job. Refused on a terminal attempt
     /// or job.
     pub async fn resolve(
-        &self,
+        self,
         attempt: AttemptId,
         resolution: Resolution,
         plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
         actor: &Actor,
     ) -> Result<Result<(Settled, Vec<OutboxMessage>), Refusal>> {
-        let Some((job_id, status, job_status)) = self.attempt_state(attempt).await? else {
+        let Some((job_id, status, job_status)) = self.0.jobs().attempt_state(attempt).await? else {
             return Ok(Err(Refusal::NotFound(format!("attempt {attempt}"))));
         };
         if status.is_terminal() {
@@ -64,62 +65,63 @@ impl Store {
     /// and what follows is planned at once; the audit row names the next
     /// attempt.
     async fn resolve_failed(
-        &self,
+        self,
         attempt: AttemptId,
         job_id: JobId,
         plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
         actor: &Actor,
         audit_id: Uuid,
     ) -> Result<Resolved> {
-        self.retrying(|| async {
-            let mut tx = self.pool.begin().await?;
-            let failure = Failure {
-                attempt_id: attempt,
-                error: "resolved_failed: an operator resolved this attempt as failed".into(),
-                retryable: true,
-                retry_after: None,
-                usage: None,
-                request_id: None,
-            };
-            let (mut outcomes, drafts) = self
-                .settle_failures(
-                    &mut tx,
-                    &[failure],
-                    &[
-                        AttemptStatus::Queued,
-                        AttemptStatus::Started,
-                        AttemptStatus::Unknown,
-                    ],
-                    plan,
-                    true,
-                )
-                .await?;
-            let Some((_, settled)) = outcomes.pop() else {
-                return Ok(None);
-            };
-            let next = match settled {
-                Settled::Failed { next, .. } => next,
-                _ => None,
-            };
-            let action = Action {
-                id: Some(audit_id),
-                action: "attempt.resolve_failed",
-                job: Some(job_id),
-                attempt: Some(attempt),
-                detail: serde_json::json!({ "next_attempt": next }),
-                ..Action::default()
-            };
-            audit::record(&mut tx, actor, &action).await?;
-            let publish = self.insert_outbox(&mut tx, &drafts).await?;
-            tx.commit().await?;
-            Ok(Some((settled, publish)))
-        })
-        .await
+        self.0
+            .retrying(|| async {
+                let mut tx = self.0.pool.begin().await?;
+                let failure = Failure {
+                    attempt_id: attempt,
+                    error: "resolved_failed: an operator resolved this attempt as failed".into(),
+                    retryable: true,
+                    retry_after: None,
+                    usage: None,
+                    request_id: None,
+                };
+                let (mut outcomes, drafts) = self
+                    .settle_failures(
+                        &mut tx,
+                        &[failure],
+                        &[
+                            AttemptStatus::Queued,
+                            AttemptStatus::Started,
+                            AttemptStatus::Unknown,
+                        ],
+                        plan,
+                        true,
+                    )
+                    .await?;
+                let Some((_, settled)) = outcomes.pop() else {
+                    return Ok(None);
+                };
+                let next = match settled {
+                    Settled::Failed { next, .. } => next,
+                    _ => None,
+                };
+                let action = Action {
+                    id: Some(audit_id),
+                    action: "attempt.resolve_failed",
+                    job: Some(job_id),
+                    attempt: Some(attempt),
+                    detail: serde_json::json!({ "next_attempt": next }),
+                    ..Action::default()
+                };
+                audit::record(&mut tx, actor, &action).await?;
+                let publish = self.0.outbox().insert_outbox(&mut tx, &drafts).await?;
+                tx.commit().await?;
+                Ok(Some((settled, publish)))
+            })
+            .await
     }
 
     /// `--as cancelled`: the attempt ends, and its job is cancelled with it.
     async fn resolve_cancelled(
-        &self,
+        self,
         attempt: AttemptId,
         job_id: JobId,
         actor: &Actor,
@@ -135,7 +137,12 @@ impl Store {
             ..Action::default()
         };
         Ok(self
-            .retrying(|| self.cancel_once(job_id, Some(attempt), &reason, (actor, &action)))
+            .0
+            .retrying(|| {
+                self.0
+                    .jobs()
+                    .cancel_once(job_id, Some(attempt), &reason, (actor, &action))
+            })
             .await?
             .map(|publish| (Settled::Stale, publish)))
     }
@@ -144,12 +151,12 @@ impl Store {
     /// whose reply was lost (its audit row says so, and what it did), or
     /// refused, the attempt having changed meanwhile.
     async fn resolved_unseen(
-        &self,
+        self,
         attempt: AttemptId,
         resolution: Resolution,
         audit_id: Uuid,
     ) -> Result<Result<(Settled, Vec<OutboxMessage>), Refusal>> {
-        match self.recorded(audit_id).await? {
+        match self.0.audit().recorded(audit_id).await? {
             Some(detail) => {
                 let settled = match resolution {
                     Resolution::Failed => Settled::Failed {
