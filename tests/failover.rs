@@ -458,20 +458,11 @@ async fn the_reconciler_turns_a_vanished_workers_attempt_unknown() {
     };
     let job_id = new.job_id;
     env.store.admission().admit(&[new]).await.unwrap();
-    let attempt = env
-        .store
-        .jobs()
-        .job(job_id)
-        .await
-        .unwrap()
-        .unwrap()
-        .attempts[0]
-        .id;
-    env.store
-        .settle()
-        .start("primary", &[attempt], config.providers["primary"].timeout)
-        .await
-        .unwrap();
+    let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
+    let attempt = job.attempts[0].id;
+    let timeout = config.providers["primary"].timeout;
+    let settle = env.store.settle();
+    settle.start("primary", &[attempt], timeout).await.unwrap();
 
     let fleet = env
         .fleet(

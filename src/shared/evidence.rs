@@ -256,11 +256,8 @@ impl Looker<'_> {
             detail: json!({ "evidence": "cost found", "request_id": request_id, "usage": usage }),
             ..Action::default()
         };
-        let audit = self
-            .store
-            .audit()
-            .audit_begin(&Actor::evidence(), &action)
-            .await?;
+        let audit_rows = self.store.audit();
+        let audit = audit_rows.audit_begin(&Actor::evidence(), &action).await?;
         self.store
             .evidence()
             .record_cost(
@@ -345,21 +342,14 @@ impl Looker<'_> {
             }),
             ..Action::default()
         };
-        let audit = self
-            .store
-            .audit()
-            .audit_begin(&Actor::evidence(), &action)
-            .await?;
+        let audit_rows = self.store.audit();
+        let audit = audit_rows.audit_begin(&Actor::evidence(), &action).await?;
         let found = format!("{what}: {judged}");
         // Kept first: whatever happens to the settlement below (a held row,
         // an error, a crash), the answer is on the attempt, and the
         // kept-answer pass settles it.
-        if !self
-            .store
-            .kept()
-            .keep_answer(&finished, Some(&found))
-            .await?
-        {
+        let kept = self.store.kept();
+        if !kept.keep_answer(&finished, Some(&found)).await? {
             tracing::info!(attempt_id = %unknown.attempt_id, "evidence: the attempt's row is held or it was settled meanwhile; looked at again after its lease");
             return Ok(Look {
                 found: format!(
@@ -371,9 +361,8 @@ impl Looker<'_> {
         }
         let planner = planner::load_all(self.config, self.store).await?;
         let plan = |f: &FailedJob| planner.plan(f);
-        let (settled, publish) = self
-            .store
-            .settle()
+        let settle = self.store.settle();
+        let (settled, publish) = settle
             .finalize(std::slice::from_ref(&finished), &plan)
             .await?;
         let settled = settled.first().cloned().unwrap_or(Settled::Stale);
@@ -393,12 +382,7 @@ impl Looker<'_> {
         let settled = format!("{settled:?}");
         tracing::info!(attempt_id = %unknown.attempt_id, job_id = %unknown.job_id, evidence = what, %settled, "evidence: an unknown attempt was settled");
         let written = json!({ "settled": settled });
-        if let Err(e) = self
-            .store
-            .audit()
-            .audit_outcome(audit, false, &written)
-            .await
-        {
+        if let Err(e) = audit_rows.audit_outcome(audit, false, &written).await {
             tracing::warn!(error = %e, %audit, "evidence: the outcome was not written to its audit row");
         }
         Ok(Look {

@@ -89,10 +89,8 @@ async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appe
         )
         .await;
     assert_eq!(answer.status(), StatusCode::CONFLICT);
-    assert_eq!(
-        env.store.audit().audit_of_job(job_id).await.unwrap().len(),
-        1
-    );
+    let audit = env.store.audit().audit_of_job(job_id).await.unwrap();
+    assert_eq!(audit.len(), 1);
 }
 
 /// The job runs again: attempt #2 is queued, and its message is on the
@@ -159,12 +157,6 @@ async fn only_an_unknown_attempt_can_be_resolved_from_the_console() {
     let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.attempts.len(), 1);
     assert_eq!(job.attempts[0].status, AttemptStatus::Started);
-    assert!(
-        env.store
-            .audit()
-            .audit_of_job(job_id)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    let audit = env.store.audit().audit_of_job(job_id).await.unwrap();
+    assert!(audit.is_empty());
 }

@@ -149,37 +149,18 @@ async fn a_hedge_turned_away_by_an_unknown_runs_once_the_unknown_is_resolved() {
     let env = TestEnv::new(&config).await;
     let ctx = env.context(config.clone()).await;
     let (job_id, _) = env.admit(&ctx, "acct_z", "zombie", "zombie").await;
-    let first = env
-        .store
-        .jobs()
-        .job(job_id)
-        .await
-        .unwrap()
-        .unwrap()
-        .attempts[0]
-        .id;
-    let primary = env
-        .store
-        .settle()
+    let (jobs, settle) = (env.store.jobs(), env.store.settle());
+    let first = jobs.job(job_id).await.unwrap().unwrap().attempts[0].id;
+    let started = settle
         .start("primary", &[first], Duration::from_secs(30))
-        .await
-        .unwrap()
-        .remove(0);
-    let hedge = env
-        .store
-        .sweeps()
-        .hedge(job_id, "fallback")
-        .await
-        .unwrap()
-        .unwrap();
+        .await;
+    let primary = started.unwrap().remove(0);
+    let hedge = env.store.sweeps().hedge(job_id, "fallback").await;
+    let hedge = hedge.unwrap().unwrap();
     // The hedge takes its turn: handed out, its message goes to the queue.
     assert_eq!(env.hand_out(&ctx, "fallback").await, 1);
-    let (settled, _) = env
-        .store
-        .settle()
-        .finalize(&[timed_out(&primary)], &common::give_up)
-        .await
-        .unwrap();
+    let timed_out = [timed_out(&primary)];
+    let (settled, _) = settle.finalize(&timed_out, &common::give_up).await.unwrap();
     assert_eq!(settled, vec![Settled::Unknown]);
 
     // The hedge's delivery arrives while the job is blocked, and is settled.

@@ -51,16 +51,13 @@ async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers
         ],
     )
     .await;
-    let after = store
-        .admission()
-        .admit(&[
-            common::new_job("acct_a", "a-4", "x"),
-            common::new_job("acct_b", "b-1", "x"),
-            common::new_job("acct_a", "a-1", "a-1"),
-            common::new_job("acct_a", "a-2", "changed"),
-        ])
-        .await
-        .unwrap();
+    let batch = [
+        common::new_job("acct_a", "a-4", "x"),
+        common::new_job("acct_b", "b-1", "x"),
+        common::new_job("acct_a", "a-1", "a-1"),
+        common::new_job("acct_a", "a-2", "changed"),
+    ];
+    let after = store.admission().admit(&batch).await.unwrap();
     let (spent, held, budget, retry_after) = refused(&after[0]);
     assert_eq!((spent, held, budget), (60, 2 * RESERVE, 100));
     assert_eq!(retry_after, 1, "only reservations stand in the way");
@@ -102,11 +99,8 @@ async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers
         daily_tokens: Some(Some(0)),
         ..Default::default()
     };
-    let (view, _) = store
-        .owners()
-        .set_owner("acct_a", &change, &actor)
-        .await
-        .unwrap();
+    let set = store.owners().set_owner("acct_a", &change, &actor).await;
+    let (view, _) = set.unwrap();
     assert_eq!(
         (view.limits.daily_tokens, view.spent_24h, view.left),
         (0, 60, None)

@@ -93,9 +93,9 @@ async fn resolve(
         ResolveAs::Failed => Resolution::Failed,
         ResolveAs::Cancelled => Resolution::Cancelled,
     };
-    let operation = match store.jobs().attempt_job(AttemptId(attempt_id)).await? {
-        Some(job) => store
-            .jobs()
+    let jobs = store.jobs();
+    let operation = match jobs.attempt_job(AttemptId(attempt_id)).await? {
+        Some(job) => jobs
             .job(job)
             .await?
             .map(|j| j.operation)
@@ -127,15 +127,10 @@ async fn resolve(
         Settled::Failed { next, .. } => next,
         _ => None,
     };
-    let job = store
-        .jobs()
-        .job(
-            match store.jobs().attempt_job(AttemptId(attempt_id)).await? {
-                Some(j) => j,
-                None => return Err(Failure(format!("attempt {attempt_id} not found"))),
-            },
-        )
-        .await?;
+    let job = match jobs.attempt_job(AttemptId(attempt_id)).await? {
+        Some(j) => jobs.job(j).await?,
+        None => return Err(Failure(format!("attempt {attempt_id} not found"))),
+    };
     if json {
         writeln!(
             out,

@@ -149,11 +149,8 @@ impl Settle<'_> {
         // the outbox rows: a statement after the compare-and-swap, so its fresh
         // snapshot sees a timeout that committed while the compare-and-swap
         // waited for the job, without a round trip of its own.
-        let publish = self
-            .0
-            .outbox()
-            .insert_outbox_closing(&mut tx, &drafts, &won)
-            .await?;
+        let outbox = self.0.outbox();
+        let publish = outbox.insert_outbox_closing(&mut tx, &drafts, &won).await?;
         clear_kept(&mut tx, &kept).await?;
         tx.commit().await?;
         let outcomes = all
