@@ -134,13 +134,6 @@ impl Audit<'_> {
         )
     }
 
-    /// Records an action that is not a database write of its own (a
-    /// qualification), after it was done.
-    pub async fn audit(self, actor: &Actor, action: &Action<'_>) -> Result<()> {
-        let mut conn = self.0.pool.acquire().await?;
-        record(&mut conn, actor, action).await.map(|_| ())
-    }
-
     /// Records an action on something outside the database (a dead-letter
     /// replay or purge) *before* it is done, so that no such action goes
     /// unrecorded: its detail says `"outcome": "pending"` until
