@@ -322,7 +322,7 @@ async fn a_hedge_that_answers_first_wins_and_the_late_primary_is_discarded() {
 
     // The late primary settled; the outbox all published and the relay run
     // twice more: one job.succeeded event, no second.
-    let got = common::events_once_settled(&env, &events, &events_queue).await;
+    let got = common::events_once_settled(&env, &fleet.ctx, &events, &events_queue).await;
     assert_eq!(got.len(), 1, "one job.succeeded event, no second");
     assert_eq!(got[0].routing_key.as_str(), "job.succeeded");
 
@@ -404,7 +404,7 @@ async fn a_cancelled_job_discards_the_late_result() {
 
     // The late result discarded, the outbox all published and the relay run
     // twice more: one job.cancelled event, no second.
-    let got = common::events_once_settled(&env, &events, &events_queue).await;
+    let got = common::events_once_settled(&env, &fleet.ctx, &events, &events_queue).await;
     assert_eq!(got.len(), 1, "one job.cancelled event, no second");
     assert_eq!(got[0].routing_key.as_str(), "job.cancelled");
 
@@ -480,11 +480,11 @@ async fn the_reconciler_turns_a_vanished_workers_attempt_unknown() {
             .starts_with("worker_vanished")
     );
 
-    // Three full backoff periods (at their cap), and three whole reconciler
-    // sweeps after the one that found the worker vanished (each a chance to
+    // Three full backoff periods (at their cap), and three whole runs of each
+    // reconciler sweep after the one that found the worker vanished (each a chance to
     // retry, republish or hedge): nothing new starts.
     common::through_sweeps(
-        &env.store,
+        &fleet.ctx,
         3,
         config.worker.retry_backoff_max * 3,
         "the unknown job's window",

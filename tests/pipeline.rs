@@ -60,7 +60,7 @@ async fn a_published_intent_becomes_one_succeeded_job() {
 
     // Exactly one job.succeeded event, identified by job id and version: the
     // outbox all published, and the relay run twice more, no second copy came.
-    let got = common::events_once_settled(&env, &events, &events_queue).await;
+    let got = common::events_once_settled(&env, &fleet.ctx, &events, &events_queue).await;
     assert_eq!(got.len(), 1, "one event, no second");
     assert_eq!(got[0].routing_key.as_str(), "job.succeeded");
     let event: serde_json::Value = serde_json::from_slice(&got[0].data).unwrap();

@@ -49,7 +49,7 @@ async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
         first.error
     );
 
-    nothing_starts_beside_the_unknown(&env, &config, job_id, &fallback).await;
+    nothing_starts_beside_the_unknown(&env, &fleet.ctx, &config, job_id, &fallback).await;
     assert_eq!(primary.stats.requests(), 1);
 
     // The operator learns the provider dropped it, and resolves it as failed.
@@ -87,32 +87,27 @@ async fn a_timeout_blocks_the_job_until_an_operator_resolves_it() {
 /// The unknown job `job_id` stays as it is while time passes and sweeps run.
 async fn nothing_starts_beside_the_unknown(
     env: &TestEnv,
+    fleet: &onejob::shared::runtime::Context,
     config: &Config,
     job_id: JobId,
     fallback: &MockHandle,
 ) {
     // For three full backoff periods (at their cap) plus the vanished-worker grace,
-    // and through three whole reconciler sweeps (the vanished-worker, lost-message
+    // and through three whole runs of each reconciler sweep (the vanished-worker, lost-message
     // and hedging passes, each a chance to start something beside the unknown),
     // nothing new starts and nobody calls the fallback.
     let window = config.worker.retry_backoff_max * 3 + config.worker.vanished_grace;
-    common::through_sweeps(
-        &env.store,
-        3,
-        window,
-        "the unknown job's window",
-        || async {
-            let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
-            assert_eq!(job.status, JobStatus::Unknown);
-            assert_eq!(job.attempts.len(), 1, "no new attempt while one is unknown");
-            assert_eq!(
-                job.attempts[0].status,
-                AttemptStatus::Unknown,
-                "never failed by time alone"
-            );
-            assert_eq!(fallback.stats.requests(), 0, "the fallback is never called");
-        },
-    )
+    common::through_sweeps(fleet, 3, window, "the unknown job's window", || async {
+        let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
+        assert_eq!(job.status, JobStatus::Unknown);
+        assert_eq!(job.attempts.len(), 1, "no new attempt while one is unknown");
+        assert_eq!(
+            job.attempts[0].status,
+            AttemptStatus::Unknown,
+            "never failed by time alone"
+        );
+        assert_eq!(fallback.stats.requests(), 0, "the fallback is never called");
+    })
     .await;
 }
 
@@ -193,7 +188,7 @@ async fn a_dropped_connection_is_unknown_and_can_be_cancelled() {
 
     // One event: the outbox all published and the relay run twice more, no
     // second copy came.
-    let got = common::events_once_settled(&env, &events, &events_queue).await;
+    let got = common::events_once_settled(&env, &fleet.ctx, &events, &events_queue).await;
     assert_eq!(got.len(), 1, "one event, no second");
     assert_eq!(got[0].routing_key.as_str(), "job.cancelled");
 

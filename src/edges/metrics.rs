@@ -40,6 +40,9 @@ pub const STAGE_SECONDS: &str = "onejob_stage_seconds";
 /// resolution by evidence, by how (`stored`, `replayed`, `no_evidence`).
 pub const UNKNOWN_RESOLUTION_SECONDS: &str = "onejob_unknown_resolution_seconds";
 
+/// How long one run of a reconciler pass took, in seconds, by pass.
+pub const RECONCILER_RUN_SECONDS: &str = "onejob_reconciler_run_seconds";
+
 /// Bucket bounds for resolving unknowns: from the evidence delay (seconds) to
 /// the evidence deadline (minutes, an hour).
 const RESOLUTION_BUCKETS: [f64; 11] = [
@@ -76,6 +79,11 @@ pub fn install() -> Option<&'static PrometheusHandle> {
                 .set_buckets_for_metric(Matcher::Full(ATTEMPT_BATCH_SIZE.into()), &BATCH_BUCKETS)
                 .ok()?
                 .set_buckets_for_metric(Matcher::Full(STAGE_SECONDS.into()), &STAGE_BUCKETS)
+                .ok()?
+                .set_buckets_for_metric(
+                    Matcher::Full(RECONCILER_RUN_SECONDS.into()),
+                    &STAGE_BUCKETS,
+                )
                 .ok()?
                 .set_buckets_for_metric(
                     Matcher::Full(UNKNOWN_RESOLUTION_SECONDS.into()),
@@ -243,6 +251,13 @@ pub fn vacuumed(table: &str) {
 /// found it (0: none was).
 pub fn oldest_prunable(oldest: Option<Duration>) {
     gauge!("onejob_oldest_prunable_job_seconds").set(oldest.map_or(0.0, |d| d.as_secs_f64()));
+}
+
+/// One run of a reconciler pass ended, well or not, after `elapsed`.
+pub fn reconciler_run(pass: &'static str, ok: bool, elapsed: Duration) {
+    let outcome = if ok { "ok" } else { "failed" };
+    counter!("onejob_reconciler_runs_total", "pass" => pass, "outcome" => outcome).increment(1);
+    histogram!(RECONCILER_RUN_SECONDS, "pass" => pass).record(elapsed.as_secs_f64());
 }
 
 /// A transaction ran again after a transient error, by its SQLSTATE (`40P01` a

@@ -6,4 +6,4 @@
 
 pub(crate) mod attempts;
 pub mod intake;
-pub(crate) mod reconciler;
+pub mod reconciler;

@@ -260,19 +260,34 @@ async fn settle(conn: &Connection, queue: &str, expected: u32) -> Result<()> {
 ///
 /// Another reader (the reconciler's scan) may hold some letters for a moment,
 /// and AMQP counts only the letters not held: a listing that saw fewer
-/// letters than the queue holds once it is done is taken again (a few times).
+/// letters than the queue was seen to hold is taken again, after a
+/// pause of random length so as not to keep meeting a scan that runs on a
+/// timer ([`BROWSE_TRIES`] at most; the last is returned as it is).
 pub async fn browse(conn: &Connection, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
+    let depth = || async {
+        let depth = broker::depth(conn, queue).await?;
+        Ok::<_, DlqError>(usize::try_from(depth).unwrap_or(usize::MAX))
+    };
     let mut out = Vec::new();
-    for _ in 0..5 {
+    // The most letters the queue was seen to hold: a count taken while a scan
+    // holds some is short too, so one short count never passes a short listing.
+    let mut most = 0;
+    for _ in 0..BROWSE_TRIES {
         out.clear();
+        most = most.max(depth().await?);
         visit(conn, queue, limit, |letter, _| out.push(letter)).await?;
-        let now = usize::try_from(broker::depth(conn, queue).await?).unwrap_or(usize::MAX);
-        if out.len() >= now.min(limit) {
+        most = most.max(depth().await?);
+        if out.len() >= most.min(limit) {
             break;
         }
+        let pause = rand::random_range(5..30);
+        tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
     }
     Ok(out)
 }
+
+/// How often a listing is taken at most while scans hold letters of its queue.
+const BROWSE_TRIES: usize = 50;
 
 /// Hands `each` up to `limit` dead letters of `queue`, one at a time, with
 /// its body, without consuming them: the body is dropped when `each` returns.

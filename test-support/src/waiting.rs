@@ -5,6 +5,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use onejob::edges::store::Store;
+use onejob::shared::runtime::Context;
 
 use super::TestEnv;
 
@@ -27,42 +28,19 @@ where
     }
 }
 
-/// Inserts an outbox row published a century ago: the reconciler's next outbox
-/// pruning deletes it whatever the retention. Its id.
-async fn sweep_marker(store: &Store) -> i64 {
-    sqlx::query_scalar(
-        "INSERT INTO outbox (exchange, routing_key, message_id, body, not_before, published_at)
-         VALUES ('onejob.events', 'test.sweep-marker', 'sweep-marker', '{}',
-                 now() - interval '100 years', now() - interval '100 years')
-         RETURNING id",
-    )
-    .fetch_one(store.pool())
-    .await
-    .expect("insert a sweep marker")
-}
-
-async fn marker_pruned(store: &Store, id: i64) -> bool {
-    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE id = $1")
-        .bind(id)
-        .fetch_one(store.pool())
-        .await
-        .expect("look for the sweep marker");
-    left == 0
-}
+/// The reconciler's passes that could start, republish, hedge or settle
+/// something: each run of one is a chance for that to happen.
+pub const SWEEPS: [&str; 6] = ["relay", "vanished", "kept", "lost", "unserved", "hedge"];
 
 /// Runs `check` over and over (every 50 ms, and once more at the end) until at
-/// least `at_least` has passed and the reconciler has made `passes` whole
-/// sweeps that began after this call: a window shown to have covered the
-/// sweeps' chances to act (vanished workers, lost messages, hedging, the
-/// relay). A sweep is seen through a later step of the same pass: the outbox
-/// pruning that follows it deletes a marker row published a century ago. Marker
-/// `k + 1` is inserted once marker `k` is gone, so the pass that prunes it began
-/// its sweep after marker `k` was gone; the first marker's pass may have begun
-/// before the call, and is not counted. Panics naming `what` if the sweeps do
-/// not come (no reconciler runs).
+/// least `at_least` has passed and each of the reconciler's [`SWEEPS`] in
+/// `fleet` has made `runs` whole runs that began after this call: a window
+/// shown to have covered the sweeps' chances to act (vanished workers, lost
+/// messages, hedging, the relay). Panics naming `what` if the runs do not come
+/// (no reconciler runs).
 pub async fn through_sweeps<F, Fut>(
-    store: &Store,
-    passes: usize,
+    fleet: &Context,
+    runs: u64,
     at_least: Duration,
     what: &str,
     mut check: F,
@@ -71,62 +49,67 @@ pub async fn through_sweeps<F, Fut>(
     Fut: Future<Output = ()>,
 {
     let start = Instant::now();
-    let limit = at_least + Duration::from_secs(30) + Duration::from_secs(5) * passes as u32;
-    let mut marker = sweep_marker(store).await;
-    let mut pruned = 0;
+    let limit = at_least + Duration::from_secs(30) + Duration::from_secs(5) * runs as u32;
+    let since = fleet.pass_runs.counts();
+    let swept = fleet.pass_runs.wait(&since, &SWEEPS, runs);
+    tokio::pin!(swept);
+    let mut done = false;
     loop {
         check().await;
-        if pruned <= passes && marker_pruned(store, marker).await {
-            pruned += 1;
-            if pruned <= passes {
-                marker = sweep_marker(store).await;
-            }
-        }
-        if pruned > passes && start.elapsed() >= at_least {
+        if done && start.elapsed() >= at_least {
             check().await;
             return;
         }
         assert!(
             start.elapsed() < limit,
-            "{what}: timed out after {limit:?} with {} of {passes} reconciler sweeps seen",
-            pruned.saturating_sub(1)
+            "{what}: timed out after {limit:?} waiting for {runs} runs of each of {SWEEPS:?} (ran since: {:?})",
+            fleet.pass_runs.counts()
         );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::select! {
+            () = &mut swept, if !done => done = true,
+            () = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
     }
 }
 
-/// Waits until the reconciler has made `passes` whole sweeps that began after
-/// this call (see [`through_sweeps`]).
-pub async fn sweeps_ran(store: &Store, passes: usize, what: &str) {
-    through_sweeps(store, passes, Duration::ZERO, what, || async {}).await;
+/// Waits until each of the reconciler's [`SWEEPS`] in `fleet` has made `runs`
+/// whole runs that began after this call (see [`through_sweeps`]).
+pub async fn sweeps_ran(fleet: &Context, runs: u64, what: &str) {
+    through_sweeps(fleet, runs, Duration::ZERO, what, || async {}).await;
 }
 
-/// Every message `queue` (bound to the events exchange) holds once there is
-/// nothing left to publish: every outbox row is published (each publish was
-/// confirmed, so its copy is in the queue) and the reconciler has made two
-/// more whole passes, each relaying the outbox before its sweep. A second copy
-/// of an event, published again by the relay or by a redelivered settlement,
-/// would be in the queue by then.
-pub async fn events_once_settled(
-    env: &TestEnv,
-    ch: &lapin::Channel,
-    queue: &str,
-) -> Vec<lapin::message::Delivery> {
-    let mut got = env.drain(ch, queue).await;
+/// Waits until every outbox row is marked published.
+pub async fn all_published(store: &Store) {
     wait_for(
         "every outbox row to be published",
         Duration::from_secs(20),
         || async {
             let unpublished: i64 =
                 sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
-                    .fetch_one(env.store.pool())
+                    .fetch_one(store.pool())
                     .await
                     .expect("count unpublished outbox rows");
             (unpublished == 0).then_some(())
         },
     )
     .await;
-    sweeps_ran(&env.store, 2, "the relay after the outbox was published").await;
+}
+
+/// Every message `queue` (bound to the events exchange) holds once there is
+/// nothing left to publish: every outbox row is published (each publish was
+/// confirmed, so its copy is in the queue) and each of the reconciler's
+/// [`SWEEPS`] in `fleet` has made two more whole runs. A second copy
+/// of an event, published again by the relay or by a redelivered settlement,
+/// would be in the queue by then.
+pub async fn events_once_settled(
+    env: &TestEnv,
+    fleet: &Context,
+    ch: &lapin::Channel,
+    queue: &str,
+) -> Vec<lapin::message::Delivery> {
+    let mut got = env.drain(ch, queue).await;
+    all_published(&env.store).await;
+    sweeps_ran(fleet, 2, "the relay after the outbox was published").await;
     got.extend(env.drain(ch, queue).await);
     got
 }

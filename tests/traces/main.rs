@@ -59,8 +59,13 @@ fn context_of(seen: &TraceSeen) -> TraceContext {
 }
 
 /// The trace context on the job's event, once every outbox row is published.
-async fn event_context(env: &TestEnv, events: &lapin::Channel, queue: &str) -> TraceContext {
-    let got = common::events_once_settled(env, events, queue).await;
+async fn event_context(
+    env: &TestEnv,
+    fleet: &common::Fleet,
+    events: &lapin::Channel,
+    queue: &str,
+) -> TraceContext {
+    let got = common::events_once_settled(env, &fleet.ctx, events, queue).await;
     assert_eq!(got.len(), 1, "one event");
     TraceContext::from_headers(got[0].properties.headers().as_ref())
         .expect("the event carries a valid traceparent")
@@ -91,7 +96,7 @@ async fn a_publishers_trace_reaches_the_provider_and_the_event() {
         Some("vendor=abc"),
         "tracestate passes on"
     );
-    let event = event_context(&env, &events, &queue).await;
+    let event = event_context(&env, &fleet, &events, &queue).await;
     assert_eq!(event.trace_id, upstream().trace_id);
     assert_eq!(event.state.as_deref(), Some("vendor=abc"));
     let stored: Option<String> = sqlx::query_scalar("SELECT traceparent FROM jobs WHERE id = $1")
@@ -120,7 +125,7 @@ async fn without_a_trace_onejob_starts_one_per_job() {
     let call = context_of(&call_seen(&env, &provider, first).await);
     assert_eq!(call.flags & 1, 1, "a trace onejob starts is sampled");
     assert_eq!(call.state, None);
-    let event = event_context(&env, &events, &queue).await;
+    let event = event_context(&env, &fleet, &events, &queue).await;
     assert_eq!(
         event.trace_id, call.trace_id,
         "one trace from intake to event"

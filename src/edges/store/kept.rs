@@ -173,8 +173,11 @@ impl Kept<'_> {
             }
         }
         if !unreadable.is_empty() {
+            // A row held elsewhere is marked by a later pass.
             sqlx::query!(
-                "UPDATE attempts SET kept_next_at = 'infinity' WHERE id = ANY($1)",
+                "UPDATE attempts SET kept_next_at = 'infinity'
+                 WHERE id IN (SELECT id FROM attempts WHERE id = ANY($1)
+                              FOR UPDATE SKIP LOCKED)",
                 &unreadable
             )
             .execute(&self.0.pool)
@@ -184,7 +187,9 @@ impl Kept<'_> {
     }
 
     /// Moves the kept answers of `attempts` (whose rows were held when the
-    /// pass tried them) behind the others, due again in `pause`.
+    /// pass tried them) behind the others, due again in `pause`. An attempt
+    /// whose own row is still held is left as it is, due at once: waiting
+    /// for its lock would hold the pass up for as long as the holder likes.
     pub async fn kept_later(self, attempts: &[AttemptId], pause: Duration) -> Result<()> {
         if attempts.is_empty() {
             return Ok(());
@@ -192,7 +197,8 @@ impl Kept<'_> {
         let ids: Vec<Uuid> = attempts.iter().map(|a| a.0).collect();
         sqlx::query!(
             "UPDATE attempts SET kept_next_at = now() + make_interval(secs => $2)
-             WHERE id = ANY($1) AND answer IS NOT NULL AND kept_next_at IS DISTINCT FROM 'infinity'",
+             WHERE id IN (SELECT id FROM attempts WHERE id = ANY($1) FOR UPDATE SKIP LOCKED)
+               AND answer IS NOT NULL AND kept_next_at IS DISTINCT FROM 'infinity'",
             &ids,
             pause.as_secs_f64(),
         )

@@ -7,9 +7,11 @@ use std::time::Duration;
 
 use crate::edges::provider::Client;
 use crate::edges::shutdown::Shutdown;
-use crate::settings::config::{EvidenceKind, Provider};
+use crate::settings::config::{Config, EvidenceKind};
 use crate::shared::evidence::Looker;
 use crate::shared::runtime::{Context, Result};
+
+use super::pass::Pass;
 
 /// How long a pod holds an unknown it is looking up before another may, on
 /// top of its provider's `timeout`.
@@ -19,46 +21,55 @@ const BATCH: i64 = 32;
 /// How often the pass runs.
 const EVERY: Duration = Duration::from_secs(1);
 
-/// Runs the pass until shutdown: one loop per provider that keeps evidence,
-/// each every [`EVERY`], apart from the other passes and from each other: a
+/// One provider's evidence pass, every second: a pass per provider that
+/// keeps evidence, apart from the other passes and from each other, since a
 /// look can wait a whole timeout (a re-send, a listing that does not
 /// answer), and one slow provider must hold up neither the other passes nor
 /// the looks of the other providers.
-pub(super) async fn evidence_loop(ctx: Context, shutdown: Shutdown) {
-    let loops: Vec<_> = ctx
-        .config
-        .providers
-        .values()
-        .filter(|p| p.evidence.kind != EvidenceKind::None)
-        .map(|p| provider_loop(ctx.clone(), p.clone(), shutdown.clone()))
-        .collect();
-    // Without such a provider (the default), the pass asks the database nothing.
-    futures_util::future::join_all(loops).await;
+pub struct Evidence {
+    client: Client,
 }
 
-/// One provider's looks, every [`EVERY`] until shutdown.
-async fn provider_loop(ctx: Context, provider: Provider, shutdown: Shutdown) {
-    let client = match Client::new(provider.clone()) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!(provider = %provider.name, error = %e, "evidence: no client; its unknowns wait for an operator");
-            return;
-        }
-    };
-    let mut tick = tokio::time::interval(EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
+impl Evidence {
+    /// The passes for the providers of `config` that keep evidence: none by
+    /// default, so that the pass then asks the database nothing. A provider
+    /// whose client cannot be made is left out with a warning (its unknowns
+    /// wait for an operator).
+    pub fn passes(config: &Config) -> Vec<Evidence> {
+        config
+            .providers
+            .values()
+            .filter(|p| p.evidence.kind != EvidenceKind::None)
+            .filter_map(|p| match Client::new(p.clone()) {
+                Ok(client) => Some(Evidence { client }),
+                Err(e) => {
+                    tracing::warn!(provider = %p.name, error = %e, "evidence: no client; its unknowns wait for an operator");
+                    None
+                }
+            })
+            .collect()
+    }
+}
+
+impl Pass for Evidence {
+    fn name(&self) -> &'static str {
+        "evidence"
+    }
+
+    fn subject(&self) -> Option<&str> {
+        Some(&self.client.provider().name)
+    }
+
+    fn every(&self, _: &Config) -> Duration {
+        EVERY
+    }
+
+    /// One look at the provider's due unknowns, cut short at a shutdown.
+    /// Returns the unknowns looked at.
+    async fn once(&self, ctx: &Context, shutdown: &Shutdown) -> Result<u64> {
         tokio::select! {
-            () = shutdown.wait() => return,
-            _ = tick.tick() => {}
-        }
-        let pass = provider_once(&ctx, &client);
-        let outcome = tokio::select! {
-            () = shutdown.wait() => return,
-            outcome = pass => outcome,
-        };
-        if let Err(e) = outcome {
-            tracing::warn!(provider = %provider.name, error = %e, "evidence pass failed; will retry");
+            () = shutdown.wait() => Ok(0),
+            looked = provider_once(ctx, &self.client) => looked,
         }
     }
 }
@@ -68,11 +79,11 @@ async fn provider_loop(ctx: Context, provider: Provider, shutdown: Shutdown) {
 /// until a later qualification finds it holds). Each is taken under its own
 /// lease just before its look, one at a time, so that a lease never runs out
 /// while a slow look before it is still going; [`BATCH`] looks at most.
-async fn provider_once(ctx: &Context, client: &Client) -> Result<()> {
+async fn provider_once(ctx: &Context, client: &Client) -> Result<u64> {
     let provider = client.provider();
     let claims = ctx.store.evidence().latest_claims().await?;
     if !crate::shared::evidence::claim_holds(provider, claims.get(&provider.name)) {
-        return Ok(());
+        return Ok(0);
     }
     let delays = [(provider.name.clone(), provider.evidence.delay)];
     // Longer than the slowest look: a re-send waits up to the provider's timeout.
@@ -81,6 +92,7 @@ async fn provider_once(ctx: &Context, client: &Client) -> Result<()> {
         store: &ctx.store,
         config: &ctx.config,
     };
+    let mut looked = 0;
     for _ in 0..BATCH {
         let Some(unknown) = ctx
             .store
@@ -91,6 +103,7 @@ async fn provider_once(ctx: &Context, client: &Client) -> Result<()> {
         else {
             break;
         };
+        looked += 1;
         let look = match looker.look(client, &unknown).await {
             Ok(look) => look,
             Err(e) => {
@@ -108,5 +121,5 @@ async fn provider_once(ctx: &Context, client: &Client) -> Result<()> {
         };
         ctx.publish_outbox(&look.publish).await?;
     }
-    Ok(())
+    Ok(looked)
 }

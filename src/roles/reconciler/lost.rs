@@ -2,22 +2,46 @@
 //! message was published are republished, then failed with a reason after
 //! `max_republish` tries.
 
+use std::time::Duration;
+
+use crate::edges::shutdown::Shutdown;
 use crate::policy::next::FailedJob;
+use crate::settings::config::Config;
 use crate::shared::planner;
 use crate::shared::runtime::{Context, Result};
 
-/// Queued attempts whose message seems lost are republished, then failed.
-pub(super) async fn lost_once(ctx: &Context) -> Result<()> {
-    let w = &ctx.config.worker;
-    let max = i32::try_from(w.max_republish).unwrap_or(i32::MAX);
-    let backlogged = backlogged(ctx).await;
-    let (republish, lost) = ctx
-        .store
-        .sweeps()
-        .stuck_queued(w.stuck_after, max, &backlogged)
-        .await?;
-    ctx.publish_outbox(&republish).await?;
-    if !lost.is_empty() {
+use super::pass::{Pass, sweep_every};
+
+/// The lost-message sweep, every second.
+pub struct Lost;
+
+impl Pass for Lost {
+    fn name(&self) -> &'static str {
+        "lost"
+    }
+
+    fn every(&self, config: &Config) -> Duration {
+        sweep_every(config)
+    }
+
+    /// Queued attempts whose message seems lost (not started `stuck_after`
+    /// after it was published, and not waiting in a backlog) are
+    /// republished, and failed as lost after `max_republish` tries. Returns
+    /// the attempts republished or failed.
+    async fn once(&self, ctx: &Context, _: &Shutdown) -> Result<u64> {
+        let w = &ctx.config.worker;
+        let max = i32::try_from(w.max_republish).unwrap_or(i32::MAX);
+        let backlogged = backlogged(ctx).await;
+        let (republish, lost) = ctx
+            .store
+            .sweeps()
+            .stuck_queued(w.stuck_after, max, &backlogged)
+            .await?;
+        ctx.publish_outbox(&republish).await?;
+        let done = (republish.len() + lost.len()) as u64;
+        if lost.is_empty() {
+            return Ok(done);
+        }
         let planner = planner::load_all(&ctx.config, &ctx.store).await?;
         let plan = |f: &FailedJob| planner.plan(f);
         let error = format!(
@@ -27,8 +51,8 @@ pub(super) async fn lost_once(ctx: &Context) -> Result<()> {
         let lost: Vec<_> = lost.into_iter().map(|a| (a, error.clone())).collect();
         let (_, publish) = ctx.store.settle().fail_queued(&lost, true, &plan).await?;
         ctx.publish_outbox(&publish).await?;
+        Ok(done)
     }
-    super::unserved::unserved_once(ctx).await
 }
 
 /// The providers whose attempts queue holds messages now. An attempt of theirs

@@ -39,126 +39,130 @@
 //! - **Hedging**: for operations with `hedge_after`, a job whose attempt has been
 //!   silent that long gets one parallel attempt on the next qualified provider.
 //!
-//! One file per pass (`relay`, `vanished`, `kept`, `handed_on`, `lost`,
-//! `unserved`, `dead_letters`, `prune`, `vacuum_turns`, `evidence`,
-//! `hedge`); this one schedules them. Several reconcilers may run at once:
-//! every pass claims rows with `FOR UPDATE SKIP LOCKED` or goes through a
-//! guarded statement.
+//! One file per pass, each a [`pass::Pass`] run on a timer of its own
+//! ([`pass::run`]), as River's maintenance services are: `relay`, `vanished`,
+//! `kept`, `lost`, `unserved`, `hedge`, `statistics`, `prune_outbox`,
+//! `prune_jobs`, `prune_spend`, `vacuum`, `vacuum_turns`, `dead_intents`,
+//! `dead_attempts`, and `evidence` (one per provider that keeps evidence);
+//! `handed_on` is a consumer. This one schedules them. Several reconcilers
+//! may run at once: every pass claims rows with `FOR UPDATE SKIP LOCKED` or
+//! goes through a guarded statement, and so may the passes of one.
 
-mod dead_letters;
-mod evidence;
+pub mod dead_attempts;
+pub mod dead_intents;
+pub mod evidence;
 mod handed_on;
-mod hedge;
-mod kept;
-mod lost;
-mod prune;
-mod relay;
-mod unserved;
-mod vacuum_turns;
-mod vanished;
+pub mod hedge;
+pub mod kept;
+pub mod lost;
+pub mod pass;
+pub mod prune_jobs;
+pub mod prune_outbox;
+pub mod prune_spend;
+pub mod relay;
+pub mod statistics;
+pub mod unserved;
+pub mod vacuum;
+pub mod vacuum_turns;
+pub mod vanished;
 
-use std::time::Duration;
+use std::sync::Arc;
+
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
 
 use crate::edges::shutdown::Shutdown;
 use crate::shared::runtime::{Context, Result, WorkerError};
 
-/// Runs every pass, and takes the settlements handed on, until shutdown. A
-/// failure of the settlements' consumer stops the role as a pass's would.
-pub(crate) async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
-    let pruner = tokio::spawn(prune::prune_loop(ctx.clone(), shutdown.clone()));
-    let turns = tokio::spawn(vacuum_turns::vacuum_turns_loop(
-        ctx.clone(),
-        shutdown.clone(),
-    ));
-    let evidence = tokio::spawn(evidence::evidence_loop(ctx.clone(), shutdown.clone()));
-    let mut handed_on = tokio::spawn(handed_on::consume(ctx.clone(), shutdown.clone()));
-    let passes = passes(ctx, shutdown.clone());
-    tokio::pin!(passes);
-    let outcome = tokio::select! {
-        outcome = &mut passes => {
-            // At a stop the consumer hands back what it holds; otherwise it
-            // is stopped with the passes.
-            if !shutdown.is_triggered() {
-                handed_on.abort();
-            }
-            let _ = handed_on.await;
-            outcome
-        }
-        ended = &mut handed_on => match ended {
-            Ok(Ok(())) => passes.await,
-            Ok(Err(e)) => Err(e),
-            Err(e) => Err(WorkerError::RoleStopped("reconciler".into(), e.to_string())),
-        },
-    };
-    for task in [pruner, turns, evidence] {
-        task.abort();
-        let _ = task.await;
-    }
-    outcome
-}
+use pass::Pass;
 
-/// The relay, the sweeps and the dead-letter scan, until shutdown.
-async fn passes(ctx: Context, shutdown: Shutdown) -> Result<()> {
-    let mut tick = tokio::time::interval(ctx.config.worker.relay_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let sweep_every =
-        Duration::from_secs(1).min(ctx.config.worker.relay_interval.saturating_mul(4));
-    let mut last_sweep = tokio::time::Instant::now();
-    let mut last_scan = tokio::time::Instant::now();
+/// Runs every pass, each on its own timer, and takes the settlements handed
+/// on, until shutdown; then waits for the runs in progress. A failure of the
+/// settlements' consumer, or a pass that panicked, stops the role.
+pub(crate) async fn run(ctx: Context, shutdown: Shutdown) -> Result<()> {
+    let mut passes = schedule(&ctx, &shutdown);
+    let mut handed_on = tokio::spawn(handed_on::consume(ctx.clone(), shutdown.clone()));
+    let stopped = |e: String| WorkerError::RoleStopped("reconciler".into(), e);
     loop {
         tokio::select! {
-            () = shutdown.wait() => return Ok(()),
-            _ = tick.tick() => {}
-        }
-        if let Err(e) = relay::relay_once(&ctx).await {
-            tracing::warn!(error = %e, "outbox relay pass failed; will retry");
-        }
-        if last_sweep.elapsed() >= sweep_every {
-            last_sweep = tokio::time::Instant::now();
-            if let Err(e) = sweep_once(&ctx).await {
-                tracing::warn!(error = %e, "reconciler sweep failed; will retry");
-            }
-            match ctx.store.sweeps().refresh_statistics().await {
-                Ok(tables) if !tables.is_empty() => {
-                    tracing::debug!(?tables, "refreshed the planner's statistics")
+            ended = &mut handed_on => {
+                let outcome = match ended {
+                    // At a stop the consumer hands back what it holds.
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(e),
+                    Err(e) => Err(stopped(e.to_string())),
+                };
+                if outcome.is_err() {
+                    passes.abort_all();
                 }
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "refreshing statistics failed; will retry"),
+                while passes.join_next().await.is_some() {}
+                return outcome;
             }
-            match prune::prune_outbox(&ctx).await {
-                Ok(0) => {}
-                Ok(n) => tracing::debug!(rows = n, "pruned published outbox rows"),
-                Err(e) => tracing::warn!(error = %e, "outbox pruning failed; will retry"),
-            }
-        }
-        if last_scan.elapsed() >= ctx.config.worker.dead_letter_scan {
-            last_scan = tokio::time::Instant::now();
-            if let Err(e) = dead_letters::reflect_dead_intents(&ctx).await {
-                tracing::warn!(error = %e, "admitting dead-lettered valid intents failed; will retry");
-            }
-            if let Err(e) = dead_letters::reflect_dead_letters(&ctx).await {
-                tracing::warn!(error = %e, "dead-letter scan failed; will retry");
+            joined = passes.join_next(), if !passes.is_empty() => {
+                // A pass's task ends at the stop, or by a panic.
+                if let Some(Err(e)) = joined {
+                    passes.abort_all();
+                    handed_on.abort();
+                    return Err(stopped(format!("a reconciler pass ended: {e}")));
+                }
             }
         }
     }
 }
 
-/// One pass of the vanished-worker, lost-message and hedging checks.
-pub(super) async fn sweep_once(ctx: &Context) -> Result<()> {
-    // Each pass on its own: one that fails (a row held past a lock timeout, say)
-    // is logged and tried again next sweep, and never skips the passes after it.
-    let passes = [
-        ("vanished workers", vanished::vanished_once(ctx).await),
-        ("kept answers", kept::settle_kept_once(ctx).await),
-        ("lost messages", lost::lost_once(ctx).await),
-        ("hedging", hedge::hedge_once(ctx).await),
-    ];
-    let mut first = None;
-    for (pass, outcome) in passes {
-        if let Err(e) = outcome {
-            tracing::warn!(%pass, error = %e, "reconciler pass failed; will retry");
-            first.get_or_insert(e);
-        }
+/// Starts every pass on its own timer. The relay and the evidence passes
+/// run free: the relay is what every delayed attempt waits for, and a look
+/// for evidence can wait a whole provider timeout. The others share half the
+/// pool's connections, so that passes held by a lock (a migration's, an
+/// operator's `LOCK TABLE`) never take more than that from the console and
+/// the gauges.
+fn schedule(ctx: &Context, shutdown: &Shutdown) -> JoinSet<()> {
+    let shared = (ctx.config.worker.pool_size / 2).max(1) as usize;
+    let mut passes = Schedule {
+        set: JoinSet::new(),
+        ctx,
+        shutdown,
+        shared: Arc::new(Semaphore::new(shared)),
+    };
+    passes.free(relay::Relay);
+    for evidence in evidence::Evidence::passes(&ctx.config) {
+        passes.free(evidence);
     }
-    first.map_or(Ok(()), Err)
+    passes.shared(vanished::Vanished);
+    passes.shared(kept::Kept);
+    passes.shared(lost::Lost);
+    passes.shared(unserved::Unserved);
+    passes.shared(hedge::Hedge);
+    passes.shared(statistics::Statistics);
+    passes.shared(prune_outbox::PruneOutbox);
+    passes.shared(prune_jobs::PruneJobs);
+    passes.shared(prune_spend::PruneSpend);
+    passes.shared(vacuum::Vacuum);
+    passes.shared(vacuum_turns::VacuumTurns);
+    passes.shared(dead_intents::DeadIntents);
+    passes.shared(dead_attempts::DeadAttempts);
+    passes.set
+}
+
+/// The passes started so far, and what they are started with.
+struct Schedule<'a> {
+    set: JoinSet<()>,
+    ctx: &'a Context,
+    shutdown: &'a Shutdown,
+    shared: Arc<Semaphore>,
+}
+
+impl Schedule<'_> {
+    /// Starts `pass` with no limit but its timer.
+    fn free(&mut self, pass: impl Pass) {
+        let run = pass::run(pass, self.ctx.clone(), self.shutdown.clone(), None);
+        self.set.spawn(run);
+    }
+
+    /// Starts `pass` with a share of the connections the passes may hold.
+    fn shared(&mut self, pass: impl Pass) {
+        let limit = Some(Arc::clone(&self.shared));
+        let run = pass::run(pass, self.ctx.clone(), self.shutdown.clone(), limit);
+        self.set.spawn(run);
+    }
 }

@@ -5,34 +5,30 @@
 use std::time::Duration;
 
 use crate::edges::shutdown::Shutdown;
-use crate::shared::runtime::Context;
+use crate::settings::config::Config;
+use crate::shared::runtime::{Context, Result};
 
-/// How often the dead rows of `turns` are looked at
-/// ([`crate::edges::store::Turns::vacuum_turns_if_due`]).
-const TURNS_VACUUM_EVERY: Duration = Duration::from_secs(1);
+use super::pass::Pass;
 
-/// Vacuums `turns` when its dead rows are due, every [`TURNS_VACUUM_EVERY`],
-/// until shutdown.
-pub(super) async fn vacuum_turns_loop(ctx: Context, shutdown: Shutdown) {
-    let mut failing = false;
-    loop {
-        match ctx.store.turns().vacuum_turns_if_due().await {
-            Ok(vacuumed) => {
-                if vacuumed {
-                    crate::edges::metrics::vacuumed("turns");
-                }
-                failing = false;
-            }
-            Err(e) => {
-                if !failing {
-                    tracing::warn!(error = %e, "vacuuming turns failed; will retry");
-                }
-                failing = true;
-            }
+/// The vacuum of `turns`, every second.
+pub struct VacuumTurns;
+
+impl Pass for VacuumTurns {
+    fn name(&self) -> &'static str {
+        "vacuum_turns"
+    }
+
+    fn every(&self, _: &Config) -> Duration {
+        Duration::from_secs(1)
+    }
+
+    /// Vacuums `turns` when its dead rows are due
+    /// ([`crate::edges::store::Turns::vacuum_turns_if_due`]). Returns 1 when it did.
+    async fn once(&self, ctx: &Context, _: &Shutdown) -> Result<u64> {
+        let vacuumed = ctx.store.turns().vacuum_turns_if_due().await?;
+        if vacuumed {
+            crate::edges::metrics::vacuumed("turns");
         }
-        tokio::select! {
-            () = shutdown.wait() => return,
-            () = tokio::time::sleep(TURNS_VACUUM_EVERY) => {}
-        }
+        Ok(u64::from(vacuumed))
     }
 }

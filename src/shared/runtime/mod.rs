@@ -16,6 +16,7 @@ mod delivery;
 mod group_commit;
 mod health;
 pub mod own_consumers;
+pub mod pass_runs;
 mod publish;
 #[cfg(test)]
 mod tests;
@@ -86,6 +87,8 @@ pub struct Context {
     /// This process's attempt consumers, for its intake to hand the attempts
     /// it admits to.
     pub own_consumers: own_consumers::OwnConsumers,
+    /// The runs of this process's reconciler passes.
+    pub pass_runs: pass_runs::PassRuns,
 }
 
 /// The outbox routes for a configuration.
@@ -156,6 +159,7 @@ impl Context {
             connection: Arc::new(connection),
             publisher,
             own_consumers: own_consumers::OwnConsumers::default(),
+            pass_runs: pass_runs::PassRuns::default(),
         })
     }
 
