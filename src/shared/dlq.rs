@@ -262,29 +262,38 @@ async fn settle(conn: &Connection, queue: &str, expected: u32) -> Result<()> {
 /// and AMQP counts only the letters not held: a listing that saw fewer
 /// letters than the queue was seen to hold is taken again, after a
 /// pause of random length so as not to keep meeting a scan that runs on a
-/// timer ([`BROWSE_TRIES`] at most; the last is returned as it is).
+/// timer; the longest of [`BROWSE_LEAST`] listings at least and
+/// [`BROWSE_TRIES`] at most is returned.
 pub async fn browse(conn: &Connection, queue: &str, limit: usize) -> Result<Vec<DeadLetter>> {
     let depth = || async {
         let depth = broker::depth(conn, queue).await?;
         Ok::<_, DlqError>(usize::try_from(depth).unwrap_or(usize::MAX))
     };
-    let mut out = Vec::new();
-    // The most letters the queue was seen to hold: a count taken while a scan
-    // holds some is short too, so one short count never passes a short listing.
+    // The longest listing taken, and the most letters the queue was seen to
+    // hold: a count taken while a scan holds some is short too, so a listing
+    // is confirmed by [`BROWSE_LEAST`] listings and their counts at least,
+    // each a chance to see what a scan held during the others.
+    let mut longest: Vec<DeadLetter> = Vec::new();
     let mut most = 0;
-    for _ in 0..BROWSE_TRIES {
-        out.clear();
+    for tries in 1..=BROWSE_TRIES {
+        let mut out = Vec::new();
         most = most.max(depth().await?);
         visit(conn, queue, limit, |letter, _| out.push(letter)).await?;
-        most = most.max(depth().await?);
-        if out.len() >= most.min(limit) {
+        most = most.max(depth().await?).max(out.len());
+        if out.len() > longest.len() {
+            longest = out;
+        }
+        if tries >= BROWSE_LEAST && longest.len() >= most.min(limit) {
             break;
         }
         let pause = rand::random_range(5..30);
         tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
     }
-    Ok(out)
+    Ok(longest)
 }
+
+/// Listings a listing is confirmed by, at least.
+const BROWSE_LEAST: usize = 3;
 
 /// How often a listing is taken at most while scans hold letters of its queue.
 const BROWSE_TRIES: usize = 50;
