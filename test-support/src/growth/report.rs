@@ -86,10 +86,7 @@ pub struct Report {
 }
 impl Report {
     fn size(&self, at: &str) -> i64 {
-        self.sizes
-            .iter()
-            .find(|s| s.at == at)
-            .map_or(0, Sizes::total)
+        total_at(&self.sizes, at)
     }
 
     /// p99 while pruning over the baseline's p99.
@@ -97,18 +94,10 @@ impl Report {
         self.pruning.p99_ms / self.baseline.p99_ms
     }
 
-    /// What refill `k` (from 1) added to the pruned and vacuumed tables
-    /// before it, as a share of what the first fill added to the floor: 0 when
-    /// it fit wholly in the space the fill before it left, 1 when it took as
-    /// much again.
+    /// What refill `k` (from 1) added to the tables, as a share of what the
+    /// first fill added to the floor ([`growth_of_refill`]).
     pub fn refill_growth(&self, k: usize) -> f64 {
-        let before = if k == 1 {
-            PRUNED.to_owned()
-        } else {
-            repruned(k - 1)
-        };
-        (self.size(&refilled(k)) - self.size(&before)) as f64
-            / (self.size(FILLED) - self.size(FLOOR)) as f64
+        growth_of_refill(&self.sizes, k)
     }
 
     /// The last refill's growth: what a fill costs once pruning has run a
@@ -274,6 +263,27 @@ pub(super) fn repruned(k: usize) -> String {
     format!("refill {k} pruned, vacuumed")
 }
 
+/// What refill `k` (from 1) added to the tables past the largest they had been
+/// since the first fill (the pruned and vacuumed tables before it, unless a
+/// vacuum truncated their emptied pages and so gave that space back), as a
+/// share of what the first fill added to the floor: 0 when it fit wholly in
+/// the space the fill before it left, 1 when it took as much again.
+fn growth_of_refill(sizes: &[Sizes], k: usize) -> f64 {
+    let since_filled = sizes.iter().skip_while(|s| s.at != FILLED);
+    let before = since_filled
+        .take_while(|s| s.at != refilled(k))
+        .map(Sizes::total)
+        .max()
+        .unwrap_or(0);
+    (total_at(sizes, &refilled(k)) - before) as f64
+        / (total_at(sizes, FILLED) - total_at(sizes, FLOOR)) as f64
+}
+
+/// The tables' total at `at`, 0 where the run has no such point.
+fn total_at(sizes: &[Sizes], at: &str) -> i64 {
+    sizes.iter().find(|s| s.at == at).map_or(0, Sizes::total)
+}
+
 /// Figures in seconds, one decimal, comma-separated.
 fn seconds(figures: &[f64]) -> String {
     figures
@@ -296,4 +306,59 @@ fn ms(p: &Percentiles) -> String {
 /// A target met, or not (in bold).
 fn yes(b: bool) -> &'static str {
     if b { "yes" } else { "**no**" }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sizes in tenths of a MiB (a unit of 100,000 bytes here), as the run
+    /// names them.
+    fn sizes(at: &[(&str, i64)]) -> Vec<Sizes> {
+        at.iter()
+            .map(|(at, tenths)| Sizes {
+                at: (*at).to_owned(),
+                tables: vec![Size {
+                    table: "jobs".into(),
+                    heap: 0,
+                    indexes: 0,
+                    total: tenths * 100_000,
+                }],
+            })
+            .collect()
+    }
+
+    /// A vacuum that truncated the emptied pages gave their space back: the
+    /// refill that takes it again did not grow the tables past what they were
+    /// (one CI run's figures, where each prune truncated the heap).
+    #[test]
+    fn a_refill_into_space_a_vacuum_gave_back_is_not_growth() {
+        let run = sizes(&[
+            (FLOOR, 45),
+            (FILLED, 81),
+            (PRUNED, 68),
+            (&refilled(1), 84),
+            (&repruned(1), 69),
+            (&refilled(2), 85),
+            (&repruned(2), 70),
+        ]);
+        assert!((growth_of_refill(&run, 1) - 3.0 / 36.0).abs() < 1e-9);
+        assert!((growth_of_refill(&run, 2) - 1.0 / 36.0).abs() < 1e-9);
+    }
+
+    /// Where nothing was truncated, a refill's growth is what it added to
+    /// the pruned tables before it; a refill that took as much again is 1.
+    #[test]
+    fn a_refill_beside_the_space_a_prune_left_is_growth() {
+        let kept = sizes(&[
+            (FLOOR, 45),
+            (FILLED, 81),
+            (PRUNED, 83),
+            (&refilled(1), 85),
+            (&repruned(1), 85),
+        ]);
+        assert!((growth_of_refill(&kept, 1) - 2.0 / 36.0).abs() < 1e-9);
+        let unvacuumed = sizes(&[(FLOOR, 45), (FILLED, 81), (PRUNED, 81), (&refilled(1), 117)]);
+        assert!((growth_of_refill(&unvacuumed, 1) - 1.0).abs() < 1e-9);
+    }
 }
