@@ -16,6 +16,13 @@ pub(super) struct Directives {
     pub(super) nul: bool,
     pub(super) pad: Option<usize>,
     pub(super) no_id: bool,
+    /// A batch's window runs out at this line (`mock:expire`).
+    pub(super) expire: bool,
+    /// A batch writes this line's result twice (`mock:duplicate`).
+    pub(super) duplicate: bool,
+    /// Every read of a batch's status waits this long, in milliseconds
+    /// (`mock:slow_status=MS`).
+    pub(super) slow_status: Option<u64>,
     /// Not a directive: the request's own `max_tokens`, the most completion
     /// tokens the answer may report.
     pub(super) max_tokens: Option<u64>,
@@ -40,6 +47,11 @@ pub(super) fn directives(text: &str) -> Directives {
             "drop" => d.drop = true,
             "nul" => d.nul = true,
             "no_id" => d.no_id = true,
+            "expire" => d.expire = true,
+            "duplicate" => d.duplicate = true,
+            "slow_status" => {
+                d.slow_status = value.parse::<u64>().ok().map(|ms| ms.min(MAX_DELAY_MS));
+            }
             "pad" => {
                 d.pad = value
                     .parse::<u64>()
@@ -71,5 +83,16 @@ mod tests {
             }
         );
         assert_eq!(directives("nothing here"), Directives::default());
+        let batch = directives("mock:expire mock:duplicate mock:slow_status=999999999");
+        assert_eq!(
+            batch,
+            Directives {
+                expire: true,
+                duplicate: true,
+                slow_status: Some(MAX_DELAY_MS),
+                ..Directives::default()
+            },
+            "a batch's directives, the slow status clamped to a minute"
+        );
     }
 }

@@ -110,6 +110,12 @@ impl Anthropic {
         if !headers.contains_key("anthropic-version") {
             return Err("anthropic-version: header is required".into());
         }
+        Self::asked_params(body)
+    }
+
+    /// A Messages API request's body: a live request's, or a batch
+    /// request's `params`.
+    pub(super) fn asked_params(body: &Bytes) -> Result<Asked, String> {
         let request: MessagesRequest = serde_json::from_slice(body).map_err(|e| e.to_string())?;
         let max_tokens = request.max_tokens.ok_or("max_tokens: Field required")?;
         let texts: Vec<String> = request.messages.iter().map(|m| text(&m.content)).collect();
@@ -139,7 +145,7 @@ fn text(content: &Value) -> String {
 }
 
 /// An outcome in Anthropic's shape.
-fn anthropic(outcome: &Outcome) -> Outcome {
+pub(super) fn anthropic(outcome: &Outcome) -> Outcome {
     match outcome {
         Outcome::Answer(c) => Outcome::Answer(message(c)),
         Outcome::Failure {
@@ -193,7 +199,7 @@ fn message(c: &Value) -> Value {
 }
 
 /// An error body in Anthropic's shape, its type named by its status.
-fn error_body(status: u16, message: &str) -> Value {
+pub(super) fn error_body(status: u16, message: &str) -> Value {
     let kind = match status {
         400 => "invalid_request_error",
         401 => "authentication_error",

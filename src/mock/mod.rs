@@ -30,8 +30,13 @@
 //! It can keep the evidence a real provider keeps (see `evidence`): stored
 //! completions, listed by metadata ([`MockOptions::store`]), and answers
 //! replayed by idempotency key ([`MockOptions::replay`]).
+//!
+//! It serves both kinds' batch APIs too (see `batches`): OpenAI's Files and
+//! Batches, and Anthropic's Message Batches, each line run by the same work
+//! as a live request.
 
 mod answer;
+mod batches;
 mod directives;
 mod evidence;
 mod format;
@@ -43,7 +48,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -134,6 +139,10 @@ pub struct Stats {
     most_running: AtomicU64,
     /// Completions requested without `max_tokens`.
     uncapped: AtomicU64,
+    /// Batch lines whose work ran.
+    batch_work: AtomicU64,
+    /// The `custom_id` of every batch line taken, in arrival order.
+    batch_custom_ids: Mutex<VecDeque<String>>,
     idempotency_keys: Mutex<VecDeque<String>>,
     #[serde(skip)]
     authorizations: Mutex<VecDeque<String>>,
@@ -184,6 +193,32 @@ impl Stats {
         self.uncapped.load(Ordering::SeqCst)
     }
 
+    /// Batch lines whose work ran (a line that expired, was cancelled or
+    /// could not be read ran none).
+    pub fn batch_work(&self) -> u64 {
+        self.batch_work.load(Ordering::SeqCst)
+    }
+
+    /// The `custom_id` of every line of every batch taken, in arrival
+    /// order (the latest [`MockOptions::record_limit`]): a line uploaded
+    /// twice is here twice.
+    pub fn batch_custom_ids(&self) -> Vec<String> {
+        self.batch_custom_ids
+            .lock()
+            .map(|k| k.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Keeps the `custom_id`s of a batch's lines (the latest `limit`).
+    fn batch_lines_seen(&self, lines: &[batches::Line], limit: usize) {
+        if let Ok(mut kept) = self.batch_custom_ids.lock() {
+            kept.extend(lines.iter().map(|l| l.custom_id.clone()));
+            while kept.len() > limit {
+                kept.pop_front();
+            }
+        }
+    }
+
     /// Counts one piece of work as running until the guard is dropped.
     fn running(self: &Arc<Self>) -> Running {
         let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
@@ -222,6 +257,12 @@ struct AppState {
     options: Arc<RwLock<MockOptions>>,
     stats: Arc<Stats>,
     evidence: Arc<evidence::Evidence>,
+    batches: Arc<batches::Batches>,
+}
+
+/// The server-wide behaviour now.
+fn options_of(state: &AppState) -> MockOptions {
+    state.options.read().map(|o| o.clone()).unwrap_or_default()
 }
 
 /// A running mock.
@@ -281,11 +322,40 @@ fn router(options: Arc<RwLock<MockOptions>>, stats: Arc<Stats>) -> Router {
         .route("/v1/chat/completions", post(complete).get(evidence::list))
         .route("/v1/chat/completions/{id}", get(evidence::read))
         .route("/v1/messages", post(messages))
+        .route(
+            "/v1/files",
+            post(batches::openai::upload)
+                .layer(DefaultBodyLimit::max(batches::openai::MAX_FILE_BYTES)),
+        )
+        .route("/v1/files/{id}", get(batches::openai::file))
+        .route("/v1/files/{id}/content", get(batches::openai::content))
+        .route(
+            "/v1/batches",
+            post(batches::openai::create).get(batches::openai::list),
+        )
+        .route("/v1/batches/{id}", get(batches::openai::read))
+        .route("/v1/batches/{id}/cancel", post(batches::openai::cancel))
+        .route(
+            "/v1/messages/batches",
+            post(batches::anthropic::create)
+                .get(batches::anthropic::list)
+                .layer(DefaultBodyLimit::max(batches::openai::MAX_FILE_BYTES)),
+        )
+        .route("/v1/messages/batches/{id}", get(batches::anthropic::read))
+        .route(
+            "/v1/messages/batches/{id}/cancel",
+            post(batches::anthropic::cancel),
+        )
+        .route(
+            "/v1/messages/batches/{id}/results",
+            get(batches::anthropic::results),
+        )
         .route("/_mock/stats", get(stats_handler))
         .with_state(AppState {
             options,
             stats,
             evidence: Arc::default(),
+            batches: Arc::default(),
         })
 }
 
@@ -294,6 +364,8 @@ async fn stats_handler(State(state): State<AppState>) -> Json<Value> {
         "requests": state.stats.requests(),
         "work": state.stats.work(),
         "uncapped": state.stats.uncapped(),
+        "batch_work": state.stats.batch_work(),
+        "batch_custom_ids": state.stats.batch_custom_ids(),
         "idempotency_keys": state.stats.idempotency_keys(),
         "traces": state.stats.traces(),
     }))
@@ -327,7 +399,7 @@ async fn messages(State(state): State<AppState>, headers: HeaderMap, body: Bytes
 
 /// Answers what a request asks, in its wire format.
 async fn serve(state: AppState, headers: &HeaderMap, asked: Asked, format: Format) -> Response {
-    let options = state.options.read().map(|o| o.clone()).unwrap_or_default();
+    let options = options_of(&state);
     let n = state.stats.record(headers, options.record_limit);
     let Asked {
         text,
