@@ -32,7 +32,7 @@ async fn provider(kind: ProviderKind, extra: &str) -> (MockHandle, Client, Opera
 }
 
 /// A client of `kind` for `base_url`, and the operation it is asked for.
-fn client_for(kind: ProviderKind, base_url: &str, extra: &str) -> (Client, Operation) {
+pub(super) fn client_for(kind: ProviderKind, base_url: &str, extra: &str) -> (Client, Operation) {
     let text = format!(
         r#"
 [providers.p]

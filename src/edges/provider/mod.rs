@@ -7,11 +7,13 @@
 //! is `unknown`: the provider may still be working, and may still charge for it.
 //!
 //! The rooms: [`answer`] judges what came back (the same for every kind),
-//! [`stored`] looks an unknown call up in a provider's stored calls, and
-//! [`wire`] holds one file per kind. `conformance` runs the same cases
-//! against every kind.
+//! [`stored`] looks an unknown call up in a provider's stored calls,
+//! [`wire`] holds one file per kind, and [`batch`] calls each kind's batch
+//! API on the same transport. `conformance` runs the same cases against
+//! every kind.
 
 pub(crate) mod answer;
+pub(crate) mod batch;
 #[cfg(test)]
 mod conformance;
 pub(crate) mod stored;
