@@ -22,6 +22,10 @@ const NOT_METRICS: &[(&str, &str)] = &[
         "a metadata key every provider call carries",
     ),
     ("onejob_job", "a metadata key every provider call carries"),
+    (
+        "onejob_batch",
+        "the metadata key that names onejob's batch on a provider's batch",
+    ),
 ];
 
 /// The macros that register a series, by their first argument.
