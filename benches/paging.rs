@@ -157,7 +157,7 @@ async fn bare_query(env: &TestEnv) -> Vec<f64> {
         let t = Instant::now();
         env.store
             .jobs()
-            .jobs_page(&JobFilter::default(), None, 51)
+            .page(&JobFilter::default(), None, 51)
             .await
             .expect("page");
         baseline.push(t.elapsed().as_secs_f64() * 1000.0);

@@ -165,14 +165,14 @@ async fn an_operator_replays_a_dead_letter() {
         || async {
             env.store
                 .jobs()
-                .find_job("acct_b", "replay-me")
+                .find("acct_b", "replay-me")
                 .await
                 .unwrap()
                 .map(|_| ())
         },
     )
     .await;
-    let audit = env.store.audit().audit_recent(10).await.unwrap();
+    let audit = env.store.audit().recent(10).await.unwrap();
     assert!(
         audit.iter().any(|a| a.action == "dlq.replay"
             && a.actor == "operator:grace"
@@ -234,14 +234,7 @@ async fn an_action_without_its_csrf_token_does_nothing() {
         let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
         assert_eq!(job.status, JobStatus::Unknown);
         assert_eq!(job.attempts.len(), 1);
-        assert!(
-            env.store
-                .audit()
-                .audit_of_job(job_id)
-                .await
-                .unwrap()
-                .is_empty()
-        );
+        assert!(env.store.audit().of_job(job_id).await.unwrap().is_empty());
     };
 
     // The confirmation's form, with its token taken out, then with another
@@ -378,7 +371,7 @@ async fn qualify_the_fallback(browser: &Browser, store: &Store) {
         .wait_for_text("fallback for summarize: qualified (1 of 1 case(s) passed)")
         .await;
     assert!(page.contains("1 of 1 passed"), "{page}");
-    let audit = store.audit().audit_recent(5).await.unwrap();
+    let audit = store.audit().recent(5).await.unwrap();
     assert!(
         audit.iter().any(|a| a.action == "provider.qualify"
             && a.target.as_deref() == Some("fallback/summarize")

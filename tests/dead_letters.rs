@@ -116,7 +116,7 @@ async fn dlq_list_browses_without_consuming_and_purge_needs_yes() {
     assert_eq!(purged["purged"]["onejob.intents.dlq"], 2);
     assert_eq!(depth(&ch, &dlq).await, 0);
     // Audited: who, why, and what came of it.
-    let audit = env.store.audit().audit_recent(10).await.unwrap();
+    let audit = env.store.audit().recent(10).await.unwrap();
     assert_eq!(audit.len(), 1, "{audit:?}");
     assert_eq!(audit[0].action, "dlq.purge");
     assert!(audit[0].actor.starts_with("cli:"), "{:?}", audit[0]);
@@ -186,7 +186,7 @@ async fn refused_commands_do_nothing(env: &TestEnv, config: &Path, ch: &lapin::C
         "--id or --all"
     );
     assert!(
-        env.store.audit().audit_recent(10).await.unwrap().is_empty(),
+        env.store.audit().recent(10).await.unwrap().is_empty(),
         "refused commands record nothing"
     );
 }
@@ -236,7 +236,7 @@ async fn a_poison_attempt_is_dead_lettered_then_replayed() {
         0,
         "removed after the confirmed republish"
     );
-    let audit = env.store.audit().audit_recent(10).await.unwrap();
+    let audit = env.store.audit().recent(10).await.unwrap();
     assert_eq!(audit.len(), 1, "{audit:?}");
     assert_eq!(audit[0].action, "dlq.replay");
     assert_eq!(audit[0].reason, "", "no --reason given");

@@ -345,7 +345,7 @@ async fn a_cancelled_job_whose_calls_are_in_flight_is_not_pruned() {
     for s in [busy, idle] {
         env.store
             .jobs()
-            .cancel_job(s.job_id, &Actor::cli(Some("test")))
+            .cancel(s.job_id, &Actor::cli(Some("test")))
             .await
             .unwrap()
             .unwrap();

@@ -95,7 +95,7 @@ async fn made(store: &Store) -> Made {
     let (job, _) = admit(store, "acct_b", "b-cancelled", "primary").await;
     store
         .jobs()
-        .cancel_job(job, &Actor::cli(None))
+        .cancel(job, &Actor::cli(None))
         .await
         .unwrap()
         .unwrap();

@@ -104,9 +104,9 @@ async fn a_kept_timeout_is_cleared_by_the_settlement_that_makes_it_unknown() {
         !answer_kept(&env, s.attempt_id).await,
         "the kept timeout is cleared with its settlement"
     );
-    assert!(env.store.kept().kept_answers(100).await.unwrap().is_empty());
+    assert!(env.store.kept().answers(100).await.unwrap().is_empty());
     assert_eq!(
-        env.store.kept().kept_waiting().await.unwrap(),
+        env.store.kept().waiting().await.unwrap(),
         KeptWaiting::default()
     );
 }
@@ -173,7 +173,7 @@ async fn kept_answers_that_cannot_be_settled_never_starve_the_rest() {
         "the held ones to be moved on",
         Duration::from_secs(30),
         || async {
-            let w = env.store.kept().kept_waiting().await.unwrap();
+            let w = env.store.kept().waiting().await.unwrap();
             (w.held == 105).then_some(w)
         },
     )
@@ -190,7 +190,7 @@ async fn kept_answers_that_cannot_be_settled_never_starve_the_rest() {
         assert_eq!(job.attempts[0].status, AttemptStatus::Succeeded);
     }
     assert_eq!(
-        env.store.kept().kept_waiting().await.unwrap(),
+        env.store.kept().waiting().await.unwrap(),
         KeptWaiting::default()
     );
     fleet.stop().await;
@@ -217,15 +217,15 @@ async fn an_unreadable_kept_answer_is_set_aside_and_counted() {
         .execute(env.store.pool())
         .await
         .unwrap();
-    let read = env.store.kept().kept_answers(1).await.unwrap();
+    let read = env.store.kept().answers(1).await.unwrap();
     assert!(
         read.is_empty(),
         "the first read sets the unreadable one aside"
     );
-    let read = env.store.kept().kept_answers(1).await.unwrap();
+    let read = env.store.kept().answers(1).await.unwrap();
     assert_eq!(read.len(), 1);
     assert_eq!(read[0].attempt_id, good.attempt_id);
-    let w = env.store.kept().kept_waiting().await.unwrap();
+    let w = env.store.kept().waiting().await.unwrap();
     assert_eq!((w.due, w.unreadable), (1, 1), "{w:?}");
 }
 
@@ -247,7 +247,7 @@ async fn the_overview_says_how_many_kept_answers_wait_and_why() {
     let held = three.pop().unwrap();
     env.store
         .kept()
-        .kept_later(&[held.attempt_id], Duration::from_secs(60))
+        .later(&[held.attempt_id], Duration::from_secs(60))
         .await
         .unwrap();
     sqlx::query("UPDATE attempts SET answer = '{}' WHERE id = $1")
@@ -255,7 +255,7 @@ async fn the_overview_says_how_many_kept_answers_wait_and_why() {
         .execute(env.store.pool())
         .await
         .unwrap();
-    env.store.kept().kept_answers(10).await.unwrap();
+    env.store.kept().answers(10).await.unwrap();
     let served = common::console::serve(&env, config, false).await;
     let session = served.sign_in(&env.store, "ada").await;
     let (status, page) = served.get(&session.cookie, "/").await;

@@ -457,16 +457,23 @@ fn every_console_action_goes_through_acting() {
             continue;
         }
         let text = std::fs::read_to_string(&file).expect("read a console file");
+        let mut code_only = String::new();
         for (n, line) in text.lines().enumerate() {
             let code = line.trim_start();
             if code.starts_with("//") {
                 continue;
             }
-            for bypass in ["Actor::operator(", "audit_begin(", "Actor {"] {
+            code_only.push_str(code);
+            for bypass in ["Actor::operator(", "Actor {"] {
                 if code.contains(bypass) {
                     bypasses.push(format!("{}:{}: {code}", file.display(), n + 1));
                 }
             }
+        }
+        // An audit row begun by hand, however the call is laid out.
+        let compact: String = code_only.split_whitespace().collect();
+        if compact.contains(".audit().begin(") {
+            bypasses.push(format!("{}: begins an audit row itself", file.display()));
         }
     }
     assert!(

@@ -288,11 +288,7 @@ async fn an_operator_action_whose_commit_reply_was_lost_is_reported_done() {
     );
 
     lossy.lose_next_commit();
-    let cancelled = store
-        .jobs()
-        .cancel_job(jobs[1].job_id, &actor)
-        .await
-        .unwrap();
+    let cancelled = store.jobs().cancel(jobs[1].job_id, &actor).await.unwrap();
     assert_eq!(lossy.lost(), 2, "the commit's reply was lost");
     assert!(cancelled.is_ok(), "reported done: {cancelled:?}");
     let job = env.store.jobs().job(jobs[1].job_id).await.unwrap().unwrap();

@@ -174,13 +174,7 @@ async fn same_key_different_input_is_a_conflict() {
         .await
         .unwrap();
     assert_eq!(first.outcome, Outcome::Created);
-    let before = env
-        .store
-        .jobs()
-        .find_job("acct_c", "k")
-        .await
-        .unwrap()
-        .unwrap();
+    let before = env.store.jobs().find("acct_c", "k").await.unwrap().unwrap();
 
     let conflict = producer
         .submit_raw(br#"{"owner_id":"acct_c","idempotency_key":"k","operation":"summarize","input":{"text":"b","n":[1,{"x":1,"y":2}]}}"#)
@@ -208,13 +202,7 @@ async fn same_key_different_input_is_a_conflict() {
     assert_eq!(reordered.outcome, Outcome::Duplicate);
     assert_eq!(reordered.job_id, first.job_id);
 
-    let after = env
-        .store
-        .jobs()
-        .find_job("acct_c", "k")
-        .await
-        .unwrap()
-        .unwrap();
+    let after = env.store.jobs().find("acct_c", "k").await.unwrap().unwrap();
     assert_eq!(after.id, before.id);
     assert_eq!(
         after.input, before.input,

@@ -40,7 +40,7 @@ pub(crate) async fn budget(
     };
     env.store
         .owners()
-        .set_owner("acct_c", &change, &Actor::cli(Some("bench")))
+        .set("acct_c", &change, &Actor::cli(Some("bench")))
         .await
         .expect("set the budget");
     let intents: Vec<_> = (0..BURST)

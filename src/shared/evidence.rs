@@ -257,7 +257,7 @@ impl Looker<'_> {
             ..Action::default()
         };
         let audit_rows = self.store.audit();
-        let audit = audit_rows.audit_begin(&Actor::evidence(), &action).await?;
+        let audit = audit_rows.begin(&Actor::evidence(), &action).await?;
         self.store
             .evidence()
             .record_cost(
@@ -267,12 +267,7 @@ impl Looker<'_> {
                 &found,
             )
             .await?;
-        if let Err(e) = self
-            .store
-            .audit()
-            .audit_outcome(audit, false, &json!({}))
-            .await
-        {
+        if let Err(e) = self.store.audit().outcome(audit, false, &json!({})).await {
             tracing::warn!(error = %e, %audit, "evidence: the outcome was not written to its audit row");
         }
         Ok(Look {
@@ -343,7 +338,7 @@ impl Looker<'_> {
             ..Action::default()
         };
         let audit_rows = self.store.audit();
-        let audit = audit_rows.audit_begin(&Actor::evidence(), &action).await?;
+        let audit = audit_rows.begin(&Actor::evidence(), &action).await?;
         let found = format!("{what}: {judged}");
         // Kept first: whatever happens to the settlement below (a held row,
         // an error, a crash), the answer is on the attempt, and the
@@ -382,7 +377,7 @@ impl Looker<'_> {
         let settled = format!("{settled:?}");
         tracing::info!(attempt_id = %unknown.attempt_id, job_id = %unknown.job_id, evidence = what, %settled, "evidence: an unknown attempt was settled");
         let written = json!({ "settled": settled });
-        if let Err(e) = audit_rows.audit_outcome(audit, false, &written).await {
+        if let Err(e) = audit_rows.outcome(audit, false, &written).await {
             tracing::warn!(error = %e, %audit, "evidence: the outcome was not written to its audit row");
         }
         Ok(Look {

@@ -51,7 +51,7 @@ pub(crate) fn contract_hash(operation: &Operation, provider: &Provider) -> Strin
 }
 
 /// The audit action of qualifying `provider` for `operation`. It is written
-/// before the first case is sent ([`Audit::audit_begin`](crate::edges::store::Audit::audit_begin)): the provider bills
+/// before the first case is sent ([`Audit::begin`](crate::edges::store::Audit::begin)): the provider bills
 /// the calls, so none goes unrecorded.
 pub(crate) fn action(provider: &Provider, operation: &Operation) -> Action<'static> {
     Action {
@@ -76,7 +76,7 @@ pub(crate) async fn run_audited(
     audit: uuid::Uuid,
 ) -> (Qualification, Result<uuid::Uuid, StoreError>) {
     let report = qualify(config, provider, operation).await;
-    let recorded = store.qualifications().record_qualification(&report).await;
+    let recorded = store.qualifications().record(&report).await;
     let claim = check_claim(config, provider, operation).await;
     if let Some((held, seen)) = &claim {
         let kind = provider.evidence.kind.as_str();
@@ -102,7 +102,7 @@ pub(crate) async fn run_audited(
     });
     if let Err(e) = store
         .audit()
-        .audit_outcome(audit, recorded.is_err(), &detail)
+        .outcome(audit, recorded.is_err(), &detail)
         .await
     {
         tracing::warn!(error = %e, %audit, "the outcome of a qualification was not recorded; its audit row stays pending");

@@ -70,8 +70,5 @@ async fn the_cli_makes_operator_tokens_and_audits_its_resolve_and_cancel() {
     // A refused action writes nothing.
     let out = env.cli(&file.path, &["jobs", "cancel", &job, "--reason", "again"]);
     assert_eq!(out.status.code(), Some(1));
-    assert_eq!(
-        env.store.audit().audit_of_job(job_id).await.unwrap().len(),
-        2
-    );
+    assert_eq!(env.store.audit().of_job(job_id).await.unwrap().len(), 2);
 }

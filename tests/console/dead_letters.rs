@@ -40,7 +40,7 @@ async fn an_operator_browses_replays_and_purges_dead_letters() {
     common::wait_for(
         "the replayed intent's job",
         Duration::from_secs(20),
-        || async { env.store.jobs().find_job("acct_d", "good").await.unwrap() },
+        || async { env.store.jobs().find("acct_d", "good").await.unwrap() },
     )
     .await;
     common::wait_for_depth("the orphan alone", Duration::from_secs(20), &ch, &dlq, 1).await;
@@ -119,7 +119,7 @@ async fn purge_needs_the_csrf_token(
 
 /// Both actions are audited, with who and why.
 async fn both_actions_are_audited(store: &Store, dlq: &str) {
-    let mut audit = store.audit().audit_recent(10).await.unwrap();
+    let mut audit = store.audit().recent(10).await.unwrap();
     audit.retain(|a| a.action.starts_with("dlq."));
     let actions: Vec<(&str, &str, &str)> = audit
         .iter()

@@ -128,7 +128,7 @@ async fn the_provider_filter_pages_every_matching_job_once() {
         let mut seen = Vec::new();
         let mut after = None;
         loop {
-            let page = env.store.jobs().jobs_page(&filter, after, 7).await.unwrap();
+            let page = env.store.jobs().page(&filter, after, 7).await.unwrap();
             seen.extend(page.iter().map(|l| l.id));
             match page.last() {
                 Some(last) if page.len() == 7 => after = Some(last.id),

@@ -71,7 +71,7 @@ async fn an_operator_sets_an_owners_limits_with_a_reason() {
     );
     assert!(page.contains("2.5&#x2f;s, burst 3 *"), "{page}");
 
-    let audit = env.store.audit().audit_recent(10).await.unwrap();
+    let audit = env.store.audit().recent(10).await.unwrap();
     let set = audit.iter().find(|a| a.action == "owner.set").unwrap();
     assert_eq!(set.actor, "operator:ada");
     assert_eq!(set.reason, "a noisy tenant");

@@ -54,7 +54,7 @@ async fn qualify_now_checks_its_form_and_records_a_failed_run() {
     ];
     post_each_without_one_field(&served, &session.cookie, &good).await;
     assert_eq!(runs().await, 0, "nothing ran");
-    let audit = env.store.audit().audit_recent(10).await.unwrap();
+    let audit = env.store.audit().recent(10).await.unwrap();
     assert!(
         audit.iter().all(|a| a.action == "token.create"),
         "only the sign-in's token: {audit:?}"
@@ -115,7 +115,7 @@ async fn forged_links_show_no_banner(served: &Served, cookie: &str) {
 
 /// The qualify run is audited, beside the sign-in's token, with its failure.
 async fn the_failed_run_is_audited(store: &Store) {
-    let mut audit = store.audit().audit_recent(10).await.unwrap();
+    let mut audit = store.audit().recent(10).await.unwrap();
     audit.retain(|a| a.action != "token.create");
     assert_eq!(audit.len(), 1);
     assert_eq!(audit[0].action, "provider.qualify");

@@ -70,7 +70,7 @@ async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appe
     assert_eq!(status, StatusCode::OK);
     assert!(page.contains(&job.attempts[1].id.to_string()), "{page}");
     assert!(page.contains("provider confirms it never ran") && page.contains("operator:ada"));
-    let audit = env.store.audit().audit_of_job(job_id).await.unwrap();
+    let audit = env.store.audit().of_job(job_id).await.unwrap();
     assert_eq!(audit.len(), 1);
     assert_eq!(audit[0].actor, "operator:ada");
     assert_eq!(audit[0].action, "attempt.resolve_failed");
@@ -89,7 +89,7 @@ async fn an_operator_resolves_an_unknown_with_a_reason_and_the_next_attempt_appe
         )
         .await;
     assert_eq!(answer.status(), StatusCode::CONFLICT);
-    let audit = env.store.audit().audit_of_job(job_id).await.unwrap();
+    let audit = env.store.audit().of_job(job_id).await.unwrap();
     assert_eq!(audit.len(), 1);
 }
 
@@ -157,6 +157,6 @@ async fn only_an_unknown_attempt_can_be_resolved_from_the_console() {
     let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.attempts.len(), 1);
     assert_eq!(job.attempts[0].status, AttemptStatus::Started);
-    let audit = env.store.audit().audit_of_job(job_id).await.unwrap();
+    let audit = env.store.audit().of_job(job_id).await.unwrap();
     assert!(audit.is_empty());
 }

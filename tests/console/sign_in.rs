@@ -261,14 +261,7 @@ async fn an_action_without_its_csrf_token_is_refused_and_does_nothing() {
     let job = env.store.jobs().job(job_id).await.unwrap().unwrap();
     assert_eq!(job.status, JobStatus::Unknown, "nothing was resolved");
     assert_eq!(job.attempts.len(), 1);
-    assert!(
-        env.store
-            .audit()
-            .audit_of_job(job_id)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    assert!(env.store.audit().of_job(job_id).await.unwrap().is_empty());
     // A reason is required as well.
     let answer = served
         .post(

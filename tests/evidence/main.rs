@@ -56,7 +56,7 @@ pub(crate) async fn evidence_rows(
 ) -> Vec<onejob::edges::store::AuditEntry> {
     env.store
         .audit()
-        .audit_of_job(job)
+        .of_job(job)
         .await
         .unwrap()
         .into_iter()

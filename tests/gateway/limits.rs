@@ -28,7 +28,7 @@ async fn an_owner_over_its_budget_is_answered_429_with_retry_after() {
     s.env
         .store
         .owners()
-        .set_owner("acct_budget", &budget, &Actor::cli(Some("test")))
+        .set("acct_budget", &budget, &Actor::cli(Some("test")))
         .await
         .unwrap();
 

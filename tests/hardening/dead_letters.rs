@@ -119,7 +119,7 @@ async fn dlq_replay_all_is_bounded_and_reports_each_letter() {
     let job = wait_for(
         "the replayed intent's job",
         Duration::from_secs(20),
-        || async { env.store.jobs().find_job("acct_r", "good").await.unwrap() },
+        || async { env.store.jobs().find("acct_r", "good").await.unwrap() },
     )
     .await;
     assert_eq!(job.idempotency_key, "good");

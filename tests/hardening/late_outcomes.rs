@@ -76,7 +76,7 @@ async fn a_timeout_after_a_cancel(store: &Store) {
     let (job_id, in_flight) = started(store, "cancelled").await;
     store
         .jobs()
-        .cancel_job(job_id, &onejob::edges::store::Actor::cli(None))
+        .cancel(job_id, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap()
         .unwrap();
@@ -96,7 +96,7 @@ async fn a_vanished_worker_after_a_cancel(store: &Store) {
     let (job_id, vanished) = started(store, "vanished").await;
     store
         .jobs()
-        .cancel_job(job_id, &onejob::edges::store::Actor::cli(None))
+        .cancel(job_id, &onejob::edges::store::Actor::cli(None))
         .await
         .unwrap()
         .unwrap();

@@ -75,7 +75,7 @@ async fn a_database_outage_costs_no_delivery_and_loses_nothing() {
         let job = wait_for(
             &format!("a job for {key}"),
             Duration::from_secs(60),
-            || async { env.store.jobs().find_job("acct_o", key).await.unwrap() },
+            || async { env.store.jobs().find("acct_o", key).await.unwrap() },
         )
         .await;
         wait_for_status(&env, job.id, JobStatus::Succeeded).await;

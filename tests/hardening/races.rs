@@ -150,7 +150,7 @@ async fn a_cancel_never_leaves_a_queued_attempt_behind() {
                 b.wait().await;
                 let _ = st
                     .jobs()
-                    .cancel_job(job_id, &onejob::edges::store::Actor::cli(None))
+                    .cancel(job_id, &onejob::edges::store::Actor::cli(None))
                     .await
                     .unwrap();
             }));
@@ -215,7 +215,7 @@ async fn a_vanished_sweep_racing_a_cancel_leaves_no_unknown_behind() {
                 b.wait().await;
                 let _ = s
                     .jobs()
-                    .cancel_job(job_id, &onejob::edges::store::Actor::cli(None))
+                    .cancel(job_id, &onejob::edges::store::Actor::cli(None))
                     .await
                     .unwrap();
             }));

@@ -220,7 +220,7 @@ async fn a_backlog_is_admitted_in_batches_with_every_receipt_right() {
         if let Some(job) = receipt.job_id {
             let first = *job_of.entry(key.clone()).or_insert(job);
             assert_eq!(first, job, "{key}: every receipt names the same job");
-            let stored = env.store.jobs().find_job("acct_q", &key).await.unwrap();
+            let stored = env.store.jobs().find("acct_q", &key).await.unwrap();
             assert_eq!(stored.map(|j| j.id), Some(job), "{key}: its own job");
         }
     }

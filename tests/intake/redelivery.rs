@@ -219,7 +219,7 @@ async fn a_valid_intent_at_its_delivery_limit_is_handed_on_not_dead_lettered() {
     wait_for("the handed-on intent's job", SETTLE, || async {
         env.store
             .jobs()
-            .find_job("acct_limit", "k-limit")
+            .find("acct_limit", "k-limit")
             .await
             .unwrap()
     })
@@ -252,11 +252,7 @@ async fn a_valid_intent_the_broker_dead_lettered_still_ends_as_a_job() {
 
     let fleet = env.fleet(config.clone(), vec![Role::Reconciler]).await;
     let job = wait_for("the dead-lettered intent's job", SETTLE, || async {
-        env.store
-            .jobs()
-            .find_job("acct_dead", "k-dead")
-            .await
-            .unwrap()
+        env.store.jobs().find("acct_dead", "k-dead").await.unwrap()
     })
     .await;
     assert_eq!(job.attempts.len(), 1);

@@ -164,7 +164,7 @@ async fn receipts_go_only_to_direct_reply_to_a_server_named_or_an_allowed_queue(
         assert!(
             env.store
                 .jobs()
-                .find_job("acct_reply", key)
+                .find("acct_reply", key)
                 .await
                 .unwrap()
                 .is_none(),
@@ -285,12 +285,7 @@ async fn a_publisher_after_the_rpc_tutorial_gets_its_receipts() {
         jobs.push(receipt.job_id.expect("a job id"));
     }
     assert_eq!(jobs[0], jobs[1], "the re-send names the same job");
-    let job = env
-        .store
-        .jobs()
-        .find_job("acct_reply", "rpc-1")
-        .await
-        .unwrap();
+    let job = env.store.jobs().find("acct_reply", "rpc-1").await.unwrap();
     assert_eq!(job.map(|j| j.id), Some(jobs[0]));
     let dlq = format!("{}.dlq", broker::INTENTS_QUEUE);
     assert!(

@@ -99,7 +99,7 @@ async fn a_budget_refuses_new_identities_once_spend_reaches_it_and_still_answers
         daily_tokens: Some(Some(0)),
         ..Default::default()
     };
-    let set = store.owners().set_owner("acct_a", &change, &actor).await;
+    let set = store.owners().set("acct_a", &change, &actor).await;
     let (view, _) = set.unwrap();
     assert_eq!(
         (view.limits.daily_tokens, view.spent_24h, view.left),
@@ -132,11 +132,7 @@ async fn each_budget_admits_or_says_how_long_to_wait(
             daily_tokens: Some(Some(budget)),
             ..Default::default()
         };
-        store
-            .owners()
-            .set_owner("acct_a", &change, actor)
-            .await
-            .unwrap();
+        store.owners().set("acct_a", &change, actor).await.unwrap();
         let key = format!("a-budget-{budget}-{admitted}");
         let a = store
             .admission()

@@ -96,7 +96,7 @@ async fn turns_are_vacuumed_once_their_dead_rows_are_due() {
     let env = TestEnv::new(&cfg).await;
     let store = &env.store;
     // Nothing dead: nothing to do.
-    assert!(!store.turns().vacuum_turns_if_due().await.unwrap());
+    assert!(!store.turns().vacuum_if_due().await.unwrap());
 
     // A churn of 3,000 turns (an ended job's attempts, each with a turn that
     // is then deleted), reported to the statistics at once.
@@ -126,7 +126,7 @@ async fn turns_are_vacuumed_once_their_dead_rows_are_due() {
     )
     .await;
     assert!(
-        store.turns().vacuum_turns_if_due().await.unwrap(),
+        store.turns().vacuum_if_due().await.unwrap(),
         "3,000 dead turns are due"
     );
     wait_for(
@@ -135,7 +135,7 @@ async fn turns_are_vacuumed_once_their_dead_rows_are_due() {
         || async { (dead_turns(&env).await == 0).then_some(()) },
     )
     .await;
-    assert!(!store.turns().vacuum_turns_if_due().await.unwrap());
+    assert!(!store.turns().vacuum_if_due().await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -225,7 +225,7 @@ async fn every_ending_replaces_or_releases_the_reservation() {
     // A job cancelled before its call releases its reservation.
     store
         .jobs()
-        .cancel_job(jobs[2], &Actor::cli(Some("a test cancels it")))
+        .cancel(jobs[2], &Actor::cli(Some("a test cancels it")))
         .await
         .unwrap()
         .unwrap();

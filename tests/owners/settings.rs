@@ -143,7 +143,7 @@ async fn bad_owner_settings_are_refused_and_write_nothing() {
         assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
         assert!(err.contains(says), "{args:?}: {err}");
     }
-    let audit = env.store.audit().audit_recent(10).await.unwrap();
+    let audit = env.store.audit().recent(10).await.unwrap();
     assert!(audit.is_empty(), "{audit:?}");
     assert!(env.store.owners().list_owners().await.unwrap().is_empty());
 
@@ -159,7 +159,7 @@ async fn bad_owner_settings_are_refused_and_write_nothing() {
 /// The audit rows of the two changes: who, why, and the settings before and
 /// after.
 async fn the_two_changes_are_audited(env: &TestEnv) {
-    let audit = env.store.audit().audit_recent(10).await.unwrap();
+    let audit = env.store.audit().recent(10).await.unwrap();
     let rows: Vec<_> = audit.iter().filter(|a| a.action == "owner.set").collect();
     assert_eq!(rows.len(), 2, "{audit:?}");
     let first = rows.iter().find(|a| a.reason == "a noisy tenant").unwrap();

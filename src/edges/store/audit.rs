@@ -137,10 +137,10 @@ impl Audit<'_> {
     /// Records an action on something outside the database (a dead-letter
     /// replay or purge) *before* it is done, so that no such action goes
     /// unrecorded: its detail says `"outcome": "pending"` until
-    /// [`Audit::audit_outcome`](crate::edges::store::Audit::audit_outcome) fills in what came of it. A row left pending
+    /// [`Audit::outcome`](crate::edges::store::Audit::outcome) fills in what came of it. A row left pending
     /// is an action whose outcome was never written (the process or the
     /// database failed mid-way): look at the queue.
-    pub async fn audit_begin(self, actor: &Actor, action: &Action<'_>) -> Result<Uuid> {
+    pub async fn begin(self, actor: &Actor, action: &Action<'_>) -> Result<Uuid> {
         let mut action = action.clone();
         let mut detail = match action.detail {
             Value::Object(map) => map,
@@ -152,10 +152,10 @@ impl Audit<'_> {
         record(&mut conn, actor, &action).await
     }
 
-    /// Fills in what came of an action recorded by [`Audit::audit_begin`](crate::edges::store::Audit::audit_begin):
+    /// Fills in what came of an action recorded by [`Audit::begin`](crate::edges::store::Audit::begin):
     /// `outcome` (`failed`, or else `done`) and the rest of `detail`, merged
     /// into the row's detail.
-    pub async fn audit_outcome(self, id: Uuid, failed: bool, detail: &Value) -> Result<()> {
+    pub async fn outcome(self, id: Uuid, failed: bool, detail: &Value) -> Result<()> {
         let mut merged = match detail {
             Value::Object(map) => map.clone(),
             _ => serde_json::Map::new(),
@@ -173,7 +173,7 @@ impl Audit<'_> {
     }
 
     /// The audit rows of a job, oldest first.
-    pub async fn audit_of_job(self, job: JobId) -> Result<Vec<AuditEntry>> {
+    pub async fn of_job(self, job: JobId) -> Result<Vec<AuditEntry>> {
         Ok(sqlx::query_as!(
             AuditEntry,
             "SELECT id, at, actor, action, job_id, attempt_id, target, reason, detail
@@ -185,7 +185,7 @@ impl Audit<'_> {
     }
 
     /// One audit row, by its id.
-    pub async fn audit_entry(self, id: Uuid) -> Result<Option<AuditEntry>> {
+    pub async fn entry(self, id: Uuid) -> Result<Option<AuditEntry>> {
         Ok(sqlx::query_as!(
             AuditEntry,
             "SELECT id, at, actor, action, job_id, attempt_id, target, reason, detail
@@ -197,7 +197,7 @@ impl Audit<'_> {
     }
 
     /// The latest audit rows, newest first.
-    pub async fn audit_recent(self, limit: i64) -> Result<Vec<AuditEntry>> {
+    pub async fn recent(self, limit: i64) -> Result<Vec<AuditEntry>> {
         Ok(sqlx::query_as!(
             AuditEntry,
             "SELECT id, at, actor, action, job_id, attempt_id, target, reason, detail

@@ -198,9 +198,9 @@ impl Jobs<'_> {
     }
 
     /// The answers kept on open attempts, by why they wait
-    /// ([`Kept::kept_waiting`](crate::edges::store::Kept::kept_waiting)).
+    /// ([`Kept::waiting`](crate::edges::store::Kept::waiting)).
     async fn kept_gauge(self) -> Result<String> {
-        let kept = self.0.kept().kept_waiting().await?;
+        let kept = self.0.kept().waiting().await?;
         let mut out = String::from("# TYPE onejob_kept_answers gauge\n");
         for (why, n) in [
             ("due", kept.due),

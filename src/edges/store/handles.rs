@@ -1,5 +1,5 @@
 //! The store's handles, one per aggregate: `store.jobs().job(id)`,
-//! `store.settle().finalize(..)`, `store.outbox().claim_outbox(..)`. Each borrows the
+//! `store.settle().finalize(..)`, `store.outbox().claim(..)`. Each borrows the
 //! store (its pools) and holds the statements of one aggregate, written in
 //! that aggregate's file; `Store` itself keeps only connecting and what
 //! every aggregate shares (retries, holding turns).

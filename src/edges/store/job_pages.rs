@@ -51,7 +51,7 @@ impl Jobs<'_> {
     /// previous page): by keyset on the id (UUIDv7, time-ordered), never by
     /// offset. Each combination of filters is its own statement, so each gets a
     /// plan that uses its indexes.
-    pub async fn jobs_page(
+    pub async fn page(
         self,
         filter: &JobFilter,
         after: Option<Uuid>,

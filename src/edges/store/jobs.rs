@@ -78,7 +78,7 @@ impl Jobs<'_> {
     }
 
     /// The job with this identity, if any.
-    pub async fn find_job(self, owner_id: &str, idempotency_key: &str) -> Result<Option<JobView>> {
+    pub async fn find(self, owner_id: &str, idempotency_key: &str) -> Result<Option<JobView>> {
         let row = sqlx::query_as!(
             JobRow,
             r#"SELECT id AS "id: JobId", owner_id, idempotency_key, request_fingerprint, operation,
@@ -119,7 +119,7 @@ impl Jobs<'_> {
     /// what they cost), and an attempt still in flight is left to finish, so
     /// that its late result is `discarded` by the compare-and-swap. Refused on a terminal job.
     /// The cancellation is recorded in the audit table, in its transaction.
-    pub async fn cancel_job(
+    pub async fn cancel(
         self,
         job: JobId,
         actor: &Actor,
@@ -219,7 +219,7 @@ impl Jobs<'_> {
         .await?;
         audit::record(&mut tx, audit.0, audit.1).await?;
         let draft = ended.draft(&self.0.routes);
-        let publish = self.0.outbox().insert_outbox(&mut tx, &[draft]).await?;
+        let publish = self.0.outbox().insert(&mut tx, &[draft]).await?;
         tx.commit().await?;
         Ok(Some(publish))
     }
@@ -291,7 +291,7 @@ impl Jobs<'_> {
     /// semi-join at the statement's top, not an `OR`, so that Postgres may
     /// walk the provider's attempts instead (`attempts_provider_job`) when few
     /// jobs used it, and look each job's up there when many did.
-    pub async fn list_jobs(self, query: &JobQuery, limit: i64) -> Result<Vec<JobSummary>> {
+    pub async fn list(self, query: &JobQuery, limit: i64) -> Result<Vec<JobSummary>> {
         let statuses: Option<Vec<String>> = (!query.statuses.is_empty()).then(|| {
             query
                 .statuses

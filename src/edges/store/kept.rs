@@ -138,10 +138,10 @@ impl Kept<'_> {
     /// Open attempts with a kept answer that is due, at most `limit`, as
     /// finished attempts to settle: never tried first, then those tried
     /// longest ago, so that answers whose rows stay held (moved on by
-    /// [`Kept::kept_later`](crate::edges::store::Kept::kept_later)) never stand in front of newer ones. A kept
+    /// [`Kept::later`](crate::edges::store::Kept::later)) never stand in front of newer ones. A kept
     /// answer this version cannot read is set aside for good (an operator
     /// resolves its attempt), with an error in the log.
-    pub async fn kept_answers(self, limit: i64) -> Result<Vec<Finished>> {
+    pub async fn answers(self, limit: i64) -> Result<Vec<Finished>> {
         let rows = sqlx::query!(
             r#"SELECT id AS "attempt_id: AttemptId", job_id AS "job_id: JobId",
                       answer AS "answer!"
@@ -190,7 +190,7 @@ impl Kept<'_> {
     /// pass tried them) behind the others, due again in `pause`. An attempt
     /// whose own row is still held is left as it is, due at once: waiting
     /// for its lock would hold the pass up for as long as the holder likes.
-    pub async fn kept_later(self, attempts: &[AttemptId], pause: Duration) -> Result<()> {
+    pub async fn later(self, attempts: &[AttemptId], pause: Duration) -> Result<()> {
         if attempts.is_empty() {
             return Ok(());
         }
@@ -210,7 +210,7 @@ impl Kept<'_> {
     /// The answers kept on open attempts, by why they wait: `due` (the pass
     /// settles them next), `held` (their rows were held when last tried) and
     /// `unreadable` (an operator resolves them).
-    pub async fn kept_waiting(self) -> Result<KeptWaiting> {
+    pub async fn waiting(self) -> Result<KeptWaiting> {
         let row = sqlx::query!(
             r#"SELECT count(*) FILTER (WHERE kept_next_at IS NULL OR kept_next_at <= now()) AS "due!",
                       count(*) FILTER (WHERE kept_next_at > now() AND kept_next_at < 'infinity') AS "held!",
@@ -229,7 +229,7 @@ impl Kept<'_> {
 }
 
 /// The answers kept on open attempts, by why they wait
-/// ([`Kept::kept_waiting`](crate::edges::store::Kept::kept_waiting)).
+/// ([`Kept::waiting`](crate::edges::store::Kept::waiting)).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct KeptWaiting {
     /// Due: the kept-answer pass settles them next.

@@ -14,7 +14,7 @@ use crate::edges::store::drafts::{OutboxDraft, OutboxMessage};
 use crate::edges::store::error::Result;
 
 impl Outbox<'_> {
-    pub(super) async fn insert_outbox(
+    pub(super) async fn insert(
         self,
         conn: &mut PgConnection,
         drafts: &[OutboxDraft],
@@ -62,7 +62,7 @@ impl Outbox<'_> {
         won: &[(Uuid, Uuid)],
     ) -> Result<Vec<OutboxMessage>> {
         if won.is_empty() {
-            return self.insert_outbox(conn, drafts).await;
+            return self.insert(conn, drafts).await;
         }
         let c = OutboxColumns::of(drafts);
         let won_jobs: Vec<Uuid> = won.iter().map(|w| w.0).collect();
@@ -110,7 +110,7 @@ impl Outbox<'_> {
 
     /// Takes due outbox rows whose lease is free (or over) for this publisher.
     /// `SKIP LOCKED` lets several relays share the table without waiting.
-    pub async fn claim_outbox(self, limit: i64) -> Result<Vec<OutboxMessage>> {
+    pub async fn claim(self, limit: i64) -> Result<Vec<OutboxMessage>> {
         Ok(sqlx::query_as!(
             OutboxMessage,
             "UPDATE outbox SET lease_until = now() + make_interval(secs => $2)

@@ -200,7 +200,7 @@ impl Owners<'_> {
     /// Changes one owner's settings; the change and its audit row (what the
     /// settings were and became) commit together. Returns the owner as it is
     /// now, and the audit row's id.
-    pub async fn set_owner(
+    pub async fn set(
         self,
         owner_id: &str,
         change: &OwnerChange,

@@ -25,7 +25,7 @@ pub struct QualificationRun {
 
 impl Qualifications<'_> {
     /// Records a qualification run, one row per case.
-    pub async fn record_qualification(self, q: &crate::domain::Qualification) -> Result<Uuid> {
+    pub async fn record(self, q: &crate::domain::Qualification) -> Result<Uuid> {
         let run = Uuid::now_v7();
         // A run with no case still records that it failed.
         let cases: Vec<crate::domain::CaseResult> = if q.cases.is_empty() {

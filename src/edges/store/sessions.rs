@@ -19,7 +19,7 @@ pub struct Session {
 impl Sessions<'_> {
     /// Deletes the sessions past their expiry (a timer of the console's
     /// calls it); how many.
-    pub async fn expire_sessions(self) -> Result<u64> {
+    pub async fn expire(self) -> Result<u64> {
         Ok(
             sqlx::query!("DELETE FROM operator_sessions WHERE expires_at < now()")
                 .execute(&self.0.pool)

@@ -104,7 +104,7 @@ impl Sweeps<'_> {
                 );
             }
         }
-        let publish = self.0.outbox().insert_outbox(&mut tx, &drafts).await?;
+        let publish = self.0.outbox().insert(&mut tx, &drafts).await?;
         tx.commit().await?;
         Ok((publish, exhausted.into_iter().map(|s| s.id).collect()))
     }

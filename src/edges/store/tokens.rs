@@ -48,7 +48,7 @@ impl Tokens<'_> {
 
     /// Gateway tokens, oldest first, optionally of one owner. Never the tokens
     /// themselves: the database does not have them.
-    pub async fn list_tokens(self, owner_id: Option<&str>) -> Result<Vec<TokenView>> {
+    pub async fn list(self, owner_id: Option<&str>) -> Result<Vec<TokenView>> {
         Ok(sqlx::query_as!(
             TokenView,
             "SELECT id, owner_id, created_at, revoked_at FROM gateway_tokens
@@ -64,7 +64,7 @@ impl Tokens<'_> {
     /// Returns the token and whether it had already been revoked (revoking twice
     /// keeps the first time); `Ok(None)` when there is no such token.
     /// The revocation is audited (`token.revoke`) in the same transaction.
-    pub async fn revoke_token(self, id: Uuid, actor: &Actor) -> Result<Option<(TokenView, bool)>> {
+    pub async fn revoke(self, id: Uuid, actor: &Actor) -> Result<Option<(TokenView, bool)>> {
         let mut tx = self.0.pool.begin().await?;
         let row = sqlx::query!(
             r#"UPDATE gateway_tokens t SET revoked_at = coalesce(b.revoked_at, now())

@@ -255,7 +255,7 @@ impl Turns<'_> {
     /// default), in which a busy provider leaves tens of thousands. The table
     /// holds only the turns waiting and handed out, so its vacuum takes
     /// milliseconds. True when it vacuumed.
-    pub async fn vacuum_turns_if_due(self) -> Result<bool> {
+    pub async fn vacuum_if_due(self) -> Result<bool> {
         let due = sqlx::query_scalar!(
             r#"SELECT EXISTS (
                    SELECT 1 FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid

@@ -186,12 +186,12 @@ async fn evidence(
         ..Action::default()
     };
     // Recorded before the look: a look may send the request again.
-    let audit = store.audit().audit_begin(actor, &action).await?;
+    let audit = store.audit().begin(actor, &action).await?;
     let Some(unknown) = store.evidence().evidence_now(attempt, LOOK_LEASE).await? else {
         let why = format!("attempt {attempt_id} is no longer unknown");
         let _ = store
             .audit()
-            .audit_outcome(audit, true, &json!({ "error": why }))
+            .outcome(audit, true, &json!({ "error": why }))
             .await;
         return Err(Failure(why));
     };
@@ -203,12 +203,12 @@ async fn evidence(
         Ok(look) => look,
         Err(e) => {
             let detail = json!({ "error": e.to_string() });
-            let _ = store.audit().audit_outcome(audit, true, &detail).await;
+            let _ = store.audit().outcome(audit, true, &detail).await;
             return Err(e.into());
         }
     };
     let detail = json!({ "found": look.found, "settled": look.settled });
-    if let Err(e) = store.audit().audit_outcome(audit, false, &detail).await {
+    if let Err(e) = store.audit().outcome(audit, false, &detail).await {
         eprintln!(
             "onejob: warning: the outcome was not written to audit row {audit} (it stays pending): {e}"
         );

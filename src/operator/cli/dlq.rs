@@ -115,7 +115,7 @@ async fn dlq_command(
             };
             let audit = store
                 .audit()
-                .audit_begin(&Actor::cli(reason.as_deref()), &action)
+                .begin(&Actor::cli(reason.as_deref()), &action)
                 .await?;
             let mut counts = Counts::default();
             let result = dlq_replay(conn, &queues, id, &mut counts, as_json, out).await;
@@ -134,7 +134,7 @@ async fn dlq_command(
             };
             let audit = store
                 .audit()
-                .audit_begin(&Actor::cli(reason.as_deref()), &action)
+                .begin(&Actor::cli(reason.as_deref()), &action)
                 .await?;
             let mut purged = serde_json::Map::new();
             let mut broker_error = None;
@@ -160,10 +160,10 @@ struct Counts {
     broker_error: Option<String>,
 }
 
-/// Writes what came of an action begun with [`Audit::audit_begin`](crate::edges::store::Audit::audit_begin); if that
+/// Writes what came of an action begun with [`Audit::begin`](crate::edges::store::Audit::begin); if that
 /// fails, says so (the row stays `pending`) but the action stands.
 async fn finish_audit(store: &Store, audit: Uuid, failed: bool, detail: &serde_json::Value) {
-    if let Err(e) = store.audit().audit_outcome(audit, failed, detail).await {
+    if let Err(e) = store.audit().outcome(audit, failed, detail).await {
         eprintln!(
             "warning: the outcome was not written to audit row {audit} (it stays pending): {e}"
         );

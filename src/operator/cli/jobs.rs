@@ -120,7 +120,7 @@ pub(super) async fn run(
             let store = store(c, &config).await?;
             let job = store.jobs().job(JobId(job_id)).await?;
             let job = job.ok_or_else(|| Failure(format!("job {job_id} not found")))?;
-            let audit = store.audit().audit_of_job(job.id).await?;
+            let audit = store.audit().of_job(job.id).await?;
             let owner = store.owners().owner(&job.owner_id).await?;
             print_job(out, &job, &owner, &audit, json)?;
         }
@@ -130,10 +130,10 @@ pub(super) async fn run(
         }
         JobsCommand::Find { owner, key } => {
             let store = store(c, &config).await?;
-            let job = store.jobs().find_job(&owner, &key).await?;
+            let job = store.jobs().find(&owner, &key).await?;
             let job =
                 job.ok_or_else(|| Failure(format!("no job for owner {owner:?} and key {key:?}")))?;
-            let audit = store.audit().audit_of_job(job.id).await?;
+            let audit = store.audit().of_job(job.id).await?;
             let owner = store.owners().owner(&job.owner_id).await?;
             print_job(out, &job, &owner, &audit, json)?;
         }
@@ -156,7 +156,7 @@ async fn list(store: &Store, args: ListArgs, json: bool, out: &mut impl Write) -
         after: args.after.map(JobId),
     };
     // One job more than the page holds says whether another page follows.
-    let mut jobs = store.jobs().list_jobs(&query, args.limit + 1).await?;
+    let mut jobs = store.jobs().list(&query, args.limit + 1).await?;
     let page = usize::try_from(args.limit).unwrap_or(usize::MAX);
     let more = jobs.len() > page;
     jobs.truncate(page);
@@ -212,7 +212,7 @@ async fn cancel(
     out: &mut impl Write,
 ) -> Outcome {
     let actor = Actor::cli(reason);
-    let publish = match store.jobs().cancel_job(JobId(job_id), &actor).await? {
+    let publish = match store.jobs().cancel(JobId(job_id), &actor).await? {
         Ok(p) => p,
         Err(refusal) => return Err(Failure(refusal.to_string())),
     };

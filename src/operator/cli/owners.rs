@@ -135,7 +135,7 @@ pub(super) async fn run(
             }
             let (view, _) = store
                 .owners()
-                .set_owner(&owner, &change, &Actor::cli(Some(&reason)))
+                .set(&owner, &change, &Actor::cli(Some(&reason)))
                 .await
                 .map_err(migrate_first)?;
             print_one(&view, json, out)?;

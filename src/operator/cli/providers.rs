@@ -140,7 +140,7 @@ async fn qualify(
         // Recorded first: the provider bills the calls, so none goes unrecorded.
         let audit = store
             .audit()
-            .audit_begin(actor, &crate::shared::qualify::action(p, op))
+            .begin(actor, &crate::shared::qualify::action(p, op))
             .await
             .map_err(|e| {
                 Failure(format!(

@@ -209,7 +209,7 @@ async fn list_owners(
     as_json: bool,
     out: &mut impl Write,
 ) -> TokenOutcome {
-    let tokens = store.tokens().list_tokens(owner).await?;
+    let tokens = store.tokens().list(owner).await?;
     if as_json {
         let printed: Vec<GatewayToken> = tokens.iter().map(GatewayToken::from).collect();
         writeln!(
@@ -243,32 +243,31 @@ async fn revoke(
     out: &mut impl Write,
 ) -> TokenOutcome {
     let actor = Actor::cli(reason);
-    let (value, whose, revoked_at, already) =
-        match store.tokens().revoke_token(token_id, &actor).await? {
+    let (value, whose, revoked_at, already) = match store.tokens().revoke(token_id, &actor).await? {
+        Some((t, already)) => (
+            serde_json::to_value(GatewayToken::from(&t)).unwrap_or_default(),
+            format!("of owner {}", t.owner_id),
+            t.revoked_at,
+            already,
+        ),
+        None => match store
+            .tokens()
+            .revoke_operator_token(token_id, &actor)
+            .await?
+        {
             Some((t, already)) => (
-                serde_json::to_value(GatewayToken::from(&t)).unwrap_or_default(),
-                format!("of owner {}", t.owner_id),
+                serde_json::to_value(OperatorToken::from(&t)).unwrap_or_default(),
+                format!("of operator {}", t.operator),
                 t.revoked_at,
                 already,
             ),
-            None => match store
-                .tokens()
-                .revoke_operator_token(token_id, &actor)
-                .await?
-            {
-                Some((t, already)) => (
-                    serde_json::to_value(OperatorToken::from(&t)).unwrap_or_default(),
-                    format!("of operator {}", t.operator),
-                    t.revoked_at,
-                    already,
-                ),
-                None => {
-                    return Err(TokenFailure::Refused(Failure(format!(
-                        "token {token_id} not found"
-                    ))));
-                }
-            },
-        };
+            None => {
+                return Err(TokenFailure::Refused(Failure(format!(
+                    "token {token_id} not found"
+                ))));
+            }
+        },
+    };
     if as_json {
         writeln!(out, "{value}")?;
     } else if already {

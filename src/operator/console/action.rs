@@ -107,7 +107,7 @@ async fn begin_action(
     app.0
         .store
         .audit()
-        .audit_begin(&Actor::operator(&who.name, reason), action)
+        .begin(&Actor::operator(&who.name, reason), action)
         .await
         .map_err(|e| {
             let Failure(status, text) = e.into();
@@ -129,7 +129,7 @@ pub(super) async fn finish_action(
     failed: bool,
     detail: serde_json::Value,
 ) {
-    if let Err(e) = store.audit().audit_outcome(audit, failed, &detail).await {
+    if let Err(e) = store.audit().outcome(audit, failed, &detail).await {
         tracing::warn!(error = %e, %audit, "console: the outcome of an action was not recorded; its audit row stays pending");
     }
 }
@@ -137,7 +137,7 @@ pub(super) async fn finish_action(
 /// What an action did, in words, from its audit row (never from the link that
 /// leads back to the page, which anyone could write).
 pub(super) async fn done_banner(app: &Console, done: Option<Uuid>) -> Option<String> {
-    let entry = app.0.store.audit().audit_entry(done?).await.ok()??;
+    let entry = app.0.store.audit().entry(done?).await.ok()??;
     let d = &entry.detail;
     let target = entry.target.clone().unwrap_or_default();
     let n = |k: &str| d[k].as_u64().unwrap_or(0);

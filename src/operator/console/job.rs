@@ -23,18 +23,16 @@ pub(super) async fn page(
         return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text));
     };
     let store = &app.0.store;
-    let (job, audit) = match tokio::try_join!(
-        store.jobs().job(JobId(id)),
-        store.audit().audit_of_job(JobId(id))
-    ) {
-        Ok((Some(job), audit)) => (job, audit),
-        Ok((None, _)) => {
-            let text =
-                format!("There is no job {id} (it may have been pruned after its retention).");
-            return app.message(Some(&who), Failure(StatusCode::NOT_FOUND, text));
-        }
-        Err(e) => return app.message(Some(&who), e.into()),
-    };
+    let (job, audit) =
+        match tokio::try_join!(store.jobs().job(JobId(id)), store.audit().of_job(JobId(id))) {
+            Ok((Some(job), audit)) => (job, audit),
+            Ok((None, _)) => {
+                let text =
+                    format!("There is no job {id} (it may have been pruned after its retention).");
+                return app.message(Some(&who), Failure(StatusCode::NOT_FOUND, text));
+            }
+            Err(e) => return app.message(Some(&who), e.into()),
+        };
     let messages = match store.jobs().job_messages(&job).await {
         Ok(m) => m,
         Err(e) => return app.message(Some(&who), e.into()),

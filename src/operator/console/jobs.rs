@@ -80,7 +80,7 @@ pub(super) async fn page(
         Err(text) => return app.message(Some(&who), Failure(StatusCode::BAD_REQUEST, text)),
     };
     let started = std::time::Instant::now();
-    let lines = match app.0.store.jobs().jobs_page(&filter, after, PAGE + 1).await {
+    let lines = match app.0.store.jobs().page(&filter, after, PAGE + 1).await {
         Ok(l) => l,
         Err(e) => return app.message(Some(&who), e.into()),
     };

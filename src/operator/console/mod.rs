@@ -191,7 +191,7 @@ async fn sweep_sessions(store: Store, every: Duration) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        if let Err(e) = store.sessions().expire_sessions().await {
+        if let Err(e) = store.sessions().expire().await {
             tracing::warn!(error = %e, "console: cannot delete expired sessions; trying again later");
         }
     }

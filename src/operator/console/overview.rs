@@ -27,7 +27,7 @@ pub(super) async fn page(State(app): State<Console>, who: Operator) -> Response 
         .max()
         .unwrap_or(0)
         .max(1);
-    let kept = match app.0.store.kept().kept_waiting().await {
+    let kept = match app.0.store.kept().waiting().await {
         Ok(k) => k,
         Err(e) => return app.message(Some(&who), e.into()),
     };

@@ -144,7 +144,7 @@ pub(super) async fn set(State(app): State<Console>, acting: Acting<SetForm>) -> 
         .0
         .store
         .owners()
-        .set_owner(owner, &change, &acting.actor())
+        .set(owner, &change, &acting.actor())
         .await
     {
         Ok((_, audit)) => {

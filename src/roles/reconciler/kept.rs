@@ -39,7 +39,7 @@ impl Pass for Kept {
     /// ([`KEPT_HELD_PAUSE`]), so that answers the pass cannot settle never keep
     /// it from those it can. Returns the answers settled.
     async fn once(&self, ctx: &Context, _: &Shutdown) -> Result<u64> {
-        let kept = ctx.store.kept().kept_answers(KEPT_BATCH).await?;
+        let kept = ctx.store.kept().answers(KEPT_BATCH).await?;
         if kept.is_empty() {
             return Ok(0);
         }
@@ -55,7 +55,7 @@ impl Pass for Kept {
                 }
             }
         }
-        ctx.store.kept().kept_later(&later, KEPT_HELD_PAUSE).await?;
+        ctx.store.kept().later(&later, KEPT_HELD_PAUSE).await?;
         ctx.publish_outbox(&publish).await?;
         Ok((kept.len() - later.len()) as u64)
     }

@@ -30,7 +30,7 @@ impl Pass for Relay {
     async fn once(&self, ctx: &Context, _: &Shutdown) -> Result<u64> {
         let mut total = 0;
         loop {
-            let batch = ctx.store.outbox().claim_outbox(RELAY_BATCH).await?;
+            let batch = ctx.store.outbox().claim(RELAY_BATCH).await?;
             if batch.is_empty() {
                 return Ok(total);
             }

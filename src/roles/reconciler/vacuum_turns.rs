@@ -23,9 +23,9 @@ impl Pass for VacuumTurns {
     }
 
     /// Vacuums `turns` when its dead rows are due
-    /// ([`crate::edges::store::Turns::vacuum_turns_if_due`]). Returns 1 when it did.
+    /// ([`crate::edges::store::Turns::vacuum_if_due`]). Returns 1 when it did.
     async fn once(&self, ctx: &Context, _: &Shutdown) -> Result<u64> {
-        let vacuumed = ctx.store.turns().vacuum_turns_if_due().await?;
+        let vacuumed = ctx.store.turns().vacuum_if_due().await?;
         if vacuumed {
             crate::edges::metrics::vacuumed("turns");
         }

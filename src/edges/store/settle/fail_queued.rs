@@ -40,7 +40,7 @@ impl Settle<'_> {
                 let (outcomes, drafts) = self
                     .settle_failures(&mut tx, &failures, &[AttemptStatus::Queued], plan, false)
                     .await?;
-                let publish = self.0.outbox().insert_outbox(&mut tx, &drafts).await?;
+                let publish = self.0.outbox().insert(&mut tx, &drafts).await?;
                 tx.commit().await?;
                 Ok((outcomes, publish))
             })

@@ -112,7 +112,7 @@ impl Settle<'_> {
                     ..Action::default()
                 };
                 audit::record(&mut tx, actor, &action).await?;
-                let publish = self.0.outbox().insert_outbox(&mut tx, &drafts).await?;
+                let publish = self.0.outbox().insert(&mut tx, &drafts).await?;
                 tx.commit().await?;
                 Ok(Some((settled, publish)))
             })
