@@ -16,6 +16,7 @@ pub mod drain;
 pub mod growth;
 pub mod history;
 pub mod lossy;
+pub mod pg_ha;
 pub mod raw_http;
 pub mod refusing;
 
