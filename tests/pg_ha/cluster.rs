@@ -1,7 +1,4 @@
-//! `scripts/pg-ha`, the highly available PostgreSQL (Patroni, etcd and
-//! HAProxy) that onejob's failover tests run against: what it promises of
-//! its own, before onejob is put through it. Run one at a time with the
-//! chaos tests (scripts/test): a failover waits on etcd's 10 s leader key.
+//! The cluster's own promise, before onejob is put through it.
 
 use onejob_test_support::pg_ha::{OwnHa, installed};
 use sqlx::{Connection, Executor, PgConnection};
