@@ -153,6 +153,9 @@ const WORK_SAMPLES: &[(&str, f64)] = &[
     (r#"onejob_jobs{status="succeeded"}"#, 1.0),
     (r#"onejob_attempts{status="succeeded"}"#, 1.0),
     ("onejob_outbox_unpublished", 0.0),
+    // One server: no standby, so no commit waits for one.
+    ("onejob_database_commits_wait_for_standby", 0.0),
+    ("onejob_database_standbys", 0.0),
 ];
 
 /// One job created, one duplicate, one rejected intent: `/metrics` counts

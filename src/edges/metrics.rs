@@ -157,6 +157,12 @@ pub fn intent_handed_on() {
     counter!("onejob_intents_handed_on_total").increment(1);
 }
 
+/// A settlement found its attempt `queued`: the database lost the claim
+/// the worker saw committed.
+pub fn claim_lost(provider: &str) {
+    counter!("onejob_claims_lost_total", "provider" => provider.to_owned()).increment(1);
+}
+
 /// An attempt's outcome was settled: `won`, `discarded`, `failed`, `unknown`,
 /// `unchanged` when it had been resolved elsewhere meanwhile, `refused` when
 /// Postgres refused its data, or `busy` when its rows were held (it is

@@ -13,6 +13,7 @@ pub mod chaos;
 pub mod console;
 pub mod database;
 pub mod drain;
+pub mod failover;
 pub mod growth;
 pub mod history;
 pub mod lossy;

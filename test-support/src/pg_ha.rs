@@ -114,6 +114,28 @@ impl OwnHa {
             .collect()
     }
 
+    /// Node `n`'s PostgreSQL processes running now: its postmaster and
+    /// the backends and workers it forked.
+    pub fn postgres_processes(&self, n: u8) -> Vec<u32> {
+        let file = self.dir.join(format!("node{n}/data/postmaster.pid"));
+        let Some(postmaster) = std::fs::read_to_string(file)
+            .ok()
+            .and_then(|t| t.lines().next()?.trim().parse::<u32>().ok())
+        else {
+            return Vec::new();
+        };
+        let mut found: Vec<u32> = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|&pid| process(pid).is_some_and(|(_, parent)| parent == postmaster))
+            .collect();
+        found.push(postmaster);
+        found.retain(|&pid| running(pid));
+        found
+    }
+
     /// Its directory.
     pub fn dir(&self) -> &std::path::Path {
         &self.dir
@@ -148,4 +170,48 @@ fn free_base() -> u16 {
             return base;
         }
     }
+}
+
+/// Whether process `pid` runs: it exists and is not a zombie.
+pub fn running(pid: u32) -> bool {
+    process(pid).is_some_and(|(state, _)| state != 'Z')
+}
+
+/// Whether process `pid` will run none of its own code again: it is gone,
+/// a zombie, exiting, or has a SIGKILL pending. (One killed a moment ago
+/// may still be on its way out.)
+pub fn ended(pid: u32) -> bool {
+    const EXITING: u64 = 0x4; // PF_EXITING
+    const KILL: u64 = 1 << (9 - 1); // SIGKILL's bit in a pending mask
+    let Some((state, _, flags)) = stat(pid) else {
+        return true;
+    };
+    let pending = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.strip_prefix("SigPnd:").or(l.strip_prefix("ShdPnd:")))
+        .filter_map(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+        .fold(0, |all, mask| all | mask);
+    state == 'Z' || flags & EXITING != 0 || pending & KILL != 0
+}
+
+/// A process's state letter and parent pid, from `/proc/PID/stat`, if it
+/// exists.
+fn process(pid: u32) -> Option<(char, u32)> {
+    stat(pid).map(|(state, parent, _)| (state, parent))
+}
+
+/// A process's state letter, parent pid and kernel flags, from
+/// `/proc/PID/stat`, if it exists.
+fn stat(pid: u32) -> Option<(char, u32, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name in parentheses may hold spaces: read after its end.
+    let fields: Vec<&str> = stat
+        .get(stat.rfind(')')? + 1..)?
+        .split_whitespace()
+        .collect();
+    let state = fields.first()?.chars().next()?;
+    let parent = fields.get(1)?.parse().ok()?;
+    let flags = fields.get(6)?.parse().ok()?;
+    Some((state, parent, flags))
 }

@@ -4,11 +4,13 @@
 //!
 //! One binary, its tests by topic: races of known shape, in order, at once and
 //! in flushes (`winners`), thousands of random interleavings (`interleavings`),
-//! and a worker that vanished (`vanished`).
+//! a worker that vanished (`vanished`), and a claim the database lost
+//! (`lost_claims`).
 
 use onejob_test_support as common;
 
 mod interleavings;
+mod lost_claims;
 mod vanished;
 mod winners;
 

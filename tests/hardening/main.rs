@@ -17,6 +17,7 @@ mod broker_faults;
 mod dead_letters;
 mod handed_on;
 mod late_outcomes;
+mod lost_claims;
 mod moved_past;
 mod outages;
 mod provider_answers;

@@ -1,6 +1,6 @@
 //! The cluster's own promise, before onejob is put through it.
 
-use onejob_test_support::pg_ha::{OwnHa, installed};
+use onejob_test_support::pg_ha::{OwnHa, ended, installed};
 use sqlx::{Connection, Executor, PgConnection};
 
 /// With synchronous replication, every row whose commit returned through
@@ -29,7 +29,7 @@ async fn a_crashed_primary_fails_over_with_every_committed_row() {
             .expect("a commit through HAProxy");
     }
     let old = ha.primary();
-    ha.script(&["crash", &old.to_string()]);
+    crash(&ha, old);
     // The connection to the crashed node is gone, and says so.
     let cut = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM committed")
         .fetch_one(&mut db)
@@ -87,4 +87,18 @@ async fn a_crashed_primary_fails_over_with_every_committed_row() {
         "processes left running after stop: {alive:?}"
     );
     assert!(!dir.exists(), "its directory was left behind");
+}
+
+/// Crashes node `n`'s machine. A machine's crash leaves nothing of its
+/// PostgreSQL running: not even a backend that has yet to notice its
+/// postmaster is gone.
+fn crash(ha: &OwnHa, n: u8) {
+    let before = ha.postgres_processes(n);
+    assert!(
+        before.len() > 1,
+        "a postmaster with its backends: {before:?}"
+    );
+    ha.script(&["crash", &n.to_string()]);
+    let left: Vec<u32> = before.iter().copied().filter(|&pid| !ended(pid)).collect();
+    assert!(left.is_empty(), "the crash left {left:?} of {before:?}");
 }

@@ -13,6 +13,40 @@ use onejob_test_support::{P, Servers, TestEnv, config, config_for, mock, wait_fo
 use sqlx::{Connection, PgConnection};
 use tokio::task::JoinHandle;
 
+/// How the primary fails, as `scripts/pg-ha` does it to its node.
+#[derive(Clone, Copy, Debug)]
+enum Failure {
+    /// SIGKILL its Patroni and PostgreSQL at once, as a machine's crash
+    /// would: the standby is promoted once the leader key expires.
+    Crash,
+    /// SIGKILL its PostgreSQL only: Patroni starts it again and keeps the
+    /// lead, with no failover.
+    KillPostgres,
+    /// Stop its Patroni as an operator would (SIGTERM): Patroni stops its
+    /// PostgreSQL and gives up the lead, and the standby is promoted.
+    StopPatroni,
+    /// SIGKILL its Patroni only: its PostgreSQL runs on as a primary no one
+    /// reaches (HAProxy's check fails), and the standby is promoted once the
+    /// leader key expires.
+    KillPatroni,
+}
+
+impl Failure {
+    fn command(self) -> &'static str {
+        match self {
+            Failure::Crash => "crash",
+            Failure::KillPostgres => "kill",
+            Failure::StopPatroni => "stop-patroni",
+            Failure::KillPatroni => "kill-patroni",
+        }
+    }
+
+    /// Whether another node takes the lead.
+    fn fails_over(self) -> bool {
+        !matches!(self, Failure::KillPostgres)
+    }
+}
+
 /// onejob through a failover: two workers (every role) reach PostgreSQL
 /// through HAProxy while intents flow (30% re-sent) and calls are in flight
 /// at a provider that keeps its completions; the primary's machine crashes
@@ -24,7 +58,52 @@ use tokio::task::JoinHandle;
 /// `ONEJOB_PGHA_INTENTS` and `ONEJOB_PGHA_SECONDS` size it (300 over 25 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_fleet_through_a_primary_crash_loses_nothing_and_calls_nothing_twice() {
-    if !installed("a_fleet_through_a_primary_crash_loses_nothing_and_calls_nothing_twice") {
+    through(
+        "a_fleet_through_a_primary_crash_loses_nothing_and_calls_nothing_twice",
+        Failure::Crash,
+    )
+    .await;
+}
+
+/// The same, the primary's PostgreSQL killed (SIGKILL) while its Patroni
+/// lives: Patroni restarts it (crash recovery) on the same node, and
+/// onejob's connections, cut mid-transaction, come back to it by themselves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fleet_through_a_killed_primary_postgres_loses_nothing_and_calls_nothing_twice() {
+    through(
+        "a_fleet_through_a_killed_primary_postgres_loses_nothing_and_calls_nothing_twice",
+        Failure::KillPostgres,
+    )
+    .await;
+}
+
+/// The same, the primary's Patroni stopped as an operator would: it stops
+/// its PostgreSQL and hands the lead over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fleet_through_a_stopped_primary_patroni_loses_nothing_and_calls_nothing_twice() {
+    through(
+        "a_fleet_through_a_stopped_primary_patroni_loses_nothing_and_calls_nothing_twice",
+        Failure::StopPatroni,
+    )
+    .await;
+}
+
+/// The same, the primary's Patroni killed (SIGKILL) while its PostgreSQL
+/// runs on: HAProxy stops routing to it and cuts its sessions, so nothing
+/// commits on the old primary once the standby is promoted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fleet_through_a_killed_primary_patroni_loses_nothing_and_calls_nothing_twice() {
+    through(
+        "a_fleet_through_a_killed_primary_patroni_loses_nothing_and_calls_nothing_twice",
+        Failure::KillPatroni,
+    )
+    .await;
+}
+
+/// One run: the fleet under load, the primary failed as `failure` says
+/// early in it, and the checks.
+async fn through(test: &str, failure: Failure) {
+    if !installed(test) {
         return;
     }
     let intents = env_or("ONEJOB_PGHA_INTENTS", 300);
@@ -50,14 +129,14 @@ async fn a_fleet_through_a_primary_crash_loses_nothing_and_calls_nothing_twice()
     let sent = Sent::default();
     let amqp = env.amqp_url.clone();
     let producers = start_producers(2, intents, seconds, |_| amqp.clone(), &sent);
-    // Early in the load, the primary's machine crashes.
+    // Early in the load, the primary fails.
     tokio::time::sleep(Duration::from_secs(seconds / 10)).await;
     let old = ha.primary();
     let sent_before = sent.count.load(Ordering::SeqCst);
-    ha.script(&["crash", &old.to_string()]);
-    let crashed = Instant::now();
-    let new = ha.wait_primary(old);
-    let failover = crashed.elapsed();
+    ha.script(&[failure.command(), &old.to_string()]);
+    let failed = Instant::now();
+    let new = ha.wait_primary(if failure.fails_over() { old } else { 0 });
+    let outage = failed.elapsed();
     let sent_during = sent.count.load(Ordering::SeqCst) - sent_before;
     for producer in producers {
         producer.await.expect("producer");
@@ -66,18 +145,18 @@ async fn a_fleet_through_a_primary_crash_loses_nothing_and_calls_nothing_twice()
     let sent_all = sent.count.load(Ordering::SeqCst);
     assert!(
         sent_before > 0 && sent_during > 0 && sent_all > sent_before + sent_during,
-        "intents flowed before, during and after the failover: {sent_before}, {sent_during}, {sent_all}"
+        "intents flowed before, during and after the failure: {sent_before}, {sent_during}, {sent_all}"
     );
     wait_for(
-        "every job to end after the failover",
+        "every job to end after the failure",
         Duration::from_secs(120),
         || all_ended(&env.database_url, confirmed.len()),
     )
     .await;
     stop_workers(workers).await;
     println!(
-        "pg failover: node {old} crashed, node {new} took writes through HAProxy after {failover:?}; \
-         {sent_all} intents sent ({sent_before} before the crash, {sent_during} until the new primary took writes; {} keys)",
+        "pg {failure:?}: node {old} failed, node {new} took writes through HAProxy after {outage:?}; \
+         {sent_all} intents sent ({sent_before} before the failure, {sent_during} until a primary took writes; {} keys)",
         confirmed.len(),
     );
     check_history(&env, &config, &provider, &confirmed).await;

@@ -14,7 +14,8 @@ impl Jobs<'_> {
     /// oldest `unknown` attempt's age (alert on it: only a person or late evidence
     /// resolves an unknown), the unknowns resolved in the last hour by how
     /// (evidence of each kind, or an operator), the answers kept on open
-    /// attempts by why they wait, and the outbox backlog.
+    /// attempts by why they wait, the outbox backlog, and what the primary's
+    /// replication promises a commit.
     pub async fn gauges(self) -> Result<String> {
         let jobs: HashMap<JobStatus, i64> = sqlx::query!(
             r#"SELECT status AS "status: JobStatus", count(*) AS "n!" FROM jobs GROUP BY status"#
@@ -92,6 +93,7 @@ impl Jobs<'_> {
         out.push_str(&self.owner_gauges().await?);
         out.push_str(&self.reservation_gauges().await?);
         out.push_str(&self.waiting_gauge().await?);
+        out.push_str(&crate::edges::store::replication::gauges(self.0).await?);
         Ok(out)
     }
 

@@ -45,6 +45,7 @@ mod outbox;
 mod overview;
 mod owners;
 mod qualifications;
+mod replication;
 mod retention;
 mod retry;
 mod sessions;

@@ -181,7 +181,7 @@ impl Sweeps<'_> {
             .filter(|(id, _)| !held.contains(id))
             .map(|(id, _)| (*id, error.to_owned()))
             .collect();
-        let marked = mark_unknown(&mut tx, &unknowns).await?;
+        let marked = mark_unknown(&mut tx, &unknowns, false).await?;
         tx.commit().await?;
         Ok(marked
             .into_iter()

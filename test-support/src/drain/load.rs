@@ -17,7 +17,7 @@ use crate::{TestEnv, intent};
 
 /// Publishes `n` distinct intents and `duplicates` repeats of early ones,
 /// each repeat after its original, while no worker runs.
-pub(super) async fn preload(producer: &Producer, n: usize, duplicates: usize) {
+pub async fn preload(producer: &Producer, n: usize, duplicates: usize) {
     let mut keys = Vec::with_capacity(n + duplicates);
     let mut repeated = 0;
     for i in 0..n {
@@ -84,12 +84,22 @@ impl Events {
         }
     }
 
-    pub(super) fn succeeded(&self) -> usize {
+    pub fn succeeded(&self) -> usize {
         self.succeeded.load(Ordering::SeqCst)
     }
 
+    /// The keys whose events arrived since the last call (or since the
+    /// watch began), for a caller that runs no open loop.
+    pub fn arrived(&mut self) -> Vec<String> {
+        let mut keys = Vec::new();
+        while let Ok((key, _)) = self.arrivals.try_recv() {
+            keys.push(key);
+        }
+        keys
+    }
+
     /// Jobs that ended otherwise: none should.
-    pub(super) fn other(&self) -> usize {
+    pub fn other(&self) -> usize {
         self.other.load(Ordering::SeqCst)
     }
 }

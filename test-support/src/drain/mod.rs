@@ -51,12 +51,12 @@ use onejob_producer::Producer;
 use crate::{TestEnv, config, mock};
 pub use cores::{CpuClock, CpuPerJob};
 use database::{backlog_jobs, counts, settle_after_the_drain, settled_counts};
-use load::{preload, stages};
+use load::stages;
 use parts::{broker_ceiling, call_latency, commit_latency, hop_latency};
 use pgbench::pgbench;
 use worker::Usage;
 
-pub use load::{Events, open_loop};
+pub use load::{Events, Timing, open_loop, preload};
 pub use progress::{bar, say};
 pub use report::{Percentiles, Report, machine};
 pub use worker::{Worker, WorkerStage, free_port};

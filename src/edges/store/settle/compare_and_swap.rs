@@ -26,6 +26,14 @@ impl Settle<'_> {
         wins: &[&Finished],
     ) -> Result<CasOutcomes> {
         let mut out = cas_outcomes(compare_and_swap(tx, wins).await?, &self.0.routes)?;
+        for (attempt, job, provider) in &out.claims_lost {
+            tracing::error!(
+                job_id = %job,
+                attempt_id = %attempt,
+                "the database lost this attempt's committed claim (a failover without synchronous replication?): its call was made, and its answer is settled as if the claim had stayed"
+            );
+            crate::edges::metrics::claim_lost(provider);
+        }
         let discarded = std::mem::take(&mut out.discarded);
         let winners = winners_of(tx, &discarded).await?;
         for (attempt, job) in discarded {
@@ -54,6 +62,8 @@ struct CasRow {
     result: Option<Value>,
     error: Option<String>,
     discarded_job: Option<Uuid>,
+    provider: Option<String>,
+    claim_lost: Option<bool>,
 }
 
 /// The compare-and-swap itself, one statement for the whole batch: lock the
@@ -81,8 +91,12 @@ async fn compare_and_swap(tx: &mut PgConnection, wins: &[&Finished]) -> Result<V
              SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::bigint[], $4::jsonb[], $5::jsonb[], $6::text[])
                  AS t(attempt_id, job_id, version, result, usage, request_id)
          ), open AS (
-             SELECT a.id FROM attempts a JOIN input i ON a.id = i.attempt_id AND a.job_id = i.job_id
-             WHERE (a.status IN ('started', 'unknown')) IS TRUE
+             -- An attempt found `queued` had its claim committed, as the
+             -- worker saw, and lost since (a failover without synchronous
+             -- replication): its call was made, and its answer is kept.
+             SELECT a.id, a.provider, (a.status = 'queued') AS claim_lost
+             FROM attempts a JOIN input i ON a.id = i.attempt_id AND a.job_id = i.job_id
+             WHERE (a.status IN ('started', 'unknown', 'queued')) IS TRUE
              ORDER BY a.id
              FOR UPDATE OF a
          ), won AS (
@@ -99,6 +113,7 @@ async fn compare_and_swap(tx: &mut PgConnection, wins: &[&Finished]) -> Result<V
              SET status = CASE WHEN w.id IS NOT NULL THEN 'succeeded' ELSE 'discarded' END,
                  error = CASE WHEN w.id IS NULL
                               THEN 'discarded: another attempt had already won, or the job had ended' END,
+                 started_at = COALESCE(a.started_at, now()),
                  finished_at = now(), usage = i.usage, provider_request_id = i.request_id
              FROM input i JOIN open o ON o.id = i.attempt_id
                   LEFT JOIN won w ON w.completed_by = i.attempt_id
@@ -115,11 +130,12 @@ async fn compare_and_swap(tx: &mut PgConnection, wins: &[&Finished]) -> Result<V
          SELECT w.id AS "job_id: JobId", w.version, w.owner_id, w.idempotency_key,
                 w.operation, w.status AS "status: JobStatus",
                 w.completed_by AS "completed_by: AttemptId", w.result, w.error,
-                NULL::uuid AS discarded_job
-         FROM won w
+                NULL::uuid AS discarded_job, o.provider, o.claim_lost
+         FROM won w JOIN open o ON o.id = w.completed_by
          UNION ALL
-         SELECT NULL, NULL, NULL, NULL, NULL, NULL, s.id, NULL, NULL, i.job_id
-         FROM settled s JOIN input i ON i.attempt_id = s.id
+         SELECT NULL, NULL, NULL, NULL, NULL, NULL, s.id, NULL, NULL, i.job_id,
+                o.provider, o.claim_lost
+         FROM settled s JOIN input i ON i.attempt_id = s.id JOIN open o ON o.id = s.id
          WHERE s.status = 'discarded'"#,
         &attempt_ids,
         &job_ids,
@@ -143,6 +159,9 @@ pub(super) struct CasOutcomes {
     pub(super) won: Vec<(Uuid, Uuid)>,
     /// `(attempt, job)` of each discarded attempt.
     discarded: Vec<(AttemptId, Uuid)>,
+    /// `(attempt, job, provider)` of each attempt found `queued`: the
+    /// database lost the claim its call was made under.
+    claims_lost: Vec<(AttemptId, Uuid, String)>,
 }
 
 /// Reads the compare-and-swap's rows: each is a won job (its event's columns)
@@ -154,6 +173,13 @@ fn cas_outcomes(rows: Vec<CasRow>, routes: &Routes) -> Result<CasOutcomes> {
         let (Some(attempt), discarded_job) = (row.completed_by, row.discarded_job) else {
             return Err(corrupt("settled row without an attempt"));
         };
+        if row.claim_lost == Some(true) {
+            let job = discarded_job
+                .or(row.job_id.map(|j| j.0))
+                .ok_or_else(|| corrupt("settled row without its job"))?;
+            let provider = row.provider.clone().unwrap_or_default();
+            out.claims_lost.push((attempt, job, provider));
+        }
         if let Some(job) = discarded_job {
             out.discarded.push((attempt, job));
             continue;
@@ -220,6 +246,8 @@ mod tests {
             result: Some(serde_json::json!({"summary": "s"})),
             error: None,
             discarded_job: None,
+            provider: Some("primary".into()),
+            claim_lost: Some(false),
         }
     }
 
@@ -242,11 +270,14 @@ mod tests {
             result: None,
             error: None,
             discarded_job: Some(other_job),
+            provider: Some("primary".into()),
+            claim_lost: Some(false),
         };
         let out = cas_outcomes(vec![won_row(job, winner, 3), discarded], &routes()).unwrap();
         assert_eq!(out.outcomes, vec![(AttemptId(winner), Settled::Won)]);
         assert_eq!(out.won, vec![(job, winner)]);
         assert_eq!(out.discarded, vec![(AttemptId(late), other_job)]);
+        assert!(out.claims_lost.is_empty());
         let event = &out.events[0];
         assert_eq!(
             (event.exchange.as_str(), event.routing_key.as_str()),
@@ -257,6 +288,27 @@ mod tests {
         assert_eq!(event.body["status"], "succeeded");
         assert_eq!(event.body["completed_by"], winner.to_string());
         assert_eq!(event.body["result"]["summary"], "s");
+    }
+
+    #[test]
+    fn a_row_whose_claim_was_lost_is_listed_with_its_provider_won_or_discarded() {
+        let (job, attempt) = (Uuid::now_v7(), Uuid::now_v7());
+        let mut won = won_row(job, attempt, 1);
+        won.claim_lost = Some(true);
+        let (other_job, late) = (Uuid::now_v7(), Uuid::now_v7());
+        let mut discarded = won_row(other_job, late, 1);
+        discarded.job_id = None;
+        discarded.discarded_job = Some(other_job);
+        discarded.claim_lost = Some(true);
+        let out = cas_outcomes(vec![won, discarded], &routes()).unwrap();
+        assert_eq!(out.outcomes, vec![(AttemptId(attempt), Settled::Won)]);
+        assert_eq!(
+            out.claims_lost,
+            vec![
+                (AttemptId(attempt), job, "primary".to_owned()),
+                (AttemptId(late), other_job, "primary".to_owned())
+            ]
+        );
     }
 
     #[test]

@@ -38,7 +38,14 @@ impl Settle<'_> {
                     })
                     .collect();
                 let (outcomes, drafts) = self
-                    .settle_failures(&mut tx, &failures, &[AttemptStatus::Queued], plan, false)
+                    .settle_failures(
+                        &mut tx,
+                        &failures,
+                        &[AttemptStatus::Queued],
+                        plan,
+                        false,
+                        false,
+                    )
                     .await?;
                 let publish = self.0.outbox().insert(&mut tx, &drafts).await?;
                 tx.commit().await?;

@@ -23,6 +23,8 @@ use crate::policy::batch::{
 impl Settle<'_> {
     /// Definite failures: mark the attempts `failed`, then, per job, either create
     /// the next attempt (with its not-before time persisted) or fail the job.
+    /// `called`: these are failures calls reported, so an attempt found
+    /// `queued` was called under a claim the database lost.
     pub(super) async fn settle_failures(
         self,
         tx: &mut PgConnection,
@@ -30,8 +32,9 @@ impl Settle<'_> {
         from: &[AttemptStatus],
         plan: &(dyn Fn(&FailedJob) -> NextStep + Sync),
         immediate: bool,
+        called: bool,
     ) -> Result<(Vec<(AttemptId, Settled)>, Vec<OutboxDraft>)> {
-        let failed = mark_failed(tx, failures, from).await?;
+        let failed = mark_failed(tx, failures, from, called).await?;
         if failed.is_empty() {
             return Ok((Vec::new(), Vec::new()));
         }
@@ -174,26 +177,30 @@ async fn insert_next_attempts(tx: &mut PgConnection, next_attempts: &[NextAttemp
 }
 
 /// Marks the attempts `failed` where their status is one of `from`; returns
-/// those it changed.
+/// those it changed. When `called`, one found `queued` is said and counted as
+/// a claim lost.
 async fn mark_failed(
     tx: &mut PgConnection,
     failures: &[Failure],
     from: &[AttemptStatus],
+    called: bool,
 ) -> Result<Vec<FailedAttempt>> {
     let ids: Vec<Uuid> = failures.iter().map(|f| f.attempt_id.0).collect();
     let errors: Vec<String> = failures.iter().map(|f| f.error.clone()).collect();
     let usages: Vec<Option<Value>> = failures.iter().map(|f| f.usage.clone()).collect();
     let request_ids: Vec<Option<String>> = failures.iter().map(|f| f.request_id.clone()).collect();
-    Ok(sqlx::query_as!(
-        FailedAttempt,
-        r#"UPDATE attempts a
+    let rows = sqlx::query!(
+        r#"WITH prior AS (SELECT id, status FROM attempts WHERE id = ANY($1))
+           UPDATE attempts a
              SET status = 'failed', error = i.error, finished_at = now(),
+                 started_at = COALESCE(a.started_at, now()),
                  usage = COALESCE(i.usage, a.usage),
                  provider_request_id = COALESCE(i.request_id, a.provider_request_id)
              FROM unnest($1::uuid[], $2::text[], $3::jsonb[], $4::text[])
-                  AS i(attempt_id, error, usage, request_id)
-             WHERE a.id = i.attempt_id AND a.status = ANY($5)
-             RETURNING a.id AS attempt_id, a.job_id, a.provider, a.error AS "error!""#,
+                  AS i(attempt_id, error, usage, request_id), prior p
+             WHERE a.id = i.attempt_id AND p.id = a.id AND a.status = ANY($5)
+             RETURNING a.id AS attempt_id, a.job_id, a.provider, a.error AS "error!",
+                       p.status = 'queued' AS "was_queued!""#,
         &ids,
         &errors,
         &usages as &[Option<Value>],
@@ -201,7 +208,27 @@ async fn mark_failed(
         from as &[AttemptStatus],
     )
     .fetch_all(&mut *tx)
-    .await?)
+    .await?;
+    // A call's failure that finds its attempt `queued` was made under a
+    // claim the database has since lost (a failover without synchronous
+    // replication): settled as if the claim had stayed, and said.
+    for lost in rows.iter().filter(|r| called && r.was_queued) {
+        tracing::error!(
+            job_id = %lost.job_id,
+            attempt_id = %lost.attempt_id,
+            "the database lost this attempt's committed claim (a failover without synchronous replication?): its call failed, and the failure is settled as if the claim had stayed"
+        );
+        crate::edges::metrics::claim_lost(&lost.provider);
+    }
+    Ok(rows
+        .into_iter()
+        .map(|r| FailedAttempt {
+            attempt_id: r.attempt_id,
+            job_id: r.job_id,
+            provider: r.provider,
+            error: r.error,
+        })
+        .collect())
 }
 
 /// Locks the jobs (in id order), then reads their attempts in a new statement:

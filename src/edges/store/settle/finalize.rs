@@ -16,6 +16,14 @@ use crate::edges::store::drafts::OutboxMessage;
 use crate::edges::store::error::{Result, StoreError};
 use crate::edges::store::settle::{Failure, Finished, Settled, Verdict};
 
+/// The statuses a call's reported failure settles: `queued` is an attempt
+/// called under a claim the database has since lost.
+const CALLED: &[AttemptStatus] = &[
+    AttemptStatus::Started,
+    AttemptStatus::Unknown,
+    AttemptStatus::Queued,
+];
+
 impl Settle<'_> {
     /// Settles finished attempts in one transaction: successes race through the
     /// compare-and-swap, unknowns block their job, failures plan the next attempt
@@ -119,7 +127,7 @@ impl Settle<'_> {
             })
             .collect();
         if !unknowns.is_empty() {
-            let mut marked = mark_unknown(&mut tx, &unknowns).await?;
+            let mut marked = mark_unknown(&mut tx, &unknowns, true).await?;
             for (id, _) in &unknowns {
                 settled.insert(*id, marked.remove(id).unwrap_or(Settled::Stale));
             }
@@ -132,13 +140,7 @@ impl Settle<'_> {
             .collect();
         if !failures.is_empty() {
             let (outcomes, more) = self
-                .settle_failures(
-                    &mut tx,
-                    &failures,
-                    &[AttemptStatus::Started, AttemptStatus::Unknown],
-                    plan,
-                    false,
-                )
+                .settle_failures(&mut tx, &failures, CALLED, plan, false, true)
                 .await?;
             settled.extend(outcomes);
             drafts.extend(more);

@@ -94,6 +94,7 @@ impl Settle<'_> {
                         ],
                         plan,
                         true,
+                        false,
                     )
                     .await?;
                 let Some((_, settled)) = outcomes.pop() else {

@@ -1,5 +1,6 @@
-//! Timeouts: a still-`started` attempt becomes `unknown` and blocks its job,
-//! or is discarded when its job has ended meanwhile.
+//! Timeouts: a still-`started` attempt (or one whose claim the database lost)
+//! becomes `unknown` and blocks its job, or is discarded when its job has
+//! ended meanwhile.
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -14,22 +15,34 @@ use crate::edges::store::settle::Settled;
 /// unless the job has already ended (another attempt won, or it was cancelled):
 /// then nothing is blocked any more, and the attempt is `discarded` with the
 /// reason, and evidence looks for what its call cost (it may have run, and
-/// been paid for). Attempts are locked first, then their jobs, as everywhere.
+/// been paid for). An attempt found `queued` was called under a claim the
+/// database has since lost (a failover without synchronous replication): its
+/// call may have run all the same, so it is settled as if the claim had
+/// stayed, and said and counted; only when `called` (the timeouts of calls
+/// made, not a sweep's guesses, which a claim handed back may have
+/// overtaken). Attempts are locked first, then their jobs, as everywhere.
 pub(in crate::edges::store) async fn mark_unknown(
     tx: &mut PgConnection,
     unknowns: &[(AttemptId, String)],
+    called: bool,
 ) -> Result<HashMap<AttemptId, Settled>> {
     let ids: Vec<Uuid> = unknowns.iter().map(|u| u.0.0).collect();
-    let locked: Vec<(Uuid, Uuid)> = sqlx::query!(
-        "SELECT id, job_id FROM attempts WHERE id = ANY($1) AND status = 'started'
-         ORDER BY id FOR UPDATE",
-        &ids
+    let rows = sqlx::query!(
+        r#"SELECT id, job_id, provider, status = 'queued' AS "claim_lost!" FROM attempts
+           WHERE id = ANY($1) AND (status = 'started' OR (status = 'queued' AND $2))
+           ORDER BY id FOR UPDATE"#,
+        &ids,
+        called
     )
     .fetch_all(&mut *tx)
-    .await?
-    .into_iter()
-    .map(|r| (r.id, r.job_id))
-    .collect();
+    .await?;
+    let mut locked = Vec::with_capacity(rows.len());
+    for row in rows {
+        if row.claim_lost {
+            claim_lost(row.job_id, row.id, &row.provider);
+        }
+        locked.push((row.id, row.job_id));
+    }
     if locked.is_empty() {
         return Ok(HashMap::new());
     }
@@ -71,10 +84,33 @@ pub(in crate::edges::store) async fn mark_unknown(
             outcomes.insert(attempt, Settled::Unknown);
         }
     }
+    write(tx, &ids, &statuses, &texts).await?;
+    Ok(outcomes)
+}
+
+/// Says and counts a timeout whose attempt was found `queued`.
+fn claim_lost(job: Uuid, attempt: Uuid, provider: &str) {
+    tracing::error!(
+        job_id = %job,
+        attempt_id = %attempt,
+        "the database lost this attempt's committed claim (a failover without synchronous replication?): its call timed out, and may have run, so it is settled as unknown as if the claim had stayed"
+    );
+    crate::edges::metrics::claim_lost(provider);
+}
+
+/// Writes each attempt's status and error, and blocks the jobs of those
+/// `unknown` (a job still `queued` had its claim lost with the attempt's).
+async fn write(
+    tx: &mut PgConnection,
+    ids: &[Uuid],
+    statuses: &[AttemptStatus],
+    texts: &[String],
+) -> Result<()> {
     sqlx::query!(
         "WITH marked AS (
              UPDATE attempts a
              SET status = i.status, error = i.error,
+                 started_at = COALESCE(a.started_at, now()),
                  finished_at = CASE WHEN i.status = 'discarded' THEN now() END,
                  evidence_next_at = CASE WHEN i.status = 'discarded' THEN now() END
              FROM unnest($1::uuid[], $2::text[], $3::text[]) AS i(attempt_id, status, error)
@@ -83,12 +119,12 @@ pub(in crate::edges::store) async fn mark_unknown(
          )
          UPDATE jobs j SET status = 'unknown', updated_at = now()
          FROM (SELECT DISTINCT job_id FROM marked WHERE status = 'unknown') m
-         WHERE j.id = m.job_id AND j.status = 'running'",
-        &ids,
-        &statuses as &[AttemptStatus],
-        &texts,
+         WHERE j.id = m.job_id AND j.status IN ('running', 'queued')",
+        ids,
+        statuses as &[AttemptStatus],
+        texts,
     )
     .execute(&mut *tx)
     .await?;
-    Ok(outcomes)
+    Ok(())
 }
