@@ -425,6 +425,7 @@ fn supervised_worker(
                 .await
             {
                 Ok(ctx) => {
+                    let connection = ctx.connection.clone();
                     let worker = onejob::fleet::run(ctx, vec![], run.clone());
                     tokio::pin!(worker);
                     let ended = tokio::select! {
@@ -434,6 +435,9 @@ fn supervised_worker(
                             worker.await
                         }
                     };
+                    // As the worker's binary does: what it held goes back at
+                    // once, and no consumer of it lives on.
+                    let _ = connection.close(200, "worker stopped".into()).await;
                     if let Err(e) = ended {
                         println!("consumer timeout: the worker stopped: {e}");
                     }

@@ -12,16 +12,19 @@ pub struct Cuttable {
     pub addr: std::net::SocketAddr,
     cut: Arc<std::sync::atomic::AtomicBool>,
     stalled: Arc<std::sync::atomic::AtomicBool>,
+    held: Arc<std::sync::atomic::AtomicUsize>,
     refused: Arc<std::sync::atomic::AtomicUsize>,
     links: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
     accept: tokio::task::JoinHandle<()>,
 }
 
-/// Copies `from` to `to` until either closes, holding each chunk while `stalled`.
+/// Copies `from` to `to` until either closes, holding each chunk while
+/// `stalled` (and counting it in `held` once).
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     stalled: Arc<std::sync::atomic::AtomicBool>,
+    held: Arc<std::sync::atomic::AtomicUsize>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut buf = vec![0u8; 64 * 1024];
@@ -30,6 +33,9 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
+        if stalled.load(std::sync::atomic::Ordering::SeqCst) {
+            held.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
         while stalled.load(std::sync::atomic::Ordering::SeqCst) {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -48,11 +54,13 @@ impl Cuttable {
         let addr = listener.local_addr().expect("addr");
         let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let stalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let held = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let links: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
         let target = target.to_owned();
         let accept = {
             let (cut, stalled, links) = (cut.clone(), stalled.clone(), links.clone());
+            let held = held.clone();
             let refused = refused.clone();
             tokio::spawn(async move {
                 while let Ok((inbound, _)) = listener.accept().await {
@@ -66,12 +74,14 @@ impl Cuttable {
                     };
                     let (in_read, in_write) = inbound.into_split();
                     let (out_read, out_write) = outbound.into_split();
-                    let mut held = links.lock().unwrap();
-                    held.push(
-                        tokio::spawn(pump(in_read, out_write, stalled.clone())).abort_handle(),
+                    let mut open = links.lock().unwrap();
+                    open.push(
+                        tokio::spawn(pump(in_read, out_write, stalled.clone(), held.clone()))
+                            .abort_handle(),
                     );
-                    held.push(
-                        tokio::spawn(pump(out_read, in_write, stalled.clone())).abort_handle(),
+                    open.push(
+                        tokio::spawn(pump(out_read, in_write, stalled.clone(), held.clone()))
+                            .abort_handle(),
                     );
                 }
             })
@@ -80,6 +90,7 @@ impl Cuttable {
             addr,
             cut,
             stalled,
+            held,
             refused,
             links,
             accept,
@@ -90,6 +101,12 @@ impl Cuttable {
     /// client's try to reach the service.
     pub fn refused(&self) -> usize {
         self.refused.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// How many chunks of bytes it has held while stalled so far, either way:
+    /// each one something a peer sent that the other has not had.
+    pub fn held(&self) -> usize {
+        self.held.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Drops every connection through it and refuses new ones.

@@ -14,6 +14,7 @@
 use onejob_test_support as common;
 
 mod broker_faults;
+mod broker_recovery;
 mod dead_letters;
 mod handed_on;
 mod late_outcomes;
