@@ -482,3 +482,35 @@ fn every_console_action_goes_through_acting() {
         bypasses.join("\n")
     );
 }
+
+/// A `channel.open` whose reply never comes would hold its caller for good, a
+/// role neither working nor stopping: the programs open every channel through
+/// `broker::open_channel`, which waits within a time.
+#[test]
+fn every_channel_opens_within_a_time() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut unbounded = Vec::new();
+    for dir in ["src", "core/src", "worker/src", "producer/src"] {
+        for file in rust_files(&root.join(dir)) {
+            if file.ends_with("core/src/broker/channel.rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).expect("read a source file");
+            let code: String = text
+                .lines()
+                .filter(|line| !line.trim_start().starts_with("//"))
+                .collect::<String>()
+                .split_whitespace()
+                .collect();
+            let opened = code.matches(".create_channel(").count();
+            if opened > 0 {
+                unbounded.push(format!("{}: {opened}", file.display()));
+            }
+        }
+    }
+    assert!(
+        unbounded.is_empty(),
+        "channels opened without a time limit (use broker::open_channel):\n{}",
+        unbounded.join("\n")
+    );
+}

@@ -116,7 +116,7 @@ impl Producer {
     pub async fn connect_with(amqp_url: &str, options: ProducerOptions) -> Result<Producer> {
         let connection = broker::connect(amqp_url, broker::Recovery::None).await?;
         broker::declare_topology(&connection, &[], options.delivery_limit).await?;
-        let channel = connection.create_channel().await?;
+        let channel = broker::open_channel(&connection).await?;
         channel
             .confirm_select(lapin::options::ConfirmSelectOptions::default())
             .await?;

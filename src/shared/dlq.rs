@@ -307,7 +307,7 @@ pub async fn visit(
     mut each: impl FnMut(DeadLetter, &Delivery),
 ) -> Result<()> {
     let before = broker::depth(conn, queue).await?;
-    let ch = conn.create_channel().await?;
+    let ch = broker::open_channel(conn).await?;
     for position in 0..limit {
         let Some(got) = ch
             .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
@@ -376,7 +376,7 @@ pub async fn replay(
 ) -> Result<()> {
     let before = broker::depth(conn, queue).await?;
     let mut publisher = Publisher::open(conn).await?;
-    let ch = conn.create_channel().await?;
+    let ch = broker::open_channel(conn).await?;
     let mut replayed = 0u32;
     let result = async {
         for position in 0..usize::try_from(before).unwrap_or(usize::MAX) {
@@ -497,7 +497,7 @@ fn clean_headers(properties: &BasicProperties) -> FieldTable {
 
 /// Removes every message of a dead-letter queue; returns how many.
 pub async fn purge(conn: &Connection, queue: &str) -> Result<u32> {
-    let ch = conn.create_channel().await?;
+    let ch = broker::open_channel(conn).await?;
     let n = ch
         .queue_purge(short(queue)?, QueuePurgeOptions::default())
         .await?;

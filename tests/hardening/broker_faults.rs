@@ -1,5 +1,6 @@
 //! The broker's faults: queues declared the old way, a publishing channel the
-//! broker closes, a connection gone for good, a confirm that never comes.
+//! broker closes, a connection gone for good, a confirm that never comes, a
+//! channel that never opens.
 
 use std::time::Duration;
 
@@ -232,15 +233,7 @@ async fn losing_the_broker_for_good_stops_every_role() {
 /// open, nothing moves) is reported as what it is, not as a refusal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_missing_confirm_is_a_timeout_not_a_nack() {
-    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
-    let env = TestEnv::new(&config).await;
-    let path = common::Cuttable::to("127.0.0.1:5672").await;
-    let url = env
-        .amqp_url
-        .replace("127.0.0.1:5672", &path.addr.to_string());
-    let conn = onejob::broker::connect(&url, onejob::broker::Recovery::None)
-        .await
-        .unwrap();
+    let (_env, path, conn) = through_a_path().await;
     let publisher = onejob::broker::Publisher::open(&conn)
         .await
         .unwrap()
@@ -262,4 +255,58 @@ async fn a_missing_confirm_is_a_timeout_not_a_nack() {
         "{error}"
     );
     path.restore();
+}
+
+/// A channel whose opening the broker never answers (a hung path: the
+/// connection stays open, nothing moves) is a timeout counted as the broker
+/// being unavailable, not a wait for good; once the path moves again, channels
+/// open on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_channel_that_never_opens_is_a_timeout() {
+    let (_env, path, conn) = through_a_path().await;
+    path.stall();
+    let error = onejob::broker::open_channel_within(&conn, Duration::from_millis(500))
+        .await
+        .expect_err("no channel can open through a stalled path");
+    assert_eq!(
+        error.to_string(),
+        "RabbitMQ did not open a channel within 500ms"
+    );
+    assert!(onejob::shared::runtime::WorkerError::from(error).is_unavailable());
+    path.restore();
+    wait_for(
+        "a channel to open once the path moves again",
+        Duration::from_secs(20),
+        || async {
+            onejob::broker::open_channel_within(&conn, Duration::from_secs(2))
+                .await
+                .ok()
+                .map(|_| ())
+        },
+    )
+    .await;
+    let _ = conn.close(200, "done".into()).await;
+}
+
+/// A vhost of the test's own, a TCP path to the local broker that the test
+/// can stall and cut, and a connection to the vhost through it that does not
+/// recover.
+async fn through_a_path() -> (TestEnv, common::Cuttable, lapin::Connection) {
+    let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
+    let env = TestEnv::new(&config).await;
+    let (path, url) = broker_path(&env).await;
+    let conn = onejob::broker::connect(&url, onejob::broker::Recovery::None)
+        .await
+        .unwrap();
+    (env, path, conn)
+}
+
+/// A TCP path to the local broker that a test can stall and cut, and the
+/// AMQP URL of `env`'s vhost through it.
+pub(super) async fn broker_path(env: &TestEnv) -> (common::Cuttable, String) {
+    let path = common::Cuttable::to("127.0.0.1:5672").await;
+    let url = env
+        .amqp_url
+        .replace("127.0.0.1:5672", &path.addr.to_string());
+    (path, url)
 }

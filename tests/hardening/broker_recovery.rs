@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::common::{self, TestEnv, config, config_text, wait_for};
+use crate::common::{TestEnv, config, config_text, wait_for};
 
 /// How many times the connection is lost with a channel being opened.
 const ROUNDS: usize = 20;
@@ -49,10 +49,7 @@ async fn lose_the_connection_while_opening() {
     onejob::edges::telemetry::init_quiet();
     let (config, _file) = config(&config_text("http://127.0.0.1:9/v1", None, ""));
     let env = TestEnv::new(&config).await;
-    let path = common::Cuttable::to("127.0.0.1:5672").await;
-    let url = env
-        .amqp_url
-        .replace("127.0.0.1:5672", &path.addr.to_string());
+    let (path, url) = super::broker_faults::broker_path(&env).await;
     for round in 0..ROUNDS {
         let conn = Arc::new(
             onejob::broker::connect(&url, onejob::broker::Recovery::Auto)

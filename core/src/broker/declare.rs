@@ -22,7 +22,7 @@ pub async fn declare_topology(
     providers: &[String],
     delivery_limit: u32,
 ) -> Result<()> {
-    let ch = conn.create_channel().await?;
+    let ch = super::open_channel(conn).await?;
     let durable = ExchangeDeclareOptions {
         durable: true,
         ..ExchangeDeclareOptions::default()
@@ -89,7 +89,7 @@ pub(super) async fn inspect(ch: &Channel, queue: &str) -> Result<lapin::Queue> {
 
 /// The number of ready messages in `queue`, looked at on a channel of its own.
 pub async fn depth(conn: &Connection, queue: &str) -> Result<u32> {
-    let ch = conn.create_channel().await?;
+    let ch = super::open_channel(conn).await?;
     let q = inspect(&ch, queue).await?;
     let _ = ch.close(200, "counted".into()).await;
     Ok(q.message_count())

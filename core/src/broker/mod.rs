@@ -11,12 +11,14 @@
 //! | `upgrade` | `onejob queues upgrade`: work queues brought to this version's arguments |
 //! | `nodes` | the node list an `AMQP_URL` names, and which node is tried first |
 //! | `connect` | connecting to the first node that answers, and recovery |
+//! | `channel` | opening a channel within a time |
 //! | `publish` | publishing with confirms |
 //! | `headers` | reading headers, and escaping text from outside |
 //! | `redact` | URLs for logs and errors, their passwords masked |
 
 use std::time::Duration;
 
+mod channel;
 mod connect;
 mod declare;
 mod headers;
@@ -26,6 +28,7 @@ mod redact;
 mod topology;
 mod upgrade;
 
+pub use channel::{OPEN_TIMEOUT, open_channel, open_channel_within};
 pub use connect::{Recovery, connect};
 pub use declare::{declare_topology, depth};
 pub use headers::{escape_controls, header_count, header_str};
@@ -88,6 +91,9 @@ pub enum BrokerError {
         /// How long it waited.
         timeout: Duration,
     },
+    /// The broker did not open a channel in time ([`OPEN_TIMEOUT`]).
+    #[error("RabbitMQ did not open a channel within {0:?}")]
+    ChannelOpenTimeout(Duration),
     /// A mandatory message had no queue to go to.
     #[error("unroutable: no queue is bound to {exchange:?} with key {routing_key:?} ({reply})")]
     Unroutable {

@@ -29,7 +29,7 @@ pub struct Publisher {
 }
 
 async fn confirm_channel(conn: &Connection) -> Result<Channel> {
-    let channel = conn.create_channel().await?;
+    let channel = super::open_channel(conn).await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await?;

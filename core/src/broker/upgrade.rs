@@ -69,7 +69,7 @@ async fn upgrade_queue(
         consumers: q.consumer_count(),
     };
     // Each step on a channel of its own: a 406 closes the channel it hit.
-    let ch = conn.create_channel().await?;
+    let ch = super::open_channel(conn).await?;
     match ch.queue_declare(short(queue)?, queue_opts, args()).await {
         Ok(_) => {
             let _ = ch.close(200, "checked".into()).await;
@@ -78,7 +78,7 @@ async fn upgrade_queue(
         Err(e) if precondition_failed(&e) => {}
         Err(e) => return Err(e.into()),
     }
-    let ch = conn.create_channel().await?;
+    let ch = super::open_channel(conn).await?;
     let existing = inspect(&ch, queue).await?;
     if existing.message_count() > 0 || existing.consumer_count() > 0 {
         let _ = ch.close(200, "checked".into()).await;

@@ -153,7 +153,7 @@ async fn open_consumer(
     prefetch: u16,
 ) -> Result<(lapin::Channel, lapin::Consumer)> {
     use lapin::options::{BasicConsumeOptions, BasicQosOptions};
-    let channel = ctx.connection.create_channel().await?;
+    let channel = broker::open_channel(&ctx.connection).await?;
     channel
         .basic_qos(prefetch, BasicQosOptions::default())
         .await?;

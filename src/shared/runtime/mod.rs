@@ -284,7 +284,9 @@ impl WorkerError {
             WorkerError::Store(e) => e.is_unavailable(),
             WorkerError::Amqp(e) | WorkerError::Broker(BrokerError::Amqp(e)) => amqp(e),
             WorkerError::Broker(
-                BrokerError::ConfirmTimeout { .. } | BrokerError::NoConnection(_),
+                BrokerError::ConfirmTimeout { .. }
+                | BrokerError::NoConnection(_)
+                | BrokerError::ChannelOpenTimeout(_),
             ) => true,
             _ => false,
         }
