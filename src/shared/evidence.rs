@@ -416,6 +416,7 @@ fn failed(unknown: &EvidenceDue, error: String) -> Finished {
             retryable: true,
             retry_after: None,
         },
+        asked: None,
     }
 }
 

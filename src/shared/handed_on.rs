@@ -77,6 +77,8 @@ impl Settlement {
             provider_request_id: self.request_id.clone(),
             usage: self.usage.clone(),
             verdict: self.verdict.clone(),
+            // Kept only on the attempt that holds its claim: never a lost one.
+            asked: None,
         }
     }
 }

@@ -226,6 +226,7 @@ pub async fn unknown_job(store: &Store, key: &str) -> (JobId, Started) {
         verdict: Verdict::Unknown {
             error: "outcome_unknown: timed out after the request was sent".into(),
         },
+        asked: None,
     };
     store
         .settle()

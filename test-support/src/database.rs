@@ -75,6 +75,7 @@ pub fn success(s: &Started) -> Finished {
         provider_request_id: Some(format!("req-{}", s.attempt_id)),
         usage: Some(json!({"total_tokens": 10})),
         verdict: Verdict::Succeeded(json!({ "summary": s.attempt_id.to_string() })),
+        asked: None,
     }
 }
 
@@ -87,6 +88,7 @@ pub fn finished(s: &Started, verdict: Verdict) -> Finished {
         provider_request_id: None,
         usage: None,
         verdict,
+        asked: None,
     }
 }
 

@@ -62,6 +62,7 @@ fn finished(s: &Started, verdict: Verdict) -> Finished {
         provider_request_id: Some(format!("req-{}", s.attempt_id)),
         usage: Some(json!({"total_tokens": 10})),
         verdict,
+        asked: None,
     }
 }
 

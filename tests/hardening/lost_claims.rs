@@ -2,7 +2,8 @@
 //! started` is gone when its answer comes (a failover under asynchronous
 //! replication loses the last commits; so does a restore). Simulated here by
 //! putting the attempt and its job back as they were before the claim while
-//! the call is at the provider. (A real loss brings back its turn row too;
+//! the call is at the provider (its record of the evidence the call asked for
+//! too). (A real loss brings back its turn row too;
 //! here the attempt has none, as a claim handed back at a stop leaves it: the
 //! lost-message pass finds both.)
 
@@ -24,7 +25,7 @@ use crate::common::{
 /// `stuck_after` has passed, finds nothing to call. One call, one answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_settlement_that_finds_its_claim_lost_says_so_and_keeps_the_paid_answer() {
-    let site = Site::start("5s").await;
+    let site = Site::start("timeout = \"5s\"", MockOptions::default()).await;
     let lost = site.lose_a_claim("lc-1", "slow mock:delay=1500").await;
 
     let job = wait_for_status(&site.env, lost.job_id, JobStatus::Succeeded).await;
@@ -44,7 +45,7 @@ async fn a_settlement_that_finds_its_claim_lost_says_so_and_keeps_the_paid_answe
 /// Said and counted as the answer's case is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_timeout_under_a_lost_claim_is_unknown_and_not_called_again() {
-    let site = Site::start("2s").await;
+    let site = Site::start("timeout = \"2s\"", MockOptions::default()).await;
     let lost = site.lose_a_claim("lc-2", "slow mock:delay=4000").await;
 
     wait_for_status(&site.env, lost.job_id, JobStatus::Unknown).await;
@@ -67,13 +68,47 @@ async fn a_timeout_under_a_lost_claim_is_unknown_and_not_called_again() {
     site.stop().await;
 }
 
+/// A timeout under a lost claim whose provider keeps its completions: the
+/// claim's record of the evidence its call asked for was lost with the claim,
+/// and the timeout records it again, so the evidence pass settles the unknown
+/// from the completion the provider kept: no operator, no second call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_timeout_under_a_lost_claim_is_settled_from_the_providers_evidence() {
+    let stores = MockOptions {
+        store: true,
+        ..MockOptions::default()
+    };
+    let provider = "timeout = \"2s\"\nevidence = \"stored\"\nevidence_delay = \"1s\"";
+    let site = Site::start(provider, stores).await;
+    let lost = site.lose_a_claim("lc-4", "slow mock:delay=4000").await;
+
+    let job = wait_for_status(&site.env, lost.job_id, JobStatus::Succeeded).await;
+    assert_eq!(job.attempts.len(), 1, "no second attempt: {job:?}");
+    let (status, usage, _) = site.attempt(lost.attempt).await;
+    assert_eq!(
+        status,
+        AttemptStatus::Succeeded,
+        "settled from the evidence"
+    );
+    assert!(usage.is_some(), "its usage is on the attempt");
+    let asked: Option<String> = sqlx::query_scalar("SELECT evidence FROM attempts WHERE id = $1")
+        .bind(lost.attempt)
+        .fetch_one(site.env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(asked.as_deref(), Some("stored"));
+    site.called_once_past_stuck_after(&lost).await;
+    assert_eq!(site.provider.stats.work(), 1, "the provider ran it once");
+    site.stop().await;
+}
+
 /// A definite failure under a lost claim is the call's outcome too: the
 /// attempt fails and the job goes on to its retries, each a new attempt,
 /// rather than the attempt being called a second time once `stuck_after`
 /// has passed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failure_under_a_lost_claim_is_settled_and_not_called_again() {
-    let site = Site::start("5s").await;
+    let site = Site::start("timeout = \"5s\"", MockOptions::default()).await;
     let lost = site
         .lose_a_claim("lc-3", "slow mock:delay=1500 mock:status=401")
         .await;
@@ -108,17 +143,11 @@ struct Lost {
 }
 
 impl Site {
-    async fn start(timeout: &str) -> Site {
-        let provider = mock(MockOptions::default()).await;
-        let text = config_for(
-            &[P(
-                "primary",
-                &provider.base_url(),
-                &format!("timeout = \"{timeout}\""),
-            )],
-            "",
-        )
-        .replace("[worker]\n", "[worker]\nstuck_after = \"3s\"\n");
+    /// `settings`: the provider's lines in the configuration.
+    async fn start(settings: &str, options: MockOptions) -> Site {
+        let provider = mock(options).await;
+        let text = config_for(&[P("primary", &provider.base_url(), settings)], "")
+            .replace("[worker]\n", "[worker]\nstuck_after = \"3s\"\n");
         let (cfg, _file) = config(&text);
         let env = TestEnv::new(&cfg).await;
         let fleet = env.fleet(cfg.clone(), vec![]).await;
@@ -147,7 +176,7 @@ impl Site {
         .await;
         sqlx::query(
             "WITH a AS (UPDATE attempts SET status = 'queued', claim = NULL, started_at = NULL,
-                        deadline_at = NULL WHERE id = $1 RETURNING job_id)
+                        deadline_at = NULL, evidence = NULL WHERE id = $1 RETURNING job_id)
              UPDATE jobs SET status = 'queued' FROM a WHERE jobs.id = a.job_id",
         )
         .bind(attempt)

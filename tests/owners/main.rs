@@ -65,6 +65,7 @@ async fn spend(store: &Store, owner: &str, key: &str, tokens: i64) -> JobId {
             json!({ "prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens }),
         ),
         verdict: Verdict::Succeeded(json!({ "summary": key })),
+        asked: None,
     };
     common::settle_with(store, &[finished], &common::give_up).await;
     job_id

@@ -210,6 +210,7 @@ async fn every_ending_replaces_or_releases_the_reservation() {
         provider_request_id: None,
         usage: Some(json!({ "total_tokens": 7 })),
         verdict: Verdict::Succeeded(json!({ "summary": "x" })),
+        asked: None,
     };
     common::settle_with(store, &[finished], &common::give_up).await;
     let view = store.owners().owner(owner).await.unwrap();
@@ -262,6 +263,7 @@ async fn an_unknown_keeps_its_reservation_until_resolved(
         verdict: Verdict::Unknown {
             error: "outcome_unknown: timed out".into(),
         },
+        asked: None,
     };
     store
         .settle()

@@ -165,6 +165,8 @@ impl Kept<'_> {
                     provider_request_id: kept.request_id,
                     usage: kept.usage,
                     verdict: kept.verdict,
+                    // Kept only on the attempt that holds its claim.
+                    asked: None,
                 }),
                 Err(e) => {
                     tracing::error!(attempt_id = %r.attempt_id, error = %e, "a kept answer cannot be read; the attempt waits for an operator");

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use super::settle::{mark_unknown, take_rows};
+use super::settle::{Timeout, mark_unknown, take_rows};
 use crate::domain::{AttemptId, JobId, JobStatus};
 use crate::edges::store::HedgeCandidate;
 use crate::edges::store::drafts::OutboxMessage;
@@ -176,10 +176,14 @@ impl Sweeps<'_> {
         // Decided as for any timeout: under the attempts' and jobs' locks, so a
         // job that ended meanwhile gets a discarded attempt, never an unknown one.
         let error = "worker_vanished: no outcome by the deadline plus the grace period";
-        let unknowns: Vec<(AttemptId, String)> = vanished
+        let unknowns: Vec<Timeout> = vanished
             .iter()
             .filter(|(id, _)| !held.contains(id))
-            .map(|(id, _)| (*id, error.to_owned()))
+            .map(|(id, _)| Timeout {
+                attempt_id: *id,
+                error: error.to_owned(),
+                asked: None,
+            })
             .collect();
         let marked = mark_unknown(&mut tx, &unknowns, false).await?;
         tx.commit().await?;

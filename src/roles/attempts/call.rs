@@ -24,6 +24,7 @@ pub(crate) async fn call(
         verdict: Verdict::Unknown {
             error: String::new(),
         },
+        asked: Some(client.provider().evidence.kind),
     };
     let Some(operation) = config.operations.get(&started.operation) else {
         finished.verdict = Verdict::Failed {

@@ -10,7 +10,7 @@ use serde_json::Value;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::unknown::mark_unknown;
+use super::unknown::{Timeout, mark_unknown};
 use crate::domain::{AttemptId, AttemptStatus, JobId};
 use crate::edges::store::drafts::OutboxMessage;
 use crate::edges::store::error::{Result, StoreError};
@@ -119,16 +119,20 @@ impl Settle<'_> {
             won = successes.won;
         }
 
-        let unknowns: Vec<(AttemptId, String)> = finished
+        let unknowns: Vec<Timeout> = finished
             .iter()
             .filter_map(|f| match &f.verdict {
-                Verdict::Unknown { error } => Some((f.attempt_id, error.clone())),
+                Verdict::Unknown { error } => Some(Timeout {
+                    attempt_id: f.attempt_id,
+                    error: error.clone(),
+                    asked: f.asked,
+                }),
                 _ => None,
             })
             .collect();
         if !unknowns.is_empty() {
             let mut marked = mark_unknown(&mut tx, &unknowns, true).await?;
-            for (id, _) in &unknowns {
+            for Timeout { attempt_id: id, .. } in &unknowns {
                 settled.insert(*id, marked.remove(id).unwrap_or(Settled::Stale));
             }
         }

@@ -22,6 +22,7 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use crate::domain::{AttemptId, JobId};
+use crate::settings::config::EvidenceKind;
 
 mod claim;
 mod compare_and_swap;
@@ -32,7 +33,7 @@ mod resolve;
 mod unknown;
 
 pub(super) use finalize::take_rows;
-pub(super) use unknown::mark_unknown;
+pub(super) use unknown::{Timeout, mark_unknown};
 
 /// An attempt this worker has just moved `queued → started`.
 #[derive(Clone, Debug)]
@@ -93,6 +94,11 @@ pub struct Finished {
     pub usage: Option<Value>,
     /// The outcome.
     pub verdict: Verdict,
+    /// The evidence its call asked the provider for, where the settler made
+    /// the call. The claim recorded it on the attempt; a timeout that finds
+    /// its claim lost (and the record with it) records it again, so that
+    /// evidence, not only an operator, can settle that unknown.
+    pub asked: Option<EvidenceKind>,
 }
 
 #[cfg(test)]
@@ -109,6 +115,7 @@ impl Finished {
             verdict: Verdict::Unknown {
                 error: String::new(),
             },
+            asked: None,
         }
     }
 }

@@ -10,6 +10,17 @@ use uuid::Uuid;
 use crate::domain::{AttemptId, AttemptStatus, JobStatus};
 use crate::edges::store::error::{Result, corrupt};
 use crate::edges::store::settle::Settled;
+use crate::settings::config::EvidenceKind;
+
+/// An attempt whose outcome is not known by its deadline.
+pub(in crate::edges::store) struct Timeout {
+    /// The attempt.
+    pub attempt_id: AttemptId,
+    /// Why its outcome is not known.
+    pub error: String,
+    /// The evidence its call asked for, where the settler made the call.
+    pub asked: Option<EvidenceKind>,
+}
 
 /// Timeouts: each still-`started` attempt becomes `unknown` and blocks its job,
 /// unless the job has already ended (another attempt won, or it was cancelled):
@@ -20,13 +31,15 @@ use crate::edges::store::settle::Settled;
 /// call may have run all the same, so it is settled as if the claim had
 /// stayed, and said and counted; only when `called` (the timeouts of calls
 /// made, not a sweep's guesses, which a claim handed back may have
-/// overtaken). Attempts are locked first, then their jobs, as everywhere.
+/// overtaken). Its record of the evidence the call asked for was lost with
+/// the claim: the timeout's own ([`Timeout::asked`]) is recorded instead.
+/// Attempts are locked first, then their jobs, as everywhere.
 pub(in crate::edges::store) async fn mark_unknown(
     tx: &mut PgConnection,
-    unknowns: &[(AttemptId, String)],
+    unknowns: &[Timeout],
     called: bool,
 ) -> Result<HashMap<AttemptId, Settled>> {
-    let ids: Vec<Uuid> = unknowns.iter().map(|u| u.0.0).collect();
+    let ids: Vec<Uuid> = unknowns.iter().map(|u| u.attempt_id.0).collect();
     let rows = sqlx::query!(
         r#"SELECT id, job_id, provider, status = 'queued' AS "claim_lost!" FROM attempts
            WHERE id = ANY($1) AND (status = 'started' OR (status = 'queued' AND $2))
@@ -37,9 +50,11 @@ pub(in crate::edges::store) async fn mark_unknown(
     .fetch_all(&mut *tx)
     .await?;
     let mut locked = Vec::with_capacity(rows.len());
+    let mut lost = BTreeSet::new();
     for row in rows {
         if row.claim_lost {
             claim_lost(row.job_id, row.id, &row.provider);
+            lost.insert(row.id);
         }
         locked.push((row.id, row.job_id));
     }
@@ -63,29 +78,46 @@ pub(in crate::edges::store) async fn mark_unknown(
     .into_iter()
     .map(|r| (r.id, (r.status, r.completed_by)))
     .collect();
-    let errors: HashMap<AttemptId, &str> =
-        unknowns.iter().map(|(id, e)| (*id, e.as_str())).collect();
+    let timeouts: HashMap<AttemptId, &Timeout> =
+        unknowns.iter().map(|t| (t.attempt_id, t)).collect();
     let mut outcomes = HashMap::new();
-    let (mut ids, mut statuses, mut texts) = (Vec::new(), Vec::new(), Vec::new());
+    let mut marks = Marks::default();
     for (attempt, job) in &locked {
-        let attempt = AttemptId(*attempt);
-        let error = errors.get(&attempt).copied().unwrap_or_default();
+        let timeout = timeouts.get(&AttemptId(*attempt));
+        let error = timeout.map_or("", |t| t.error.as_str());
         let (status, winner) = jobs
             .get(job)
             .ok_or_else(|| corrupt(format!("attempt {attempt} has no job {job}")))?;
-        ids.push(attempt.0);
-        if status.is_terminal() {
-            statuses.push(AttemptStatus::Discarded);
-            texts.push(format!("discarded: {error} (after its job had ended)"));
-            outcomes.insert(attempt, Settled::Discarded { winner: *winner });
+        let asked = timeout
+            .and_then(|t| t.asked)
+            .filter(|_| lost.contains(attempt));
+        let (settled, text) = if status.is_terminal() {
+            let text = format!("discarded: {error} (after its job had ended)");
+            (Settled::Discarded { winner: *winner }, text)
         } else {
-            statuses.push(AttemptStatus::Unknown);
-            texts.push(error.to_owned());
-            outcomes.insert(attempt, Settled::Unknown);
-        }
+            (Settled::Unknown, error.to_owned())
+        };
+        marks.ids.push(*attempt);
+        marks.statuses.push(match settled {
+            Settled::Unknown => AttemptStatus::Unknown,
+            _ => AttemptStatus::Discarded,
+        });
+        marks.texts.push(text);
+        marks.asked.push(asked.map(|kind| kind.as_str().to_owned()));
+        outcomes.insert(AttemptId(*attempt), settled);
     }
-    write(tx, &ids, &statuses, &texts).await?;
+    write(tx, &marks).await?;
     Ok(outcomes)
+}
+
+/// What [`write`] writes, an array a column.
+#[derive(Default)]
+struct Marks {
+    ids: Vec<Uuid>,
+    statuses: Vec<AttemptStatus>,
+    texts: Vec<String>,
+    /// The evidence a call under a lost claim asked for; `None` elsewhere.
+    asked: Vec<Option<String>>,
 }
 
 /// Says and counts a timeout whose attempt was found `queued`.
@@ -98,31 +130,30 @@ fn claim_lost(job: Uuid, attempt: Uuid, provider: &str) {
     crate::edges::metrics::claim_lost(provider);
 }
 
-/// Writes each attempt's status and error, and blocks the jobs of those
-/// `unknown` (a job still `queued` had its claim lost with the attempt's).
-async fn write(
-    tx: &mut PgConnection,
-    ids: &[Uuid],
-    statuses: &[AttemptStatus],
-    texts: &[String],
-) -> Result<()> {
+/// Writes each attempt's status and error (and, under a lost claim, the
+/// evidence its call asked for), and blocks the jobs of those `unknown` (a
+/// job still `queued` had its claim lost with the attempt's).
+async fn write(tx: &mut PgConnection, marks: &Marks) -> Result<()> {
     sqlx::query!(
         "WITH marked AS (
              UPDATE attempts a
              SET status = i.status, error = i.error,
                  started_at = COALESCE(a.started_at, now()),
                  finished_at = CASE WHEN i.status = 'discarded' THEN now() END,
-                 evidence_next_at = CASE WHEN i.status = 'discarded' THEN now() END
-             FROM unnest($1::uuid[], $2::text[], $3::text[]) AS i(attempt_id, status, error)
+                 evidence_next_at = CASE WHEN i.status = 'discarded' THEN now() END,
+                 evidence = COALESCE(a.evidence, i.asked)
+             FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[])
+                  AS i(attempt_id, status, error, asked)
              WHERE a.id = i.attempt_id
              RETURNING a.job_id, a.status
          )
          UPDATE jobs j SET status = 'unknown', updated_at = now()
          FROM (SELECT DISTINCT job_id FROM marked WHERE status = 'unknown') m
          WHERE j.id = m.job_id AND j.status IN ('running', 'queued')",
-        ids,
-        statuses as &[AttemptStatus],
-        texts,
+        &marks.ids,
+        &marks.statuses as &[AttemptStatus],
+        &marks.texts,
+        &marks.asked as &[Option<String>],
     )
     .execute(&mut *tx)
     .await?;
